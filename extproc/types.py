@@ -1,0 +1,60 @@
+"""Values shared by every layer: pods and their load snapshot.
+
+Values that cross modules are frozen, slotted dataclasses; background tasks publish new
+ones by rebinding a snapshot, so the request path reads them without locks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import NamedTuple
+
+
+class PodId(NamedTuple):
+    namespace: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+class PodRole(str, Enum):
+    """Prefill/decode disaggregation role; ``BOTH`` is an ordinary pod."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+
+@dataclass(frozen=True, slots=True)
+class PodMetrics:
+    """Load as last scraped from the pod's /metrics (all zero until scraped)."""
+
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0  # 0.0-1.0
+    ttft_s: float | None = None  # recent mean time to first token, None without data
+    itl_s: float | None = None  # recent mean inter-token latency, None without data
+
+
+@dataclass(frozen=True, slots=True)
+class Pod:
+    """One inference server as the scheduler sees it."""
+
+    id: PodId
+    address: str  # "ip:port", exactly what Envoy's override_host receives
+    models: frozenset[str] = frozenset()
+    labels: tuple[tuple[str, str], ...] = ()
+    role: PodRole = PodRole.BOTH
+    ready: bool = True
+    metrics: PodMetrics = field(default_factory=PodMetrics)
+
+    def label(self, key: str) -> str | None:
+        for k, v in self.labels:
+            if k == key:
+                return v
+        return None
+
+    def serves(self, model: str) -> bool:
+        return model in self.models
