@@ -1,0 +1,9 @@
+"""Prefix matching: prompt -> chained block hashes (``hashing``) -> per-pod LRU index (``index``).
+
+``hash_prompt`` is the public, Kthena-compatible hash function for tools and checks.
+"""
+
+from extproc.prefix.hashing import BlockHash, hash_prompt
+from extproc.prefix.index import PrefixIndex
+
+__all__ = ["BlockHash", "PrefixIndex", "hash_prompt"]

@@ -1,0 +1,44 @@
+"""``extproc hash``: print a request's prompt block hashes, for compatibility checks.
+
+Reads an OpenAI-style JSON body (a file or ``-`` for stdin), renders it as the router
+does and prints one unsigned decimal hash per line, so the output can be compared with
+another router's for the same request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from extproc.errors import BadRequest
+from extproc.prefix.hashing import hash_prompt
+from extproc.request import Api, parse_request
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "hash", help="print the prefix-cache block hashes of a request body"
+    )
+    p.add_argument("body", help="JSON request body file, or - for standard input")
+    p.add_argument(
+        "--api",
+        choices=[a.value for a in Api],
+        default=Api.CHAT_COMPLETIONS.value,
+        help="the endpoint the body is for (default: %(default)s)",
+    )
+    p.add_argument("--block-size", type=int, default=64, help="blockSizeToHash (default 64)")
+    p.add_argument("--max-blocks", type=int, default=128, help="maxBlocksToMatch (default 128)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    body = sys.stdin.buffer.read() if args.body == "-" else open(args.body, "rb").read()
+    try:
+        req = parse_request(args.api, body)
+    except BadRequest as exc:
+        print(f"extproc hash: {exc.message}", file=sys.stderr)
+        return 2
+    for h in hash_prompt(req.model, req.prompt, args.block_size, args.max_blocks, req.cache_salt):
+        print(h)
+    return 0

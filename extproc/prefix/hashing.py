@@ -1,0 +1,73 @@
+"""Prompt -> chained block hashes, byte-compatible with Kthena's router.
+
+The prompt's UTF-8 bytes are cut into ``block_size``-byte blocks (the last may be
+shorter; a multi-byte character may be split), at most ``max_blocks`` of them, and
+chained with XXH64, seed 0::
+
+    h0 = XXH64(model)
+    h[i] = XXH64(decimal(h[i-1]) + block[i])     # the unsigned decimal text, then the bytes
+
+``cache_salt`` isolates tenants the way vLLM does (``vllm-prefix-caching.txt``): it is
+folded into the start of the chain, so every hash of a salted prompt differs from every
+hash of an unsalted one or one with another salt. The salted start is hashed with a
+different XXH64 seed than the chain, so no unsalted prompt can be crafted to reproduce a
+salted chain. A request without a salt hashes exactly as Kthena's router does.
+"""
+
+from __future__ import annotations
+
+from typing import NewType
+
+import xxhash
+
+BlockHash = NewType("BlockHash", int)  # an unsigned 64-bit XXH64 digest
+
+# Seed for the salted chain start only; any value but 0 (the chain's seed) would do.
+SALT_SEED = 0x5A17_CAC4E_5A17 & 0xFFFF_FFFF_FFFF_FFFF
+
+_xxh64 = xxhash.xxh64_intdigest
+
+
+def chain_start(model: str, salt: str | None = None) -> int:
+    """The chain's parent for block 1: XXH64(model), salted when a salt is given."""
+    start = _xxh64(model.encode())
+    if salt is None:
+        return start
+    return _xxh64(b"%d\x00cache_salt=%s" % (start, salt.encode()), SALT_SEED)
+
+
+def hash_blocks(start: int, data: bytes, block_size: int, max_blocks: int) -> list[BlockHash]:
+    """Chain ``data``'s blocks from ``start``; see the module docstring for the rule."""
+    prev = start
+    out: list[int] = []
+    append = out.append
+    end = min(len(data), block_size * max_blocks)
+    for offset in range(0, end, block_size):
+        prev = _xxh64(b"%d" % prev + data[offset : offset + block_size])
+        append(prev)
+    return out  # type: ignore[return-value]  # BlockHash is int at run time
+
+
+def hash_prompt(
+    model: str,
+    prompt: str,
+    block_size: int = 64,
+    max_blocks: int = 128,
+    salt: str | None = None,
+) -> list[BlockHash]:
+    """The prompt's block hashes as Kthena's router computes them (salt: see module doc).
+
+    Args:
+        model: the model name; the chain starts at its hash, so models never share.
+        prompt: the rendered prompt (``extproc.request``).
+        block_size: bytes per block (``blockSizeToHash``).
+        max_blocks: blocks hashed at most (``maxBlocksToMatch``); later text is ignored.
+        salt: the request's ``cache_salt``, if any.
+
+    Returns:
+        One hash per block, in prompt order; empty for an empty prompt.
+    """
+    if block_size <= 0 or max_blocks <= 0:
+        raise ValueError(f"block_size and max_blocks must be > 0, got {block_size}, {max_blocks}")
+    data = prompt.encode()[: block_size * max_blocks]
+    return hash_blocks(chain_start(model, salt), data, block_size, max_blocks)

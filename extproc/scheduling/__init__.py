@@ -1,0 +1,1 @@
+"""Scheduling: filters and weighted score plugins rank the pods for one request."""

@@ -1,0 +1,53 @@
+"""Plugin arguments from the configuration's ``pluginConfig[].args``, Kthena's way.
+
+* A misspelled (unknown) key is ignored, so its default is used.
+* An omitted, zero or negative number uses the default.
+* An args block that cannot be parsed (not a mapping, or a value of the wrong type such
+  as a string) falls back to all defaults and logs
+  ``Failed to unmarshal <ArgsType>, using default values``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, TypeVar
+
+log = logging.getLogger("extproc.config")
+
+T = TypeVar("T")
+
+
+class _Unparseable(Exception):
+    pass
+
+
+def load_args(args_type: type[T], raw: Any) -> T:
+    """Build ``args_type`` (a dataclass of int/float fields with defaults) from ``raw``."""
+    try:
+        values = _parse(args_type, raw)
+    except _Unparseable:
+        log.warning("Failed to unmarshal %s, using default values", args_type.__name__)
+        return args_type()
+    return args_type(**values)
+
+
+def _parse(args_type: type[Any], raw: Any) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise _Unparseable
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(args_type):
+        if f.name not in raw:
+            continue
+        value = raw[f.name]
+        if value is None:
+            continue  # a YAML null is Go's zero value: the default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _Unparseable
+        if f.type in ("int", int) and not isinstance(value, int):
+            raise _Unparseable
+        if value > 0:
+            values[f.name] = value
+    return values

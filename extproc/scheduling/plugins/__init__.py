@@ -1,0 +1,1 @@
+"""Built-in scheduler plugins, one module each; ``extproc.scheduling.registry`` lists them."""

@@ -1,0 +1,94 @@
+"""prefix-cache (Score): favour pods that were recently sent the same prompt prefix.
+
+Kthena's prefix-cache plugin, to the letter (``kthena-prefix-cache-plugin.txt``):
+
+* inputs: the rendered prompt's chained block hashes (``extproc.prefix.hashing``) and the
+  per-pod LRU index of blocks recorded after successful responses;
+* score = floor(matched blocks / hashed blocks * 100) for at most ``topKMatches`` pods,
+  found from the longest match down; every other candidate scores 0; an empty prompt
+  is not scored;
+* record: after a response ended successfully, the prompt's blocks for the serving pod;
+* metrics: ``kthena_router_prefix_cache_match_ratio{model}`` (best pod's fraction, each
+  time the plugin scores), ``..._evictions_total{model}``, ``..._entries``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from extproc.prefix.index import PrefixIndex
+from extproc.scheduling.args import load_args
+from extproc.scheduling.types import Cycle, PluginContext
+from extproc.types import Pod, PodId
+
+MATCH_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheArgs:
+    blockSizeToHash: int = 64  # field names are the configuration keys
+    maxBlocksToMatch: int = 128  # 64 * 128 = the first 8,192 bytes
+    maxHashCacheSize: int = 50000  # entries per pod (~390 distinct 8 KB prompts)
+    topKMatches: int = 5
+
+
+class PrefixCacheScorer:
+    """Scores by recorded prefix match and records served prompts."""
+
+    type_name: ClassVar[str] = "prefix-cache"
+
+    def __init__(self, args: PrefixCacheArgs, ctx: PluginContext) -> None:
+        self.args = args
+        self.index = PrefixIndex(args.maxHashCacheSize)
+        self._match_ratio = Histogram(
+            "kthena_router_prefix_cache_match_ratio",
+            "Fraction of the prompt's blocks matched by the best pod, each time the "
+            "prefix-cache plugin scores pods (0 is a miss).",
+            ["model"],
+            registry=ctx.registry,
+            buckets=MATCH_RATIO_BUCKETS,
+        )
+        self._evictions = Counter(
+            "kthena_router_prefix_cache_evictions",
+            "Prefix-cache entries dropped because a pod's list was full.",
+            ["model"],
+            registry=ctx.registry,
+        )
+        entries = Gauge(
+            "kthena_router_prefix_cache_entries",
+            "Prefix-cache entries currently stored across all pods.",
+            registry=ctx.registry,
+        )
+        entries.set_function(lambda: self.index.num_entries)
+
+    @classmethod
+    def from_args(cls, args: Any, ctx: PluginContext) -> PrefixCacheScorer:
+        return cls(load_args(PrefixCacheArgs, args), ctx)
+
+    def _hashes(self, cycle: Cycle) -> list[int]:
+        return cycle.block_hashes(self.args.blockSizeToHash, self.args.maxBlocksToMatch)
+
+    def score(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
+        hashes = self._hashes(cycle)
+        if not hashes:
+            return {}
+        matches = self.index.match(hashes, [p.id for p in pods], self.args.topKMatches)
+        num_hashed = len(hashes)
+        best = max(matches.values(), default=0)
+        self._match_ratio.labels(cycle.request.model).observe(best / num_hashed)
+        return {pod: matched * 100 // num_hashed for pod, matched in matches.items()}
+
+    def record(self, cycle: Cycle, pod: PodId) -> None:
+        hashes = self._hashes(cycle)
+        if not hashes:
+            return
+        evicted = self.index.record(hashes, pod)
+        if evicted:
+            self._evictions.labels(cycle.request.model).inc(evicted)
+
+    def pods_changed(self, pods: Sequence[Pod]) -> None:
+        self.index.retain_pods(p.id for p in pods)
