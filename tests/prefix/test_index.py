@@ -1,0 +1,183 @@
+"""PrefixIndex: per-pod LRU, eviction, refresh, pod removal, lookup, checked against a model."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from extproc.prefix import PrefixIndex, hash_prompt
+from extproc.types import PodId
+
+A, B, C, D = (PodId("ns", n) for n in "abcd")
+
+
+class ModelIndex:
+    """The spec in the plainest Python: an OrderedDict per pod, tail recorded first."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.pods: dict[PodId, OrderedDict[int, None]] = {}
+
+    def record(self, hashes: list[int], pod: PodId) -> int:
+        lru = self.pods.setdefault(pod, OrderedDict())
+        evicted = 0
+        for h in reversed(hashes):
+            if h in lru:
+                lru.move_to_end(h)
+                continue
+            lru[h] = None
+            if len(lru) > self.cap:
+                lru.popitem(last=False)
+                evicted += 1
+        return evicted
+
+    def longest(self, hashes: list[int], pod: PodId) -> int:
+        lru = self.pods.get(pod, {})
+        for i in range(len(hashes) - 1, -1, -1):
+            if hashes[i] in lru:
+                return i + 1
+        return 0
+
+
+def test_worked_example_first_24_of_32_blocks() -> None:
+    idx = PrefixIndex(1000)
+    hashes = hash_prompt("m", "a" * 2000)
+    idx.record(hashes[:24], A)
+    assert idx.match(hashes, [A, B], top_k=5) == {A: 24}
+
+
+def test_longest_match_found_first_and_top_k_limits_pods() -> None:
+    idx = PrefixIndex(1000)
+    hashes = list(range(100, 110))
+    idx.record(hashes[:3], A)
+    idx.record(hashes[:9], B)
+    idx.record(hashes[:5], C)
+    idx.record(hashes[:1], D)
+    assert idx.match(hashes, [A, B, C, D], top_k=5) == {B: 9, C: 5, A: 3, D: 1}
+    assert idx.match(hashes, [A, B, C, D], top_k=2) == {B: 9, C: 5}
+    assert idx.match(hashes, [A, D], top_k=5) == {A: 3, D: 1}  # candidates only
+    assert idx.match([7, 8], [A, B], top_k=5) == {}
+
+
+def test_lru_drops_least_recently_used_and_counts_evictions() -> None:
+    idx = PrefixIndex(4)
+    assert idx.record([1, 2, 3], A) == 0
+    assert idx.record([4], A) == 0
+    assert idx.record([1], A) == 0  # refresh: 1 becomes most recent
+    # order oldest first is now 3, 2, 4, 1 (a record touches its tail first)
+    assert idx.record([5], A) == 1
+    assert idx.match([3], [A], 5) == {}
+    assert idx.match([2], [A], 5) == {A: 1}
+    assert idx.record([6, 7], A) == 2  # drops 2 and 4
+    assert idx.match([2], [A], 5) == {} and idx.match([4], [A], 5) == {}
+    assert idx.num_pod_entries(A) == 4 and idx.num_entries == 4
+    idx.verify()
+
+
+def test_record_order_keeps_the_first_block_longest() -> None:
+    idx = PrefixIndex(3)
+    idx.record([10, 11, 12], A)
+    idx.record([20], A)  # evicts the tail block 12, not the first block 10
+    assert idx.match([10, 11, 12], [A], 5) == {A: 2}
+
+
+def test_one_block_for_three_pods_is_three_entries() -> None:
+    idx = PrefixIndex(10)
+    for pod in (A, B, C):
+        idx.record([42], pod)
+    assert idx.num_entries == 3
+
+
+def test_removing_a_pod_drops_its_entries_without_evictions() -> None:
+    idx = PrefixIndex(10)
+    idx.record([1, 2, 3], A)
+    idx.record([1, 2], B)
+    assert idx.remove_pod(A) == 3
+    assert idx.num_entries == 2
+    assert idx.match([1, 2, 3], [A, B], 5) == {B: 2}
+    assert idx.remove_pod(A) == 0
+    assert idx.retain_pods([C]) == [B] and idx.num_entries == 0
+    idx.verify()
+
+
+def test_pods_beyond_one_page_are_found() -> None:
+    idx = PrefixIndex(100)
+    pods = [PodId("ns", f"p{i}") for i in range(200)]
+    for i, pod in enumerate(pods):
+        idx.record(list(range(1, i % 7 + 2)), pod)
+    found = idx.match(list(range(1, 10)), pods, top_k=200)
+    assert found == {pod: i % 7 + 1 for i, pod in enumerate(pods)}
+    idx.remove_pod(pods[150])
+    assert pods[150] not in idx.match(list(range(1, 10)), pods, top_k=200)
+    idx.verify()
+
+
+def test_large_and_boundary_hash_values() -> None:
+    idx = PrefixIndex(10)
+    hashes = [0, 1, 2**63 - 1, 2**63, 2**64 - 1]
+    idx.record(hashes, A)
+    assert idx.match(hashes, [A], 5) == {A: 5}
+    idx.verify()
+
+
+def test_invalid_capacity() -> None:
+    with pytest.raises(ValueError, match="max_entries_per_pod must be > 0"):
+        PrefixIndex(0)
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("record"),
+            st.lists(st.integers(0, 40), min_size=1, max_size=12, unique=True),
+            st.integers(0, 4),
+        ),
+        st.tuples(st.just("remove"), st.just([]), st.integers(0, 4)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops, st.integers(1, 10), st.lists(st.integers(0, 40), min_size=1, max_size=12))
+def test_index_agrees_with_the_plain_model(
+    operations: list[tuple[str, list[int], int]], cap: int, query: list[int]
+) -> None:
+    pods = [PodId("ns", f"p{i}") for i in range(5)]
+    idx, model = PrefixIndex(cap), ModelIndex(cap)
+    for op, hashes, p in operations:
+        if op == "record":
+            assert idx.record(hashes, pods[p]) == model.record(hashes, pods[p])
+        else:
+            idx.remove_pod(pods[p])
+            model.pods.pop(pods[p], None)
+        idx.verify()
+    assert idx.num_entries == sum(len(v) for v in model.pods.values()) <= len(pods) * cap
+    found = idx.match(query, pods, top_k=len(pods))
+    assert found == {p: n for p in pods if (n := model.longest(query, p))}
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 20), st.integers(0, 20), st.integers(1, 5))
+def test_a_longer_match_never_scores_lower(short: int, extra: int, top_k: int) -> None:
+    idx = PrefixIndex(1000)
+    hashes = list(range(1000, 1040))
+    idx.record(hashes[:short], A)
+    idx.record(hashes[: short + extra], B)
+    found = idx.match(hashes, [A, B], top_k=top_k)
+    if extra:
+        assert found[B] == short + extra > found.get(A, 0)
+    else:  # equal matches: which pods get the top-K places is arbitrary
+        assert set(found.values()) == {short} and len(found) == min(top_k, 2)
+
+
+def test_ring_compaction_under_many_refreshes() -> None:
+    idx = PrefixIndex(5)
+    for _ in range(3000):
+        idx.record([1, 2, 3], A)
+    assert len(idx._lru_by_pod[A].ring) < 2000  # stale positions were dropped
+    assert idx.match([1, 2, 3], [A], 5) == {A: 3}
+    idx.verify()

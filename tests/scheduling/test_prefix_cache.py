@@ -1,0 +1,150 @@
+"""The prefix-cache score plugin: scores, top-K, recording, metrics."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from extproc.scheduling.plugins.prefix_cache import PrefixCacheArgs, PrefixCacheScorer
+from extproc.scheduling.types import PluginContext
+from tests.factories import make_cycle, make_pod
+
+
+def make_plugin(registry: CollectorRegistry, **args: int) -> PrefixCacheScorer:
+    return PrefixCacheScorer.from_args(args, PluginContext(registry))
+
+
+def sample(registry: CollectorRegistry, name: str, labels: dict[str, str] | None = None) -> float:
+    value = registry.get_sample_value(name, labels or {})
+    return 0.0 if value is None else value
+
+
+def test_spec_example_24_of_32_blocks_scores_75() -> None:
+    plugin = make_plugin(CollectorRegistry())
+    pods = [make_pod("a"), make_pod("b")]
+    prompt = "x" * 2000
+    first24 = make_cycle(prompt[: 24 * 64])
+    plugin.record(first24, pods[0].id)
+    scores = plugin.score(make_cycle(prompt), pods)
+    assert scores == {pods[0].id: 75}  # floor(24 / 32 * 100); b is left out: 0
+
+
+def test_same_prompt_scores_100_and_floor_rounding() -> None:
+    plugin = make_plugin(CollectorRegistry())
+    pod = make_pod("a")
+    plugin.record(make_cycle("y" * 640), pod.id)  # 10 blocks
+    assert plugin.score(make_cycle("y" * 640), [pod]) == {pod.id: 100}
+    # 10 of 11 hashed blocks -> 90.9 -> 90
+    assert plugin.score(make_cycle("y" * 640 + "z"), [pod]) == {pod.id: 90}
+
+
+def test_only_top_k_pods_score() -> None:
+    plugin = make_plugin(CollectorRegistry(), topKMatches=2)
+    pods = [make_pod(f"p{i}") for i in range(4)]
+    prompt = "q" * 640
+    for i, pod in enumerate(pods):
+        plugin.record(make_cycle(prompt[: (i + 1) * 128]), pod.id)
+    scores = plugin.score(make_cycle(prompt), pods)
+    assert scores == {pods[3].id: 80, pods[2].id: 60}
+
+
+def test_empty_prompt_is_not_scored_or_observed() -> None:
+    registry = CollectorRegistry()
+    plugin = make_plugin(registry)
+    assert plugin.score(make_cycle(""), [make_pod("a")]) == {}
+    plugin.record(make_cycle(""), make_pod("a").id)
+    assert plugin.index.num_entries == 0
+    assert sample(registry, "kthena_router_prefix_cache_match_ratio_count", {"model": "m"}) == 0
+
+
+def test_salted_requests_never_match_each_other() -> None:
+    plugin = make_plugin(CollectorRegistry())
+    pod = make_pod("a")
+    plugin.record(make_cycle("s" * 500, salt="t1"), pod.id)
+    assert plugin.score(make_cycle("s" * 500, salt="t2"), [pod]) == {}
+    assert plugin.score(make_cycle("s" * 500), [pod]) == {}
+    assert plugin.score(make_cycle("s" * 500, salt="t1"), [pod]) == {pod.id: 100}
+
+
+def test_metrics_match_ratio_evictions_entries() -> None:
+    registry = CollectorRegistry()
+    plugin = make_plugin(registry, maxHashCacheSize=4)
+    pod = make_pod("a")
+    plugin.score(make_cycle("a" * 128), [pod])  # miss: observed as 0
+    plugin.record(make_cycle("a" * 128), pod.id)  # 2 entries
+    plugin.score(make_cycle("a" * 256), [pod])  # best pod matched 2 of 4: 0.5
+    plugin.record(make_cycle("b" * 256), pod.id)  # 4 new entries into a list of 4
+    labels = {"model": "m"}
+    assert sample(registry, "kthena_router_prefix_cache_match_ratio_count", labels) == 2
+    assert sample(registry, "kthena_router_prefix_cache_match_ratio_sum", labels) == 0.5
+    assert (
+        sample(registry, "kthena_router_prefix_cache_match_ratio_bucket", {**labels, "le": "0.0"})
+        == 1
+    )
+    assert sample(registry, "kthena_router_prefix_cache_evictions_total", labels) == 2
+    assert sample(registry, "kthena_router_prefix_cache_entries") == 4
+
+
+def test_pod_removal_purges_entries_not_counted_as_evictions() -> None:
+    registry = CollectorRegistry()
+    plugin = make_plugin(registry)
+    a, b = make_pod("a"), make_pod("b")
+    plugin.record(make_cycle("z" * 300), a.id)
+    plugin.record(make_cycle("z" * 300), b.id)
+    plugin.pods_changed([b])
+    assert sample(registry, "kthena_router_prefix_cache_entries") == 5
+    assert sample(registry, "kthena_router_prefix_cache_evictions_total", {"model": "m"}) == 0
+    assert plugin.score(make_cycle("z" * 300), [a, b]) == {b.id: 100}
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        pytest.param(None, PrefixCacheArgs(), id="omitted"),
+        pytest.param(
+            {"blockSizeToHash": 32, "topKMatches": 2}, PrefixCacheArgs(32, 128, 50000, 2), id="some"
+        ),
+        pytest.param(
+            {"blockSizeToHash": 0, "maxBlocksToMatch": -3}, PrefixCacheArgs(), id="zero-negative"
+        ),
+        pytest.param(
+            {"blockSize": 32, "maxBlocksToMatch": 256},
+            PrefixCacheArgs(64, 256, 50000, 5),
+            id="misspelled",
+        ),
+        pytest.param({"blockSizeToHash": None}, PrefixCacheArgs(), id="null"),
+    ],
+)
+def test_args_semantics(raw: object, expected: PrefixCacheArgs) -> None:
+    assert make_plugin_from(raw).args == expected
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        pytest.param({"blockSizeToHash": "64", "topKMatches": 2}, id="string-value"),
+        pytest.param({"maxHashCacheSize": 1.5}, id="float-value"),
+        pytest.param({"topKMatches": True}, id="bool-value"),
+        pytest.param(["blockSizeToHash", 64], id="list"),
+        pytest.param("blockSizeToHash: 64", id="string-block"),
+    ],
+)
+def test_unparseable_args_fall_back_to_all_defaults_and_log(
+    raw: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="extproc.config"):
+        assert make_plugin_from(raw).args == PrefixCacheArgs()
+    assert "Failed to unmarshal PrefixCacheArgs, using default values" in caplog.text
+
+
+def make_plugin_from(raw: object) -> PrefixCacheScorer:
+    return PrefixCacheScorer.from_args(raw, PluginContext(CollectorRegistry()))
+
+
+def test_block_geometry_comes_from_args() -> None:
+    plugin = make_plugin(CollectorRegistry(), blockSizeToHash=10, maxBlocksToMatch=3)
+    pod = make_pod("a")
+    plugin.record(make_cycle("k" * 30), pod.id)
+    assert plugin.index.num_entries == 3
+    # only the first 30 bytes are hashed: a differing tail still scores 100
+    assert plugin.score(make_cycle("k" * 30 + "different"), [pod]) == {pod.id: 100}

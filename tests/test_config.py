@@ -1,0 +1,140 @@
+"""Configuration loading: the spec's semantics and every start-up error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from extproc.config import build_scheduler, load_config, parse_config
+from extproc.errors import ConfigError
+from extproc.scheduling.plugins.prefix_cache import PrefixCacheArgs, PrefixCacheScorer
+
+
+def weight_config(weight_line: str) -> str:
+    return f"""
+scheduler:
+  plugins:
+    Score:
+      enabled:
+        - name: prefix-cache
+{weight_line}
+"""
+
+
+def test_embedded_default_ships_the_spec_defaults_explicitly() -> None:
+    config = load_config()
+    assert [(s.name, s.weight) for s in config.scores] == [("prefix-cache", 1)]
+    assert config.plugin_args["prefix-cache"] == {
+        "blockSizeToHash": 64,
+        "maxBlocksToMatch": 128,
+        "maxHashCacheSize": 50000,
+        "topKMatches": 5,
+    }
+    scheduler = build_scheduler(config, CollectorRegistry())
+    plugin = scheduler.scorers[0].scorer
+    assert isinstance(plugin, PrefixCacheScorer) and plugin.args == PrefixCacheArgs()
+    assert scheduler.recorders == (plugin,) and scheduler.listeners == (plugin,)
+
+
+def test_loads_from_a_file_with_weight_and_args(tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text(
+        weight_config("          weight: 2")
+        + "  pluginConfig:\n  - name: prefix-cache\n    args: {topKMatches: 3}\n"
+    )
+    scheduler = build_scheduler(load_config(path), CollectorRegistry())
+    assert scheduler.scorers[0].weight == 2
+    assert scheduler.scorers[0].scorer.args.topKMatches == 3  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("line", "got"),
+    [
+        pytest.param("          weight: 0", "got 0", id="zero"),
+        pytest.param("          weight: -2", "got -2", id="negative"),
+        pytest.param("", "got 0", id="missing"),
+    ],
+)
+def test_weight_must_be_positive(line: str, got: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(weight_config(line), "cm.yaml")
+    assert str(info.value) == (
+        "cm.yaml: failed to Load Scheduler: failed to Unmarshal Plugins: "
+        f'score plugin "prefix-cache" must set a weight greater than 0, {got}'
+    )
+
+
+def test_non_integer_weight_is_refused() -> None:
+    with pytest.raises(ConfigError, match='score plugin "prefix-cache" weight must be an integer'):
+        parse_config(weight_config("          weight: heavy"), "cm.yaml")
+
+
+def test_score_disabled_has_no_effect() -> None:
+    text = weight_config("          weight: 1") + "      disabled:\n        - name: prefix-cache\n"
+    text = text.replace("      enabled:", "      enabled:", 1)
+    config = parse_config(text, "cm.yaml")
+    assert [s.name for s in config.scores] == ["prefix-cache"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        pytest.param("scheduler: [\n", "cm.yaml: invalid YAML", id="unreadable-yaml"),
+        pytest.param(
+            "other: 1\n",
+            "cm.yaml: expected a mapping with a 'scheduler' section",
+            id="no-scheduler",
+        ),
+        pytest.param(
+            weight_config("          weight: 1").replace("prefix-cache", "prefix-cahce"),
+            "cm.yaml: unknown plugin 'prefix-cahce'",
+            id="unknown-score-plugin",
+        ),
+        pytest.param(
+            "scheduler:\n  plugins:\n    Filter:\n      enabled: [no-such-filter]\n",
+            "cm.yaml: unknown plugin 'no-such-filter'",
+            id="unknown-filter-plugin",
+        ),
+        pytest.param(
+            "scheduler:\n  plugins:\n    Filter:\n      enabled: [prefix-cache]\n",
+            "cm.yaml: plugin 'prefix-cache' is not a Filter plugin",
+            id="not-a-filter",
+        ),
+        pytest.param(
+            "scheduler:\n  plugins:\n    Score:\n      enabled: prefix-cache\n",
+            "cm.yaml: scheduler.Score.enabled must be a list",
+            id="enabled-not-list",
+        ),
+        pytest.param(
+            "scheduler:\n  plugins:\n    Score:\n      enabled: [prefix-cache]\n",
+            "cm.yaml: scheduler.plugins.Score.enabled[0]: expected a mapping",
+            id="score-entry-not-mapping",
+        ),
+        pytest.param(
+            "scheduler:\n  pluginConfig:\n  - args: {}\n",
+            "cm.yaml: scheduler.pluginConfig[0]: each entry needs a 'name'",
+            id="plugin-config-without-name",
+        ),
+    ],
+)
+def test_bad_configs_stop_start_up_naming_file_and_problem(text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build_scheduler(parse_config(text, "cm.yaml"), CollectorRegistry())
+    assert str(info.value).startswith(message)
+
+
+def test_missing_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"nope\.yaml: configuration file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_unparseable_args_use_defaults_and_log(caplog: pytest.LogCaptureFixture) -> None:
+    text = weight_config("          weight: 1") + (
+        "  pluginConfig:\n  - name: prefix-cache\n    args:\n      blockSizeToHash: big\n"
+    )
+    with caplog.at_level("WARNING"):
+        scheduler = build_scheduler(parse_config(text, "cm.yaml"), CollectorRegistry())
+    assert scheduler.scorers[0].scorer.args == PrefixCacheArgs()  # type: ignore[attr-defined]
+    assert "Failed to unmarshal PrefixCacheArgs, using default values" in caplog.text
