@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from extproc.errors import BadRequest
@@ -33,7 +34,7 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    body = sys.stdin.buffer.read() if args.body == "-" else open(args.body, "rb").read()
+    body = sys.stdin.buffer.read() if args.body == "-" else Path(args.body).read_bytes()
     try:
         req = parse_request(args.api, body)
     except BadRequest as exc:
