@@ -1,4 +1,4 @@
-"""Which pods were recently sent which prompt blocks: one LRU per pod, compact.
+"""Which pods were recently sent which prompt blocks: one LRU per pod, compact and batched.
 
 Rules (Kthena's prefix-cache spec):
 
@@ -6,81 +6,109 @@ Rules (Kthena's prefix-cache spec):
   recorded for three pods is three entries. A full list drops its least recently used
   entry (an eviction). Removing a pod drops all its entries (not evictions). Recording
   a block a pod already has refreshes it.
+* A record is one step: the prompt's blocks the pod already has are refreshed, the new
+  ones added, then the least recently used entries beyond the limit are dropped. An
+  evicted entry is one that is no longer in the list afterwards.
 * A lookup walks the prompt's hashes from the last block backwards; because hashes are
   chained, the first hit for a pod is its longest match.
 
-A record touches a prompt's blocks tail first, so the first block is the most recently
-used and the tail is evicted first: this is the order in which vLLM returns a finished
-request's blocks to its free queue (``KVCacheManager.free``), so the estimate keeps a
-shared system prompt as long as the engine does.
+A record touches a prompt's blocks tail first, so the first block ends most recently
+used and the tail is evicted first: the order in which vLLM returns a finished request's
+blocks to its free queue (``KVCacheManager.free``), so the estimate keeps a shared system
+prompt as long as the engine does.
 
-Memory: an entry costs one cell of a C hash map (``_entries``), 8 bytes of a ring buffer,
-and, for a block held by no other pod of its page, one cell of ``_owners``; no Python
-object per entry. Measured: see ``bench/prefix_bench.py``.
-
-cykhash maps are probed with `key in m` then `m[key]`: its `get()` is a Python-level
-method about twenty times slower (hence the SIM401 exemptions).
+Memory and speed: no Python object per entry. Entries live in C hash maps (cykhash) and
+NumPy ring buffers, and a prompt's blocks are looked up and stored in one batch call
+each, so the per-request cost is a few dozen C calls, not one Python loop per block.
 
 Layout:
 
 * ``_entries``: entry key (block hash XOR the pod slot's key) -> the entry's sequence
-  number in its pod's ring. An entry is live iff its ring position holds the same number.
-* ``_owners``: (block hash, page) -> bitmask of the page's pod slots holding the block.
-  Pods are numbered in slots, 63 to a page, so masks fit a signed 64-bit value.
-* ``_upper_pages``: block hash -> bitmask of pages other than page 0 holding it, so a
-  lookup costs one probe per block whatever the number of pods.
+  number in its pod's ring. An entry is live iff its ring position holds that number.
+* ``_owners``: (block hash XOR the page's key) -> bitmask of the page's pod slots holding
+  the block. Pods get slots, 63 to a page, so a mask fits a non-negative int64.
+* ``_upper_pages``: block hash -> bitmask of the pages other than page 0 holding it, so a
+  lookup costs one batch probe whatever the number of pods.
+
+Hashes are stored as the int64 with the same 64 bits as the unsigned XXH64 digest.
+Chained hashes of one prompt are distinct, which the batch updates rely on.
 """
 
 from __future__ import annotations
 
 import threading
-from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
 import xxhash
-from cykhash import Int64toInt64Map
+from cykhash import (
+    Int64toInt64Map,
+    Int64toInt64Map_from_buffers,
+    Int64toInt64Map_to,
+    update_int64toint64map,
+)
 
-from extproc.prefix.hashing import BlockHash
 from extproc.types import PodId
 
-SLOTS_PER_PAGE = 63  # bit 63 would make the mask negative in the signed map
+SLOTS_PER_PAGE = 63  # bit 63 would make a mask negative
 MAX_PAGES = 63
 MAX_PODS = SLOTS_PER_PAGE * MAX_PAGES
 
-_TWO63 = 1 << 63
-_TWO64 = 1 << 64
+Keys = npt.NDArray[np.int64]
 
 
-def _signed(value: int) -> int:
-    return value - _TWO64 if value >= _TWO63 else value
+def as_keys(hashes: Sequence[int] | Keys) -> Keys:
+    """Unsigned 64-bit hashes as the int64 array the index works on (same bits)."""
+    if isinstance(hashes, np.ndarray):
+        return hashes
+    return np.fromiter(hashes, dtype=np.uint64, count=len(hashes)).view(np.int64)
 
 
 def _mix_key(kind: bytes, number: int) -> int:
-    """A fixed pseudo-random signed 64-bit key, distinct per (kind, number)."""
-    return _signed(xxhash.xxh64_intdigest(b"%s:%d" % (kind, number), 0x9E37_79B9))
+    """A fixed pseudo-random int64, distinct per (kind, number)."""
+    digest = xxhash.xxh64_intdigest(b"%s:%d" % (kind, number), 0x9E37_79B9)
+    return int(np.uint64(digest).view(np.int64))
+
+
+def _lookup(table: Int64toInt64Map, keys: Keys, default: int) -> Keys:
+    out = np.empty(len(keys), dtype=np.int64)
+    Int64toInt64Map_to(table, keys, out, False, default)
+    return out
+
+
+def _assign(table: Int64toInt64Map, keys: Keys, values: Keys) -> None:
+    update_int64toint64map(table, Int64toInt64Map_from_buffers(keys, values))
 
 
 @dataclass(slots=True)
 class _PodLru:
-    """One pod's LRU order: a ring of hashes, oldest at ``head``, with lazy deletion.
+    """One pod's LRU order: a ring of block hashes, oldest at ``head``, lazily deleted.
 
-    ``ring[i]`` has sequence number ``base + i``. Refreshing an entry appends it again;
-    the older position goes stale because ``_entries`` now holds the newer number.
+    ``ring[i]`` (for ``head <= i < size``) has sequence number ``base + i``. Refreshing an
+    entry appends it again; the older position goes stale, since ``_entries`` now holds
+    the newer number.
     """
 
     slot: int
     key: int  # XOR-ed into block hashes to make this pod's entry keys
-    ring: array = field(default_factory=lambda: array("q"))  # type: ignore[type-arg]
+    page: int  # slot // SLOTS_PER_PAGE
+    bit: int  # this slot's bit in its page's owner masks
+    ring: Keys = field(default_factory=lambda: np.empty(256, dtype=np.int64))
     head: int = 0
+    size: int = 0
     base: int = 0
     live: int = 0
+
+    def seqs(self, start: int, stop: int) -> Keys:
+        return np.arange(self.base + start, self.base + stop, dtype=np.int64)
 
 
 class PrefixIndex:
     """Per-pod LRU of recorded block hashes, and the lookup that scores against it.
 
-    Thread-safe: every public method takes the index's own lock.
+    Thread-safe: every public method holds the index's own lock.
     """
 
     def __init__(self, max_entries_per_pod: int) -> None:
@@ -113,93 +141,100 @@ class PrefixIndex:
         return list(self._lru_by_pod)
 
     def match(
-        self, hashes: Sequence[BlockHash], candidates: Iterable[PodId], top_k: int
+        self, hashes: Sequence[int] | Keys, candidates: Iterable[PodId], top_k: int
     ) -> dict[PodId, int]:
         """Longest recorded match, in blocks, for up to ``top_k`` candidate pods.
 
-        Walks from the last block backwards and stops once ``top_k`` pods were found,
-        so pods with longer matches come first. Pods with no match are left out.
+        Pods are found from the longest match down (among equal matches in slot order),
+        and pods with no match are left out.
         """
+        keys = as_keys(hashes)
         with self._lock:
-            page_masks: dict[int, int] = {}
-            for pod in candidates:
-                lru = self._lru_by_pod.get(pod)
-                if lru is not None:
-                    page, bit = divmod(lru.slot, SLOTS_PER_PAGE)
-                    page_masks[page] = page_masks.get(page, 0) | (1 << bit)
-            if not page_masks or top_k <= 0:
+            page_masks = self._candidate_masks(candidates)
+            if not page_masks or top_k <= 0 or not len(keys):
                 return {}
+            hits = self._hits_by_page(keys, page_masks)
+            if not hits:
+                return {}
+            total = sum(int(np.bitwise_or.reduce(masks)).bit_count() for _, masks in hits)
+            need = min(top_k, total)
+            if len(hits) == 1:
+                positions = np.flatnonzero(hits[0][1])
+            else:
+                positions = np.flatnonzero(np.logical_or.reduce([m != 0 for _, m in hits]))
             found: dict[PodId, int] = {}
-            owners = self._owners
-            uppers = self._upper_pages
-            page_keys = self._page_keys
-            mask0 = page_masks.pop(0, 0)
-            upper = 0
-            for page in page_masks:
-                upper |= 1 << page
-            for idx in range(len(hashes) - 1, -1, -1):
-                hk = _signed(hashes[idx])
-                hits: list[tuple[int, int]] = []
-                if mask0 and hk in owners:
-                    hits.append((0, owners[hk] & mask0))
-                if upper and hk in uppers:
-                    pages = uppers[hk] & upper
-                    while pages:
-                        low = pages & -pages
-                        page = low.bit_length() - 1
-                        pages ^= low
-                        hits.append((page, owners[hk ^ page_keys[page]] & page_masks[page]))
-                for page, mask in hits:
-                    while mask:
-                        low = mask & -mask
-                        mask ^= low
-                        pod = self._pod_by_slot[page * SLOTS_PER_PAGE + low.bit_length() - 1]
-                        found[pod] = idx + 1
-                        if len(found) >= top_k:
+            seen = dict.fromkeys((page for page, _ in hits), 0)
+            for idx in positions[::-1].tolist():
+                for page, masks in hits:
+                    bits = int(masks[idx]) & ~seen[page]
+                    while bits:
+                        low = bits & -bits
+                        bits ^= low
+                        seen[page] |= low
+                        slot = page * SLOTS_PER_PAGE + low.bit_length() - 1
+                        found[self._pod_by_slot[slot]] = idx + 1
+                        if len(found) == need:
                             return found
-                        # Its longest match is known: stop looking for it.
-                        if page == 0:
-                            mask0 &= ~low
-                        else:
-                            page_masks[page] &= ~low
-                if not mask0 and not any(page_masks.values()):
-                    break
             return found
+
+    def _candidate_masks(self, candidates: Iterable[PodId]) -> dict[int, int]:
+        """Page -> bitmask of the candidates' slots (pods unknown to the index left out)."""
+        lrus = [lru for lru in map(self._lru_by_pod.get, candidates) if lru is not None]
+        if len(lrus) <= SLOTS_PER_PAGE:
+            masks: dict[int, int] = {}
+            for lru in lrus:
+                masks[lru.page] = masks.get(lru.page, 0) | lru.bit
+            return masks
+        slots = np.fromiter((lru.slot for lru in lrus), dtype=np.int64, count=len(lrus))
+        by_page = np.zeros(MAX_PAGES, dtype=np.int64)
+        np.bitwise_or.at(by_page, slots // SLOTS_PER_PAGE, np.left_shift(1, slots % SLOTS_PER_PAGE))
+        return {int(page): int(by_page[page]) for page in np.flatnonzero(by_page)}
+
+    def _hits_by_page(self, keys: Keys, page_masks: dict[int, int]) -> list[tuple[int, Keys]]:
+        """Per page holding any block: each block's candidate-owner mask."""
+        hits: list[tuple[int, Keys]] = []
+        if 0 in page_masks:
+            masks = _lookup(self._owners, keys, 0) & page_masks[0]
+            if masks.any():
+                hits.append((0, masks))
+        upper = 0
+        for page in page_masks:
+            upper |= (1 << page) if page else 0
+        if upper:
+            present = int(np.bitwise_or.reduce(_lookup(self._upper_pages, keys, 0))) & upper
+            while present:
+                low = present & -present
+                present ^= low
+                page = low.bit_length() - 1
+                masks = _lookup(self._owners, keys ^ self._page_keys[page], 0) & page_masks[page]
+                if masks.any():
+                    hits.append((page, masks))
+        return hits
 
     # -- updates -------------------------------------------------------------------
 
-    def record(self, hashes: Sequence[BlockHash], pod: PodId) -> int:
-        """Record the prompt's blocks for ``pod``; returns the number of evictions.
+    def record(self, hashes: Sequence[int] | Keys, pod: PodId) -> int:
+        """Record a prompt's blocks for ``pod``; returns the number of evictions.
 
         Blocks are touched tail first, so the first block ends most recently used.
         """
+        keys = np.ascontiguousarray(as_keys(hashes)[::-1])
+        if not len(keys):
+            return 0
         with self._lock:
             lru = self._lru_by_pod.get(pod) or self._add_pod(pod)
-            entries = self._entries
-            owners = self._owners
-            page, bit = divmod(lru.slot, SLOTS_PER_PAGE)
-            owner_bit = 1 << bit
-            page_key = self._page_keys[page]
-            ring = lru.ring
-            evicted = 0
-            for idx in range(len(hashes) - 1, -1, -1):
-                hk = _signed(hashes[idx])
-                entry_key = hk ^ lru.key
-                is_new = entry_key not in entries
-                entries[entry_key] = lru.base + len(ring)
-                ring.append(hk)
-                if not is_new:
-                    continue
-                lru.live += 1
-                self._num_entries += 1
-                owner_key = hk ^ page_key
-                owners[owner_key] = (owners[owner_key] if owner_key in owners else 0) | owner_bit  # noqa: SIM401
-                if page:
-                    uppers = self._upper_pages
-                    uppers[hk] = (uppers[hk] if hk in uppers else 0) | (1 << page)  # noqa: SIM401
-                if lru.live > self.max_entries_per_pod:
-                    self._evict_oldest(lru)
-                    evicted += 1
+            entry_keys = keys ^ lru.key
+            is_new = _lookup(self._entries, entry_keys, -1) < 0
+            start = self._append(lru, keys)
+            _assign(self._entries, entry_keys, lru.seqs(start, start + len(keys)))
+            new_keys = keys[is_new]
+            if len(new_keys):
+                self._set_owner(lru, new_keys)
+                lru.live += len(new_keys)
+                self._num_entries += len(new_keys)
+            evicted = max(0, lru.live - self.max_entries_per_pod)
+            if evicted:
+                self._evict_oldest(lru, evicted)
             self._compact(lru)
             return evicted
 
@@ -209,15 +244,11 @@ class PrefixIndex:
             lru = self._lru_by_pod.pop(pod, None)
             if lru is None:
                 return 0
-            removed = 0
-            for pos in range(lru.head, len(lru.ring)):
-                hk = lru.ring[pos]
-                if self._is_live(lru, hk, pos):
-                    self._drop_entry(lru, hk)
-                    removed += 1
+            victims = self._live_keys(lru)
+            self._drop(lru, victims)
             del self._pod_by_slot[lru.slot]
             self._free_slots.append(lru.slot)
-            return removed
+            return len(victims)
 
     def retain_pods(self, keep: Iterable[PodId]) -> list[PodId]:
         """Remove every pod not in ``keep`` (e.g. after discovery); returns those removed."""
@@ -237,66 +268,86 @@ class PrefixIndex:
             self._next_slot += 1
         else:
             raise ValueError(f"the prefix index holds at most {MAX_PODS} pods")
-        lru = _PodLru(slot=slot, key=_mix_key(b"slot", slot))
+        page, bit = divmod(slot, SLOTS_PER_PAGE)
+        lru = _PodLru(slot=slot, key=_mix_key(b"slot", slot), page=page, bit=1 << bit)
         self._lru_by_pod[pod] = lru
         self._pod_by_slot[slot] = pod
         return lru
 
-    def _is_live(self, lru: _PodLru, hk: int, pos: int) -> bool:
-        entry_key = hk ^ lru.key
-        return entry_key in self._entries and self._entries[entry_key] == lru.base + pos
-
-    def _evict_oldest(self, lru: _PodLru) -> None:
-        ring = lru.ring
-        while True:
-            pos = lru.head
-            lru.head += 1
-            hk = ring[pos]
-            if self._is_live(lru, hk, pos):
-                self._drop_entry(lru, hk)
-                return
-
-    def _drop_entry(self, lru: _PodLru, hk: int) -> None:
-        """Remove one live entry from ``_entries`` and the owner masks."""
-        self._entries.discard(hk ^ lru.key)
-        lru.live -= 1
-        self._num_entries -= 1
-        page, bit = divmod(lru.slot, SLOTS_PER_PAGE)
-        owner_key = hk ^ self._page_keys[page]
-        mask = self._owners[owner_key] & ~(1 << bit)
-        if mask:
-            self._owners[owner_key] = mask
-            return
-        self._owners.discard(owner_key)
-        if page:
-            pages = self._upper_pages[hk] & ~(1 << page)
-            if pages:
-                self._upper_pages[hk] = pages
+    def _append(self, lru: _PodLru, keys: Keys) -> int:
+        """Append to the ring, shifting or growing it; returns the first new position."""
+        if lru.size + len(keys) > len(lru.ring):
+            occupied = lru.size - lru.head
+            if lru.head and occupied + len(keys) <= len(lru.ring) // 2:
+                lru.ring[:occupied] = lru.ring[lru.head : lru.size]
             else:
-                self._upper_pages.discard(hk)
+                grown = np.empty(max(2 * (occupied + len(keys)), 256), dtype=np.int64)
+                grown[:occupied] = lru.ring[lru.head : lru.size]
+                lru.ring = grown
+            lru.base += lru.head
+            lru.size = occupied
+            lru.head = 0
+        start = lru.size
+        lru.ring[start : start + len(keys)] = keys
+        lru.size += len(keys)
+        return start
+
+    def _live_mask(self, lru: _PodLru, start: int, stop: int) -> npt.NDArray[np.bool_]:
+        window = lru.ring[start:stop]
+        return _lookup(self._entries, window ^ lru.key, -1) == lru.seqs(start, stop)
+
+    def _live_keys(self, lru: _PodLru) -> Keys:
+        return lru.ring[lru.head : lru.size][self._live_mask(lru, lru.head, lru.size)]
+
+    def _evict_oldest(self, lru: _PodLru, count: int) -> None:
+        while count:
+            stop = min(lru.size, lru.head + max(2 * count, 256))
+            live_pos = np.flatnonzero(self._live_mask(lru, lru.head, stop))[:count]
+            self._drop(lru, lru.ring[lru.head + live_pos])
+            count -= len(live_pos)
+            lru.head = lru.head + int(live_pos[-1]) + 1 if not count else stop
+
+    def _set_owner(self, lru: _PodLru, keys: Keys) -> None:
+        owner_keys = keys ^ self._page_keys[lru.page]
+        _assign(self._owners, owner_keys, _lookup(self._owners, owner_keys, 0) | lru.bit)
+        if lru.page:
+            pages = _lookup(self._upper_pages, keys, 0) | (1 << lru.page)
+            _assign(self._upper_pages, keys, pages)
+
+    def _drop(self, lru: _PodLru, keys: Keys) -> None:
+        """Remove live entries (their block hashes) from every map."""
+        if not len(keys):
+            return
+        for entry_key in (keys ^ lru.key).tolist():
+            self._entries.discard(entry_key)
+        lru.live -= len(keys)
+        self._num_entries -= len(keys)
+        owner_keys = keys ^ self._page_keys[lru.page]
+        masks = _lookup(self._owners, owner_keys, 0) & ~lru.bit
+        emptied = masks == 0
+        _assign(self._owners, owner_keys[~emptied], masks[~emptied])
+        for owner_key in owner_keys[emptied].tolist():
+            self._owners.discard(owner_key)
+        if lru.page:
+            gone = keys[emptied]
+            pages = _lookup(self._upper_pages, gone, 0) & ~(1 << lru.page)
+            _assign(self._upper_pages, gone[pages != 0], pages[pages != 0])
+            for key in gone[pages == 0].tolist():
+                self._upper_pages.discard(key)
 
     def _compact(self, lru: _PodLru) -> None:
-        """Keep the ring within about twice the live entries (amortised O(1) a record).
+        """Drop the stale positions refreshes left once they outnumber the live ones.
 
-        Drops the consumed head and the stale positions that refreshes left behind,
-        renumbering the live entries in order.
+        Amortised O(1) a block: it runs after at least ``live + 1024`` appends.
         """
-        ring = lru.ring
-        if len(ring) - lru.head <= 2 * lru.live + 1024:
-            if lru.head > len(ring) // 2:
-                lru.base += lru.head
-                del ring[: lru.head]
-                lru.head = 0
+        if lru.size - lru.head <= 2 * lru.live + 1024:
             return
-        kept = array(
-            "q",
-            (hk for pos, hk in enumerate(ring) if pos >= lru.head and self._is_live(lru, hk, pos)),
-        )
-        lru.base += len(ring)
-        for pos, hk in enumerate(kept):
-            self._entries[hk ^ lru.key] = lru.base + pos
-        lru.ring = kept
-        lru.head = 0
+        kept = self._live_keys(lru)
+        lru.base += lru.size
+        ring = np.empty(max(2 * len(kept), 256), dtype=np.int64)
+        ring[: len(kept)] = kept
+        lru.ring, lru.head, lru.size = ring, 0, len(kept)
+        _assign(self._entries, kept ^ lru.key, lru.seqs(0, len(kept)))
 
     # -- checking ----------------------------------------------------------------
 
@@ -311,20 +362,15 @@ class PrefixIndex:
             uppers_expected: dict[int, int] = {}
             for pod, lru in self._lru_by_pod.items():
                 assert self._pod_by_slot[lru.slot] == pod
-                live = [
-                    hk
-                    for pos, hk in enumerate(lru.ring)
-                    if pos >= lru.head and self._is_live(lru, hk, pos)
-                ]
+                live = self._live_keys(lru).tolist()
                 assert len(live) == len(set(live)) == lru.live, (pod, len(live), lru.live)
                 assert lru.live <= self.max_entries_per_pod
                 total += lru.live
-                page, bit = divmod(lru.slot, SLOTS_PER_PAGE)
-                for hk in live:
-                    key = hk ^ self._page_keys[page]
-                    owners_expected[key] = owners_expected.get(key, 0) | (1 << bit)
-                    if page:
-                        uppers_expected[hk] = uppers_expected.get(hk, 0) | (1 << page)
+                for key in live:
+                    owner_key = key ^ self._page_keys[lru.page]
+                    owners_expected[owner_key] = owners_expected.get(owner_key, 0) | lru.bit
+                    if lru.page:
+                        uppers_expected[key] = uppers_expected.get(key, 0) | (1 << lru.page)
             assert total == self._num_entries == len(self._entries), (total, len(self._entries))
             assert dict(self._owners.items()) == owners_expected
             assert dict(self._upper_pages.items()) == uppers_expected

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 from prometheus_client import CollectorRegistry
 
 from extproc.prefix.hashing import BlockHash, hash_prompt
+from extproc.prefix.index import Keys, as_keys
 from extproc.request import InferenceRequest
 from extproc.types import Pod, PodId
 
@@ -28,6 +29,7 @@ class Cycle:
 
     request: InferenceRequest
     _hashes: dict[tuple[int, int], list[BlockHash]] = field(default_factory=dict)
+    _keys: dict[tuple[int, int], Keys] = field(default_factory=dict)
 
     def block_hashes(self, block_size: int, max_blocks: int) -> list[BlockHash]:
         """The prompt's chained block hashes, computed once per block geometry."""
@@ -38,6 +40,14 @@ class Cycle:
             hashes = hash_prompt(req.model, req.prompt, block_size, max_blocks, req.cache_salt)
             self._hashes[key] = hashes
         return hashes
+
+    def block_keys(self, block_size: int, max_blocks: int) -> Keys:
+        """``block_hashes`` as the int64 array ``PrefixIndex`` takes, converted once."""
+        key = (block_size, max_blocks)
+        keys = self._keys.get(key)
+        if keys is None:
+            keys = self._keys[key] = as_keys(self.block_hashes(block_size, max_blocks))
+        return keys
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,8 +22,9 @@ class ModelIndex:
         self.pods: dict[PodId, OrderedDict[int, None]] = {}
 
     def record(self, hashes: list[int], pod: PodId) -> int:
+        """Touch tail first; evictions = entries that are not in the list afterwards."""
         lru = self.pods.setdefault(pod, OrderedDict())
-        evicted = 0
+        touched = set(lru) | set(hashes)
         for h in reversed(hashes):
             if h in lru:
                 lru.move_to_end(h)
@@ -31,8 +32,7 @@ class ModelIndex:
             lru[h] = None
             if len(lru) > self.cap:
                 lru.popitem(last=False)
-                evicted += 1
-        return evicted
+        return len(touched) - len(lru)
 
     def longest(self, hashes: list[int], pod: PodId) -> int:
         lru = self.pods.get(pod, {})
@@ -75,6 +75,14 @@ def test_lru_drops_least_recently_used_and_counts_evictions() -> None:
     assert idx.match([2], [A], 5) == {} and idx.match([4], [A], 5) == {}
     assert idx.num_pod_entries(A) == 4 and idx.num_entries == 4
     idx.verify()
+
+
+def test_a_record_is_atomic_and_never_evicts_its_own_refreshed_blocks() -> None:
+    idx = PrefixIndex(4)
+    idx.record([1], A)
+    idx.record([2, 3, 4], A)  # LRU order, oldest first: 1, 4, 3, 2
+    assert idx.record([1, 5], A) == 1  # 1 is refreshed, not evicted and re-added
+    assert idx.match([1], [A], 5) == {A: 1} and idx.match([4], [A], 5) == {}
 
 
 def test_record_order_keeps_the_first_block_longest() -> None:

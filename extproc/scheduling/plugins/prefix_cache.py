@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from extproc.prefix.index import PrefixIndex
+from extproc.prefix.index import Keys, PrefixIndex
 from extproc.scheduling.args import load_args
 from extproc.scheduling.types import Cycle, PluginContext
 from extproc.types import Pod, PodId
@@ -69,24 +69,24 @@ class PrefixCacheScorer:
     def from_args(cls, args: Any, ctx: PluginContext) -> PrefixCacheScorer:
         return cls(load_args(PrefixCacheArgs, args), ctx)
 
-    def _hashes(self, cycle: Cycle) -> list[int]:
-        return cycle.block_hashes(self.args.blockSizeToHash, self.args.maxBlocksToMatch)
+    def _keys(self, cycle: Cycle) -> Keys:
+        return cycle.block_keys(self.args.blockSizeToHash, self.args.maxBlocksToMatch)
 
     def score(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
-        hashes = self._hashes(cycle)
-        if not hashes:
+        keys = self._keys(cycle)
+        if not len(keys):
             return {}
-        matches = self.index.match(hashes, [p.id for p in pods], self.args.topKMatches)
-        num_hashed = len(hashes)
+        matches = self.index.match(keys, [p.id for p in pods], self.args.topKMatches)
+        num_hashed = len(keys)
         best = max(matches.values(), default=0)
         self._match_ratio.labels(cycle.request.model).observe(best / num_hashed)
         return {pod: matched * 100 // num_hashed for pod, matched in matches.items()}
 
     def record(self, cycle: Cycle, pod: PodId) -> None:
-        hashes = self._hashes(cycle)
-        if not hashes:
+        keys = self._keys(cycle)
+        if not len(keys):
             return
-        evicted = self.index.record(hashes, pod)
+        evicted = self.index.record(keys, pod)
         if evicted:
             self._evictions.labels(cycle.request.model).inc(evicted)
 
