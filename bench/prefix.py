@@ -147,7 +147,7 @@ def latency(num_pods: int, entries_per_pod: int, repeat: int) -> dict[str, objec
                 lambda index=index: index.record(hashes, ids[0]), repeat
             ),
             "record_new_evicting_us": per_call_us(
-                lambda index=index: index.record(next(it), ids[1]), repeat
+                lambda index=index, it=it: index.record(next(it), ids[1]), repeat
             ),
         }
     cycle_scores = per_call_us(lambda: plugin.score(Cycle(req, {(64, 128): hashes}), pods), repeat)
@@ -230,7 +230,7 @@ def main() -> None:
             "top_k": 5,
             "python": sys.version.split()[0],
             "git": subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
             ).stdout.strip(),
         },
         "latency": [latency(n, entries, repeat) for n in (16, 256)],

@@ -147,6 +147,12 @@ def _check_encodable(prompt: str) -> None:
         ) from None
 
 
+def _wrong_type(param: str, expected: str, value: object) -> BadRequest:
+    return BadRequest(
+        f"'{param}' must be {expected}, got {_json_type(value)}", code="invalid_type", param=param
+    )
+
+
 def _json_type(value: object) -> str:
     if value is None:
         return "null"
@@ -178,11 +184,7 @@ def _render_completions(data: dict[str, Any]) -> str:
             isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt
         ):
             return ""  # token ids: nothing to match text against, routed unscored
-    raise BadRequest(
-        "'prompt' must be a string, a list of strings or token ids, got " + _json_type(prompt),
-        code="invalid_type",
-        param="prompt",
-    )
+    raise _wrong_type("prompt", "a string, a list of strings or token ids", prompt)
 
 
 def _render_content(content: object, where: str) -> str:
@@ -192,47 +194,26 @@ def _render_content(content: object, where: str) -> str:
     if content is None:
         return ""
     if not isinstance(content, list):
-        raise BadRequest(
-            f"'{where}.content' must be a string, a list of content parts or null, "
-            f"got {_json_type(content)}",
-            code="invalid_type",
-            param=f"{where}.content",
-        )
+        raise _wrong_type(f"{where}.content", "a string, a list of content parts or null", content)
     texts: list[str] = []
     for j, part in enumerate(content):
         if not isinstance(part, dict):
-            raise BadRequest(
-                f"'{where}.content[{j}]' must be an object, got {_json_type(part)}",
-                code="invalid_type",
-                param=f"{where}.content[{j}]",
-            )
+            raise _wrong_type(f"{where}.content[{j}]", "an object", part)
         if part.get("type") not in TEXT_PART_TYPES:
             continue
         text = part.get("text")
         if not isinstance(text, str):
-            raise BadRequest(
-                f"'{where}.content[{j}].text' must be a string, got {_json_type(text)}",
-                code="invalid_type",
-                param=f"{where}.content[{j}].text",
-            )
+            raise _wrong_type(f"{where}.content[{j}].text", "a string", text)
         texts.append(text)
     return "\n".join(texts)
 
 
 def _render_message(message: object, where: str) -> str:
     if not isinstance(message, dict):
-        raise BadRequest(
-            f"'{where}' must be an object, got {_json_type(message)}",
-            code="invalid_type",
-            param=where,
-        )
+        raise _wrong_type(where, "an object", message)
     role = message.get("role")
     if not isinstance(role, str):
-        raise BadRequest(
-            f"'{where}.role' must be a string, got {_json_type(role)}",
-            code="invalid_type",
-            param=f"{where}.role",
-        )
+        raise _wrong_type(f"{where}.role", "a string", role)
     return _chatml(role, _render_content(message.get("content"), where))
 
 
@@ -243,11 +224,7 @@ def _render_chat(data: dict[str, Any]) -> str:
             "the request has no 'messages' field", code="missing_field", param="messages"
         )
     if not isinstance(messages, list):
-        raise BadRequest(
-            f"'messages' must be a list, got {_json_type(messages)}",
-            code="invalid_type",
-            param="messages",
-        )
+        raise _wrong_type("messages", "a list", messages)
     parts: list[str] = []
     system = data.get("system")
     if system is not None:
@@ -261,11 +238,7 @@ def _render_responses(data: dict[str, Any]) -> str:
     instructions = data.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
-            raise BadRequest(
-                f"'instructions' must be a string, got {_json_type(instructions)}",
-                code="invalid_type",
-                param="instructions",
-            )
+            raise _wrong_type("instructions", "a string", instructions)
         parts.append(_chatml("developer", instructions))
     items = data.get("input")
     if isinstance(items, str):
@@ -273,20 +246,12 @@ def _render_responses(data: dict[str, Any]) -> str:
     elif isinstance(items, list):
         for i, item in enumerate(items):
             if not isinstance(item, dict):
-                raise BadRequest(
-                    f"'input[{i}]' must be an object, got {_json_type(item)}",
-                    code="invalid_type",
-                    param=f"input[{i}]",
-                )
+                raise _wrong_type(f"input[{i}]", "an object", item)
             kind = item.get("type")
             if kind == "message" or (kind is None and "role" in item):
                 parts.append(_render_message(item, f"input[{i}]"))
     elif items is not None:
-        raise BadRequest(
-            f"'input' must be a string or a list of input items, got {_json_type(items)}",
-            code="invalid_type",
-            param="input",
-        )
+        raise _wrong_type("input", "a string or a list of input items", items)
     elif instructions is None:
         raise BadRequest("the request has no 'input' field", code="missing_field", param="input")
     return "".join(parts)
