@@ -294,7 +294,10 @@ class PrefixIndex:
 
     def _live_mask(self, lru: _PodLru, start: int, stop: int) -> npt.NDArray[np.bool_]:
         window = lru.ring[start:stop]
-        return _lookup(self._entries, window ^ lru.key, -1) == lru.seqs(start, stop)
+        live: npt.NDArray[np.bool_] = _lookup(self._entries, window ^ lru.key, -1) == lru.seqs(
+            start, stop
+        )
+        return live
 
     def _live_keys(self, lru: _PodLru) -> Keys:
         return lru.ring[lru.head : lru.size][self._live_mask(lru, lru.head, lru.size)]

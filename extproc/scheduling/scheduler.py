@@ -42,7 +42,7 @@ class Scheduler:
             NoReadyPods: pods serve the model but none is ready.
             NoCapacity: the filters removed every ready pod.
         """
-        candidates = select_candidates(cycle.request.model, pods)
+        candidates: Sequence[Pod] = select_candidates(cycle.request.model, pods)
         for f in self.filters:
             candidates = f.filter(cycle, candidates)
             if not candidates:
