@@ -34,7 +34,7 @@ _DROP = object()
 
 
 def dump(*entries: dict[str, Any]) -> str:
-    return yaml.safe_dump({"pods": list(entries)})
+    return str(yaml.safe_dump({"pods": list(entries)}))
 
 
 def write(path: Path, text: str) -> None:
@@ -273,7 +273,12 @@ def test_watcher_old_unchanged_file_is_not_read(
 ) -> None:
     reads: list[Path] = []
     real_read = pods_file._read
-    monkeypatch.setattr(pods_file, "_read", lambda path: reads.append(path) or real_read(path))
+
+    def counting_read(path: Path) -> bytes:
+        reads.append(path)
+        return real_read(path)
+
+    monkeypatch.setattr(pods_file, "_read", counting_read)
     watcher = PodsFileWatcher(pods_path, Published(), interval_s=0.01)
     os.utime(pods_path, (1_000_000, 1_000_000))  # modified long ago
     assert not watcher.poll()  # the stat changed: read once, same content
