@@ -49,7 +49,7 @@ def post(
 def first_body_message() -> dict[str, Any]:
     assert h.wait_for(lambda: bool(h.REC.processing))
     _, req = h.REC.processing[0]
-    d = json_format.MessageToDict(req, preserving_proto_field_name=True)
+    d: dict[str, Any] = json_format.MessageToDict(req, preserving_proto_field_name=True)
     if "request_body" in d:
         d["request_body"] = {k: v for k, v in d["request_body"].items() if k != "body"}
     return d
@@ -195,6 +195,10 @@ def exp_c() -> None:
             ("200 json", lambda: post({"route": [POD0]})),
             ("200 sse complete", lambda: stream({"route": [POD0], "mode": "sse"})),
             ("upstream dies mid-stream", lambda: stream({"route": [POD0], "mode": "die"})),
+            (
+                "upstream dies mid-stream, content-length response",
+                lambda: stream({"route": [POD0], "mode": "die_length"}),
+            ),
             (
                 "client disconnects mid-stream",
                 lambda: stream({"route": [POD0], "mode": "slow"}, disconnect_after=2),

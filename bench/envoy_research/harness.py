@@ -8,7 +8,7 @@ scripts the scripted picker and pods:
     {"route": ["ip:port", ...],      # the envoy.lb list the picker replies with
      "immediate": 400,               # answer with an ImmediateResponse instead
      "sleep_s": 0.5,                 # picker sleeps before replying (message timeout)
-     "mode": "json|sse|die|slow",    # what the pod does
+     "mode": "json|sse|die|die_length|slow",  # what the pod does
      "fail_ports": [18101],          # pods on these ports answer 503
      "no_header_removal": true}      # the picker does not remove the destination header
 
@@ -118,7 +118,7 @@ def _reply_for(req: ep.ProcessingRequest) -> ep.ProcessingResponse:
     )
 
 
-class ExtProc(ep_grpc.ExternalProcessorServicer):
+class ExtProc(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def Process(
         self, request_iterator: Iterator[ep.ProcessingRequest], context: grpc.ServicerContext
     ) -> Iterator[ep.ProcessingResponse]:
@@ -141,7 +141,7 @@ def stream_unary_process(
     return _reply_for(req)
 
 
-class AccessLog(als_pb2_grpc.AccessLogServiceServicer):
+class AccessLog(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
     def StreamAccessLogs(
         self,
         request_iterator: Iterator[als_pb2.StreamAccessLogsMessage],
@@ -204,12 +204,14 @@ async def _pod_handler(request: web.Request) -> web.StreamResponse:
     if mode == "json":
         return web.json_response({"port": port, "path": request.path})
     resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    if mode == "die_length":  # a response with a length, cut short
+        resp.content_length = 1_000_000
     await resp.prepare(request)
-    num_chunks = {"sse": 5, "die": 3, "slow": 50}[mode]
+    num_chunks = {"sse": 5, "die": 3, "die_length": 3, "slow": 50}[mode]
     for idx in range(num_chunks):
         await resp.write(f"data: {json.dumps({'port': port, 'idx': idx})}\n\n".encode())
         await asyncio.sleep(0.1 if mode == "slow" else 0.01)
-    if mode == "die":
+    if mode.startswith("die"):
         assert request.transport is not None
         request.transport.abort()  # the pod dies mid-stream: no terminating chunk
         return resp

@@ -1,8 +1,8 @@
 """Write generated Envoy configuration as YAML, with explanatory comments.
 
 The structure comes only from the protobuf objects (``build``); this module adds
-``#`` comment lines above chosen keys, found by their exact text, so the shipped
-``envoy/*.yaml`` files are both generated and readable.
+``#`` comment lines above chosen keys, found by the start of their line, so the
+shipped ``envoy/*.yaml`` files are both generated and readable.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def to_yaml(data: Any, *, header: str = "", comments: Mapping[str, str] | None =
 
     Args:
         data: plain data, e.g. from ``to_dict``.
-        header: comment lines put first ("# " is added to each).
+        header: a comment put first (re-flowed like the others).
         comments: maps a line's start, without indentation and a leading "- "
             (``"retry_policy:"``, ``"message_timeout:"`` for "message_timeout: 1s",
             ``"name: extproc"``) to the comment put above the first line it matches
@@ -79,9 +79,9 @@ extproc picks the pod. One gRPC message round per request: Envoy skips the reque
 headers and sends the whole body (BUFFERED); response headers are skipped and
 response_body_mode is NONE (the default, so not written). The reply's dynamic
 metadata envoy.lb/x-gateway-destination-endpoint = "ip:port,ip:port" (best first)
-steers the override_host load balancer below. failure_mode_allow is absent = false:
-extproc down -> 500, no reply within message_timeout -> 504 (set it true, or pass
---failure-mode-allow, to send such requests to a round-robin pod instead)."""
+steers the override_host load balancer below. failure_mode_allow (written only when
+true): false answers 500 when extproc is down and 504 when it does not reply within
+message_timeout; true (--failure-mode-allow) sends such requests to a round-robin pod."""
 
 _COMMON: dict[str, str] = {
     "name: envoy.filters.http.ext_proc": _EXT_PROC,
@@ -104,10 +104,11 @@ has passed ext_proc, so the router picks the host after the reply's metadata arr
 How extproc learns that a response ended, where and how: one entry per request on
 extproc's own gRPC port (AccessLogService), sent within about 1 ms of the end
 (buffer_size_bytes: 0), with no round per streamed chunk. Success is response_code
-2xx with no response_flags (a pod dying mid-stream sets upstream_protocol_error or
-upstream_connection_termination, a client leaving downstream_connection_termination).
-The served pod is common_properties.upstream_remote_address, matched to the ext_proc
-stream by request.request_id (= the request.id attribute).""",
+2xx, no response_flags and time_to_last_downstream_tx_byte set (measured: a pod dying
+mid-stream keeps its 200 but sets upstream_protocol_error, a client leaving sets
+downstream_connection_termination). The served pod is
+common_properties.upstream_remote_address, matched to the ext_proc stream by
+request.request_id (= the request.id attribute).""",
     "metadata_filter:": """\
 Only requests extproc routed (envoy.lb metadata present); ImmediateResponses and
 fail-open requests have nothing to record.""",
