@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 COMMANDS: tuple[str, ...] = (
     "extproc.prefix.cli",  # hash
+    "extproc.envoyconf.cli",  # envoy-config
 )
 
 

@@ -1,0 +1,479 @@
+"""Envoy configuration for extproc, built from the data-plane API's protobuf classes.
+
+The classes come from ``xds-protos`` (the gRPC project's generated Envoy API), which the
+server needs anyway: no extra dependency, field names and types are checked as the
+objects are built, and ``json_format.MessageToDict`` writes ``typed_config`` Any fields
+with their ``@type``. (envoy-data-plane's dataclasses would do too, but are an optional
+extra and two orders of magnitude slower, see ../shared/ENVOY_FACTS.md.)
+
+One ext_proc round per request (measured cheapest, envoy/README.md): Envoy skips the
+request headers, sends the whole body, and ``envoy.filters.http.buffer`` between
+ext_proc and the router holds routing until the body reply, whose dynamic metadata
+``envoy.lb/x-gateway-destination-endpoint`` ("ip:port,ip:port", best first) drives the
+``override_host`` load balancer; the route retries down that list. The gRPC access log
+service, on the same extproc cluster, reports how each request ended.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from envoy.config.accesslog.v3 import accesslog_pb2
+from envoy.config.bootstrap.v3 import bootstrap_pb2
+from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2
+from envoy.config.core.v3 import (
+    address_pb2,
+    base_pb2,
+    config_source_pb2,
+    extension_pb2,
+    grpc_service_pb2,
+    protocol_pb2,
+)
+from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
+from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
+from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.extensions.access_loggers.grpc.v3 import als_pb2
+from envoy.extensions.filters.http.buffer.v3 import buffer_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm_pb2,
+)
+from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
+from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from envoy.type.matcher.v3 import metadata_pb2 as metadata_matcher_pb2
+from envoy.type.matcher.v3 import value_pb2
+from envoy.type.metadata.v3 import metadata_pb2
+from google.protobuf import any_pb2, duration_pb2, message, wrappers_pb2
+
+from extproc.datalayer.pods_file import parse_address
+from extproc.types import Pod
+
+PODS_CLUSTER = "extproc_pods"
+EXTPROC_CLUSTER = "extproc"
+ACCESS_LOG_NAME = "extproc"  # StreamAccessLogsMessage.identifier.log_name
+
+# The Endpoint Picker Protocol (Gateway API Inference Extension): the ext_proc reply's
+# dynamic metadata namespace and key holding the ordered "ip:port,ip:port" list.
+DESTINATION_NAMESPACE = "envoy.lb"
+DESTINATION_KEY = "x-gateway-destination-endpoint"
+
+# The Endpoint Picker Protocol's subset hint: a gateway may restrict the candidates by
+# setting this filter metadata before ext_proc; Envoy forwards it in
+# ProcessingRequest.metadata_context.filter_metadata[SUBSET_HINT_NAMESPACE].
+SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
+
+# Request headers are skipped, so what extproc needs besides the body comes as ext_proc
+# attributes on the body message: ProcessingRequest.attributes[ATTRIBUTES_KEY] is a
+# Struct keyed by the expression text, e.g. {"request.path": "/v1/completions",
+# "request.id": "<x-request-id>", "request.headers['x-session-id']": "abc"}; a header the
+# client did not send is absent.
+ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"
+PATH_ATTRIBUTE = "request.url_path"  # without the query string ("request.path" has it)
+REQUEST_ID_ATTRIBUTE = "request.id"  # the x-request-id Envoy generated; also in the access log
+_HEADER_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*")  # lowercase, and safe inside CEL quotes
+_DNS_NAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?)+")
+
+# Request headers a client must never get to the pods: the destination header would
+# steer traffic under a header-source override_host (we use metadata only, but a
+# gateway in front or behind might not), and the "served" header is ours to set.
+INTERNAL_HEADERS: tuple[str, ...] = (DESTINATION_KEY, f"{DESTINATION_KEY}-served")
+
+RETRY_ON = "5xx,reset,connect-failure,refused-stream"
+# Envoy's default circuit breakers allow 1024 requests and 3 concurrent retries per
+# cluster: under a burst of long generations that turns into local 503s and skipped
+# fail-overs. The pods queue requests themselves, so Envoy should not cap them.
+CIRCUIT_BREAKER_LIMIT = 1 << 20
+# Each try goes to a different pod, so there is nothing to back off from; Envoy wants
+# some interval, 5-50 ms keeps a fail-over well under a token's time.
+RETRY_BACK_OFF_BASE_S = 0.005
+RETRY_BACK_OFF_MAX_S = 0.05
+# With the list exhausted, the round-robin fallback may pick a pod that already failed;
+# previous_hosts rejects it and Envoy picks again, at most this many times.
+HOST_SELECTION_RETRY_MAX_ATTEMPTS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class EnvoyOptions:
+    """The knobs of the generated Envoy configuration.
+
+    Attributes:
+        extproc_address: extproc's gRPC server (ext_proc and access log), ip:port or
+            dns-name:port (e.g. a Kubernetes Service; then the cluster is STRICT_DNS).
+        listen_address: the listener's IP.
+        listen_port: the listener's port.
+        admin_port: admin interface port (always on 127.0.0.1).
+        num_fallbacks: retries after the first pod, one per listed fallback pod.
+        failure_mode_allow: when extproc is down or slow, False answers 500 (down) or
+            504 (message timeout); True forwards the request to a round-robin pod.
+        message_timeout_s: how long Envoy waits for the body reply (includes sending
+            the body to extproc: keep it above a max-size body's transfer time).
+        max_body_bytes: largest request body; the listener's per-connection buffer,
+            the buffer filter and ext_proc's BUFFERED mode all hold the whole body.
+        connect_timeout_s: TCP connect timeout for pods and extproc.
+        attribute_headers: request headers sent to extproc as attributes (lowercase),
+            see ``header_attribute``.
+    """
+
+    extproc_address: str = "127.0.0.1:9002"
+    listen_address: str = "127.0.0.1"
+    listen_port: int = 10000
+    admin_port: int = 9901
+    num_fallbacks: int = 2
+    failure_mode_allow: bool = False
+    message_timeout_s: float = 1.0
+    max_body_bytes: int = 16 * 1024 * 1024  # 8 MB prompts with room to spare
+    connect_timeout_s: float = 1.0
+    attribute_headers: tuple[str, ...] = ("x-session-id",)
+
+    def __post_init__(self) -> None:
+        split_host_port(self.extproc_address)
+        for name in ("listen_port", "admin_port"):
+            if not 0 < getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be 1-65535, got {getattr(self, name)}")
+        if self.num_fallbacks < 0:
+            raise ValueError(f"num_fallbacks must be >= 0, got {self.num_fallbacks}")
+        if self.message_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
+        if not 0 < self.max_body_bytes < 1 << 32:
+            raise ValueError(f"max_body_bytes must be 1 .. 2**32-1, got {self.max_body_bytes}")
+        for name in self.attribute_headers:
+            if not _HEADER_NAME.fullmatch(name):
+                raise ValueError(f"attribute header {name!r} must be a lowercase header name")
+
+
+def split_host_port(address: str) -> tuple[str, int, bool]:
+    """Split ``ip:port``, ``[v6]:port`` or ``dns-name:port``.
+
+    Returns:
+        host (IPv6 without brackets), port, and whether the host is an IP address.
+
+    Raises:
+        ValueError: neither form, or a bad port.
+    """
+    try:
+        host, _, port = parse_address(address).rpartition(":")
+        return host.strip("[]"), int(port), True
+    except ValueError as exc:
+        host, _, port = address.rpartition(":")
+        if not _DNS_NAME.fullmatch(host) or host.replace(".", "").isdigit():
+            raise exc from None
+        if not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(
+                f"address {address!r}: port must be an integer from 1 to 65535"
+            ) from None
+        return host, int(port), False
+
+
+def header_attribute(header: str) -> str:
+    """The attribute name (a CEL expression) under which a request header arrives."""
+    return f"request.headers['{header}']"
+
+
+@dataclass(frozen=True, slots=True)
+class Snippet:
+    """What an existing Envoy needs to route through extproc."""
+
+    http_filters: list[hcm_pb2.HttpFilter]  # before the router, in this order
+    access_log: accesslog_pb2.AccessLog  # on the HttpConnectionManager
+    clusters: list[cluster_pb2.Cluster]  # extproc, and the pods
+    route_action: route_components_pb2.RouteAction  # cluster, timeout, retry policy
+    request_headers_to_remove: list[str]  # on the route or virtual host
+    per_connection_buffer_limit_bytes: int  # on the listener
+
+
+def make_bootstrap(pods: Sequence[Pod], options: EnvoyOptions) -> bootstrap_pb2.Bootstrap:
+    """A standalone Envoy: one listener routing every request to the pods via extproc."""
+    snippet = make_snippet(pods, options)
+    route_config = route_pb2.RouteConfiguration(
+        name="llm_routes",
+        virtual_hosts=[
+            route_components_pb2.VirtualHost(
+                name="llm",
+                domains=["*"],
+                routes=[
+                    route_components_pb2.Route(
+                        match=route_components_pb2.RouteMatch(prefix="/"),
+                        route=snippet.route_action,
+                    )
+                ],
+                request_headers_to_remove=snippet.request_headers_to_remove,
+            )
+        ],
+    )
+    manager = hcm_pb2.HttpConnectionManager(
+        stat_prefix="llm",
+        codec_type=hcm_pb2.HttpConnectionManager.AUTO,
+        route_config=route_config,
+        http_filters=[
+            *snippet.http_filters,
+            _filter("envoy.filters.http.router", router_pb2.Router()),
+        ],
+        access_log=[snippet.access_log],
+        # Envoy makes the x-request-id that ext_proc and the access log share; a
+        # client's own id is replaced (edge request, preserve_external_request_id off).
+        generate_request_id=wrappers_pb2.BoolValue(value=True),
+        use_remote_address=wrappers_pb2.BoolValue(value=True),
+    )
+    listener = listener_pb2.Listener(
+        name="llm",
+        address=_socket_address(options.listen_address, options.listen_port),
+        per_connection_buffer_limit_bytes=wrappers_pb2.UInt32Value(
+            value=snippet.per_connection_buffer_limit_bytes
+        ),
+        filter_chains=[
+            listener_components_pb2.FilterChain(
+                filters=[
+                    listener_components_pb2.Filter(
+                        name="envoy.filters.network.http_connection_manager",
+                        typed_config=_any(manager),
+                    )
+                ]
+            )
+        ],
+    )
+    return bootstrap_pb2.Bootstrap(
+        node=base_pb2.Node(id="extproc-envoy", cluster="extproc"),
+        admin=bootstrap_pb2.Admin(address=_socket_address("127.0.0.1", options.admin_port)),
+        static_resources=bootstrap_pb2.Bootstrap.StaticResources(
+            listeners=[listener], clusters=snippet.clusters
+        ),
+    )
+
+
+def make_snippet(pods: Sequence[Pod], options: EnvoyOptions) -> Snippet:
+    """The filters, access log, clusters and route settings, for an existing Envoy."""
+    return Snippet(
+        http_filters=[
+            _filter("envoy.filters.http.ext_proc", make_ext_proc(options)),
+            # Holds the request (headers included) until the whole body has passed
+            # ext_proc, so the router picks a host after the body reply's metadata.
+            _filter(
+                "envoy.filters.http.buffer",
+                buffer_pb2.Buffer(
+                    max_request_bytes=wrappers_pb2.UInt32Value(value=options.max_body_bytes)
+                ),
+            ),
+        ],
+        access_log=make_access_log(),
+        clusters=[make_extproc_cluster(options), make_pods_cluster(pods, options)],
+        route_action=make_route_action(options),
+        request_headers_to_remove=list(INTERNAL_HEADERS),
+        per_connection_buffer_limit_bytes=options.max_body_bytes,
+    )
+
+
+def make_ext_proc(options: EnvoyOptions) -> ext_proc_pb2.ExternalProcessor:
+    """ext_proc: one round per request (the buffered body), replies may set envoy.lb."""
+    mode = processing_mode_pb2.ProcessingMode
+    return ext_proc_pb2.ExternalProcessor(
+        grpc_service=_grpc_service(),
+        failure_mode_allow=options.failure_mode_allow,
+        processing_mode=mode(
+            request_header_mode=mode.SKIP,
+            request_body_mode=mode.BUFFERED,
+            request_trailer_mode=mode.SKIP,
+            response_header_mode=mode.SKIP,
+            response_body_mode=mode.NONE,
+            response_trailer_mode=mode.SKIP,
+        ),
+        request_attributes=[
+            PATH_ATTRIBUTE,
+            REQUEST_ID_ATTRIBUTE,
+            *map(header_attribute, options.attribute_headers),
+        ],
+        message_timeout=_duration(options.message_timeout_s),
+        metadata_options=ext_proc_pb2.MetadataOptions(
+            forwarding_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(
+                untyped=[SUBSET_HINT_NAMESPACE]
+            ),
+            # Without this the reply's envoy.lb metadata is silently dropped.
+            receiving_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(
+                untyped=[DESTINATION_NAMESPACE]
+            ),
+        ),
+    )
+
+
+def make_access_log() -> accesslog_pb2.AccessLog:
+    """One gRPC access-log entry per routed request, sent as soon as the request ends.
+
+    Only requests whose dynamic metadata holds the destination list are logged: the
+    rest (ImmediateResponses, fail-open requests) have nothing for extproc to learn.
+    """
+    return accesslog_pb2.AccessLog(
+        name="envoy.access_loggers.http_grpc",
+        filter=accesslog_pb2.AccessLogFilter(
+            metadata_filter=accesslog_pb2.MetadataFilter(
+                matcher=metadata_matcher_pb2.MetadataMatcher(
+                    filter=DESTINATION_NAMESPACE,
+                    path=[metadata_matcher_pb2.MetadataMatcher.PathSegment(key=DESTINATION_KEY)],
+                    value=value_pb2.ValueMatcher(present_match=True),
+                ),
+                match_if_key_not_found=wrappers_pb2.BoolValue(value=False),
+            )
+        ),
+        typed_config=_any(
+            als_pb2.HttpGrpcAccessLogConfig(
+                common_config=als_pb2.CommonGrpcAccessLogConfig(
+                    log_name=ACCESS_LOG_NAME,
+                    grpc_service=_grpc_service(),
+                    transport_api_version=config_source_pb2.ApiVersion.V3,
+                    buffer_size_bytes=wrappers_pb2.UInt32Value(value=0),  # flush each entry
+                )
+            )
+        ),
+    )
+
+
+def make_route_action(options: EnvoyOptions) -> route_components_pb2.RouteAction:
+    """Route to the pods; each retry takes the next pod of extproc's list."""
+    retry = route_components_pb2.RetryPolicy
+    return route_components_pb2.RouteAction(
+        cluster=PODS_CLUSTER,
+        # No overall deadline: generations run for minutes. The connection manager's
+        # stream idle timeout (5 min by default) still ends stalled streams.
+        timeout=_duration(0),
+        retry_policy=retry(
+            retry_on=RETRY_ON,
+            num_retries=wrappers_pb2.UInt32Value(value=options.num_fallbacks),
+            retry_host_predicate=[
+                retry.RetryHostPredicate(
+                    name="envoy.retry_host_predicates.previous_hosts",
+                    typed_config=_any(previous_hosts_pb2.PreviousHostsPredicate()),
+                )
+            ],
+            host_selection_retry_max_attempts=HOST_SELECTION_RETRY_MAX_ATTEMPTS,
+            retry_back_off=retry.RetryBackOff(
+                base_interval=_duration(RETRY_BACK_OFF_BASE_S),
+                max_interval=_duration(RETRY_BACK_OFF_MAX_S),
+            ),
+        ),
+    )
+
+
+def make_pods_cluster(pods: Sequence[Pod], options: EnvoyOptions) -> cluster_pb2.Cluster:
+    """Every pod as a static endpoint, load-balanced by extproc's metadata (only)."""
+    source = override_host_pb2.OverrideHost.OverrideHostSource
+    override_host = override_host_pb2.OverrideHost(
+        # Metadata only: a header source would obey a client-sent header.
+        override_host_sources=[
+            source(
+                metadata=metadata_pb2.MetadataKey(
+                    key=DESTINATION_NAMESPACE,
+                    path=[metadata_pb2.MetadataKey.PathSegment(key=DESTINATION_KEY)],
+                )
+            )
+        ],
+        # Used when the list is missing (fail-open) or exhausted by retries.
+        fallback_policy=_lb_policy(
+            "envoy.load_balancing_policies.round_robin", round_robin_pb2.RoundRobin()
+        ),
+    )
+    return cluster_pb2.Cluster(
+        name=PODS_CLUSTER,
+        type=cluster_pb2.Cluster.STATIC,
+        connect_timeout=_duration(options.connect_timeout_s),
+        load_balancing_policy=_lb_policy(
+            "envoy.load_balancing_policies.override_host", override_host
+        ),
+        circuit_breakers=_open_circuit_breakers(),
+        load_assignment=endpoint_pb2.ClusterLoadAssignment(
+            cluster_name=PODS_CLUSTER,
+            endpoints=[
+                endpoint_components_pb2.LocalityLbEndpoints(
+                    lb_endpoints=[_lb_endpoint(*split_host_port(pod.address)[:2]) for pod in pods]
+                )
+            ],
+        ),
+    )
+
+
+def make_extproc_cluster(options: EnvoyOptions) -> cluster_pb2.Cluster:
+    """extproc's gRPC server over HTTP/2 (ext_proc streams and access-log streams)."""
+    http2 = http_protocol_options_pb2.HttpProtocolOptions(
+        explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
+            http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
+        )
+    )
+    host, port, is_ip = split_host_port(options.extproc_address)
+    return cluster_pb2.Cluster(
+        name=EXTPROC_CLUSTER,
+        type=cluster_pb2.Cluster.STATIC if is_ip else cluster_pb2.Cluster.STRICT_DNS,
+        connect_timeout=_duration(options.connect_timeout_s),
+        typed_extension_protocol_options={
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _any(http2)
+        },
+        circuit_breakers=_open_circuit_breakers(),
+        load_assignment=endpoint_pb2.ClusterLoadAssignment(
+            cluster_name=EXTPROC_CLUSTER,
+            endpoints=[
+                endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[_lb_endpoint(host, port)])
+            ],
+        ),
+    )
+
+
+def _grpc_service() -> grpc_service_pb2.GrpcService:
+    return grpc_service_pb2.GrpcService(
+        envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXTPROC_CLUSTER)
+    )
+
+
+def _open_circuit_breakers() -> circuit_breaker_pb2.CircuitBreakers:
+    limit = wrappers_pb2.UInt32Value(value=CIRCUIT_BREAKER_LIMIT)
+    return circuit_breaker_pb2.CircuitBreakers(
+        thresholds=[
+            circuit_breaker_pb2.CircuitBreakers.Thresholds(
+                max_connections=limit,
+                max_pending_requests=limit,
+                max_requests=limit,
+                max_retries=limit,
+            )
+        ]
+    )
+
+
+def _lb_endpoint(host: str, port: int) -> endpoint_components_pb2.LbEndpoint:
+    return endpoint_components_pb2.LbEndpoint(
+        endpoint=endpoint_components_pb2.Endpoint(address=_socket_address(host, port))
+    )
+
+
+def _socket_address(ip: str, port: int) -> address_pb2.Address:
+    return address_pb2.Address(
+        socket_address=address_pb2.SocketAddress(address=ip, port_value=port)
+    )
+
+
+def _filter(name: str, config: message.Message) -> hcm_pb2.HttpFilter:
+    return hcm_pb2.HttpFilter(name=name, typed_config=_any(config))
+
+
+def _lb_policy(name: str, config: message.Message) -> cluster_pb2.LoadBalancingPolicy:
+    return cluster_pb2.LoadBalancingPolicy(
+        policies=[
+            cluster_pb2.LoadBalancingPolicy.Policy(
+                typed_extension_config=extension_pb2.TypedExtensionConfig(
+                    name=name, typed_config=_any(config)
+                )
+            )
+        ]
+    )
+
+
+def _any(config: message.Message) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(config)
+    return packed
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    duration = duration_pb2.Duration()
+    duration.FromNanoseconds(round(seconds * 1e9))
+    return duration

@@ -1,0 +1,102 @@
+"""``extproc envoy-config``: write an Envoy bootstrap (and the snippet) for a pods file."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from extproc.datalayer.pods_file import DEFAULT_PODS_FILE, load_pods
+from extproc.envoyconf.build import EnvoyOptions, make_bootstrap, make_snippet
+from extproc.envoyconf.render import render_bootstrap, render_snippet
+from extproc.errors import ConfigError
+
+_DEFAULTS = EnvoyOptions()
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``envoy-config`` sub-command."""
+    parser = subparsers.add_parser(
+        "envoy-config",
+        help="write an Envoy bootstrap and snippet routing through extproc",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--pods", type=Path, default=DEFAULT_PODS_FILE, help="pods YAML file (every pod)"
+    )
+    parser.add_argument(
+        "--extproc-address",
+        default=_DEFAULTS.extproc_address,
+        help="extproc gRPC server, ip:port or dns-name:port",
+    )
+    parser.add_argument("--listen-address", default=_DEFAULTS.listen_address)
+    parser.add_argument("--listen-port", type=int, default=_DEFAULTS.listen_port)
+    parser.add_argument("--admin-port", type=int, default=_DEFAULTS.admin_port)
+    parser.add_argument(
+        "--num-fallbacks",
+        type=int,
+        default=_DEFAULTS.num_fallbacks,
+        help="retries, each on the next pod extproc lists",
+    )
+    parser.add_argument(
+        "--failure-mode-allow",
+        action="store_true",
+        help="when extproc is down or late, route round-robin instead of 500/504",
+    )
+    parser.add_argument(
+        "--message-timeout-s",
+        type=float,
+        default=_DEFAULTS.message_timeout_s,
+        help="wait for extproc's reply to the body",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=_DEFAULTS.max_body_bytes,
+        help="largest request body (413 above)",
+    )
+    parser.add_argument(
+        "--attribute-header",
+        dest="attribute_headers",
+        action="append",
+        metavar="NAME",
+        help=f"request header sent to extproc (repeatable; default {_DEFAULTS.attribute_headers})",
+    )
+    parser.add_argument(
+        "--output", "-o", type=Path, help="write the bootstrap here (default: stdout)"
+    )
+    parser.add_argument("--snippet", type=Path, help="also write the snippet for an existing Envoy")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write the files; bad input prints one line to stderr and returns 2."""
+    try:
+        pods = load_pods(args.pods)
+        options = EnvoyOptions(
+            extproc_address=args.extproc_address,
+            listen_address=args.listen_address,
+            listen_port=args.listen_port,
+            admin_port=args.admin_port,
+            num_fallbacks=args.num_fallbacks,
+            failure_mode_allow=args.failure_mode_allow,
+            message_timeout_s=args.message_timeout_s,
+            max_body_bytes=args.max_body_bytes,
+            attribute_headers=tuple(args.attribute_headers or _DEFAULTS.attribute_headers),
+        )
+    except (ConfigError, ValueError) as exc:
+        print(f"extproc envoy-config: {exc}", file=sys.stderr)
+        return 2
+    summary = f"{len(pods)} pods from {args.pods.name}, extproc at {options.extproc_address}"
+    bootstrap = render_bootstrap(make_bootstrap(pods, options), summary=summary)
+    if args.output is None:
+        sys.stdout.write(bootstrap)
+    else:
+        args.output.write_text(bootstrap, encoding="utf-8")
+    if args.snippet is not None:
+        args.snippet.write_text(
+            render_snippet(make_snippet(pods, options), summary=summary), encoding="utf-8"
+        )
+    return 0

