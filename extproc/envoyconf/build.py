@@ -66,7 +66,7 @@ DESTINATION_KEY = "x-gateway-destination-endpoint"
 # setting this filter metadata before ext_proc; Envoy forwards it in
 # ProcessingRequest.metadata_context.filter_metadata[SUBSET_HINT_NAMESPACE].
 SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
-SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
+SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"  # for the server: a list of ip:port
 
 # Request headers are skipped, so what extproc needs besides the body comes as ext_proc
 # attributes on the body message: ProcessingRequest.attributes[ATTRIBUTES_KEY] is a
