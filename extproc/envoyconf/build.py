@@ -51,38 +51,23 @@ from envoy.type.metadata.v3 import metadata_pb2
 from google.protobuf import any_pb2, duration_pb2, message, wrappers_pb2
 
 from extproc.datalayer.pods_file import parse_address
+from extproc.epp import (
+    ACCESS_LOG_NAME,
+    DESTINATION_KEY,
+    DESTINATION_NAMESPACE,
+    INTERNAL_HEADERS,
+    PATH_ATTRIBUTE,
+    REQUEST_ID_ATTRIBUTE,
+    SUBSET_HINT_NAMESPACE,
+    header_attribute,
+)
 from extproc.types import Pod
 
 PODS_CLUSTER = "extproc_pods"
 EXTPROC_CLUSTER = "extproc"
-ACCESS_LOG_NAME = "extproc"  # StreamAccessLogsMessage.identifier.log_name
 
-# The Endpoint Picker Protocol (Gateway API Inference Extension): the ext_proc reply's
-# dynamic metadata namespace and key holding the ordered "ip:port,ip:port" list.
-DESTINATION_NAMESPACE = "envoy.lb"
-DESTINATION_KEY = "x-gateway-destination-endpoint"
-
-# The Endpoint Picker Protocol's subset hint: a gateway may restrict the candidates by
-# setting this filter metadata before ext_proc; Envoy forwards it in
-# ProcessingRequest.metadata_context.filter_metadata[SUBSET_HINT_NAMESPACE].
-SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
-SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"  # for the server: a list of ip:port
-
-# Request headers are skipped, so what extproc needs besides the body comes as ext_proc
-# attributes on the body message: ProcessingRequest.attributes[ATTRIBUTES_KEY] is a
-# Struct keyed by the expression text, e.g. {"request.path": "/v1/completions",
-# "request.id": "<x-request-id>", "request.headers['x-session-id']": "abc"}; a header the
-# client did not send is absent.
-ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"
-PATH_ATTRIBUTE = "request.url_path"  # without the query string ("request.path" has it)
-REQUEST_ID_ATTRIBUTE = "request.id"  # the x-request-id Envoy generated; also in the access log
 _HEADER_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*")  # lowercase, and safe inside CEL quotes
 _DNS_NAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?)+")
-
-# Request headers a client must never get to the pods: the destination header would
-# steer traffic under a header-source override_host (we use metadata only, but a
-# gateway in front or behind might not), and the "served" header is ours to set.
-INTERNAL_HEADERS: tuple[str, ...] = (DESTINATION_KEY, f"{DESTINATION_KEY}-served")
 
 RETRY_ON = "5xx,reset,connect-failure,refused-stream"
 # Envoy's default circuit breakers allow 1024 requests and 3 concurrent retries per
@@ -168,11 +153,6 @@ def split_host_port(address: str) -> tuple[str, int, bool]:
                 f"address {address!r}: port must be an integer from 1 to 65535"
             ) from None
         return host, int(port), False
-
-
-def header_attribute(header: str) -> str:
-    """The attribute name (a CEL expression) under which a request header arrives."""
-    return f"request.headers['{header}']"
 
 
 @dataclass(frozen=True, slots=True)

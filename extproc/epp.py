@@ -1,0 +1,38 @@
+"""The wire contract between Envoy and extproc (the Endpoint Picker Protocol and ours).
+
+Shared by the Envoy config generator (``extproc.envoyconf``) and the gRPC server, so the
+names Envoy is told to send are the names the server reads.
+"""
+
+from __future__ import annotations
+
+# The Endpoint Picker Protocol (Gateway API Inference Extension): the ext_proc reply's
+# dynamic metadata namespace and key holding the ordered "ip:port,ip:port" list.
+DESTINATION_NAMESPACE = "envoy.lb"
+DESTINATION_KEY = "x-gateway-destination-endpoint"
+
+# The Endpoint Picker Protocol's subset hint: a gateway may restrict the candidates by
+# setting this filter metadata before ext_proc; Envoy forwards it in
+# ProcessingRequest.metadata_context.filter_metadata[SUBSET_HINT_NAMESPACE].
+SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"  # for the server: a list of ip:port
+
+# Request headers are skipped, so what extproc needs besides the body comes as ext_proc
+# attributes on the body message: ProcessingRequest.attributes[ATTRIBUTES_KEY] is a
+# Struct keyed by the expression text, e.g. {"request.path": "/v1/completions",
+# "request.id": "<x-request-id>", "request.headers['x-session-id']": "abc"}; a header the
+# client did not send is absent.
+ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"
+PATH_ATTRIBUTE = "request.url_path"  # without the query string ("request.path" has it)
+REQUEST_ID_ATTRIBUTE = "request.id"  # the x-request-id Envoy generated; also in the access log
+ACCESS_LOG_NAME = "extproc"  # StreamAccessLogsMessage.identifier.log_name
+
+# Request headers a client must never get to the pods: the destination header would
+# steer traffic under a header-source override_host (we use metadata only, but a
+# gateway in front or behind might not), and the "served" header is ours to set.
+INTERNAL_HEADERS: tuple[str, ...] = (DESTINATION_KEY, f"{DESTINATION_KEY}-served")
+
+
+def header_attribute(header: str) -> str:
+    """The attribute name (a CEL expression) under which a request header arrives."""
+    return f"request.headers['{header}']"
