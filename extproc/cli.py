@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 COMMANDS: tuple[str, ...] = (
     "extproc.prefix.cli",  # hash
+    "extproc.serve",  # serve
     "extproc.envoyconf.cli",  # envoy-config
 )
 

@@ -1,0 +1,241 @@
+"""Routing decisions and their completion, without any gRPC: the server's only partner.
+
+``Router.route`` turns one request (path, body, request id, session header, subset hint)
+into the ordered destination list; ``Router.complete`` is told how the request ended
+(from Envoy's access log) and lets the scheduler record the prompt for the pod that
+really served it, only when the response ended successfully.
+
+Routed requests wait for their completion in ``PendingRecords``, bounded in size and
+age, so requests whose completion never arrives (extproc restarted, log lost) cannot
+grow memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from extproc.errors import ExtProcError, NoReadyPods
+from extproc.request import DEFAULT_MAX_BODY_BYTES, parse_request
+from extproc.scheduling.scheduler import Scheduler
+from extproc.scheduling.types import Cycle
+from extproc.types import Pod, PodId
+
+log = logging.getLogger("extproc.routing")
+
+SCHEDULING_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    pods: tuple[Pod, ...]  # best first: the pick, then the fallbacks
+
+    @property
+    def destination(self) -> str:
+        """The Endpoint Picker Protocol's value: ``ip:port,ip:port,...``."""
+        return ",".join(p.address for p in self.pods)
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    cycle: Cycle
+    pod_by_address: dict[str, PodId]
+    created_s: float
+
+
+class PendingRecords:
+    """Routed requests awaiting their completion: at most ``max_size``, none older than
+    ``ttl_s`` (the oldest go first). Thread-safe."""
+
+    def __init__(self, max_size: int = 100_000, ttl_s: float = 3600.0) -> None:
+        self.max_size = max_size
+        self.ttl_s = ttl_s
+        self._items: OrderedDict[str, _Pending] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_dropped = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, request_id: str, pending: _Pending) -> None:
+        with self._lock:
+            self._items[request_id] = pending
+            self._items.move_to_end(request_id)
+            self._expire(pending.created_s)
+
+    def pop(self, request_id: str) -> _Pending | None:
+        with self._lock:
+            return self._items.pop(request_id, None)
+
+    def _expire(self, now_s: float) -> None:
+        items = self._items
+        while items and (
+            len(items) > self.max_size or next(iter(items.values())).created_s < now_s - self.ttl_s
+        ):
+            items.popitem(last=False)
+            self.num_dropped += 1
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.decisions = Counter(
+            "extproc_route_decisions",
+            "Requests routed (a destination list was returned), by model.",
+            ["model"],
+            registry=registry,
+        )
+        self.errors = Counter(
+            "extproc_route_errors",
+            "Requests answered with an error instead of a route, by HTTP status and code.",
+            ["status", "code"],
+            registry=registry,
+        )
+        self.scheduling = Histogram(
+            "extproc_scheduling_duration_seconds",
+            "Time to parse, render, hash and schedule one request.",
+            registry=registry,
+            buckets=SCHEDULING_BUCKETS,
+        )
+        self.completions = Counter(
+            "extproc_completions",
+            "Routed requests whose end Envoy reported, by outcome (recorded, failed, "
+            "unknown_request, unknown_pod).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.retries = Counter(
+            "extproc_retries_observed",
+            "Upstream attempts beyond the first, as reported by Envoy's access log.",
+            registry=registry,
+        )
+        self.pods_ready = Gauge(
+            "extproc_pods_ready", "Known pods that are ready to take requests.", registry=registry
+        )
+        self.pods_known = Gauge("extproc_pods_known", "Known pods.", registry=registry)
+        self.pending = Gauge(
+            "extproc_pending_completions",
+            "Routed requests awaiting their end (bounded in size and age).",
+            registry=registry,
+        )
+
+
+class Router:
+    """Routes requests with a scheduler over the current pod snapshot."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        pods: Sequence[Pod] = (),
+        *,
+        num_fallbacks: int = 2,
+        session_header: str | None = "x-session-id",
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        pending: PendingRecords | None = None,
+        registry: CollectorRegistry = REGISTRY,
+    ) -> None:
+        if num_fallbacks < 0:
+            raise ValueError(f"num_fallbacks must be >= 0, got {num_fallbacks}")
+        self.scheduler = scheduler
+        self.num_fallbacks = num_fallbacks
+        self.session_header = session_header
+        self.max_body_bytes = max_body_bytes
+        self.pending = pending or PendingRecords()
+        self.metrics = RouterMetrics(registry)
+        self.metrics.pending.set_function(lambda: len(self.pending))
+        self.pods: tuple[Pod, ...] = ()
+        self.set_pods(pods)
+
+    def set_pods(self, pods: Sequence[Pod]) -> None:
+        """Publish a new pod snapshot (rebinding: the request path reads it lock-free)."""
+        self.pods = tuple(pods)
+        self.metrics.pods_known.set(len(self.pods))
+        self.metrics.pods_ready.set(sum(p.ready for p in self.pods))
+        self.scheduler.pods_changed(self.pods)
+
+    def route(
+        self,
+        path: str,
+        body: bytes,
+        *,
+        request_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        subset: Sequence[str] | None = None,
+    ) -> RouteDecision:
+        """Pick the pods for one request, best first.
+
+        Args:
+            path: the request path (selects the API).
+            body: the request body.
+            request_id: Envoy's x-request-id; with it the completion can be recorded.
+            headers: request headers extproc was sent (lower-case names).
+            subset: the gateway's subset hint: only these ``ip:port`` may be chosen.
+
+        Raises:
+            ExtProcError: the error to answer instead (400, 404, 413, 429, 503).
+        """
+        started = time.perf_counter()
+        try:
+            request = parse_request(
+                path,
+                body,
+                headers,
+                session_header=self.session_header,
+                max_body_bytes=self.max_body_bytes,
+            )
+            pods: Sequence[Pod] = self.pods
+            if subset is not None:
+                allowed = set(subset)
+                pods = [p for p in pods if p.address in allowed]
+                if not pods:
+                    raise NoReadyPods(
+                        "none of the pods in the gateway's subset hint is known: "
+                        + ", ".join(sorted(allowed)[:5])
+                    )
+            cycle = Cycle(request)
+            ranked = self.scheduler.schedule(cycle, pods)
+        except ExtProcError as exc:
+            self.metrics.errors.labels(str(exc.http_status), exc.code).inc()
+            raise
+        chosen = tuple(ranked[: 1 + self.num_fallbacks])
+        if request_id:
+            pending = _Pending(cycle, {p.address: p.id for p in chosen}, time.monotonic())
+            self.pending.add(request_id, pending)
+        self.metrics.decisions.labels(request.model).inc()
+        self.metrics.scheduling.observe(time.perf_counter() - started)
+        return RouteDecision(chosen)
+
+    def complete(
+        self, request_id: str, served_address: str | None, succeeded: bool, attempts: int = 1
+    ) -> bool:
+        """A routed request ended; record it for the pod that served if it succeeded.
+
+        Returns whether anything was recorded.
+        """
+        if attempts > 1:
+            self.metrics.retries.inc(attempts - 1)
+        pending = self.pending.pop(request_id)
+        if pending is None:
+            self.metrics.completions.labels("unknown_request").inc()
+            return False
+        if not succeeded:
+            self.metrics.completions.labels("failed").inc()
+            return False
+        pod = pending.pod_by_address.get(served_address or "")
+        if pod is None:
+            # Served by the fallback policy after the list ran out: still a known pod?
+            pod = next((p.id for p in self.pods if p.address == served_address), None)
+        if pod is None:
+            self.metrics.completions.labels("unknown_pod").inc()
+            log.warning(
+                "request %s was served by %s, which is no known pod", request_id, served_address
+            )
+            return False
+        self.scheduler.record(pending.cycle, pod)
+        self.metrics.completions.labels("recorded").inc()
+        return True

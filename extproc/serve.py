@@ -1,0 +1,172 @@
+"""``extproc serve``: the endpoint picker process.
+
+Wires the pieces: configuration -> scheduler; pods file (watched) -> router; gRPC
+ext_proc + access log on ``--grpc-port``; gRPC health on ``--health-port``; Prometheus
+metrics on ``--metrics-port``. SIGTERM/SIGINT: health goes NOT_SERVING, open streams get
+``--drain-s`` seconds to finish, then the process exits.
+
+Every flag has an environment variable (``EXTPROC_<FLAG>``) and an embedded default, so
+``extproc serve`` alone serves the shipped pods file with the shipped configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2
+from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+
+from extproc.config import build_scheduler, load_config
+from extproc.datalayer.pods_file import DEFAULT_PODS_FILE, PodsFileWatcher
+from extproc.errors import ConfigError
+from extproc.routing import Router
+from extproc.server import EXT_PROC_SERVICE, ExtProcHandlers, make_grpc_server, make_health_server
+
+log = logging.getLogger("extproc.serve")
+
+
+def _env(name: str, default: Any) -> Any:
+    return os.environ.get(f"EXTPROC_{name.upper().replace('-', '_')}", default)
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "serve", help="run the ext_proc endpoint picker", description=__doc__
+    )
+    p.add_argument("--config", default=_env("config", None), help="scheduler config YAML")
+    p.add_argument("--pods", default=_env("pods", str(DEFAULT_PODS_FILE)), help="pods YAML")
+    p.add_argument("--address", default=_env("address", "127.0.0.1"), help="bind address")
+    p.add_argument("--grpc-port", type=int, default=int(_env("grpc-port", 9002)))
+    p.add_argument("--health-port", type=int, default=int(_env("health-port", 9003)))
+    p.add_argument("--metrics-port", type=int, default=int(_env("metrics-port", 9090)))
+    p.add_argument(
+        "--num-fallbacks",
+        type=int,
+        default=int(_env("num-fallbacks", 2)),
+        help="pods listed after the pick, for Envoy's retries (default %(default)s)",
+    )
+    p.add_argument(
+        "--session-header",
+        default=_env("session-header", "x-session-id"),
+        help="request header carrying the session key ('' to ignore sessions)",
+    )
+    p.add_argument("--max-body-bytes", type=int, default=int(_env("max-body-bytes", 16 << 20)))
+    p.add_argument("--pods-poll-s", type=float, default=float(_env("pods-poll-s", 1.0)))
+    p.add_argument("--drain-s", type=float, default=float(_env("drain-s", 10.0)))
+    p.add_argument("--log-level", default=_env("log-level", "info"))
+    p.add_argument(
+        "-v",
+        type=int,
+        default=int(_env("v", 0)),
+        help="verbosity; 4 logs every score plugin's per-pod scores",
+    )
+    p.set_defaults(func=run)
+
+
+@dataclass
+class Running:
+    """A started picker; ``stop()`` drains and shuts everything down."""
+
+    router: Router
+    grpc_server: grpc.Server
+    grpc_port: int
+    health_server: grpc.Server
+    health_servicer: health.HealthServicer
+    health_port: int
+    watcher: PodsFileWatcher
+    metrics_server: Any
+
+    def stop(self, drain_s: float = 10.0) -> None:
+        for service in ("", EXT_PROC_SERVICE):
+            self.health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.watcher.stop()
+        self.grpc_server.stop(drain_s).wait()
+        self.health_server.stop(0).wait()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+
+
+def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> Running:
+    """Build and start the picker from parsed ``serve`` arguments (raises ConfigError)."""
+    scheduler = build_scheduler(load_config(args.config), registry)
+    router = Router(
+        scheduler,
+        num_fallbacks=args.num_fallbacks,
+        session_header=args.session_header or None,
+        max_body_bytes=args.max_body_bytes,
+        registry=registry,
+    )
+    watcher = PodsFileWatcher(args.pods, router.set_pods, interval_s=args.pods_poll_s)
+    router.set_pods(watcher.pods)
+    grpc_server, grpc_port = make_grpc_server(
+        ExtProcHandlers(router),
+        f"{args.address}:{args.grpc_port}",
+        max_message_bytes=args.max_body_bytes + (1 << 20),
+    )
+    health_server, servicer, health_port = make_health_server(f"{args.address}:{args.health_port}")
+    metrics_server = None
+    if args.metrics_port:
+        metrics_server, _ = start_http_server(args.metrics_port, args.address, registry)
+    grpc_server.start()
+    health_server.start()
+    watcher.start()
+    for service in ("", EXT_PROC_SERVICE):
+        servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    log.info(
+        "extproc serving ext_proc on %s:%d, health on :%d, metrics on :%s; %d pods from %s",
+        args.address,
+        grpc_port,
+        health_port,
+        args.metrics_port,
+        len(router.pods),
+        args.pods,
+    )
+    return Running(
+        router,
+        grpc_server,
+        grpc_port,
+        health_server,
+        servicer,
+        health_port,
+        watcher,
+        metrics_server,
+    )
+
+
+def configure_logging(level: str, verbosity: int) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if verbosity >= 4:
+        logging.getLogger("extproc.scheduling").setLevel(logging.DEBUG)
+    if verbosity >= 5:
+        logging.getLogger("extproc").setLevel(logging.DEBUG)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level, args.v)
+    try:
+        running = start(args)
+    except (ConfigError, OSError) as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("signal %d: draining for up to %.1f s", signum, args.drain_s)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    stop.wait()
+    running.stop(args.drain_s)
+    log.info("stopped")
+    return 0

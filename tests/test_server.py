@@ -1,0 +1,281 @@
+"""The gRPC layer against a real grpcio server on a free port: routing, errors, records."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import orjson
+import pytest
+from envoy.config.core.v3 import address_pb2, base_pb2
+from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.service.accesslog.v3 import als_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from google.protobuf import duration_pb2, struct_pb2, wrappers_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
+
+from extproc.epp import ATTRIBUTES_KEY, SUBSET_HINT_KEY, SUBSET_HINT_NAMESPACE
+from extproc.routing import Router
+from extproc.server import (
+    ACCESS_LOG_SERVICE,
+    EXT_PROC_SERVICE,
+    ExtProcHandlers,
+    make_grpc_server,
+    make_health_server,
+)
+from tests.factories import PREFIX_ONLY, make_pod, make_scheduler
+
+PODS = [make_pod(f"p{i}", port=8100 + i) for i in range(4)]
+
+
+class Client:
+    def __init__(self, port: int) -> None:
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.process = self.channel.stream_unary(
+            f"/{EXT_PROC_SERVICE}/Process",
+            request_serializer=ep.ProcessingRequest.SerializeToString,
+            response_deserializer=ep.ProcessingResponse.FromString,
+        )
+        self.logs = self.channel.stream_unary(
+            f"/{ACCESS_LOG_SERVICE}/StreamAccessLogs",
+            request_serializer=als_pb2.StreamAccessLogsMessage.SerializeToString,
+            response_deserializer=als_pb2.StreamAccessLogsResponse.FromString,
+        )
+
+    def send_body(
+        self,
+        body: object,
+        *,
+        path: str = "/v1/completions",
+        request_id: str = "r1",
+        session: str | None = None,
+        subset: list[str] | None = None,
+    ) -> ep.ProcessingResponse:
+        msg = ep.ProcessingRequest(
+            request_body=ep.HttpBody(
+                body=body if isinstance(body, bytes) else orjson.dumps(body), end_of_stream=True
+            )
+        )
+        attrs = msg.attributes[ATTRIBUTES_KEY]
+        attrs.fields["request.url_path"].string_value = path
+        attrs.fields["request.id"].string_value = request_id
+        if session:
+            attrs.fields["request.headers['x-session-id']"].string_value = session
+        if subset is not None:
+            hint = msg.metadata_context.filter_metadata[SUBSET_HINT_NAMESPACE]
+            hint.fields[SUBSET_HINT_KEY].list_value.values.extend(
+                struct_pb2.Value(string_value=a) for a in subset
+            )
+        return self.process(iter([msg]), timeout=5)
+
+    def log(self, *entries: accesslog_pb2.HTTPAccessLogEntry) -> None:
+        msg = als_pb2.StreamAccessLogsMessage(
+            identifier=als_pb2.StreamAccessLogsMessage.Identifier(log_name="extproc")
+        )
+        msg.http_logs.log_entry.extend(entries)
+        self.logs(iter([msg]), timeout=5)
+
+
+def log_entry(
+    request_id: str, served: str, *, code: int = 200, ended: bool = True, **flags: bool
+) -> accesslog_pb2.HTTPAccessLogEntry:
+    host, port = served.rsplit(":", 1)
+    entry = accesslog_pb2.HTTPAccessLogEntry()
+    entry.request.request_id = request_id
+    entry.response.response_code.CopyFrom(wrappers_pb2.UInt32Value(value=code))
+    cp = entry.common_properties
+    cp.upstream_remote_address.CopyFrom(
+        address_pb2.Address(
+            socket_address=address_pb2.SocketAddress(address=host, port_value=int(port))
+        )
+    )
+    if ended:
+        cp.time_to_last_downstream_tx_byte.CopyFrom(duration_pb2.Duration(nanos=1000))
+    for name, value in flags.items():
+        setattr(cp.response_flags, name, value)
+    return entry
+
+
+@pytest.fixture
+def router() -> Router:
+    return Router(make_scheduler(PREFIX_ONLY), PODS, registry=CollectorRegistry())
+
+
+@pytest.fixture
+def client(router: Router) -> Iterator[Client]:
+    server, port = make_grpc_server(ExtProcHandlers(router), "127.0.0.1:0")
+    server.start()
+    c = Client(port)
+    yield c
+    c.channel.close()
+    server.stop(0).wait()
+
+
+def destination(resp: ep.ProcessingResponse) -> list[str]:
+    value = resp.dynamic_metadata.fields["envoy.lb"].struct_value.fields[
+        "x-gateway-destination-endpoint"
+    ]
+    return value.string_value.split(",")
+
+
+def error_of(resp: ep.ProcessingResponse) -> tuple[int, dict[str, object]]:
+    imm = resp.immediate_response
+    headers = {h.header.key: h.header.raw_value for h in imm.headers.set_headers}
+    assert headers["content-type"] == b"application/json"
+    return imm.status.code, orjson.loads(imm.body)["error"]
+
+
+def test_routes_with_pick_and_fallbacks(client: Client) -> None:
+    resp = client.send_body({"model": "m", "prompt": "hello"})
+    assert resp.HasField("request_body")
+    dest = destination(resp)
+    assert len(dest) == 3 and len(set(dest)) == 3
+    assert set(dest) <= {p.address for p in PODS}
+
+
+def test_success_log_records_the_served_pod_and_next_request_follows(
+    client: Client, router: Router
+) -> None:
+    prompt = {
+        "model": "m",
+        "messages": [{"role": "system", "content": "S" * 500}, {"role": "user", "content": "q1"}],
+    }
+    first = destination(client.send_body(prompt, path="/v1/chat/completions", request_id="a"))
+    served = first[1]  # say the first pod failed and the retry went to the second
+    client.log(log_entry("a", served))
+    assert router.metrics.completions.labels("recorded")._value.get() == 1
+    for i in range(10):
+        nxt = destination(client.send_body(prompt, path="/v1/chat/completions", request_id=f"b{i}"))
+        assert nxt[0] == served
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        pytest.param({"code": 503}, "error status", id="503"),
+        pytest.param(
+            {"ended": False, "upstream_protocol_error": True}, "died mid-stream", id="mid-stream"
+        ),
+        pytest.param(
+            {"ended": False, "downstream_connection_termination": True},
+            "client left",
+            id="client-left",
+        ),
+        pytest.param(
+            {"upstream_retry_limit_exceeded": True}, "retries exhausted", id="retry-limit"
+        ),
+    ],
+)
+def test_failed_responses_record_nothing(
+    client: Client, router: Router, kwargs: dict, reason: str
+) -> None:
+    dest = destination(client.send_body({"model": "m", "prompt": "x" * 300}, request_id="f"))
+    client.log(log_entry("f", dest[0], **kwargs))
+    plugin = router.scheduler.scorers[0].scorer
+    assert plugin.index.num_entries == 0, reason  # type: ignore[attr-defined]
+    assert router.metrics.completions.labels("failed")._value.get() == 1
+
+
+def test_unknown_request_and_unknown_pod_are_counted_not_recorded(
+    client: Client, router: Router
+) -> None:
+    client.log(log_entry("never-routed", PODS[0].address))
+    dest = destination(client.send_body({"model": "m", "prompt": "y"}, request_id="u"))
+    assert dest
+    client.log(log_entry("u", "10.9.9.9:1"))
+    assert router.metrics.completions.labels("unknown_request")._value.get() == 1
+    assert router.metrics.completions.labels("unknown_pod")._value.get() == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "path", "status", "code"),
+    [
+        pytest.param(b"{oops", "/v1/completions", 400, "invalid_json", id="bad-json"),
+        pytest.param({"prompt": "p"}, "/v1/completions", 400, "missing_model", id="no-model"),
+        pytest.param(
+            {"model": "nope", "prompt": "p"},
+            "/v1/completions",
+            404,
+            "model_not_found",
+            id="unknown-model",
+        ),
+        pytest.param(
+            {"model": "m", "input": 5}, "/v1/responses", 400, "invalid_type", id="bad-input"
+        ),
+        pytest.param(
+            {"model": "m", "prompt": "p"},
+            "/v1/embeddings",
+            400,
+            "unsupported_endpoint",
+            id="bad-path",
+        ),
+    ],
+)
+def test_errors_are_immediate_json_responses(
+    client: Client, body: object, path: str, status: int, code: str
+) -> None:
+    got_status, error = error_of(client.send_body(body, path=path))
+    assert (got_status, error["code"]) == (status, code)
+    assert error["message"]
+
+
+def test_no_ready_pod_is_503(router: Router, client: Client) -> None:
+    router.set_pods([make_pod("down", ready=False)])
+    status, error = error_of(client.send_body({"model": "m", "prompt": "p"}))
+    assert (status, error["code"]) == (503, "no_ready_pods")
+
+
+def test_subset_hint_restricts_candidates(client: Client) -> None:
+    allowed = [PODS[2].address]
+    assert destination(client.send_body({"model": "m", "prompt": "p"}, subset=allowed)) == allowed
+    status, _ = error_of(client.send_body({"model": "m", "prompt": "p"}, subset=["10.1.1.1:80"]))
+    assert status == 503
+
+
+def test_unexpected_errors_are_500_with_request_id_and_no_trace(
+    router: Router, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Broken:
+        def schedule(self, *_a: object) -> None:
+            raise RuntimeError("secret internals")
+
+    monkeypatch.setattr(router, "scheduler", Broken())
+    status, error = error_of(client.send_body({"model": "m", "prompt": "p"}, request_id="rid-9"))
+    assert status == 500 and "rid-9" in str(error["message"])
+    assert "secret internals" not in str(error) and "Traceback" not in str(error)
+    # and the server keeps serving
+    monkeypatch.undo()
+    assert destination(client.send_body({"model": "m", "prompt": "p"}))
+
+
+def test_unexpected_message_kind_continues(client: Client) -> None:
+    msg = ep.ProcessingRequest(
+        request_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(), end_of_stream=True)
+    )
+    resp = client.process(iter([msg]), timeout=5)
+    assert resp.HasField("request_headers")
+
+
+def test_large_body_passes_the_grpc_limit(client: Client) -> None:
+    prompt = "z" * (6 * 1024 * 1024)
+    assert len(destination(client.send_body({"model": "m", "prompt": prompt}))) == 3
+
+
+def test_health_service_reports_serving() -> None:
+    server, servicer, port = make_health_server("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            assert (
+                stub.Check(health_pb2.HealthCheckRequest(service=EXT_PROC_SERVICE)).status
+                == health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            servicer.set(EXT_PROC_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+            assert (
+                stub.Check(health_pb2.HealthCheckRequest(service=EXT_PROC_SERVICE)).status
+                == health_pb2.HealthCheckResponse.SERVING
+            )
+    finally:
+        server.stop(0).wait()
