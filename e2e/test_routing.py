@@ -1,0 +1,134 @@
+"""Through real Envoy: prefix affinity for all three APIs, salts, errors, steering, clients."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from extproc.sim.harness import SimPods
+
+from e2e.conftest import MODEL, metric, unique_prefix, wait_for
+from extproc.launch import Stack
+
+RECORDED = ("extproc_completions_total", 'outcome="recorded"')
+
+
+def body_for(api: str, prefix: str, question: str, **extra: object) -> dict[str, object]:
+    if api == "/v1/completions":
+        return {"model": MODEL, "prompt": prefix + question, "max_tokens": 4, **extra}
+    if api == "/v1/chat/completions":
+        messages = [{"role": "system", "content": prefix}, {"role": "user", "content": question}]
+        return {"model": MODEL, "messages": messages, "max_tokens": 4, **extra}
+    return {
+        "model": MODEL,
+        "instructions": prefix,
+        "input": question,
+        "max_output_tokens": 4,
+        **extra,
+    }
+
+
+def served_by(resp: httpx.Response) -> str:
+    assert resp.status_code == 200, resp.text
+    return resp.headers["x-sim-pod"]
+
+
+def send_and_wait_recorded(
+    stack: Stack, client: httpx.Client, api: str, body: dict[str, object]
+) -> str:
+    before = metric(stack, *RECORDED)
+    pod = served_by(client.post(api, json=body))
+    assert wait_for(lambda: metric(stack, *RECORDED) > before), "the success was not recorded"
+    return pod
+
+
+@pytest.mark.parametrize("api", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
+def test_same_prefix_goes_to_the_first_requests_pod(
+    stack: Stack, client: httpx.Client, sim: SimPods, api: str
+) -> None:
+    prefix = unique_prefix()
+    first = send_and_wait_recorded(stack, client, api, body_for(api, prefix, "question one?"))
+    for i in range(5):
+        assert (
+            served_by(client.post(api, json=body_for(api, prefix, f"question {i + 2}?"))) == first
+        )
+    hits = sim.stats(first)["engine"]["prefix_cache_hits"]
+    assert hits > 0  # and the engine really reused the cache
+
+
+def test_different_cache_salt_does_not_share_the_prefix(stack: Stack, client: httpx.Client) -> None:
+    prefix = unique_prefix()
+    api = "/v1/completions"
+    send_and_wait_recorded(stack, client, api, body_for(api, prefix, "q", cache_salt="tenant-a"))
+    misses = metric(
+        stack, "kthena_router_prefix_cache_match_ratio_bucket", 'model="sim-llm",le="0.0"'
+    )
+    served_by(client.post(api, json=body_for(api, prefix, "q", cache_salt="tenant-b")))
+    after = metric(
+        stack, "kthena_router_prefix_cache_match_ratio_bucket", 'model="sim-llm",le="0.0"'
+    )
+    assert after == misses + 1  # the other tenant's request matched nothing
+    send_and_wait_recorded(stack, client, api, body_for(api, prefix, "q2", cache_salt="tenant-a"))
+    assert (
+        metric(stack, "kthena_router_prefix_cache_match_ratio_bucket", 'model="sim-llm",le="0.0"')
+        == after
+    )
+
+
+@pytest.mark.parametrize(
+    ("content", "status", "code"),
+    [
+        pytest.param(b"{not json", 400, "invalid_json", id="bad-json"),
+        pytest.param(b'{"prompt": "hi"}', 400, "missing_model", id="missing-model"),
+        pytest.param(
+            b'{"model": "no-such-model", "prompt": "hi"}',
+            404,
+            "model_not_found",
+            id="unknown-model",
+        ),
+        pytest.param(b'{"model": "sim-llm", "prompt": 12}', 400, "invalid_type", id="wrong-type"),
+    ],
+)
+def test_bad_requests_get_json_errors_and_extproc_keeps_serving(
+    client: httpx.Client, content: bytes, status: int, code: str
+) -> None:
+    resp = client.post(
+        "/v1/completions", content=content, headers={"content-type": "application/json"}
+    )
+    assert resp.status_code == status
+    assert resp.headers["content-type"] == "application/json"
+    assert resp.json()["error"]["code"] == code
+    assert served_by(
+        client.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "still up?", "max_tokens": 2}
+        )
+    )
+
+
+def test_client_sent_destination_header_does_not_steer(
+    stack: Stack, client: httpx.Client, sim: SimPods
+) -> None:
+    prefix = unique_prefix()
+    api = "/v1/completions"
+    owner = send_and_wait_recorded(stack, client, api, body_for(api, prefix, "q"))
+    other = next(p for p in sim.pods if p.name != owner)
+    for _ in range(5):
+        resp = client.post(
+            api,
+            json=body_for(api, prefix, "q again"),
+            headers={"x-gateway-destination-endpoint": f"127.0.0.1:{other.port}"},
+        )
+        assert served_by(resp) == owner
+
+
+def test_openai_client_plain_and_streamed_chat(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Say something short."}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)  # type: ignore[arg-type]
+    assert reply.choices[0].message.content and reply.usage and reply.usage.completion_tokens == 5
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, stream=True)  # type: ignore[arg-type]
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and chunks[-1].choices[0].finish_reason == "length"
+    client.close()
