@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 COMMANDS: tuple[str, ...] = (
     "extproc.prefix.cli",  # hash
+    "extproc.sim.pods_cli",  # sim-pods
 )
 
 

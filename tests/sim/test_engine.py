@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -11,8 +12,13 @@ from extproc.sim.engine import Engine, EngineConfig, QueueFull, RequestTooLarge
 from extproc.sim.kv_cache import AllBlocksCleared, BlockRemoved, BlockStored, hash_request_tokens
 from tests.sim.factories import make_request, run_alone, seq
 
+
+def settings(name: str, value: object) -> dict[str, Any]:
+    return {name: value}
+
+
 # Round numbers: a step costs 10 ms + 1 ms per running request + 1 ms per uncached token.
-TIMING = {"step_base_s": 0.010, "decode_s_per_seq": 0.001, "prefill_s_per_token": 0.001}
+TIMED = EngineConfig(step_base_s=0.010, decode_s_per_seq=0.001, prefill_s_per_token=0.001)
 
 
 @pytest.mark.parametrize(
@@ -20,13 +26,13 @@ TIMING = {"step_base_s": 0.010, "decode_s_per_seq": 0.001, "prefill_s_per_token"
 )
 def test_invalid_settings_name_the_setting(name: str) -> None:
     with pytest.raises(ConfigError, match=f"EngineConfig.{name} must be"):
-        EngineConfig(**{name: -1})
+        EngineConfig(**settings(name, -1))
 
 
 @pytest.mark.parametrize("name", ["block_size", "num_gpu_blocks", "max_num_seqs", "time_scale"])
 def test_zero_is_invalid_for_sizes_and_scale(name: str) -> None:
     with pytest.raises(ConfigError, match=name):
-        EngineConfig(**{name: 0})
+        EngineConfig(**settings(name, 0))
 
 
 def test_request_larger_than_the_whole_cache_is_rejected() -> None:
@@ -52,7 +58,7 @@ def test_queue_is_bounded() -> None:
 
 
 def test_running_blocks_are_pinned_and_a_request_that_does_not_fit_waits() -> None:
-    engine = Engine(EngineConfig(block_size=4, num_gpu_blocks=8, **TIMING))
+    engine = Engine(dataclasses.replace(TIMED, block_size=4, num_gpu_blocks=8))
     a = make_request(seq(1, 16), max_tokens=5)  # 20 tokens of KV: 5 blocks reserved
     b = make_request(seq(2, 13), max_tokens=1)  # 4 blocks: 5 + 4 > 8
     engine.add_request(a, 0.0)
@@ -92,7 +98,7 @@ def test_kv_cache_usage_counts_blocks_in_use() -> None:
 
 
 def test_ttft_grows_with_uncached_tokens_and_shrinks_on_a_hit() -> None:
-    engine = Engine(EngineConfig(**TIMING))
+    engine = Engine(TIMED)
     short = run_alone(engine, make_request(seq(1, 100)))
     long = run_alone(engine, make_request(seq(2, 1000)))
     again = run_alone(engine, make_request(seq(2, 1000)))
@@ -104,7 +110,7 @@ def test_ttft_grows_with_uncached_tokens_and_shrinks_on_a_hit() -> None:
 
 @pytest.mark.parametrize("batch", [1, 2, 5])
 def test_inter_token_latency_grows_with_the_batch(batch: int) -> None:
-    engine = Engine(EngineConfig(**TIMING))
+    engine = Engine(TIMED)
     for i in range(batch):
         engine.add_request(make_request(seq(i, 10), max_tokens=4), 0.0)
     itl = [o.latency_s for r in engine.advance_to(10.0) for o in r.outputs if o.index > 0]
@@ -113,13 +119,13 @@ def test_inter_token_latency_grows_with_the_batch(batch: int) -> None:
 
 
 def test_time_scale_multiplies_step_times() -> None:
-    fast = Engine(EngineConfig(time_scale=0.01, **TIMING))
+    fast = Engine(dataclasses.replace(TIMED, time_scale=0.01))
     fin = run_alone(fast, make_request(seq(1, 100)))
     assert fin.ttft_s == pytest.approx((0.010 + 0.001 + 0.100) * 0.01)
 
 
 def test_max_num_seqs_queues_requests_and_counts_hits_only_on_admission() -> None:
-    engine = Engine(EngineConfig(max_num_seqs=1, **TIMING))
+    engine = Engine(dataclasses.replace(TIMED, max_num_seqs=1))
     a, b = make_request(seq(1, 40), max_tokens=3), make_request(seq(1, 40), max_tokens=3)
     engine.add_request(a, 0.0)
     engine.add_request(b, 0.0)
@@ -156,7 +162,7 @@ def test_abort_frees_blocks_and_forgets_the_request() -> None:
 
 
 def test_idle_engine_starts_the_next_step_at_the_arrival() -> None:
-    engine = Engine(EngineConfig(**TIMING))
+    engine = Engine(TIMED)
     engine.add_request(make_request(seq(1, 10)), 5.0)
     assert engine.advance_to(5.0) == []
     (result,) = engine.advance_to(5.5)
