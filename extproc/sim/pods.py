@@ -1,0 +1,471 @@
+"""Simulated vLLM pods over HTTP: N independent engines on N ports of 127.0.0.1.
+
+Each pod serves, on its own port:
+
+    POST /v1/completions, /v1/chat/completions, /v1/responses   (see api.py)
+    GET  /v1/models, /health, /metrics                           (vLLM's shapes and names)
+    GET|POST|DELETE /admin/faults    read / merge into / clear the pod's faults (faults.py)
+    GET  /admin/stats                the pod's counters and engine stats as JSON
+    POST /admin/reset_cache          empty the prefix cache (409 while requests run)
+
+Every response carries the header ``x-sim-pod: NAME``. A refusing pod cannot be reached on
+its own port, so the group also serves an admin port with ``GET /pods`` and the same
+admin routes per pod under ``/pods/{name}/``, e.g. ``POST /pods/sim-0/faults``.
+Only 127.0.0.1 is ever bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from extproc.errors import ConfigError
+from extproc.sim.api import (
+    ApiError,
+    GenerationRequest,
+    Kind,
+    ResponseFormat,
+    error_body,
+    parse_request,
+)
+from extproc.sim.engine import (
+    Engine,
+    EngineConfig,
+    FinishedRequest,
+    QueueFull,
+    RequestRejected,
+    SimRequest,
+    StepResult,
+)
+from extproc.sim.faults import ErrorSchedule, Faults
+from extproc.sim.metrics import PodMetrics
+from extproc.sim.runner import EngineRunner, EngineStopped, RequestStream
+
+if TYPE_CHECKING:  # pyzmq and msgpack are the optional ``sim`` extra: imported when used
+    from extproc.sim.kv_events import Layout, ZmqEventPublisher
+
+HOST = "127.0.0.1"
+MAX_BODY_BYTES = 16 * 1024 * 1024  # 4M tokens of text, far over any max_model_len
+MAX_PODS = 256
+RECENT_REQUESTS = 256  # per pod, for /admin/stats
+SHUTDOWN_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventsSettings:
+    endpoint: str  # e.g. tcp://127.0.0.1:5557: the publisher connects, the subscriber binds
+    topic: str = "kv@{host}:{port}@{model}"  # {host} {port} {model} {name} are filled in
+    layout: Layout = "map"
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSettings:
+    num_pods: int = 2
+    port: int = 0  # first pod's port; 0 gives every pod (and the admin port) a free port
+    admin_port: int | None = None  # default: port + num_pods, or a free port when port is 0
+    model: str = "sim-llm"
+    name_prefix: str = "sim"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    default_max_tokens: int = 16
+    faults: Faults = field(default_factory=Faults)  # a pod's faults at start
+    fault_pods: frozenset[int] | None = None  # indexes of the pods ``faults`` applies to; None: all
+    kv_events: KvEventsSettings | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_pods <= MAX_PODS:
+            raise ConfigError(f"num_pods must be within 1..{MAX_PODS}, got {self.num_pods}")
+        last = self.port + self.num_pods if self.port else 0
+        if not 0 <= self.port or last > 65535:
+            raise ConfigError(f"port {self.port} with {self.num_pods} pods is out of range")
+        if self.default_max_tokens < 1:
+            raise ConfigError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.fault_pods is not None and not self.fault_pods <= set(range(self.num_pods)):
+            raise ConfigError(f"fault_pods names pods outside 0..{self.num_pods - 1}")
+
+    def pod_faults(self, index: int) -> Faults:
+        if self.fault_pods is None or index in self.fault_pods:
+            return self.faults
+        return Faults()
+
+    def pod_port(self, index: int) -> int:
+        return self.port + index if self.port else 0
+
+    def admin_port_or_default(self) -> int:
+        if self.admin_port is not None:
+            return self.admin_port
+        return self.port + self.num_pods if self.port else 0
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+class SimPod:
+    """One pod: an engine, its runner, metrics, faults and HTTP site."""
+
+    def __init__(self, name: str, port: int, settings: GroupSettings, faults: Faults) -> None:
+        self.name = name
+        self.port = port
+        self.model = settings.model
+        self._settings = settings
+        engine_config = settings.engine
+        if settings.kv_events is not None:
+            engine_config = dataclasses.replace(engine_config, enable_kv_cache_events=True)
+        self.engine = Engine(engine_config)
+        self.metrics = PodMetrics(self.engine, settings.model)
+        self.runner = EngineRunner(self.engine, self._on_step)
+        self.faults = faults
+        self._errors = ErrorSchedule(self.faults.error_rate)
+        self.publisher: ZmqEventPublisher | None = None
+        self.counters = dict.fromkeys(
+            ("num_requests", "num_served", "num_injected_errors", "num_cut_streams",
+             "num_rejected", "cached_tokens_total"), 0,
+        )  # fmt: skip
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES)
+        self.app.on_response_prepare.append(self._tag_response)
+        for path, kind in (
+            ("/v1/completions", "completion"),
+            ("/v1/chat/completions", "chat"),
+            ("/v1/responses", "responses"),
+        ):
+            self.app.router.add_post(path, self._generate_handler(kind))  # type: ignore[arg-type]
+        self.app.router.add_get("/health", self._health)
+        self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_get("/metrics", self._metrics)
+        add_admin_routes(self.app.router, "/admin", lambda _: self)
+        self._app_runner = web.AppRunner(
+            self.app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S
+        )
+        self._site: web.TCPSite | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def listening(self) -> bool:
+        return self._site is not None
+
+    async def start(self) -> None:
+        await self._app_runner.setup()
+        await self._open_port()
+        self.runner.start()
+        kv = self._settings.kv_events
+        if kv is not None:
+            from extproc.sim.kv_events import ZmqEventPublisher
+
+            topic = kv.topic.format(host=HOST, port=self.port, model=self.model, name=self.name)
+            self.publisher = ZmqEventPublisher(kv.endpoint, topic, kv.layout)
+        if self.faults.refuse_connections:
+            await self._close_port()
+
+    async def stop(self) -> None:
+        await self.runner.stop()
+        await self._app_runner.cleanup()
+        self._site = None
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
+
+    async def set_faults(self, faults: Faults) -> None:
+        """Apply new faults; opens or closes the port as ``refuse_connections`` says."""
+        self.faults = faults
+        self._errors = ErrorSchedule(faults.error_rate)
+        if faults.refuse_connections:
+            await self._close_port()
+        else:
+            await self._open_port()
+
+    def reset_cache(self) -> bool:
+        ok = self.engine.reset_prefix_cache()
+        self._publish_kv_events()
+        return ok
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "pod": self.name,
+            "model": self.model,
+            "url": self.url,
+            "listening": self.listening,
+            **self.counters,
+            "engine": dataclasses.asdict(self.engine.stats()),
+            "faults": self.faults.to_json(),
+            "recent": list(self.recent),
+        }
+
+    async def _open_port(self) -> None:
+        if self._site is not None:
+            return
+        site = web.TCPSite(self._app_runner, HOST, self.port, reuse_address=True)
+        await site.start()
+        self._site = site
+        self.port = site.port
+
+    async def _close_port(self) -> None:
+        """Stop listening and abort open connections: clients see refused connections."""
+        if self._site is None:
+            return
+        await self._site.stop()
+        self._site = None
+        server = self._app_runner.server
+        if server is not None:
+            for handler in server.connections:
+                if handler.transport is not None:
+                    handler.transport.abort()
+
+    def _on_step(self, result: StepResult) -> None:
+        self.metrics.observe(result)
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        events = self.engine.take_kv_events()
+        if events and self.publisher is not None:
+            self.publisher.publish(time.time(), events)
+
+    async def _tag_response(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers["x-sim-pod"] = self.name
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.model, "object": "model", "created": 0, "owned_by": "vllm",
+            "root": self.model, "parent": None, "max_model_len": self.engine.config.max_model_len,
+        }  # fmt: skip
+        return _json({"object": "list", "data": [card]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    def _error(self, status: int, message: str, param: str | None = None) -> web.Response:
+        return _json(error_body(status, message, param), status)
+
+    def _generate_handler(
+        self, kind: Kind
+    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            return await self._generate(request, kind)
+
+        return handler
+
+    async def _generate(self, request: web.Request, kind: Kind) -> web.StreamResponse:
+        self.counters["num_requests"] += 1
+        faults = self.faults
+        if faults.delay_s:
+            await asyncio.sleep(faults.delay_s)
+        if self._errors.next_fails():
+            self.counters["num_injected_errors"] += 1
+            return self._error(faults.error_status, f"injected fault on pod {self.name}")
+        try:
+            body = orjson.loads(await request.read())
+            parsed = parse_request(kind, body, self.model, self._settings.default_max_tokens)
+            req = SimRequest(
+                request_id=f"{kind}-{uuid.uuid4().hex}",
+                prompt_token_ids=parsed.prompt_token_ids,
+                max_tokens=parsed.max_tokens,
+                cache_salt=parsed.cache_salt,
+                seed=parsed.seed,
+            )
+            stream = self.runner.submit(req)
+        except orjson.JSONDecodeError as e:
+            self.counters["num_rejected"] += 1
+            return self._error(400, f"the body is not valid JSON: {e}")
+        except ApiError as e:
+            self.counters["num_rejected"] += 1
+            return _json(e.body(), e.status)
+        except RequestRejected as e:
+            self.counters["num_rejected"] += 1
+            return self._error(503 if isinstance(e, QueueFull) else 400, str(e))
+        except ValueError as e:
+            self.counters["num_rejected"] += 1
+            return self._error(400, str(e))
+        fmt = ResponseFormat(parsed, self.name)
+        try:
+            if not parsed.stream:
+                try:
+                    fin = await stream.result()
+                except EngineStopped:
+                    return self._error(503, f"pod {self.name} is shutting down")
+                self._record(request, parsed, fin)
+                return _json(fmt.full(fin))
+            return await self._stream(request, parsed, stream, fmt)
+        finally:
+            if stream.finished is None:
+                self.runner.abort(req.request_id)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        parsed: GenerationRequest,
+        stream: RequestStream,
+        fmt: ResponseFormat,
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await resp.prepare(request)
+        cut_after = self.faults.die_mid_stream_after_chunks
+        num_sent = 0
+
+        async def send(frames: list[bytes]) -> bool:
+            """Write SSE events; False once the stream is cut by the fault."""
+            nonlocal num_sent
+            for frame in frames:
+                if cut_after is not None and num_sent >= cut_after:
+                    self.counters["num_cut_streams"] += 1
+                    if request.transport is not None:
+                        request.transport.abort()
+                    return False
+                await resp.write(frame)
+                num_sent += 1
+            return True
+
+        try:
+            if not await send(fmt.head()):
+                return resp
+            async for out in stream.tokens():
+                if not await send(fmt.token(out)):
+                    return resp
+            assert stream.finished is not None
+            if await send(fmt.tail(stream.finished)):
+                await resp.write_eof()
+                self._record(request, parsed, stream.finished)
+        except (ConnectionError, EngineStopped):
+            pass  # client gone, or the pod is stopping: the stream just ends
+        return resp
+
+    def _record(
+        self, request: web.Request, parsed: GenerationRequest, fin: FinishedRequest
+    ) -> None:
+        self.counters["num_served"] += 1
+        self.counters["cached_tokens_total"] += fin.num_cached_tokens
+        self.recent.append(
+            {
+                "request_id": fin.request_id,
+                "x_request_id": request.headers.get("x-request-id"),
+                "kind": parsed.kind,
+                "stream": parsed.stream,
+                "cache_salt": parsed.cache_salt,
+                "prompt_tokens": fin.num_prompt_tokens,
+                "cached_tokens": fin.num_cached_tokens,
+                "completion_tokens": len(fin.output_token_ids),
+                "ttft_s": fin.ttft_s,
+                "e2e_s": fin.e2e_s,
+            }
+        )
+
+
+def add_admin_routes(
+    router: web.UrlDispatcher, prefix: str, get_pod: Callable[[web.Request], SimPod]
+) -> None:
+    """The admin routes under ``prefix``, for the pod ``get_pod`` finds for a request."""
+
+    async def get_faults(request: web.Request) -> web.Response:
+        return _json(get_pod(request).faults.to_json())
+
+    async def post_faults(request: web.Request) -> web.Response:
+        pod = get_pod(request)
+        try:
+            faults = pod.faults.updated(orjson.loads(await request.read()))
+        except (orjson.JSONDecodeError, ValueError, TypeError) as e:
+            return _json(error_body(400, str(e)), 400)
+        await pod.set_faults(faults)
+        return _json(faults.to_json())
+
+    async def delete_faults(request: web.Request) -> web.Response:
+        pod = get_pod(request)
+        await pod.set_faults(Faults())
+        return _json(pod.faults.to_json())
+
+    async def stats(request: web.Request) -> web.Response:
+        return _json(get_pod(request).stats())
+
+    async def reset_cache(request: web.Request) -> web.Response:
+        if not get_pod(request).reset_cache():
+            return _json(error_body(409, "requests are running; the cache was not reset"), 409)
+        return _json({"reset": True})
+
+    router.add_get(f"{prefix}/faults", get_faults)
+    router.add_post(f"{prefix}/faults", post_faults)
+    router.add_delete(f"{prefix}/faults", delete_faults)
+    router.add_get(f"{prefix}/stats", stats)
+    router.add_post(f"{prefix}/reset_cache", reset_cache)
+
+
+class PodGroup:
+    """The pods of one process plus its admin port."""
+
+    def __init__(self, settings: GroupSettings) -> None:
+        self.settings = settings
+        self.pods = [
+            SimPod(
+                f"{settings.name_prefix}-{i}",
+                settings.pod_port(i),
+                settings,
+                settings.pod_faults(i),
+            )
+            for i in range(settings.num_pods)
+        ]
+        self._by_name = {pod.name: pod for pod in self.pods}
+        self.admin_app = web.Application()
+        self.admin_app.router.add_get("/pods", self._list_pods)
+        add_admin_routes(self.admin_app.router, "/pods/{pod}", self._pod_of)
+        self._admin_runner = web.AppRunner(self.admin_app, access_log=None, shutdown_timeout=1.0)
+        self.admin_port = settings.admin_port_or_default()
+
+    def _pod_of(self, request: web.Request) -> SimPod:
+        pod = self._by_name.get(request.match_info["pod"])
+        if pod is None:
+            raise web.HTTPNotFound(
+                text=orjson.dumps(
+                    error_body(404, f"no pod {request.match_info['pod']!r}")
+                ).decode(),
+                content_type="application/json",
+            )
+        return pod
+
+    async def _list_pods(self, request: web.Request) -> web.Response:
+        return _json(self.describe()["pods"])
+
+    async def start(self) -> None:
+        """Start every pod, then the admin port; on failure, stop what started."""
+        try:
+            for pod in self.pods:
+                await pod.start()
+            await self._admin_runner.setup()
+            site = web.TCPSite(self._admin_runner, HOST, self.admin_port, reuse_address=True)
+            await site.start()
+            self.admin_port = site.port
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        for pod in self.pods:
+            await pod.stop()
+        await self._admin_runner.cleanup()
+
+    def describe(self) -> dict[str, Any]:
+        """What a client needs: pod names and URLs, the model, the admin URL."""
+        return {
+            "model": self.settings.model,
+            "admin_url": f"http://{HOST}:{self.admin_port}",
+            "pods": [
+                {"name": p.name, "url": p.url, "port": p.port, "listening": p.listening}
+                for p in self.pods
+            ],
+        }

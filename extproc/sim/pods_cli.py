@@ -1,0 +1,152 @@
+"""``extproc sim-pods``: serve N simulated vLLM pods on 127.0.0.1 until SIGINT/SIGTERM.
+
+    extproc sim-pods --pods 3 --port 8100 --model sim-llm --time-scale 0.1
+    python -m extproc.sim.pods_cli --pods 2 --port 0        # free ports, printed when ready
+
+Pods listen on ports PORT..PORT+N-1 (all free ports with ``--port 0``) and are named
+``NAME_PREFIX-0`` .. ``NAME_PREFIX-{N-1}``; the admin port is PORT+N unless
+``--admin-port`` says otherwise. When everything listens, one JSON line goes to stdout:
+``{"model": ..., "admin_url": ..., "pods": [{"name", "url", "port", "listening"}]}``.
+Engine settings are the fields of ``EngineConfig`` as flags; ``--error-rate`` and the
+other fault flags apply to every pod, or to those ``--fault-pods`` lists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import MISSING, fields
+from typing import Any
+
+import orjson
+
+from extproc.errors import ConfigError
+from extproc.sim.engine import EngineConfig
+from extproc.sim.faults import Faults
+from extproc.sim.pods import GroupSettings, KvEventsSettings, PodGroup
+
+_ENGINE_FLAGS = [f for f in fields(EngineConfig) if f.name != "enable_kv_cache_events"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pods", type=int, default=2, help="number of pods (default 2)")
+    parser.add_argument("--port", type=int, default=8100, help="first pod's port; 0: free ports")
+    parser.add_argument("--admin-port", type=int, default=None, help="default: PORT + PODS")
+    parser.add_argument("--model", default="sim-llm", help="served model name")
+    parser.add_argument("--name-prefix", default="sim", help="pods are PREFIX-0, PREFIX-1, ...")
+    parser.add_argument("--default-max-tokens", type=int, default=16,
+                        help="output tokens when a request sets no limit")  # fmt: skip
+    engine = parser.add_argument_group("engine")
+    for f in _ENGINE_FLAGS:
+        assert f.default is not MISSING
+        engine.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=type(f.default),
+            default=f.default,
+            help=f"{f.metadata['help']} (default {f.default})",
+        )
+    kv = parser.add_argument_group("KV-cache events")
+    kv.add_argument("--kv-events-endpoint", help="ZMQ endpoint, e.g. tcp://127.0.0.1:5557")
+    kv.add_argument("--kv-events-topic", default="kv@{host}:{port}@{model}",
+                    help="topic template: {host} {port} {model} {name}")  # fmt: skip
+    kv.add_argument("--kv-events-layout", choices=("map", "array"), default="map",
+                    help="event encoding: map (vLLM >= 0.2x) or array (older)")  # fmt: skip
+    faults = parser.add_argument_group("faults (see extproc/sim/faults.py)")
+    faults.add_argument("--error-rate", type=float, default=0.0)
+    faults.add_argument("--error-status", type=int, default=500)
+    faults.add_argument("--refuse-connections", action="store_true")
+    faults.add_argument("--die-mid-stream-after-chunks", type=int, default=None)
+    faults.add_argument("--delay-s", type=float, default=0.0)
+    faults.add_argument("--fault-pods", default=None,
+                        help="comma-separated pod indexes the fault flags apply to (default all)")  # fmt: skip
+
+
+def settings_from_args(args: argparse.Namespace) -> GroupSettings:
+    """The group's settings from the parsed flags.
+
+    Raises:
+        ConfigError: a setting is invalid; the message names it.
+    """
+    engine = EngineConfig(**{f.name: getattr(args, f.name) for f in _ENGINE_FLAGS})
+    try:
+        faults = Faults(
+            error_rate=args.error_rate,
+            error_status=args.error_status,
+            refuse_connections=args.refuse_connections,
+            die_mid_stream_after_chunks=args.die_mid_stream_after_chunks,
+            delay_s=args.delay_s,
+        )
+        fault_pods = None
+        if args.fault_pods:
+            fault_pods = frozenset(int(i) for i in args.fault_pods.split(","))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    kv = None
+    if args.kv_events_endpoint:
+        kv = KvEventsSettings(args.kv_events_endpoint, args.kv_events_topic, args.kv_events_layout)
+    return GroupSettings(
+        num_pods=args.pods,
+        port=args.port,
+        admin_port=args.admin_port,
+        model=args.model,
+        name_prefix=args.name_prefix,
+        engine=engine,
+        default_max_tokens=args.default_max_tokens,
+        faults=faults,
+        fault_pods=fault_pods,
+        kv_events=kv,
+    )
+
+
+async def serve(settings: GroupSettings) -> None:
+    """Run the pods until SIGINT or SIGTERM, then stop them cleanly."""
+    group = PodGroup(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await group.start()
+    try:
+        sys.stdout.write(orjson.dumps(group.describe()).decode() + "\n")
+        sys.stdout.flush()
+        await stop.wait()
+    finally:
+        await group.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+        asyncio.run(serve(settings))
+    except ConfigError as e:
+        print(f"extproc sim-pods: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"extproc sim-pods: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "sim-pods", help="serve simulated vLLM pods", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="extproc sim-pods", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""Pods served from a background thread for the HTTP tests (fast: no subprocess)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from extproc.sim.engine import EngineConfig
+from extproc.sim.harness import SimPods, run_sim_pods
+from extproc.sim.pods import GroupSettings
+
+FAST = EngineConfig(time_scale=0.01)  # a 16-token answer takes about 2 ms
+
+
+@pytest.fixture(scope="module")
+def pods() -> Iterator[SimPods]:
+    """Two pods shared by a module's tests; tests must not leave faults behind."""
+    with run_sim_pods(GroupSettings(num_pods=2, model="sim-llm", engine=FAST)) as group:
+        yield group
