@@ -16,9 +16,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -145,14 +145,24 @@ class Stack:
     metrics_port: int
     pods_file: Path
     log_dir: Path
-    procs: list[Proc] = field(default_factory=list)
+    start_extproc_again: Callable[[], Proc]
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.listen_port}"
 
+    def kill_extproc(self, sig: int = signal.SIGKILL) -> None:
+        self.extproc.stop(sig)
+
+    def restart_extproc(self) -> None:
+        """Start extproc again on the same ports (after ``kill_extproc``)."""
+        self.extproc.stop()
+        self.extproc = self.start_extproc_again()
+
     def metrics_text(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5
+        ) as r:
             return str(r.read().decode())
 
 
@@ -180,9 +190,7 @@ def start_extproc(
     return proc
 
 
-def start_envoy(
-    pods: Sequence[Pod], options: EnvoyOptions, log_dir: Path
-) -> Proc:
+def start_envoy(pods: Sequence[Pod], options: EnvoyOptions, log_dir: Path) -> Proc:
     config_path = log_dir / "envoy.yaml"
     config_path.write_text(yaml.safe_dump(to_dict(make_bootstrap(pods, options)), sort_keys=False))
     argv = [
@@ -221,9 +229,9 @@ def run_stack(
             num_fallbacks=num_fallbacks,
             failure_mode_allow=failure_mode_allow,
         )
-        procs: list[Proc] = []
-        try:
-            extproc_proc = start_extproc(
+
+        def start_picker() -> Proc:
+            return start_extproc(
                 pods_file,
                 log_dir,
                 grpc_port=grpc_port,
@@ -231,20 +239,26 @@ def run_stack(
                 config=config,
                 extra_args=["--num-fallbacks", str(num_fallbacks), *extproc_args],
             )
-            procs.append(extproc_proc)
-            envoy_proc = start_envoy(pods, options, log_dir)
-            procs.append(envoy_proc)
-            yield Stack(
-                envoy_proc,
-                extproc_proc,
+
+        stack: Stack | None = None
+        picker = start_picker()
+        try:
+            envoy = start_envoy(pods, options, log_dir)
+            stack = Stack(
+                envoy,
+                picker,
                 options.listen_port,
                 options.admin_port,
                 grpc_port,
                 metrics_port,
                 pods_file,
                 log_dir,
-                procs,
+                start_picker,
             )
+            yield stack
         finally:
-            for proc in reversed(procs):
-                proc.stop()
+            if stack is not None:
+                stack.envoy.stop()
+                stack.extproc.stop()
+            else:
+                picker.stop()
