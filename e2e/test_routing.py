@@ -61,16 +61,16 @@ def test_different_cache_salt_does_not_share_the_prefix(stack: Stack, client: ht
     api = "/v1/completions"
     send_and_wait_recorded(stack, client, api, body_for(api, prefix, "q", cache_salt="tenant-a"))
     misses = metric(
-        stack, "kthena_router_prefix_cache_match_ratio_bucket", 'model="sim-llm",le="0.0"'
+        stack, "kthena_router_prefix_cache_match_ratio_bucket", 'le="0.0",model="sim-llm"'
     )
     served_by(client.post(api, json=body_for(api, prefix, "q", cache_salt="tenant-b")))
     after = metric(
-        stack, "kthena_router_prefix_cache_match_ratio_bucket", 'model="sim-llm",le="0.0"'
+        stack, "kthena_router_prefix_cache_match_ratio_bucket", 'le="0.0",model="sim-llm"'
     )
     assert after == misses + 1  # the other tenant's request matched nothing
     send_and_wait_recorded(stack, client, api, body_for(api, prefix, "q2", cache_salt="tenant-a"))
     assert (
-        metric(stack, "kthena_router_prefix_cache_match_ratio_bucket", 'model="sim-llm",le="0.0"')
+        metric(stack, "kthena_router_prefix_cache_match_ratio_bucket", 'le="0.0",model="sim-llm"')
         == after
     )
 
