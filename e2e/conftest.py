@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from extproc.sim.harness import SimPods, spawn_sim_pods
 
 from extproc.launch import Stack, run_stack
+from extproc.sim.harness import SimPods, spawn_sim_pods
 from extproc.types import Pod, PodId
 
 MODEL = "sim-llm"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from extproc.sim.harness import SimPods
 
 from e2e.conftest import MODEL, metric, unique_prefix, wait_for
 from extproc.launch import Stack
+from extproc.sim.harness import SimPods
 
 RECORDED = ("extproc_completions_total", 'outcome="recorded"')
 
