@@ -178,12 +178,15 @@ class SimPod:
             self.publisher.close()
             self.publisher = None
 
-    async def set_faults(self, faults: Faults) -> None:
-        """Apply new faults; opens or closes the port as ``refuse_connections`` says."""
+    async def set_faults(self, faults: Faults, spare: asyncio.BaseTransport | None = None) -> None:
+        """Apply new faults; opens or closes the port as ``refuse_connections`` says.
+
+        ``spare`` is a connection to leave open while closing: the admin request's own.
+        """
         self.faults = faults
         self._errors = ErrorSchedule(faults.error_rate)
         if faults.refuse_connections:
-            await self._close_port()
+            await self._close_port(spare)
         else:
             await self._open_port()
 
@@ -212,7 +215,7 @@ class SimPod:
         self._site = site
         self.port = site.port
 
-    async def _close_port(self) -> None:
+    async def _close_port(self, spare: asyncio.BaseTransport | None = None) -> None:
         """Stop listening and abort open connections: clients see refused connections."""
         if self._site is None:
             return
@@ -221,7 +224,7 @@ class SimPod:
         server = self._app_runner.server
         if server is not None:
             for handler in server.connections:
-                if handler.transport is not None:
+                if handler.transport is not None and handler.transport is not spare:
                     handler.transport.abort()
 
     def _on_step(self, result: StepResult) -> None:
@@ -290,6 +293,8 @@ class SimPod:
         except RequestRejected as e:
             self.counters["num_rejected"] += 1
             return self._error(503 if isinstance(e, QueueFull) else 400, str(e))
+        except EngineStopped as e:
+            return self._error(503, f"pod {self.name}: {e}")
         except ValueError as e:
             self.counters["num_rejected"] += 1
             return self._error(400, str(e))
@@ -383,8 +388,10 @@ def add_admin_routes(
             faults = pod.faults.updated(orjson.loads(await request.read()))
         except (orjson.JSONDecodeError, ValueError, TypeError) as e:
             return _json(error_body(400, str(e)), 400)
-        await pod.set_faults(faults)
-        return _json(faults.to_json())
+        await pod.set_faults(faults, spare=request.transport)
+        resp = _json(faults.to_json())
+        resp.force_close()  # the spared connection, if it was the pod's, closes after this
+        return resp
 
     async def delete_faults(request: web.Request) -> web.Response:
         pod = get_pod(request)

@@ -9,9 +9,12 @@ are sampled, then the ``FinishedRequest``.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 
 from extproc.sim.engine import Engine, FinishedRequest, SimRequest, StepResult, TokenOutput
+
+log = logging.getLogger(__name__)
 
 
 class EngineStopped(Exception):
@@ -81,12 +84,17 @@ class EngineRunner:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        for stream in self._streams.values():
-            stream._put(EngineStopped("the engine stopped"))
-        self._streams.clear()
+        self._fail_all("the engine stopped")
 
     def submit(self, req: SimRequest) -> RequestStream:
-        """Queue ``req`` now; raises what ``Engine.add_request`` raises."""
+        """Queue ``req`` now.
+
+        Raises:
+            EngineStopped: the runner is not running.
+            RequestRejected, ValueError: as ``Engine.add_request``.
+        """
+        if self._task is None or self._task.done():
+            raise EngineStopped("the engine is not running")
         self.engine.add_request(req, self.now())
         stream = RequestStream(req.request_id)
         self._streams[req.request_id] = stream
@@ -99,6 +107,19 @@ class EngineRunner:
             self.engine.abort(request_id)
 
     async def _run(self) -> None:
+        try:
+            await self._loop()
+        except Exception:
+            # A bug: never leave clients waiting on an engine that no longer steps.
+            log.exception("the simulated engine failed")
+            self._fail_all("the engine failed")
+
+    def _fail_all(self, reason: str) -> None:
+        for stream in self._streams.values():
+            stream._put(EngineStopped(reason))
+        self._streams.clear()
+
+    async def _loop(self) -> None:
         while True:
             if not self.engine.has_work():
                 self._wake.clear()

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 import urllib.error
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
+from extproc.sim.engine import EngineConfig
 from extproc.sim.harness import SimPods, run_sim_pods
 from extproc.sim.pods import GroupSettings
 from tests.sim.conftest import FAST
@@ -128,3 +130,36 @@ def test_stats_and_cache_reset_make_a_pod_that_comes_back_empty(pods: SimPods) -
     pods.reset_cache(0)
     assert pods.stats(0)["engine"]["num_cached_blocks"] == 0
     assert post(pods).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_refusing_through_the_pods_own_port_still_answers(pods: SimPods) -> None:
+    resp = httpx.post(pods.pods[0].url + "/admin/faults", json={"refuse_connections": True})
+    assert resp.status_code == 200
+    assert resp.json()["refuse_connections"] is True
+    with pytest.raises(httpx.ConnectError):
+        post(pods)
+    pods.clear_faults(0)
+    assert post(pods).status_code == 200
+
+
+def test_a_full_queue_answers_503() -> None:
+    slow = EngineConfig(step_base_s=0.1, max_num_seqs=1, max_num_waiting=1)
+    with run_sim_pods(GroupSettings(num_pods=1, engine=slow)) as one:
+        url = one.pods[0].url + "/v1/completions"
+        body = {"prompt": "queue", "max_tokens": 3}
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(httpx.post, url, json=body)
+            wait_for(lambda: one.stats(0)["engine"]["num_running"] == 1)
+            waiting = pool.submit(httpx.post, url, json=body)
+            wait_for(lambda: one.stats(0)["engine"]["num_waiting"] == 1)
+            refused = httpx.post(url, json=body)
+            assert refused.status_code == 503
+            assert "max_num_waiting" in refused.json()["error"]["message"]
+            assert running.result().status_code == waiting.result().status_code == 200
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)

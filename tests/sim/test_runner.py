@@ -1,0 +1,69 @@
+"""The real-time runner: tokens arrive in order and in time, and nobody waits on a dead engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from extproc.sim.engine import Engine, EngineConfig, StepResult
+from extproc.sim.runner import EngineRunner, EngineStopped
+from tests.sim.factories import make_request, seq
+
+
+def test_tokens_arrive_in_order_at_the_engines_pace() -> None:
+    async def main() -> None:
+        runner = EngineRunner(Engine(EngineConfig(step_base_s=0.02, decode_s_per_seq=0.0)))
+        runner.start()
+        try:
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            stream = runner.submit(make_request(seq(1, 8), max_tokens=5))
+            indexes = [out.index async for out in stream.tokens()]
+            elapsed = loop.time() - start
+        finally:
+            await runner.stop()
+        assert indexes == [0, 1, 2, 3, 4]
+        assert stream.finished is not None
+        assert stream.num_cached_tokens == 0
+        assert 0.1 <= elapsed < 1.0  # 5 steps of 20 ms (plus the prefill of 8 tokens)
+
+    asyncio.run(main())
+
+
+def test_a_failing_engine_fails_its_streams_and_refuses_new_requests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = Engine()
+
+    def broken(now: float) -> StepResult:
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(engine, "step", broken)
+
+    async def main() -> None:
+        runner = EngineRunner(engine)
+        runner.start()
+        try:
+            stream = runner.submit(make_request(seq(1, 8)))
+            with pytest.raises(EngineStopped):
+                await asyncio.wait_for(stream.result(), 5)
+            with pytest.raises(EngineStopped):
+                runner.submit(make_request(seq(2, 8)))
+        finally:
+            await runner.stop()
+
+    asyncio.run(main())
+
+
+def test_stop_ends_waiting_streams() -> None:
+    async def main() -> None:
+        runner = EngineRunner(Engine(EngineConfig(step_base_s=10.0)))
+        runner.start()
+        stream = runner.submit(make_request(seq(1, 8)))
+        await asyncio.sleep(0.01)
+        await runner.stop()
+        with pytest.raises(EngineStopped):
+            await asyncio.wait_for(stream.result(), 5)
+
+    asyncio.run(main())
