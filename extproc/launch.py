@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -191,20 +192,28 @@ def start_extproc(
 
 
 def start_envoy(pods: Sequence[Pod], options: EnvoyOptions, log_dir: Path) -> Proc:
-    config_path = log_dir / "envoy.yaml"
-    config_path.write_text(yaml.safe_dump(to_dict(make_bootstrap(pods, options)), sort_keys=False))
+    """Envoy with extproc's generated bootstrap for ``pods``."""
+    return start_envoy_config(to_dict(make_bootstrap(pods, options)), options.admin_port, log_dir)
+
+
+def start_envoy_config(
+    config: dict[str, Any], admin_port: int, log_dir: Path, name: str = "envoy"
+) -> Proc:
+    """Envoy with any bootstrap (as a dict); waits for its admin ``/ready``."""
+    config_path = log_dir / f"{name}.yaml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     argv = [
         envoy_binary(), "-c", str(config_path),
         "--disable-hot-restart", "--concurrency", "2", "--log-level", "warning",
     ]  # fmt: skip
-    proc = spawn("envoy", argv, log_dir)
+    proc = spawn(name, argv, log_dir)
 
     def ready() -> bool:
-        url = f"http://127.0.0.1:{options.admin_port}/ready"
+        url = f"http://127.0.0.1:{admin_port}/ready"
         with urllib.request.urlopen(url, timeout=1) as r:
             return bool(r.status == 200)
 
-    wait_until(ready, proc, "envoy")
+    wait_until(ready, proc, name)
     return proc
 
 
