@@ -22,7 +22,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) -m bench.run
+	$(PY) -m bench.prefix
+	$(PY) -m bench.picker
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -121,7 +121,7 @@ def run_wrk(url: str, body_file: Path, seconds: int, connections: int) -> dict[s
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
     total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
     non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    lat = {k: _ms(v) for k, v in re.findall(r"^\s+(50|99)%\s+(\S+)$", out, re.M)}
+    lat = {k: _ms(v) for k, v in re.findall(r"^\s+(50|99)%\s+(\S+)$", out, re.MULTILINE)}
     return {"rps": rps, "requests": total, "non_2xx": int(non2xx.group(1)) if non2xx else 0,
             "p50_ms": lat["50"], "p99_ms": lat["99"]}  # fmt: skip
 
