@@ -119,6 +119,8 @@ def test_client_sent_destination_header_does_not_steer(
             headers={"x-gateway-destination-endpoint": f"127.0.0.1:{other.port}"},
         )
         assert served_by(resp) == owner
+    recent = sim.stats(owner)["recent"][-5:]
+    assert all(r["gateway_headers"] == [] for r in recent)  # stripped before the pod
 
 
 def test_openai_client_plain_and_streamed_chat(stack: Stack) -> None:

@@ -362,6 +362,10 @@ class SimPod:
             {
                 "request_id": fin.request_id,
                 "x_request_id": request.headers.get("x-request-id"),
+                # lets tests check that routing headers never reach a pod
+                "gateway_headers": sorted(
+                    h.lower() for h in request.headers if h.lower().startswith("x-gateway-")
+                ),
                 "kind": parsed.kind,
                 "stream": parsed.stream,
                 "cache_salt": parsed.cache_salt,
