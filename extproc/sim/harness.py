@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import orjson
 
@@ -133,7 +133,11 @@ def _child_env() -> dict[str, str]:
 
 @contextmanager
 def spawn_sim_pods(
-    num_pods: int = 2, *, args: Sequence[str] = (), timeout_s: float = START_TIMEOUT_S
+    num_pods: int = 2,
+    *,
+    args: Sequence[str] = (),
+    timeout_s: float = START_TIMEOUT_S,
+    stderr: IO[bytes] | None = None,
 ) -> Iterator[SimPods]:
     """Run ``python -m extproc.sim.pods_cli --pods N --port 0 ARGS`` and wait until it serves.
 
@@ -141,13 +145,18 @@ def spawn_sim_pods(
         num_pods: pods to start.
         args: more ``sim-pods`` flags (not ``--pods``/``--port``).
         timeout_s: how long to wait for the ready line.
+        stderr: where the process's stderr goes (default: this process's).
 
     Raises:
         RuntimeError: the process exited or stayed silent before serving.
     """
     cmd = [sys.executable, "-m", "extproc.sim.pods_cli", "--pods", str(num_pods), "--port", "0"]
     proc = subprocess.Popen(
-        [*cmd, *args], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=_child_env()
+        [*cmd, *args],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        stderr=stderr,
+        env=_child_env(),
     )
     try:
         assert proc.stdout is not None
