@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test bench bench-routing venv vllm peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,15 +15,25 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# The real-vLLM tests' own venv and model, and the peer routers, cached in ~/.cache/extproc-e2e.
+vllm: $(STAMP)
+	$(PY) -m e2e.real_vllm.prepare
+
+peers: $(STAMP)
+	$(PY) -m e2e.real_vllm.prepare --peers
+
 demo: $(STAMP)
 	$(VENV)/bin/extproc demo
 
-test: $(STAMP)
+test: $(STAMP) vllm
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) -m bench.prefix
 	$(PY) -m bench.picker
+
+bench-routing: peers
+	$(PY) -m bench.routing_quality
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
