@@ -1,9 +1,9 @@
 """Fixtures: 3 real vLLM pods started once per package (in parallel), Envoy + extproc.
 
-The machine must be prepared first (``python -m e2e.real_vllm.prepare``; ``.ci/run``
-does it); the ``prepared`` fixture only repeats that check, which takes well under a
-second once everything is cached, and installs what is missing otherwise.
-Tests marked ``kills_pod`` run last, since the pod they kill stays dead.
+The machine should be prepared first (``make vllm``; ``.ci/run`` does it): the
+``vllm_pods`` fixture calls ``prepare()`` again, which takes well under a second once
+everything is cached and installs what is missing otherwise. Tests marked ``kills_pod``
+run right after this package's other tests, since the pod they kill stays dead.
 """
 
 from __future__ import annotations
@@ -23,7 +23,12 @@ NUM_PODS = 3
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.get_closest_marker("kills_pod") is not None)
+    killers = [item for item in items if item.get_closest_marker("kills_pod")]
+    rest = [item for item in items if not item.get_closest_marker("kills_pod")]
+    here = Path(__file__).parent
+    ours = [n for n, item in enumerate(rest) if here in item.path.parents]
+    cut = ours[-1] + 1 if ours else len(rest)
+    items[:] = [*rest[:cut], *killers, *rest[cut:]]
 
 
 @pytest.fixture(scope="package")
