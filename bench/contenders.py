@@ -4,6 +4,8 @@
 - ``extproc``: Envoy + extproc with its shipped configuration. On main today that is
   the prefix-cache scorer alone: least-request, cost-aware and a pod-metrics scraper are
   not merged yet, so "prefix-cache only" and "defaults" are the same contender.
+- ``extproc-sized``: the same with ``maxHashCacheSize`` set to what one pod's KV cache
+  really holds (``index_entries``), instead of the default 50,000 entries (3.2 MB of text).
 - ``sglang-router``, ``vllm-router``: the peers' Rust proxies with their ``cache_aware``
   policy and the thresholds of ``../shared/TOOLING.md``, each from its own venv
   (``python -m e2e.real_vllm.prepare --peers``).
@@ -48,6 +50,38 @@ def envoy_rr(pods: Sequence[Pod], log_dir: Path) -> Iterator[str]:
 def extproc(pods: Sequence[Pod], log_dir: Path) -> Iterator[str]:
     with run_stack(pods) as stack:
         yield stack.url
+
+
+SIZED_CONFIG = """\
+scheduler:
+  plugins:
+    Score:
+      enabled:
+        - name: prefix-cache
+          weight: 1
+  pluginConfig:
+    - name: prefix-cache
+      args:
+        maxHashCacheSize: {entries}
+"""
+
+
+def index_entries(kv_tokens_per_pod: int, bytes_per_token: int = 4, block_bytes: int = 64) -> int:
+    """Prefix-index entries (64-byte blocks of prompt) that match a pod's KV capacity."""
+    return max(1, kv_tokens_per_pod * bytes_per_token // block_bytes)
+
+
+def extproc_sized(entries: int) -> Serve:
+    """extproc whose per-pod prefix index holds ``entries`` blocks."""
+
+    @contextmanager
+    def serve(pods: Sequence[Pod], log_dir: Path) -> Iterator[str]:
+        config = log_dir / f"extproc-sized-{entries}.yaml"
+        config.write_text(SIZED_CONFIG.format(entries=entries))
+        with run_stack(pods, config=config) as stack:
+            yield stack.url
+
+    return serve
 
 
 def _ready(url: str) -> bool:

@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import shlex
+import signal
 import statistics
 import sys
 import tempfile
@@ -30,7 +31,7 @@ from typing import Any
 
 from bench import report
 from bench.bench_pods import PodSet, sim_pod_set, vllm_pod_set
-from bench.contenders import CONTENDERS
+from bench.contenders import CONTENDERS, Serve, extproc_sized, index_entries
 from bench.replay import Outcome, replay
 from bench.workloads import (
     BYTES_PER_TOKEN,
@@ -43,7 +44,17 @@ from bench.workloads import (
 )
 
 WORKLOADS = ("conversation", "synthetic", "tenants", "multiturn")
-SIM_ENGINE = ["--num-gpu-blocks", "2048", "--max-num-seqs", "8"]
+SIM_BLOCKS, SIM_BLOCK_TOKENS = 2048, 16
+SIM_ENGINE = ["--num-gpu-blocks", str(SIM_BLOCKS), "--max-num-seqs", "8"]
+VLLM_KV_TOKENS = 2_097_152  # vLLM's kv_cache_size_tokens with VLLM_CPU_KVCACHE_SPACE=1
+ALL_CONTENDERS = ("envoy-rr", "extproc", "extproc-sized", "sglang-router", "vllm-router")
+
+
+def contender(name: str, kind: str) -> Serve:
+    if name != "extproc-sized":
+        return CONTENDERS[name]
+    kv_tokens = SIM_BLOCKS * SIM_BLOCK_TOKENS if kind == "sim" else VLLM_KV_TOKENS
+    return extproc_sized(index_entries(kv_tokens))
 
 
 def build_workload(name: str, kind: str, args: argparse.Namespace) -> list[TimedRequest]:
@@ -95,7 +106,7 @@ def summarize(
 
 def run_pods(pods: PodSet, args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
     rows = []
-    block_bytes = (16 if pods.kind == "sim" else 32) * BYTES_PER_TOKEN
+    block_bytes = (SIM_BLOCK_TOKENS if pods.kind == "sim" else 32) * BYTES_PER_TOKEN
     for workload in args.workloads:
         requests = build_workload(workload, pods.kind, args)
         bound = prefix_bound(requests, block_bytes)
@@ -104,7 +115,7 @@ def run_pods(pods: PodSet, args: argparse.Namespace, log_dir: Path) -> list[dict
         for name in args.contenders:
             pods.reset_all()
             before = pods.counters()
-            with CONTENDERS[name](pods.pods, log_dir) as url:
+            with contender(name, pods.kind)(pods.pods, log_dir) as url:
                 outcomes, wall = asyncio.run(replay(url, requests, deadline_s=args.deadline_s))
             time.sleep(0.5)  # the last counters settle
             row = {"workload": workload, "contender": name, "bound": bound, "requests": len(requests),
@@ -142,7 +153,9 @@ Contenders run one after the other on the same pods, each from empty prefix cach
 `extproc` is Envoy + extproc with its shipped configuration, which on main today is the
 prefix-cache scorer alone: the least-request and cost-aware plugins are not merged yet,
 so "least-request only", "prefix-cache only", "defaults" and "cost-aware" cannot be told
-apart and appear once. `envoy-rr` is Envoy alone (round robin); `sglang-router` and
+apart and appear once. `extproc-sized` is the same scorer with `maxHashCacheSize` set to
+what one pod's KV cache holds (simulated pods: 32,768 tokens = 2,048 entries of 64 bytes)
+instead of the default 50,000 entries. `envoy-rr` is Envoy alone (round robin); `sglang-router` and
 `vllm-router` use `cache_aware` (cache threshold 0.3, balance thresholds 64 / 1.5).
 Hit ratio: the pods' `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`
 over the run; bound: the same with unlimited cache and perfect routing, from the
@@ -153,7 +166,7 @@ shared by client, router and pods, so absolute latencies include CPU contention.
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pods", default="sim,vllm", help="sim, vllm or both")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--contenders", default=",".join(ALL_CONTENDERS))
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--sim-pods", type=int, default=8)
     parser.add_argument("--trace-requests", type=int, default=1000)
@@ -163,6 +176,7 @@ def main() -> None:
     parser.add_argument("--deadline-s", type=float, default=120.0, help="per contender run")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop what started
     args.contenders = args.contenders.split(",")
     args.workloads = args.workloads.split(",")
     command = "python -m bench.routing_quality " + shlex.join(sys.argv[1:])
