@@ -56,6 +56,7 @@ def chart(rows: list[dict[str, Any]], out: Path, title: str) -> None:
         ax.set_xticks(centers, workloads)
         ax.set_ylabel(label)
     ax2.set_yscale("log")
+    ax2.set_ylim(bottom=1)
     ax1.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()

@@ -159,8 +159,13 @@ instead of the default 50,000 entries. `envoy-rr` is Envoy alone (round robin); 
 `vllm-router` use `cache_aware` (cache threshold 0.3, balance thresholds 64 / 1.5).
 Hit ratio: the pods' `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`
 over the run; bound: the same with unlimited cache and perfect routing, from the
-prompts. TTFT: client side, streamed, through the router. All on one 2-core machine
-shared by client, router and pods, so absolute latencies include CPU contention."""
+prompts, in blocks of the pods' size at 4 bytes a token (exact for the simulated
+tokenizer; the real Qwen3 tokenizer makes about 2.6 bytes a token and the chat template
+adds its own, so on real pods the bound is approximate and can be exceeded). TTFT:
+client side, streamed, through the router. All on one 2-core machine shared by client,
+router and pods (and other work), so absolute latencies include CPU contention and single
+p99 values on the real pods are noisy. The README's "Routing quality" section reads the
+results."""
 
 
 def main() -> None:
