@@ -67,11 +67,6 @@ class PodSet:
                     time.sleep(0.5)
 
 
-def _post(url: str) -> None:
-    with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=30):
-        pass
-
-
 @contextmanager
 def sim_pod_set(num_pods: int, engine_args: Sequence[str], log_dir: Path) -> Iterator[PodSet]:
     with (
@@ -84,5 +79,6 @@ def sim_pod_set(num_pods: int, engine_args: Sequence[str], log_dir: Path) -> Ite
 @contextmanager
 def vllm_pod_set(num_pods: int, log_dir: Path) -> Iterator[PodSet]:
     with start_vllm_pods(num_pods, log_dir) as pods:
-        urls = [p.url for p in pods]
-        yield PodSet("vllm", VLLM_MODEL, urls, lambda i: _post(urls[i] + "/reset_prefix_cache"))
+        yield PodSet(
+            "vllm", VLLM_MODEL, [p.url for p in pods], lambda i: pods[i].reset_prefix_cache()
+        )
