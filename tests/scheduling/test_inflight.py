@@ -1,4 +1,4 @@
-"""InFlight counters: threads, tokens, bad ends."""
+"""InFlight counters: threads, tokens, bad ends; and a burst spreading before any scrape."""
 
 from __future__ import annotations
 
@@ -6,9 +6,12 @@ import random
 import threading
 
 import pytest
+from prometheus_client import CollectorRegistry
 
+from extproc.config import build_scheduler, parse_config
 from extproc.scheduling.inflight import InFlight, InFlightCount
 from extproc.types import PodId
+from tests.factories import make_cycle, make_pod
 
 PODS = [PodId("default", f"p{i}") for i in range(4)]
 
@@ -60,3 +63,28 @@ def test_end_without_start_is_logged_and_ignored(caplog: pytest.LogCaptureFixtur
     with caplog.at_level("WARNING", logger="extproc.scheduling"):
         in_flight.end(PODS[0])
     assert in_flight.get(PODS[0]) == 0 and "without a matching start" in caplog.text
+
+
+DEFAULTS = """
+scheduler:
+  plugins:
+    Filter: {enabled: [least-request]}
+    Score:
+      enabled:
+        - {name: least-request, weight: 1}
+        - {name: gpu-usage, weight: 1}
+        - {name: least-latency, weight: 1}
+        - {name: prefix-cache, weight: 1}
+"""
+
+
+def test_a_burst_between_scrapes_spreads_over_idle_pods() -> None:
+    """Scrapes show every pod idle; the router's own counts spread the burst."""
+    in_flight = InFlight()
+    scheduler = build_scheduler(parse_config(DEFAULTS, "t.yaml"), CollectorRegistry(), in_flight)
+    pods = [make_pod(f"p{i}", port=i + 1) for i in range(4)]
+    for _ in range(8):
+        cycle = make_cycle("same prompt " * 50)
+        chosen = scheduler.schedule(cycle, pods)[0]
+        in_flight.start(chosen.id, cycle.num_prefill_tokens(chosen.id))
+    assert sorted(in_flight.get(p.id) for p in pods) == [2, 2, 2, 2]
