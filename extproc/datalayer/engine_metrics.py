@@ -56,14 +56,14 @@ ITL = (
 MODEL_LABEL = "model_name"
 
 _GAUGE_NAMES = (*WAITING, *RUNNING, *KV_USAGE)
-_SAMPLE_NAMES = frozenset(
+SAMPLE_NAMES = frozenset(
     [*_GAUGE_NAMES, *(f"{h}{suffix}" for h in (*TTFT, *ITL) for suffix in ("_sum", "_count"))]
 )
 # A line is a candidate when its first _KEY_LEN bytes start a wanted name: one slice and
 # one set lookup per line, which rejects all but the wanted families' buckets.
-_KEY_LEN = min(map(len, _SAMPLE_NAMES))
-_KEYS = frozenset(name.encode()[:_KEY_LEN] for name in _SAMPLE_NAMES)
-_NAMES = frozenset(name.encode() for name in _SAMPLE_NAMES)
+_KEY_LEN = min(map(len, SAMPLE_NAMES))
+_KEYS = frozenset(name.encode()[:_KEY_LEN] for name in SAMPLE_NAMES)
+_NAMES = frozenset(name.encode() for name in SAMPLE_NAMES)
 
 MAX_CACHED_SERIES = 4096  # ~20 series per pod page: thousands of distinct pages
 

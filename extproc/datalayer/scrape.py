@@ -1,9 +1,12 @@
 """``MetricsScraper``: every ready pod's ``/metrics``, on an interval, into the ``PodStore``.
 
 Design: one daemon thread runs an asyncio loop with one aiohttp session (keep-alive
-connections, C HTTP parser). Measured on a ~90 KB vLLM page, the client costs ~110 us of
-CPU per GET with aiohttp against ~1.6 ms with httpx, so aiohttp it is; parsing is
-``engine_metrics``' job (~170 us per page). See ``bench/scrape.py``.
+connections, C HTTP parser). Measured on a ~93 KB vLLM page, a GET costs 110-200 us of
+CPU with aiohttp and ~1.6 ms with httpx, so aiohttp it is; parsing is
+``engine_metrics``' job (~170-250 us per page, against ~21 ms for a full parse). In all,
+~570 us per scrape: 16 pods every 200 ms take ~4.5% of one core (``bench/scrape.py``).
+Parsing holds the GIL for that long, so a request arriving meanwhile waits up to
+~0.3 ms.
 
 Each tick (every ``interval_s``) starts a scrape of every discovery-ready pod that has
 none in progress, waits for them until the next tick at most, and hands the outcomes
@@ -76,7 +79,9 @@ class MetricsScraper:
         latency_hold_s: float = 10.0,
         max_page_bytes: int = MAX_PAGE_BYTES,
         registry: CollectorRegistry = REGISTRY,
+        parser: PageParser | None = None,
     ) -> None:
+        """``parser`` replaces the page parser (the benchmark passes its baseline)."""
         if interval_s <= 0 or timeout_s <= 0:
             raise ValueError(f"interval_s and timeout_s must be > 0, got {interval_s}, {timeout_s}")
         self.store = store
@@ -85,7 +90,7 @@ class MetricsScraper:
         self.latency_hold_s = latency_hold_s
         self.max_page_bytes = max_page_bytes
         self.metrics = ScrapeMetrics(registry)
-        self._parser = PageParser()
+        self._parser = parser or PageParser()
         self._readers: dict[PodId, PodReader] = {}
         self._error_labels: set[tuple[str, str]] = set()
         self._known: tuple[Pod, ...] | None = None
