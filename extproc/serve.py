@@ -153,20 +153,22 @@ def configure_logging(level: str, verbosity: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.v)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        stop.set()  # nothing else here: the handler may interrupt any code, logging included
+
+    # Installed before anything listens, so a SIGTERM right after start-up still drains.
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         running = start(args)
     except (ConfigError, OSError) as exc:
         log.error("cannot start: %s", exc)
         return 2
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("signal %d: draining for up to %.1f s", signum, args.drain_s)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    stop.wait()
+    while not stop.wait(1.0):
+        pass
+    log.info("signal received: draining for up to %.1f s", args.drain_s)
     running.stop(args.drain_s)
     log.info("stopped")
     return 0
