@@ -125,7 +125,9 @@ def build_scheduler(
 
     ``in_flight`` is the router's counters, shared with the plugins that read them.
     """
-    ctx = PluginContext(registry=registry, in_flight=in_flight or InFlight())
+    ctx = PluginContext(
+        registry=registry, in_flight=in_flight if in_flight is not None else InFlight()
+    )
     instances: dict[str, Plugin] = {}
     for name in (*config.filters, *(s.name for s in config.scores)):
         if name not in instances:
