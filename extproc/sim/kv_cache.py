@@ -1,0 +1,247 @@
+"""Block hashes and the block pool: vLLM's prefix cache, as ``vllm-prefix-caching.txt`` tells it.
+
+Hashes. Only full blocks of ``block_size`` tokens are hashed, each chained on its
+parent's hash; the chain starts from ``NONE_HASH``, fixed so every process agrees::
+
+    h[i] = low64(SHA-256(h[i-1] as 8 bytes big-endian
+                         + block i's tokens as little-endian uint32
+                         + b"cache_salt=" + salt  if i == 0 and a salt is given))
+
+The salt enters the first block only; every later hash inherits it through the chain.
+A hash is the digest's last 8 bytes as an unsigned int, which is also the integer form
+vLLM puts in its KV-cache events.
+
+Pool. ``num_gpu_blocks`` blocks, each with a reference count. Blocks of running requests
+are pinned (count > 0). Free blocks wait in a queue, least recently freed first; a free
+block may still hold a cached hash, and taking it for new data evicts that hash. Like
+vLLM's ``BlockPool``, a request's blocks are freed tail first, so a prompt's last blocks
+are evicted before its first ones. Only the pool edits the hash map and the free queue.
+
+A block whose hash is already cached (two identical prompts computed side by side)
+stays unhashed: one block per hash, so a hit is never ambiguous.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+BlockHash = NewType("BlockHash", int)  # low 64 bits of a SHA-256 digest
+
+NONE_HASH = BlockHash(int.from_bytes(hashlib.sha256(b"extproc-sim-none-hash").digest()[-8:], "big"))
+
+
+def hash_block_tokens(
+    parent_block_hash: BlockHash, token_ids: Sequence[int], cache_salt: str | None = None
+) -> BlockHash:
+    """One link of the chain (module docstring); ``cache_salt`` only for block 0."""
+    h = hashlib.sha256(parent_block_hash.to_bytes(8, "big"))
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    if cache_salt is not None:
+        h.update(b"cache_salt=" + cache_salt.encode())
+    return BlockHash(int.from_bytes(h.digest()[-8:], "big"))
+
+
+def extend_block_hashes(
+    block_hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+) -> None:
+    """Append the hashes of ``token_ids``' full blocks not yet in ``block_hashes``."""
+    for idx in range(len(block_hashes), len(token_ids) // block_size):
+        parent = block_hashes[idx - 1] if idx else NONE_HASH
+        chunk = token_ids[idx * block_size : (idx + 1) * block_size]
+        block_hashes.append(hash_block_tokens(parent, chunk, cache_salt if idx == 0 else None))
+
+
+def hash_request_tokens(
+    token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+) -> list[BlockHash]:
+    """The hashes of every full block of ``token_ids``."""
+    out: list[BlockHash] = []
+    extend_block_hashes(out, token_ids, block_size, cache_salt)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Blocks newly cached, consecutive in one request's chain."""
+
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None  # None when the first stored block is block 0
+    token_ids: tuple[int, ...]
+    block_size: int
+    extra_keys: tuple[tuple[str, ...] | None, ...]  # per block: (salt,) on block 0 if salted
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """One cached block evicted."""
+
+    block_hashes: tuple[BlockHash, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The prefix cache was reset."""
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(slots=True, eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+
+
+class BlockPool:
+    """The blocks, the free queue (LRU) and the hash -> block map; see the module docstring."""
+
+    def __init__(self, num_gpu_blocks: int, enable_kv_cache_events: bool = False) -> None:
+        self.num_gpu_blocks = num_gpu_blocks
+        self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
+        # Front = least recently freed = first to be evicted. Keyed by block_id.
+        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks
+        )
+        self._cached: dict[BlockHash, KVCacheBlock] = {}
+        self._events: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None
+        self.num_evicted_blocks = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def usage(self) -> float:
+        """vLLM's KV-cache usage: the share of blocks that are not free (0.0-1.0)."""
+        return 1.0 - len(self._free) / self.num_gpu_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self._cached.get(block_hash)
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], num_tokens: int, block_size: int
+    ) -> list[KVCacheBlock]:
+        """Cached blocks from the start, stopping at the first miss.
+
+        At most ``(num_tokens - 1) // block_size`` blocks: the last token is always
+        computed, to get logits. Nothing is touched.
+        """
+        hits: list[KVCacheBlock] = []
+        for block_hash in block_hashes[: (num_tokens - 1) // block_size]:
+            block = self._cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Pin hit blocks for a request: out of the free queue, reference count up."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` from the front of the free queue, evicting their hashes."""
+        if num_blocks > len(self._free):
+            raise ValueError(f"cannot take {num_blocks} blocks, {len(self._free)} free")
+        out: list[KVCacheBlock] = []
+        for _ in range(num_blocks):
+            _, block = self._free.popitem(last=False)
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        assert block.block_hash is not None
+        if self._cached.get(block.block_hash) is block:
+            del self._cached[block.block_hash]
+            self.num_evicted_blocks += 1
+            if self._events is not None:
+                self._events.append(BlockRemoved((block.block_hash,)))
+        block.block_hash = None
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Unpin blocks; those no longer used join the free queue's tail in the given order."""
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        token_ids: Sequence[int],
+        block_size: int,
+        cache_salt: str | None,
+    ) -> None:
+        """Register a request's blocks ``num_cached_blocks..num_full_blocks-1`` as cached.
+
+        Their KV is (being) computed, so later requests may hit them. A hash already cached
+        in another block leaves this block unhashed (module docstring).
+        """
+        stored: list[int] = []
+        for idx in range(num_cached_blocks, num_full_blocks):
+            block, block_hash = blocks[idx], block_hashes[idx]
+            if block.block_hash is not None or block_hash in self._cached:
+                continue
+            block.block_hash = block_hash
+            self._cached[block_hash] = block
+            stored.append(idx)
+        if self._events is None or not stored:
+            return
+        # One BlockStored per run of consecutive blocks, like vLLM's one per request step.
+        runs: list[list[int]] = []
+        for idx in stored:
+            if runs and runs[-1][-1] == idx - 1:
+                runs[-1].append(idx)
+            else:
+                runs.append([idx])
+        for run in runs:
+            first, last = run[0], run[-1]
+            self._events.append(
+                BlockStored(
+                    block_hashes=tuple(block_hashes[i] for i in run),
+                    parent_block_hash=block_hashes[first - 1] if first else None,
+                    token_ids=tuple(token_ids[first * block_size : (last + 1) * block_size]),
+                    block_size=block_size,
+                    extra_keys=tuple(
+                        (cache_salt,) if i == 0 and cache_salt is not None else None for i in run
+                    ),
+                )
+            )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every hash, as vLLM does: only when no block is in use (else False)."""
+        if len(self._free) != self.num_gpu_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self._cached.clear()
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events since the last call, oldest first (empty when events are off)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
