@@ -16,6 +16,7 @@ COMMANDS: tuple[str, ...] = (
     "extproc.prefix.cli",  # hash
     "extproc.serve",  # serve
     "extproc.envoyconf.cli",  # envoy-config
+    "extproc.sim.simulate_cli",  # simulate
 )
 
 
