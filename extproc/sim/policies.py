@@ -23,8 +23,11 @@ real server does) and ``ok=False`` when the pod refused it.
                 + prefill_s_per_token * (queued + own)
 
   i.e. the queue's prefill steps, each also decoding the running batch, then our own
-  prefill step. The coefficients are the engine's (a router calibrated on the pods);
-  waiting for memory or for ``max_num_seqs`` is not modelled beyond the queue.
+  prefill step. The coefficients are the engine's (a router calibrated on the pods).
+  Assumptions: FCFS, so the waiting requests are the newest ones sent; a running request
+  is past its prefill (the rest of the step in progress is ignored: a per-pod "busy
+  until" clock that counted it did not predict better in the burst and chat runs);
+  waiting for free KV blocks or for ``max_num_seqs`` shows only through the queue.
 
 The prefix view (``PrefixView``) is the router's own record of what it sent where, an
 ``extproc.prefix.index.PrefixIndex`` over the whole prompt in ``B = 64``-byte blocks,
