@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from extproc.config import SchedulerConfig
+from extproc.errors import ExtProcError
 from extproc.sim.engine import Engine, EngineConfig, FinishedRequest, RequestRejected
 from extproc.sim.policies import Policy, make_policy
 from extproc.sim.workloads import WorkItem, Workload
@@ -78,6 +79,7 @@ class RunResult:
     requests: tuple[RequestResult, ...]  # finished requests, in completion order
     pods: tuple[PodResult, ...]
     wall_s: float  # real time the run took; not part of the deterministic report
+    num_refused: int = 0  # answered by the router itself (429: the filters left no pod)
 
 
 def make_pods(num_pods: int, model: str) -> list[Pod]:
@@ -117,6 +119,7 @@ class _Replay:
         self.next_scrape_s = -math.inf
         self.num_routed = [0] * settings.num_pods
         self.num_rejected = [0] * settings.num_pods
+        self.num_refused = 0
         self.in_flight: dict[str, WorkItem] = {}
         self.results: list[RequestResult] = []
         # (finish time, pod index, sequence, request): delivered oldest first.
@@ -164,7 +167,11 @@ class _Replay:
             self.pods = tuple(pods)
 
     def route(self, item: WorkItem) -> None:
-        pod_idx = self.policy.pick(item, self.pods)
+        try:
+            pod_idx = self.policy.pick(item, self.pods)
+        except ExtProcError:  # as the server would: the client gets the error, no pod
+            self.num_refused += 1
+            return
         self.num_routed[pod_idx] += 1
         self.changed[pod_idx] = True
         try:
@@ -208,6 +215,7 @@ def simulate(workload: Workload, policy: Policy, settings: SimSettings) -> RunRe
         requests=tuple(replay.results),
         pods=replay.pod_results(),
         wall_s=time.perf_counter() - started,
+        num_refused=replay.num_refused,
     )
 
 

@@ -41,6 +41,7 @@ def summarize(run: RunResult) -> dict[str, Any]:
     return {
         "num_finished": len(run.requests),
         "num_rejected": sum(p.num_rejected for p in run.pods),
+        "num_refused": run.num_refused,
         "hit_ratio": _round(hits / queries if queries else 0.0),
         "prefix_cache_queries": queries,
         "prefix_cache_hits": hits,
@@ -73,21 +74,24 @@ def format_table(summaries: Mapping[str, Mapping[str, Any]], runs: Sequence[RunR
     """A fixed-width table, one row per policy, with the run's wall time."""
     header = (
         f"{'policy':<16}{'hit':>7}{'ttft mean':>11}{'p50':>9}{'p99':>9}{'max':>9}"
-        f"{'evicted':>9}{'rej':>5}{'wall s':>8}{'req/s':>9}  requests per pod"
+        f"{'evicted':>9}{'rej':>5}{'429':>5}{'wall s':>8}{'req/s':>9}  requests per pod"
     )
     lines = [header, "-" * len(header)]
     for run in runs:
         s = summaries[run.policy]
         t = s["ttft_s"]
-        num = s["num_finished"] + s["num_rejected"]
+        num = s["num_finished"] + s["num_rejected"] + s["num_refused"]
         per_pod = " ".join(str(p["num_requests"]) for p in s["pods"])
         lines.append(
             f"{run.policy:<16}{s['hit_ratio']:>7.3f}{_ms(t['mean']):>11}{_ms(t['p50']):>9}"
             f"{_ms(t['p99']):>9}{_ms(t['max']):>9}{s['num_evicted_blocks']:>9}"
-            f"{s['num_rejected']:>5}{run.wall_s:>8.2f}{num / max(run.wall_s, 1e-9):>9.0f}"
+            f"{s['num_rejected']:>5}{s['num_refused']:>5}{run.wall_s:>8.2f}{num / max(run.wall_s, 1e-9):>9.0f}"
             f"  {per_pod}"
         )
-    lines.append("TTFT in ms; hit = engine prefix-cache hit tokens / prompt tokens")
+    lines.append(
+        "TTFT in ms; hit = engine prefix-cache hit tokens / prompt tokens; rej = refused by "
+        "an engine, 429 = refused by the router (filters left no pod)"
+    )
     return "\n".join(lines)
 
 

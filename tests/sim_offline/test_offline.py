@@ -179,7 +179,10 @@ def test_cost_aware_beats_round_robin_and_pure_affinity_on_mean_ttft(
 
 def test_every_request_is_served_once(burst: Summaries) -> None:
     for s in burst.values():
-        assert s["num_finished"] == sum(p["num_requests"] for p in s["pods"]) == 400
+        # the default config's queue filter may refuse some of the burst (429), as the
+        # server would; every other request is routed once and finishes
+        assert s["num_finished"] == sum(p["num_requests"] for p in s["pods"])
+        assert s["num_finished"] + s["num_refused"] == 400
         assert s["prefix_cache_queries"] > s["prefix_cache_hits"] > 0
 
 
