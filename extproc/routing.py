@@ -37,6 +37,7 @@ SCHEDULING_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
     pods: tuple[Pod, ...]  # best first: the pick, then the fallbacks
+    prefill: Pod | None = None  # with prefill/decode disaggregation
 
     @property
     def destination(self) -> str:
@@ -51,6 +52,7 @@ class _Pending:
     created_s: float
     pick: PodId  # counted in flight from routing to the end, whatever pod served
     prefill_tokens: int
+    prefill: PodId | None
 
 
 class PendingRecords:
@@ -123,6 +125,11 @@ class RouterMetrics:
         self.retries = Counter(
             "extproc_retries_observed",
             "Upstream attempts beyond the first, as reported by Envoy's access log.",
+            registry=registry,
+        )
+        self.pinned = Counter(
+            "extproc_session_pinned",
+            "Requests sent to their session's bound pod without scoring (session sticky).",
             registry=registry,
         )
         self.pods_ready = Gauge(
@@ -212,22 +219,30 @@ class Router:
                         + ", ".join(sorted(allowed)[:5])
                     )
             cycle = Cycle(request)
-            ranked = self.scheduler.schedule(cycle, pods)
+            schedule = self.scheduler.schedule_request(cycle, pods)
         except ExtProcError as exc:
             self.metrics.errors.labels(str(exc.http_status), exc.code).inc()
             raise
-        chosen = tuple(ranked[: 1 + self.num_fallbacks])
+        if schedule.pinned:
+            self.metrics.pinned.inc()
+        chosen = tuple(schedule.pods[: 1 + self.num_fallbacks])
+        prefill = schedule.prefill
         if request_id:  # without an id the end can never be matched: nothing to track
             pick = chosen[0].id
             tokens = cycle.num_prefill_tokens(pick)
             self.in_flight.start(pick, tokens)
             pending = _Pending(
-                cycle, {p.address: p.id for p in chosen}, time.monotonic(), pick, tokens
+                cycle,
+                {p.address: p.id for p in chosen},
+                time.monotonic(),
+                pick,
+                tokens,
+                prefill.id if prefill else None,
             )
             self.pending.add(request_id, pending)
         self.metrics.decisions.labels(request.model).inc()
         self.metrics.scheduling.observe(time.perf_counter() - started)
-        return RouteDecision(chosen)
+        return RouteDecision(chosen, prefill)
 
     def complete(
         self, request_id: str, served_address: str | None, succeeded: bool, attempts: int = 1
@@ -256,7 +271,7 @@ class Router:
                 "request %s was served by %s, which is no known pod", request_id, served_address
             )
             return False
-        self.scheduler.record(pending.cycle, pod)
+        self.scheduler.record(pending.cycle, pod, pending.prefill)
         self.metrics.completions.labels("recorded").inc()
         return True
 

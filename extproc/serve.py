@@ -32,6 +32,7 @@ from extproc.datalayer.store import PodStore
 from extproc.errors import ConfigError
 from extproc.routing import Router
 from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.sessions import SessionStore
 from extproc.server import EXT_PROC_SERVICE, ExtProcHandlers, make_grpc_server, make_health_server
 
 log = logging.getLogger("extproc.serve")
@@ -61,6 +62,13 @@ def register(sub: Any) -> None:
         "--session-header",
         default=_env("session-header", "x-session-id"),
         help="request header carrying the session key ('' to ignore sessions)",
+    )
+    p.add_argument(
+        "--session-ttl-s",
+        type=float,
+        default=float(_env("session-ttl-s", 600.0)),
+        help="session sticky: a session's binding lasts this long after its last use; "
+        "0 turns session sticky off (default %(default)s)",
     )
     p.add_argument("--max-body-bytes", type=int, default=int(_env("max-body-bytes", 16 << 20)))
     p.add_argument("--pods-poll-s", type=float, default=float(_env("pods-poll-s", 1.0)))
@@ -119,6 +127,8 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
     """Build and start the picker from parsed ``serve`` arguments (raises ConfigError)."""
     in_flight = InFlight()
     scheduler = build_scheduler(load_config(args.config), registry, in_flight)
+    if args.session_header and args.session_ttl_s > 0:
+        scheduler.sessions = SessionStore(ttl_s=args.session_ttl_s)
     router = Router(
         scheduler,
         num_fallbacks=args.num_fallbacks,

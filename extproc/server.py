@@ -32,6 +32,7 @@ from extproc.epp import (
     DESTINATION_KEY,
     DESTINATION_NAMESPACE,
     PATH_ATTRIBUTE,
+    PREFILL_HEADER,
     REQUEST_ID_ATTRIBUTE,
     SUBSET_HINT_KEY,
     SUBSET_HINT_NAMESPACE,
@@ -62,12 +63,13 @@ def error_response(error: ExtProcError) -> ep.ProcessingResponse:
     )
 
 
-def route_response(destination: str) -> ep.ProcessingResponse:
-    """The body reply: continue, with the destination list as dynamic metadata."""
+def route_response(destination: str, prefill: str | None = None) -> ep.ProcessingResponse:
+    """The body reply: continue, with the destination list (and prefill pod) as metadata."""
     metadata = struct_pb2.Struct()
-    metadata.fields[DESTINATION_NAMESPACE].struct_value.fields[
-        DESTINATION_KEY
-    ].string_value = destination
+    fields = metadata.fields[DESTINATION_NAMESPACE].struct_value.fields
+    fields[DESTINATION_KEY].string_value = destination
+    if prefill:
+        fields[PREFILL_HEADER].string_value = prefill
     return ep.ProcessingResponse(
         request_body=ep.BodyResponse(response=ep.CommonResponse()),
         dynamic_metadata=metadata,
@@ -125,7 +127,8 @@ class ExtProcHandlers:
                 headers=headers,
                 subset=_subset_hint(message),
             )
-            return route_response(decision.destination)
+            prefill = decision.prefill.address if decision.prefill else None
+            return route_response(decision.destination, prefill)
         except ExtProcError as exc:
             log.debug("request %s: %s %s", request_id, exc.http_status, exc.message)
             return error_response(exc)

@@ -100,13 +100,9 @@ def assemble_snippet(snippet: dict[str, Any]) -> dict[str, Any]:
                 {
                     "name": "existing",
                     "domains": ["*"],
-                    "routes": [
-                        {
-                            "match": {"prefix": "/v1/"},
-                            "route": snippet["route"],
-                            "request_headers_to_remove": snippet["request_headers_to_remove"],
-                        }
-                    ],
+                    "routes": [{"match": {"prefix": "/v1/"}, "route": snippet["route"]}],
+                    "request_headers_to_remove": snippet["request_headers_to_remove"],
+                    "request_headers_to_add": snippet["request_headers_to_add"],
                 }
             ]
         },
@@ -164,6 +160,7 @@ def test_every_shipped_yaml_validates(path: Path, tmp_path: Path) -> None:
             "access_log",
             "route",
             "request_headers_to_remove",
+            "request_headers_to_add",
             "clusters",
         }, f"{path.name} is neither a bootstrap nor the snippet"
         assembled = tmp_path / "assembled.yaml"
@@ -313,6 +310,12 @@ def test_route_has_no_deadline_and_strips_routing_headers() -> None:
     assert route(config)["cluster"] == "extproc_pods"
     vhost = hcm(config)["route_config"]["virtual_hosts"][0]
     assert DESTINATION_KEY in vhost["request_headers_to_remove"]
+    assert "x-prefiller-host-port" in vhost["request_headers_to_remove"]
+    (added,) = vhost["request_headers_to_add"]
+    assert added["header"] == {
+        "key": "x-prefiller-host-port",
+        "value": "%DYNAMIC_METADATA(envoy.lb:x-prefiller-host-port)%",
+    }
 
 
 def test_request_id_generated_by_envoy() -> None:

@@ -57,6 +57,7 @@ from extproc.epp import (
     DESTINATION_NAMESPACE,
     INTERNAL_HEADERS,
     PATH_ATTRIBUTE,
+    PREFILL_HEADER,
     REQUEST_ID_ATTRIBUTE,
     SUBSET_HINT_NAMESPACE,
     header_attribute,
@@ -163,7 +164,10 @@ class Snippet:
     access_log: accesslog_pb2.AccessLog  # on the HttpConnectionManager
     clusters: list[cluster_pb2.Cluster]  # extproc, and the pods
     route_action: route_components_pb2.RouteAction  # cluster, timeout, retry policy
-    request_headers_to_remove: list[str]  # on the route or virtual host
+    request_headers_to_remove: list[str]  # on the virtual host
+    # on the same virtual host (one header parser removes before it adds, so the
+    # client's copy is dropped and ours added): the prefill pod extproc chose
+    request_headers_to_add: list[base_pb2.HeaderValueOption]
     per_connection_buffer_limit_bytes: int  # on the listener
 
 
@@ -183,6 +187,7 @@ def make_bootstrap(pods: Sequence[Pod], options: EnvoyOptions) -> bootstrap_pb2.
                     )
                 ],
                 request_headers_to_remove=snippet.request_headers_to_remove,
+                request_headers_to_add=snippet.request_headers_to_add,
             )
         ],
     )
@@ -244,7 +249,20 @@ def make_snippet(pods: Sequence[Pod], options: EnvoyOptions) -> Snippet:
         clusters=[make_extproc_cluster(options), make_pods_cluster(pods, options)],
         route_action=make_route_action(options),
         request_headers_to_remove=list(INTERNAL_HEADERS),
+        request_headers_to_add=[make_prefill_header()],
         per_connection_buffer_limit_bytes=options.max_body_bytes,
+    )
+
+
+def make_prefill_header() -> base_pb2.HeaderValueOption:
+    """``x-prefiller-host-port`` from the reply's metadata; not added when it is empty."""
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(
+            key=PREFILL_HEADER,
+            value=f"%DYNAMIC_METADATA({DESTINATION_NAMESPACE}:{PREFILL_HEADER})%",
+        ),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+        keep_empty_value=False,
     )
 
 

@@ -144,6 +144,9 @@ response whose headers reached the client is never retried.""",
 Clients must not reach pods with routing headers. ext_proc cannot strip them here:
 with request headers skipped, Envoy ignores header mutations in the body reply
 (measured), so the route does it.""",
+    "request_headers_to_add:": """The prefill pod extproc chose (prefill/decode disaggregation), from the reply's
+envoy.lb metadata; absent when there is none. Same virtual host as the removal, which
+runs first, so a client's copy never survives.""",
 }
 
 
@@ -176,6 +179,7 @@ def render_snippet(snippet: Snippet, *, summary: str) -> str:
         "access_log": [to_dict(snippet.access_log)],
         "route": to_dict(snippet.route_action),
         "request_headers_to_remove": snippet.request_headers_to_remove,
+        "request_headers_to_add": [to_dict(h) for h in snippet.request_headers_to_add],
         "clusters": [to_dict(c) for c in snippet.clusters],
     }
     header = f"""\
@@ -193,8 +197,10 @@ envoy.filters.http.router. Envoy's default generate_request_id: true must stay o
         "route:": """\
 The RouteAction ("route:") of your LLM route(s): the pods cluster, no deadline, and
 the retry policy that walks extproc's list.""",
-        "request_headers_to_remove:": "On the same route or its virtual host. "
+        "request_headers_to_remove:": "On your LLM routes' virtual host. "
         + _ROUTE["request_headers_to_remove:"],
+        "request_headers_to_add:": "On the same virtual host. "
+        + _ROUTE["request_headers_to_add:"],
         "clusters:": "Add to static_resources.clusters (or serve them by CDS).",
     }
     return to_yaml(data, header=header, comments=comments)
