@@ -48,6 +48,7 @@ from prometheus_client import CollectorRegistry
 
 from extproc.config import SchedulerConfig, build_scheduler
 from extproc.prefix.index import Keys, PrefixIndex
+from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.types import Cycle
 from extproc.sim.engine import EngineConfig
 from extproc.sim.workloads import WorkItem
@@ -194,14 +195,19 @@ class CostAware(_Learning):
 
 
 class PrefixCachePolicy:
-    """extproc's configured scheduler; ``pick`` is its best-ranked pod."""
+    """extproc's configured scheduler; ``pick`` is its best-ranked pod.
+
+    Like the server's router, it counts each request in flight on its pick (with the
+    prefill tokens the plugins estimated) until it finishes.
+    """
 
     name: ClassVar[str] = "prefix-cache"
 
     def __init__(self, config: SchedulerConfig, seed: int) -> None:
-        self.scheduler = build_scheduler(config, CollectorRegistry())
+        self.in_flight = InFlight()
+        self.scheduler = build_scheduler(config, CollectorRegistry(), self.in_flight)
         self.scheduler.rng = random.Random(seed)
-        self._cycles: dict[str, Cycle] = {}
+        self._cycles: dict[str, tuple[Cycle, int]] = {}
         self._pod_ids: list[PodId] = []
         self._pod_idx: dict[PodId, int] = {}
 
@@ -211,11 +217,15 @@ class PrefixCachePolicy:
             self._pod_idx = {pod_id: i for i, pod_id in enumerate(self._pod_ids)}
             self.scheduler.pods_changed(pods)
         cycle = Cycle(item.request)
-        self._cycles[item.request_id] = cycle
-        return self._pod_idx[self.scheduler.schedule(cycle, pods)[0].id]
+        pick = self.scheduler.schedule(cycle, pods)[0].id
+        tokens = cycle.num_prefill_tokens(pick)
+        self.in_flight.start(pick, tokens)
+        self._cycles[item.request_id] = (cycle, tokens)
+        return self._pod_idx[pick]
 
     def finished(self, item: WorkItem, pod_idx: int, ok: bool) -> None:
-        cycle = self._cycles.pop(item.request_id)
+        cycle, tokens = self._cycles.pop(item.request_id)
+        self.in_flight.end(self._pod_ids[pod_idx], tokens)
         if ok:
             self.scheduler.record(cycle, self._pod_ids[pod_idx])
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from importlib import resources
 from typing import Any, ClassVar
 
 import numpy as np
 import pytest
 
+from extproc.config import parse_config
 from extproc.prefix.index import PrefixIndex
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheScorer
 from extproc.sim.engine import Engine, EngineConfig
@@ -224,3 +226,18 @@ def test_stale_metrics_send_a_burst_to_one_least_request_pod() -> None:
     assert max(p.num_requests for p in fresh.pods) <= 11
     assert max(p.num_requests for p in stale.pods) > 11
     assert np.isclose(sum(p.num_requests for p in stale.pods), 40)
+
+
+def test_default_weights_plus_cost_aware_spread_a_hot_prefix_and_keep_most_hits() -> None:
+    """Issue 5's check: the shipped cost-aware configuration on the burst scenario."""
+    text = resources.files("extproc").joinpath("data/cost-aware.yaml").read_text()
+    workload = burst_workload(BurstParams(num_requests=400), seed=0)
+    settings = SimSettings(4, EngineConfig(**workload.engine_defaults))
+    runs = compare(workload, ["prefix-affinity"], settings, default_scheduler_config(), seed=0)
+    runs += compare(workload, ["prefix-cache"], settings, parse_config(text, "cost-aware"), seed=0)
+    affinity, ours = (summarize(r) for r in runs)
+    assert ours["num_refused"] == 0
+    assert max(p["num_requests"] for p in ours["pods"]) < 0.4 * 400
+    assert max(p["num_requests"] for p in affinity["pods"]) > 0.5 * 400
+    assert ours["ttft_s"]["max"] < affinity["ttft_s"]["max"] / 2
+    assert ours["hit_ratio"] > 0.9 * affinity["hit_ratio"]
