@@ -29,7 +29,7 @@ _DOMAIN = "{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}"
 class Sentinel(NamedTuple):
     text: str  # as the generated YAML writes it
     expression: str  # what the template has instead
-    count: int  # how often it must occur
+    num_occurrences: int  # how often it must occur
 
 
 # Sentinels are values no real option would have and that cannot match elsewhere.
@@ -73,9 +73,9 @@ def render_template() -> str:
         raise ValueError("the generated bootstrap contains template delimiters")
     for sentinel in _SENTINELS:
         found = text.count(sentinel.text)
-        if found != sentinel.count:
+        if found != sentinel.num_occurrences:
             raise ValueError(
-                f"sentinel {sentinel.text!r} occurs {found} times, expected {sentinel.count}"
+                f"sentinel {sentinel.text!r} occurs {found} times, expected {sentinel.num_occurrences}"
             )
         text = text.replace(sentinel.text, sentinel.expression)
     return (

@@ -109,3 +109,18 @@ def test_envoy_pod_and_services() -> None:
     assert "--config-path=/etc/envoy/envoy.yaml" in container["args"]
     headless = find(docs, "Service", f"{FULLNAME}-model-servers")["spec"]
     assert headless["clusterIP"] == "None" and headless["selector"] == {"app": "vllm"}
+
+
+@pytest.mark.parametrize(
+    ("sentinel", "problem"),
+    [
+        pytest.param(helm.Sentinel("no-such-text", "x", 1), "occurs 0 times", id="missing"),
+        pytest.param(helm.Sentinel("port_value:", "x", 1), "occurs 4 times", id="several"),
+    ],
+)
+def test_generator_refuses_a_sentinel_that_does_not_fit(
+    sentinel: helm.Sentinel, problem: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(helm, "_SENTINELS", (sentinel,))
+    with pytest.raises(ValueError, match=problem):
+        helm.render_template()
