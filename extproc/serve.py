@@ -32,6 +32,8 @@ from extproc.server import EXT_PROC_SERVICE, ExtProcHandlers, make_grpc_server, 
 
 log = logging.getLogger("extproc.serve")
 
+SIGNAL_POLL_S = 0.2
+
 
 def _env(name: str, default: Any) -> Any:
     return os.environ.get(f"EXTPROC_{name.upper().replace('-', '_')}", default)
@@ -153,20 +155,24 @@ def configure_logging(level: str, verbosity: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.v)
-    try:
-        running = start(args)
-    except (ConfigError, OSError) as exc:
-        log.error("cannot start: %s", exc)
-        return 2
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         log.info("signal %d: draining for up to %.1f s", signum, args.drain_s)
         stop.set()
 
+    # Before start(): a SIGTERM that arrives once the ports are open must drain, not kill.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    stop.wait()
+    try:
+        running = start(args)
+    except (ConfigError, OSError) as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    # Wait in slices: the kernel may deliver SIGTERM to a gRPC thread, and then only a
+    # main thread that wakes up runs the Python handler (an unbounded wait never would).
+    while not stop.wait(SIGNAL_POLL_S):
+        pass
     running.stop(args.drain_s)
     log.info("stopped")
     return 0
