@@ -7,6 +7,7 @@ custom resources, whose schemas it does not have (checked field by field below i
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import helm_python
@@ -15,6 +16,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from extproc import serve
 from extproc.config import build_scheduler, parse_config
 from extproc.scheduling.registry import BUILTIN
 from tests.charts.conftest import CHART_DIR, GATEWAY_PEERS, MODES, NAMESPACE, find, render
@@ -25,6 +27,16 @@ CUSTOM_KINDS = {"InferencePool", "HTTPRoute", "ServiceMonitor"}
 # The load plugins the default configuration names, being added on another branch; until
 # they are registered the loader test checks they are the only unknown names.
 LOAD_PLUGINS = {"least-request", "gpu-usage", "least-latency"}
+# Kubernetes discovery flags of `extproc serve`, likewise being added on another branch.
+DISCOVERY_FLAGS = {
+    "--k8s-namespace",
+    "--k8s-selector",
+    "--k8s-target-port",
+    "--k8s-model-label",
+    "--k8s-role-label",
+    "--k8s-default-model",
+    "--inference-pool",
+}
 
 
 def kinds(docs: list[dict[str, Any]]) -> set[tuple[str, str]]:
@@ -152,6 +164,16 @@ def test_discovery_args_and_least_rbac(mode: str, source_args: list[str], pool_r
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": FULLNAME, "namespace": NAMESPACE}
     ]
+
+
+def test_picker_args_are_extproc_serve_flags(mode_values: dict[str, Any]) -> None:
+    container = picker_container(render(mode_values))
+    assert container["command"] == ["extproc"] and container["args"][0] == "serve"
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    _, unknown = parser.parse_known_args(container["args"])
+    flags = {arg.split("=")[0] for arg in unknown if arg.startswith("--")}
+    assert flags <= DISCOVERY_FLAGS, f"not extproc serve flags: {flags - DISCOVERY_FLAGS}"
 
 
 def test_optional_discovery_flags_reach_the_args() -> None:
