@@ -1,6 +1,7 @@
 """``extproc serve``: the endpoint picker process.
 
-Wires the pieces: configuration -> scheduler; pods file (watched) -> router; gRPC
+Wires the pieces: configuration -> scheduler; pods file (watched) and each pod's scraped
+/metrics -> pod store -> router; gRPC
 ext_proc + access log on ``--grpc-port``; gRPC health on ``--health-port``; Prometheus
 metrics on ``--metrics-port``. SIGTERM/SIGINT: health goes NOT_SERVING, open streams get
 ``--drain-s`` seconds to finish, then the process exits.
@@ -26,13 +27,14 @@ from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
 from extproc.config import build_scheduler, load_config
 from extproc.datalayer.pods_file import DEFAULT_PODS_FILE, PodsFileWatcher
+from extproc.datalayer.scrape import MetricsScraper
+from extproc.datalayer.store import PodStore
 from extproc.errors import ConfigError
 from extproc.routing import Router
+from extproc.scheduling.inflight import InFlight
 from extproc.server import EXT_PROC_SERVICE, ExtProcHandlers, make_grpc_server, make_health_server
 
 log = logging.getLogger("extproc.serve")
-
-SIGNAL_POLL_S = 0.2
 
 
 def _env(name: str, default: Any) -> Any:
@@ -62,6 +64,20 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--max-body-bytes", type=int, default=int(_env("max-body-bytes", 16 << 20)))
     p.add_argument("--pods-poll-s", type=float, default=float(_env("pods-poll-s", 1.0)))
+    p.add_argument(
+        "--scrape-interval-s",
+        type=float,
+        default=float(_env("scrape-interval-s", 0.2)),
+        help="how often each pod's /metrics is scraped (default %(default)s)",
+    )
+    p.add_argument("--scrape-timeout-s", type=float, default=float(_env("scrape-timeout-s", 1.0)))
+    p.add_argument(
+        "--stale-after-s",
+        type=float,
+        default=float(_env("stale-after-s", 2.0)),
+        help="a pod without a fresh scrape this long is not ready; 0: no scraping, "
+        "readiness from the pods source only (default %(default)s)",
+    )
     p.add_argument("--drain-s", type=float, default=float(_env("drain-s", 10.0)))
     p.add_argument("--log-level", default=_env("log-level", "info"))
     p.add_argument(
@@ -84,12 +100,15 @@ class Running:
     health_servicer: health.HealthServicer
     health_port: int
     watcher: PodsFileWatcher
+    scraper: MetricsScraper | None
     metrics_server: Any
 
     def stop(self, drain_s: float = 10.0) -> None:
         for service in ("", EXT_PROC_SERVICE):
             self.health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.watcher.stop()
+        if self.scraper is not None:
+            self.scraper.stop()
         self.grpc_server.stop(drain_s).wait()
         self.health_server.stop(0).wait()
         if self.metrics_server is not None:
@@ -98,16 +117,28 @@ class Running:
 
 def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> Running:
     """Build and start the picker from parsed ``serve`` arguments (raises ConfigError)."""
-    scheduler = build_scheduler(load_config(args.config), registry)
+    in_flight = InFlight()
+    scheduler = build_scheduler(load_config(args.config), registry, in_flight)
     router = Router(
         scheduler,
         num_fallbacks=args.num_fallbacks,
         session_header=args.session_header or None,
         max_body_bytes=args.max_body_bytes,
+        in_flight=in_flight,
         registry=registry,
     )
-    watcher = PodsFileWatcher(args.pods, router.set_pods, interval_s=args.pods_poll_s)
-    router.set_pods(watcher.pods)
+    scraping = args.stale_after_s > 0
+    store = PodStore(router.set_pods, stale_after_s=args.stale_after_s if scraping else None)
+    watcher = PodsFileWatcher(args.pods, store.set_pods, interval_s=args.pods_poll_s)
+    store.set_pods(watcher.pods)
+    scraper = None
+    if scraping:
+        scraper = MetricsScraper(
+            store,
+            interval_s=args.scrape_interval_s,
+            timeout_s=args.scrape_timeout_s,
+            registry=registry,
+        )
     grpc_server, grpc_port = make_grpc_server(
         ExtProcHandlers(router),
         f"{args.address}:{args.grpc_port}",
@@ -120,6 +151,8 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
     grpc_server.start()
     health_server.start()
     watcher.start()
+    if scraper is not None:
+        scraper.start()
     for service in ("", EXT_PROC_SERVICE):
         servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     log.info(
@@ -139,6 +172,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         servicer,
         health_port,
         watcher,
+        scraper,
         metrics_server,
     )
 
@@ -158,10 +192,9 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("signal %d: draining for up to %.1f s", signum, args.drain_s)
-        stop.set()
+        stop.set()  # nothing else here: the handler may interrupt any code, logging included
 
-    # Before start(): a SIGTERM that arrives once the ports are open must drain, not kill.
+    # Installed before anything listens, so a SIGTERM right after start-up still drains.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
@@ -169,10 +202,9 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, OSError) as exc:
         log.error("cannot start: %s", exc)
         return 2
-    # Wait in slices: the kernel may deliver SIGTERM to a gRPC thread, and then only a
-    # main thread that wakes up runs the Python handler (an unbounded wait never would).
-    while not stop.wait(SIGNAL_POLL_S):
+    while not stop.wait(1.0):
         pass
+    log.info("signal received: draining for up to %.1f s", args.drain_s)
     running.stop(args.drain_s)
     log.info("stopped")
     return 0
