@@ -3,7 +3,8 @@
 Prometheus is Debian's package (``apt-get install prometheus``, as .ci/run does); a
 missing binary fails the test. It scrapes every second, on 127.0.0.1, while a short
 workload goes through Envoy: shared prefixes (hits), distinct ones (misses, and evictions
-with a 32-entry cache per pod), and requests extproc refuses (the error series).
+with a 32-entry cache per pod), requests extproc refuses (the error series), and a pod
+that is down (scrape errors, retries). extproc runs the Helm chart's configuration.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -23,6 +25,8 @@ import yaml
 from e2e.conftest import MODEL, NUM_PODS, pods_of, unique_prefix
 from extproc.launch import Proc, Stack, free_port, run_stack, spawn, wait_until
 from extproc.sim.harness import SimPods
+from extproc.types import Pod, PodId
+from tests.charts.conftest import find, render
 from tests.charts.dashboard import queries, require_binary
 
 SCRAPE_INTERVAL = "1s"
@@ -33,21 +37,27 @@ NUM_ROUNDS = 4
 ROUND_PAUSE_S = 1.5  # more than a scrape interval
 NUM_TARGETS = 1 + NUM_PODS  # extproc and the pods
 
-# prefix-cache alone (the load plugins are not on this branch), with room for 32 blocks per
-# pod: a prompt is about 20 blocks (1,200-byte prefix), so a pod's second prefix evicts.
-CONFIG = {
-    "scheduler": {
-        "plugins": {"Score": {"enabled": [{"name": "prefix-cache", "weight": 1}]}},
-        "pluginConfig": [{"name": "prefix-cache", "args": {"maxHashCacheSize": 32}}],
-    }
-}
+# The chart's ConfigMap, with room for 32 blocks per pod: a prompt is about 20 blocks
+# (1,200-byte prefix), so a pod's second prefix evicts.
+MAX_HASH_CACHE_SIZE = 32
+
+
+def chart_config() -> dict[str, Any]:
+    configmap = find(render(), "ConfigMap", "rel-extproc")
+    config: dict[str, Any] = yaml.safe_load(configmap["data"]["config.yaml"])
+    [prefix_cache] = [p for p in config["scheduler"]["pluginConfig"] if p["name"] == "prefix-cache"]
+    prefix_cache["args"]["maxHashCacheSize"] = MAX_HASH_CACHE_SIZE
+    return config
 
 
 @pytest.fixture
 def picker(sim: SimPods, tmp_path: Path) -> Iterator[Stack]:
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(CONFIG))
-    with run_stack(pods_of(sim), config=config) as stack:
+    config.write_text(yaml.safe_dump(chart_config()))
+    # Nothing listens at the dead pod's address: extproc's scrapes of it fail (the scrape
+    # error series) and a request sent there is retried on the next listed pod.
+    dead = Pod(PodId("default", "dead"), f"127.0.0.1:{free_port()}", frozenset({MODEL}))
+    with run_stack([*pods_of(sim), dead], config=config) as stack:
         yield stack
 
 

@@ -17,16 +17,12 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from extproc import serve
-from extproc.config import build_scheduler, parse_config
-from extproc.scheduling.registry import BUILTIN
+from extproc.config import build_scheduler, default_config_text, parse_config
 from tests.charts.conftest import CHART_DIR, GATEWAY_PEERS, MODES, NAMESPACE, find, render
 
 KUBERNETES_VERSION = "1.33"
 FULLNAME = "rel-extproc"
 CUSTOM_KINDS = {"InferencePool", "HTTPRoute", "ServiceMonitor"}
-# The load plugins the default configuration names, being added on another branch; until
-# they are registered the loader test checks they are the only unknown names.
-LOAD_PLUGINS = {"least-request", "gpu-usage", "least-latency"}
 # Kubernetes discovery flags of `extproc serve`, likewise being added on another branch.
 DISCOVERY_FLAGS = {
     "--k8s-namespace",
@@ -243,24 +239,19 @@ def test_service_monitor_scrapes_the_metrics_port() -> None:
     assert monitor["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
 
 
-def test_configmap_config_loads_in_extprocs_loader() -> None:
-    """The shipped default, through ``parse_config`` and ``build_scheduler``.
-
-    Plugins not registered on this branch are removed first, after checking they are
-    exactly the load plugins expected to land; everything else is loaded for real.
-    """
+def test_configmap_config_is_extprocs_default_and_loads() -> None:
+    """The shipped ConfigMap is extproc's embedded default, and its loader builds it."""
     text = find(render(), "ConfigMap", FULLNAME)["data"]["config.yaml"]
-    doc = yaml.safe_load(text)
-    plugins = doc["scheduler"]["plugins"]
-    names = {*plugins["Filter"]["enabled"], *(s["name"] for s in plugins["Score"]["enabled"])}
-    assert names == LOAD_PLUGINS | {"prefix-cache"}
-    unknown = names - set(BUILTIN)
-    assert unknown <= LOAD_PLUGINS, f"unknown plugins {unknown - LOAD_PLUGINS}"
-    plugins["Filter"]["enabled"] = [n for n in plugins["Filter"]["enabled"] if n in BUILTIN]
-    plugins["Score"]["enabled"] = [s for s in plugins["Score"]["enabled"] if s["name"] in BUILTIN]
-    config = parse_config(yaml.safe_dump(doc), "chart ConfigMap")
+    assert yaml.safe_load(text) == yaml.safe_load(default_config_text())
+    config = parse_config(text, "chart ConfigMap")
     build_scheduler(config, CollectorRegistry())
-    assert [(s.name, s.weight) for s in config.scores][-1] == ("prefix-cache", 1)
+    assert [(s.name, s.weight) for s in config.scores] == [
+        ("least-request", 1),
+        ("gpu-usage", 1),
+        ("least-latency", 1),
+        ("prefix-cache", 1),
+    ]
+    assert config.filters == ("least-request",)
     assert config.plugin_args["prefix-cache"] == {
         "blockSizeToHash": 64,
         "maxBlocksToMatch": 128,
