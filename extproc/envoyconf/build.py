@@ -104,6 +104,9 @@ class EnvoyOptions:
         connect_timeout_s: TCP connect timeout for pods and extproc.
         attribute_headers: request headers sent to extproc as attributes (lowercase),
             see ``header_attribute``.
+        pods_dns: ``dns-name:port`` whose addresses are the pods (in Kubernetes a
+            headless Service); replaces the static pod list with a STRICT_DNS cluster
+            that follows the pods as DNS does.
     """
 
     extproc_address: str = "127.0.0.1:9002"
@@ -116,9 +119,12 @@ class EnvoyOptions:
     max_body_bytes: int = 16 * 1024 * 1024  # 8 MB prompts with room to spare
     connect_timeout_s: float = 1.0
     attribute_headers: tuple[str, ...] = ("x-session-id",)
+    pods_dns: str | None = None
 
     def __post_init__(self) -> None:
         split_host_port(self.extproc_address)
+        if self.pods_dns is not None and split_host_port(self.pods_dns)[2]:
+            raise ValueError(f"pods_dns must be dns-name:port, got {self.pods_dns!r}")
         for name in ("listen_port", "admin_port"):
             if not 0 < getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be 1-65535, got {getattr(self, name)}")
@@ -356,7 +362,12 @@ def make_route_action(options: EnvoyOptions) -> route_components_pb2.RouteAction
 
 
 def make_pods_cluster(pods: Sequence[Pod], options: EnvoyOptions) -> cluster_pb2.Cluster:
-    """Every pod as a static endpoint, load-balanced by extproc's metadata (only)."""
+    """The pods, load-balanced by extproc's metadata (only).
+
+    Static endpoints from ``pods``, or with ``options.pods_dns`` every address its name
+    resolves to (refreshed every 5 s): override_host can only pick cluster members, and
+    a Kubernetes headless Service resolves to exactly the ready pods' IPs.
+    """
     source = override_host_pb2.OverrideHost.OverrideHostSource
     override_host = override_host_pb2.OverrideHost(
         # Metadata only: a header source would obey a client-sent header.
@@ -373,7 +384,7 @@ def make_pods_cluster(pods: Sequence[Pod], options: EnvoyOptions) -> cluster_pb2
             "envoy.load_balancing_policies.round_robin", round_robin_pb2.RoundRobin()
         ),
     )
-    return cluster_pb2.Cluster(
+    cluster = cluster_pb2.Cluster(
         name=PODS_CLUSTER,
         type=cluster_pb2.Cluster.STATIC,
         connect_timeout=_duration(options.connect_timeout_s),
@@ -381,15 +392,22 @@ def make_pods_cluster(pods: Sequence[Pod], options: EnvoyOptions) -> cluster_pb2
             "envoy.load_balancing_policies.override_host", override_host
         ),
         circuit_breakers=_open_circuit_breakers(),
-        load_assignment=endpoint_pb2.ClusterLoadAssignment(
-            cluster_name=PODS_CLUSTER,
-            endpoints=[
-                endpoint_components_pb2.LocalityLbEndpoints(
-                    lb_endpoints=[_lb_endpoint(*split_host_port(pod.address)[:2]) for pod in pods]
-                )
-            ],
-        ),
     )
+    if options.pods_dns is None:
+        endpoints = [_lb_endpoint(*split_host_port(pod.address)[:2]) for pod in pods]
+    else:
+        cluster.type = cluster_pb2.Cluster.STRICT_DNS
+        # extproc lists a pod by its primary IP (status.podIP, IPv4 in dual-stack
+        # clusters); the resolved hosts must carry the same address to be picked.
+        cluster.dns_lookup_family = cluster_pb2.Cluster.V4_PREFERRED
+        endpoints = [_lb_endpoint(*split_host_port(options.pods_dns)[:2])]
+    cluster.load_assignment.CopyFrom(
+        endpoint_pb2.ClusterLoadAssignment(
+            cluster_name=PODS_CLUSTER,
+            endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=endpoints)],
+        )
+    )
+    return cluster
 
 
 def make_extproc_cluster(options: EnvoyOptions) -> cluster_pb2.Cluster:

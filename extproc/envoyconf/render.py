@@ -116,8 +116,10 @@ fail-open requests have nothing to record.""",
 extproc's gRPC server (ext_proc and access log), HTTP/2 as gRPC requires. Envoy
 reconnects by itself after an extproc restart.""",
     "name: extproc_pods": """\
-Every pod of the pods file as a static endpoint: override_host can only pick hosts
-that are members (others in the list are skipped). Regenerate when pods change.""",
+The pods: every pod of the pods file as a static endpoint (regenerate when pods
+change), or with --pods-dns every address a DNS name resolves to (a Kubernetes
+headless Service). override_host can only pick hosts that are members (others in the
+list are skipped).""",
     "load_balancing_policy:": """\
 override_host walks extproc's list, one host per try. The source is metadata ONLY: a
 header source would obey a client-sent x-gateway-destination-endpoint. Health is not
