@@ -49,12 +49,21 @@ static_resources:
                     retry_back_off:
                       base_interval: 0.005s
                       max_interval: 0.050s
+              # The prefill pod extproc chose (prefill/decode disaggregation), from the reply's
+              # envoy.lb metadata; absent when there is none. Same virtual host as the removal,
+              # which runs first, so a client's copy never survives.
+              request_headers_to_add:
+              - header:
+                  key: x-prefiller-host-port
+                  value: '%DYNAMIC_METADATA(envoy.lb:x-prefiller-host-port)%'
+                append_action: OVERWRITE_IF_EXISTS_OR_ADD
               # Clients must not reach pods with routing headers. ext_proc cannot strip them here:
               # with request headers skipped, Envoy ignores header mutations in the body reply
               # (measured), so the route does it.
               request_headers_to_remove:
               - x-gateway-destination-endpoint
               - x-gateway-destination-endpoint-served
+              - x-prefiller-host-port
           http_filters:
           # extproc picks the pod. One gRPC message round per request: Envoy skips the request
           # headers and sends the whole body (BUFFERED); response headers are skipped and
