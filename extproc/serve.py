@@ -30,6 +30,7 @@ from extproc.datalayer.pods_file import DEFAULT_PODS_FILE, PodsFileWatcher
 from extproc.datalayer.scrape import MetricsScraper
 from extproc.datalayer.store import PodStore
 from extproc.errors import ConfigError
+from extproc.gateway import epp_process
 from extproc.routing import Router
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.sessions import SessionStore
@@ -69,6 +70,14 @@ def register(sub: Any) -> None:
         default=float(_env("session-ttl-s", 600.0)),
         help="session sticky: a session's binding lasts this long after its last use; "
         "0 turns session sticky off (default %(default)s)",
+    )
+    p.add_argument(
+        "--protocol",
+        choices=("one-round", "epp"),
+        default=_env("protocol", "one-round"),
+        help="one-round: extproc's own Envoy config (envoy/, envoy-config); epp: gateways "
+        "speaking the Endpoint Picker Protocol (headers first, body buffered or "
+        "full-duplex streamed, destination header + metadata) (default %(default)s)",
     )
     p.add_argument("--max-body-bytes", type=int, default=int(_env("max-body-bytes", 16 << 20)))
     p.add_argument("--pods-poll-s", type=float, default=float(_env("pods-poll-s", 1.0)))
@@ -152,6 +161,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
     grpc_server, grpc_port = make_grpc_server(
         ExtProcHandlers(router),
         f"{args.address}:{args.grpc_port}",
+        process=epp_process(router) if args.protocol == "epp" else None,
         max_message_bytes=args.max_body_bytes + (1 << 20),
     )
     health_server, servicer, health_port = make_health_server(f"{args.address}:{args.health_port}")

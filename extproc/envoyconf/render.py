@@ -201,8 +201,7 @@ The RouteAction ("route:") of your LLM route(s): the pods cluster, no deadline, 
 the retry policy that walks extproc's list.""",
         "request_headers_to_remove:": "On your LLM routes' virtual host. "
         + _ROUTE["request_headers_to_remove:"],
-        "request_headers_to_add:": "On the same virtual host. "
-        + _ROUTE["request_headers_to_add:"],
+        "request_headers_to_add:": "On the same virtual host. " + _ROUTE["request_headers_to_add:"],
         "clusters:": "Add to static_resources.clusters (or serve them by CDS).",
     }
     return to_yaml(data, header=header, comments=comments)
