@@ -25,7 +25,12 @@ from grpc_health.v1 import health, health_pb2
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
 from extproc.config import build_scheduler, load_config
-from extproc.datalayer.pods_file import DEFAULT_PODS_FILE, PodsFileWatcher
+from extproc.datalayer.sources import (
+    PodsSource,
+    add_source_arguments,
+    describe_source,
+    make_pods_source,
+)
 from extproc.errors import ConfigError
 from extproc.routing import Router
 from extproc.server import EXT_PROC_SERVICE, ExtProcHandlers, make_grpc_server, make_health_server
@@ -42,7 +47,6 @@ def register(sub: Any) -> None:
         "serve", help="run the ext_proc endpoint picker", description=__doc__
     )
     p.add_argument("--config", default=_env("config", None), help="scheduler config YAML")
-    p.add_argument("--pods", default=_env("pods", str(DEFAULT_PODS_FILE)), help="pods YAML")
     p.add_argument("--address", default=_env("address", "127.0.0.1"), help="bind address")
     p.add_argument("--grpc-port", type=int, default=int(_env("grpc-port", 9002)))
     p.add_argument("--health-port", type=int, default=int(_env("health-port", 9003)))
@@ -59,7 +63,6 @@ def register(sub: Any) -> None:
         help="request header carrying the session key ('' to ignore sessions)",
     )
     p.add_argument("--max-body-bytes", type=int, default=int(_env("max-body-bytes", 16 << 20)))
-    p.add_argument("--pods-poll-s", type=float, default=float(_env("pods-poll-s", 1.0)))
     p.add_argument("--drain-s", type=float, default=float(_env("drain-s", 10.0)))
     p.add_argument("--log-level", default=_env("log-level", "info"))
     p.add_argument(
@@ -68,6 +71,7 @@ def register(sub: Any) -> None:
         default=int(_env("v", 0)),
         help="verbosity; 4 logs every score plugin's per-pod scores",
     )
+    add_source_arguments(p, _env)
     p.set_defaults(func=run)
 
 
@@ -81,7 +85,7 @@ class Running:
     health_server: grpc.Server
     health_servicer: health.HealthServicer
     health_port: int
-    watcher: PodsFileWatcher
+    watcher: PodsSource
     metrics_server: Any
 
     def stop(self, drain_s: float = 10.0) -> None:
@@ -104,7 +108,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         max_body_bytes=args.max_body_bytes,
         registry=registry,
     )
-    watcher = PodsFileWatcher(args.pods, router.set_pods, interval_s=args.pods_poll_s)
+    watcher = make_pods_source(args, router.set_pods)
     router.set_pods(watcher.pods)
     grpc_server, grpc_port = make_grpc_server(
         ExtProcHandlers(router),
@@ -127,7 +131,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         health_port,
         args.metrics_port,
         len(router.pods),
-        args.pods,
+        describe_source(args),
     )
     return Running(
         router,
