@@ -48,21 +48,47 @@ class PodsSource(Protocol):
 def add_source_arguments(p: argparse.ArgumentParser, env: Callable[[str, Any], Any]) -> None:
     """Register the pod source flags; ``env(name, default)`` supplies environment defaults."""
     g = p.add_argument_group("pod source", "--pods FILE, --k8s-selector, or --inference-pool")
-    g.add_argument("--pods", default=env("pods", None), help="pods YAML (default: shipped file)")
-    g.add_argument("--pods-poll-s", type=float, default=float(env("pods-poll-s", 1.0)))
-    g.add_argument("--k8s-selector", default=env("k8s-selector", None), help="pod label selector")
     g.add_argument(
-        "--k8s-target-port", type=int, default=_int_or_none(env("k8s-target-port", None))
+        "--pods", metavar="FILE", default=env("pods", None), help="pods YAML (default: shipped)"
     )
-    g.add_argument("--inference-pool", default=env("inference-pool", None), help="pool name")
+    g.add_argument("--pods-poll-s", type=float, default=float(env("pods-poll-s", 1.0)))
+    g.add_argument(
+        "--k8s-selector",
+        metavar="SEL",
+        default=env("k8s-selector", None),
+        help="watch the pods matching this label selector, e.g. app=vllm",
+    )
+    g.add_argument(
+        "--k8s-target-port",
+        metavar="PORT",
+        type=int,
+        default=_int_or_none(env("k8s-target-port", None)),
+        help="the model servers' port (with --k8s-selector)",
+    )
+    g.add_argument(
+        "--inference-pool",
+        metavar="NAME",
+        default=env("inference-pool", None),
+        help="watch this InferencePool's pods, on its target port",
+    )
     g.add_argument(
         "--inference-pool-api",
         default=env("inference-pool-api", DEFAULT_POOL_API),
         help="the pool's group/version (default %(default)s)",
     )
-    g.add_argument("--k8s-namespace", default=env("k8s-namespace", None))
-    g.add_argument("--kubeconfig", default=env("kubeconfig", None))
-    g.add_argument("--kube-context", default=env("kube-context", None))
+    g.add_argument(
+        "--k8s-namespace",
+        metavar="NS",
+        default=env("k8s-namespace", None),
+        help="default: the kubeconfig context's, or in-cluster the service account's",
+    )
+    g.add_argument(
+        "--kubeconfig",
+        metavar="FILE",
+        default=env("kubeconfig", None),
+        help="default: $KUBECONFIG, else in-cluster, else ~/.kube/config",
+    )
+    g.add_argument("--kube-context", metavar="NAME", default=env("kube-context", None))
     g.add_argument(
         "--k8s-model-annotation",
         default=env("k8s-model-annotation", DEFAULT_MODEL_ANNOTATION),
