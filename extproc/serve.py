@@ -26,8 +26,13 @@ from grpc_health.v1 import health, health_pb2
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
 from extproc.config import build_scheduler, load_config
-from extproc.datalayer.pods_file import DEFAULT_PODS_FILE, PodsFileWatcher
 from extproc.datalayer.scrape import MetricsScraper
+from extproc.datalayer.sources import (
+    PodsSource,
+    add_source_arguments,
+    describe_source,
+    make_pods_source,
+)
 from extproc.datalayer.store import PodStore
 from extproc.errors import ConfigError
 from extproc.gateway import epp_process
@@ -48,7 +53,6 @@ def register(sub: Any) -> None:
         "serve", help="run the ext_proc endpoint picker", description=__doc__
     )
     p.add_argument("--config", default=_env("config", None), help="scheduler config YAML")
-    p.add_argument("--pods", default=_env("pods", str(DEFAULT_PODS_FILE)), help="pods YAML")
     p.add_argument("--address", default=_env("address", "127.0.0.1"), help="bind address")
     p.add_argument("--grpc-port", type=int, default=int(_env("grpc-port", 9002)))
     p.add_argument("--health-port", type=int, default=int(_env("health-port", 9003)))
@@ -80,7 +84,6 @@ def register(sub: Any) -> None:
         "full-duplex streamed, destination header + metadata) (default %(default)s)",
     )
     p.add_argument("--max-body-bytes", type=int, default=int(_env("max-body-bytes", 16 << 20)))
-    p.add_argument("--pods-poll-s", type=float, default=float(_env("pods-poll-s", 1.0)))
     p.add_argument(
         "--scrape-interval-s",
         type=float,
@@ -103,6 +106,7 @@ def register(sub: Any) -> None:
         default=int(_env("v", 0)),
         help="verbosity; 4 logs every score plugin's per-pod scores",
     )
+    add_source_arguments(p, _env)
     p.set_defaults(func=run)
 
 
@@ -116,7 +120,7 @@ class Running:
     health_server: grpc.Server
     health_servicer: health.HealthServicer
     health_port: int
-    watcher: PodsFileWatcher
+    watcher: PodsSource
     scraper: MetricsScraper | None
     metrics_server: Any
 
@@ -148,7 +152,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
     )
     scraping = args.stale_after_s > 0
     store = PodStore(router.set_pods, stale_after_s=args.stale_after_s if scraping else None)
-    watcher = PodsFileWatcher(args.pods, store.set_pods, interval_s=args.pods_poll_s)
+    watcher = make_pods_source(args, store.set_pods)
     store.set_pods(watcher.pods)
     scraper = None
     if scraping:
@@ -182,7 +186,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         health_port,
         args.metrics_port,
         len(router.pods),
-        args.pods,
+        describe_source(args),
     )
     return Running(
         router,
