@@ -35,7 +35,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from extproc.errors import ConfigError
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.registry import BUILTIN
-from extproc.scheduling.scheduler import Scheduler, WeightedScorer
+from extproc.scheduling.scheduler import PluginTimer, Scheduler, WeightedScorer
 from extproc.scheduling.types import (
     Filter,
     Plugin,
@@ -158,6 +158,7 @@ def build_scheduler(
         scorers=tuple(scorers),
         recorders=tuple(p for p in instances.values() if isinstance(p, Recorder)),
         listeners=tuple(p for p in instances.values() if isinstance(p, PodsListener)),
+        timer=PluginTimer(registry),
     )
 
 

@@ -20,8 +20,12 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram
 
 from extproc.errors import ModelNotFound, NoCapacity, NoReadyPods
 from extproc.scheduling.sessions import Binding, SessionStore
@@ -35,6 +39,29 @@ log = logging.getLogger("extproc.scheduling")
 class WeightedScorer:
     scorer: Scorer
     weight: int
+
+
+PLUGIN_BUCKETS = (0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.005)
+
+
+class PluginTimer:
+    """``extproc_plugin_duration_seconds{plugin, extension_point}``, children made once."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._histogram = Histogram(
+            "extproc_plugin_duration_seconds",
+            "Time one plugin took for one request, by plugin and extension point (filter, score).",
+            ["plugin", "extension_point"],
+            registry=registry,
+            buckets=PLUGIN_BUCKETS,
+        )
+        self._children: dict[tuple[str, str], Any] = {}
+
+    def observe(self, plugin: str, point: str, seconds: float) -> None:
+        child = self._children.get((plugin, point))
+        if child is None:
+            child = self._children[(plugin, point)] = self._histogram.labels(plugin, point)
+        child.observe(seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +83,7 @@ class Scheduler:
     listeners: tuple[PodsListener, ...] = ()
     rng: random.Random = field(default_factory=random.Random)
     sessions: SessionStore | None = None
+    timer: PluginTimer | None = None
 
     def schedule(self, cycle: Cycle, pods: Sequence[Pod]) -> list[Pod]:
         """Rank the pods that may serve ``cycle``'s model, best first (one pass).
@@ -96,7 +124,10 @@ class Scheduler:
 
     def _filter(self, cycle: Cycle, candidates: Sequence[Pod]) -> list[Pod]:
         for f in self.filters:
+            started = time.perf_counter()
             candidates = f.filter(cycle, candidates)
+            if self.timer is not None:
+                self.timer.observe(f.type_name, "filter", time.perf_counter() - started)
             if not candidates:
                 raise NoCapacity(
                     f"no pod can take the request now: filter {f.type_name!r} removed "
@@ -108,7 +139,10 @@ class Scheduler:
         totals = dict.fromkeys((p.id for p in candidates), 0)
         verbose = log.isEnabledFor(logging.DEBUG)
         for ws in self.scorers:
+            started = time.perf_counter()
             scores = ws.scorer.score(cycle, candidates)
+            if self.timer is not None:
+                self.timer.observe(ws.scorer.type_name, "score", time.perf_counter() - started)
             for pod_id, score in scores.items():
                 totals[pod_id] += ws.weight * score
             if verbose:
