@@ -6,6 +6,7 @@ import re
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -31,9 +32,12 @@ def sim() -> Iterator[SimPods]:
         yield pods
 
 
+PREFIX_CONFIG = Path(__file__).with_name("prefix-cache.yaml")
+
+
 @pytest.fixture(scope="package")
 def stack(sim: SimPods) -> Iterator[Stack]:
-    with run_stack(pods_of(sim)) as running:
+    with run_stack(pods_of(sim), config=PREFIX_CONFIG) as running:
         yield running
 
 

@@ -13,5 +13,5 @@ def test_demo_prints_routing_and_a_better_hit_ratio(capsys: pytest.CaptureFixtur
     assert main(["demo", "--requests", "80"]) == 0
     out = capsys.readouterr().out
     assert "through Envoy + extproc" in out and "round robin" in out
-    ratios = dict(re.findall(r"^  (extproc|round robin)\s+([\d.]+)%$", out, re.M))
+    ratios = dict(re.findall(r"^  (extproc|round robin)\s+([\d.]+)%$", out, re.MULTILINE))
     assert float(ratios["extproc"]) > float(ratios["round robin"]) + 10

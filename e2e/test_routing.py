@@ -120,7 +120,7 @@ def test_client_sent_destination_header_does_not_steer(
         )
         assert served_by(resp) == owner
     recent = sim.stats(owner)["recent"][-5:]
-    assert all(r["gateway_headers"] == [] for r in recent)  # stripped before the pod
+    assert all(r["routing_headers"] == {} for r in recent)  # stripped before the pod
 
 
 def test_openai_client_plain_and_streamed_chat(stack: Stack) -> None:

@@ -17,6 +17,7 @@ COMMANDS: tuple[str, ...] = (
     "extproc.serve",  # serve
     "extproc.envoyconf.cli",  # envoy-config
     "extproc.sim.pods_cli",  # sim-pods
+    "extproc.sim.simulate_cli",  # simulate
     "extproc.demo",  # demo
 )
 

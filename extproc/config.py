@@ -33,8 +33,9 @@ import yaml
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from extproc.errors import ConfigError
+from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.registry import BUILTIN
-from extproc.scheduling.scheduler import Scheduler, WeightedScorer
+from extproc.scheduling.scheduler import PluginTimer, Scheduler, WeightedScorer
 from extproc.scheduling.types import (
     Filter,
     Plugin,
@@ -115,9 +116,18 @@ def parse_config(text: str, source: str) -> SchedulerConfig:
     return SchedulerConfig(source, filters, scores, plugin_args)
 
 
-def build_scheduler(config: SchedulerConfig, registry: CollectorRegistry = REGISTRY) -> Scheduler:
-    """Instantiate each named plugin once and wire it into every role it was given."""
-    ctx = PluginContext(registry=registry)
+def build_scheduler(
+    config: SchedulerConfig,
+    registry: CollectorRegistry = REGISTRY,
+    in_flight: InFlight | None = None,
+) -> Scheduler:
+    """Instantiate each named plugin once and wire it into every role it was given.
+
+    ``in_flight`` is the router's counters, shared with the plugins that read them.
+    """
+    ctx = PluginContext(
+        registry=registry, in_flight=in_flight if in_flight is not None else InFlight()
+    )
     instances: dict[str, Plugin] = {}
     for name in (*config.filters, *(s.name for s in config.scores)):
         if name not in instances:
@@ -148,6 +158,7 @@ def build_scheduler(config: SchedulerConfig, registry: CollectorRegistry = REGIS
         scorers=tuple(scorers),
         recorders=tuple(p for p in instances.values() if isinstance(p, Recorder)),
         listeners=tuple(p for p in instances.values() if isinstance(p, PodsListener)),
+        timer=PluginTimer(registry),
     )
 
 

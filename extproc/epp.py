@@ -11,6 +11,12 @@ from __future__ import annotations
 DESTINATION_NAMESPACE = "envoy.lb"
 DESTINATION_KEY = "x-gateway-destination-endpoint"
 
+# Prefill/decode disaggregation (the llm-d convention): the chosen prefill pod's
+# "ip:port", which the decode pod reads from this request header. extproc cannot set
+# request headers in its one-round mode, so it puts the value in the reply's envoy.lb
+# metadata under the same name and the route adds the header from there.
+PREFILL_HEADER = "x-prefiller-host-port"
+
 # The Endpoint Picker Protocol's subset hint: a gateway may restrict the candidates by
 # setting this filter metadata before ext_proc; Envoy forwards it in
 # ProcessingRequest.metadata_context.filter_metadata[SUBSET_HINT_NAMESPACE].
@@ -30,7 +36,11 @@ ACCESS_LOG_NAME = "extproc"  # StreamAccessLogsMessage.identifier.log_name
 # Request headers a client must never get to the pods: the destination header would
 # steer traffic under a header-source override_host (we use metadata only, but a
 # gateway in front or behind might not), and the "served" header is ours to set.
-INTERNAL_HEADERS: tuple[str, ...] = (DESTINATION_KEY, f"{DESTINATION_KEY}-served")
+INTERNAL_HEADERS: tuple[str, ...] = (
+    DESTINATION_KEY,
+    f"{DESTINATION_KEY}-served",
+    PREFILL_HEADER,
+)
 
 
 def header_attribute(header: str) -> str:

@@ -191,9 +191,17 @@ def start_extproc(
     return proc
 
 
-def start_envoy(pods: Sequence[Pod], options: EnvoyOptions, log_dir: Path) -> Proc:
-    """Envoy with extproc's generated bootstrap for ``pods``."""
-    return start_envoy_config(to_dict(make_bootstrap(pods, options)), options.admin_port, log_dir)
+def start_envoy(
+    pods: Sequence[Pod],
+    options: EnvoyOptions,
+    log_dir: Path,
+    transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> Proc:
+    """Envoy with extproc's generated bootstrap for ``pods`` (``transform`` may edit it)."""
+    config = to_dict(make_bootstrap(pods, options))
+    return start_envoy_config(
+        transform(config) if transform else config, options.admin_port, log_dir
+    )
 
 
 def start_envoy_config(
@@ -225,6 +233,7 @@ def run_stack(
     failure_mode_allow: bool = False,
     num_fallbacks: int = 2,
     extproc_args: Sequence[str] = (),
+    envoy_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> Iterator[Stack]:
     """extproc (on a pods file of ``pods``) and Envoy in front of it, both stopped after."""
     with tempfile.TemporaryDirectory(prefix="extproc-stack-") as tmp:
@@ -252,7 +261,7 @@ def run_stack(
         stack: Stack | None = None
         picker = start_picker()
         try:
-            envoy = start_envoy(pods, options, log_dir)
+            envoy = start_envoy(pods, options, log_dir, envoy_transform)
             stack = Stack(
                 envoy,
                 picker,

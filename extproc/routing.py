@@ -7,7 +7,8 @@ really served it, only when the response ended successfully.
 
 Routed requests wait for their completion in ``PendingRecords``, bounded in size and
 age, so requests whose completion never arrives (extproc restarted, log lost) cannot
-grow memory.
+grow memory. From routing to its end a request counts in flight (``InFlight``) on the
+pod it was routed to; a retry that lands elsewhere is still counted on the pick.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from extproc.errors import ExtProcError, NoReadyPods
 from extproc.request import DEFAULT_MAX_BODY_BYTES, parse_request
+from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.scheduler import Scheduler
 from extproc.scheduling.types import Cycle
 from extproc.types import Pod, PodId
@@ -35,6 +37,7 @@ SCHEDULING_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
     pods: tuple[Pod, ...]  # best first: the pick, then the fallbacks
+    prefill: Pod | None = None  # with prefill/decode disaggregation
 
     @property
     def destination(self) -> str:
@@ -47,15 +50,24 @@ class _Pending:
     cycle: Cycle
     pod_by_address: dict[str, PodId]
     created_s: float
+    pick: PodId  # counted in flight from routing to the end, whatever pod served
+    prefill_tokens: int
+    prefill: PodId | None
 
 
 class PendingRecords:
     """Routed requests awaiting their completion: at most ``max_size``, none older than
     ``ttl_s`` (the oldest go first). Thread-safe."""
 
-    def __init__(self, max_size: int = 100_000, ttl_s: float = 3600.0) -> None:
+    def __init__(
+        self,
+        max_size: int = 100_000,
+        ttl_s: float = 3600.0,
+        on_drop: Callable[[_Pending], object] = lambda _p: None,
+    ) -> None:
         self.max_size = max_size
         self.ttl_s = ttl_s
+        self.on_drop = on_drop  # called for entries expired or pushed out, never completed
         self._items: OrderedDict[str, _Pending] = OrderedDict()
         self._lock = threading.Lock()
         self.num_dropped = 0
@@ -78,8 +90,9 @@ class PendingRecords:
         while items and (
             len(items) > self.max_size or next(iter(items.values())).created_s < now_s - self.ttl_s
         ):
-            items.popitem(last=False)
+            _, dropped = items.popitem(last=False)
             self.num_dropped += 1
+            self.on_drop(dropped)
 
 
 class RouterMetrics:
@@ -114,6 +127,11 @@ class RouterMetrics:
             "Upstream attempts beyond the first, as reported by Envoy's access log.",
             registry=registry,
         )
+        self.pinned = Counter(
+            "extproc_session_pinned",
+            "Requests sent to their session's bound pod without scoring (session sticky).",
+            registry=registry,
+        )
         self.pods_ready = Gauge(
             "extproc_pods_ready", "Known pods that are ready to take requests.", registry=registry
         )
@@ -137,6 +155,7 @@ class Router:
         session_header: str | None = "x-session-id",
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         pending: PendingRecords | None = None,
+        in_flight: InFlight | None = None,
         registry: CollectorRegistry = REGISTRY,
     ) -> None:
         if num_fallbacks < 0:
@@ -145,7 +164,9 @@ class Router:
         self.num_fallbacks = num_fallbacks
         self.session_header = session_header
         self.max_body_bytes = max_body_bytes
-        self.pending = pending or PendingRecords()
+        self.in_flight = in_flight if in_flight is not None else InFlight()
+        self.pending = pending if pending is not None else PendingRecords()
+        self.pending.on_drop = self._end_in_flight
         self.metrics = RouterMetrics(registry)
         self.metrics.pending.set_function(lambda: len(self.pending))
         self.pods: tuple[Pod, ...] = ()
@@ -198,17 +219,30 @@ class Router:
                         + ", ".join(sorted(allowed)[:5])
                     )
             cycle = Cycle(request)
-            ranked = self.scheduler.schedule(cycle, pods)
+            schedule = self.scheduler.schedule_request(cycle, pods)
         except ExtProcError as exc:
             self.metrics.errors.labels(str(exc.http_status), exc.code).inc()
             raise
-        chosen = tuple(ranked[: 1 + self.num_fallbacks])
-        if request_id:
-            pending = _Pending(cycle, {p.address: p.id for p in chosen}, time.monotonic())
+        if schedule.pinned:
+            self.metrics.pinned.inc()
+        chosen = tuple(schedule.pods[: 1 + self.num_fallbacks])
+        prefill = schedule.prefill
+        if request_id:  # without an id the end can never be matched: nothing to track
+            pick = chosen[0].id
+            tokens = cycle.num_prefill_tokens(pick)
+            self.in_flight.start(pick, tokens)
+            pending = _Pending(
+                cycle,
+                {p.address: p.id for p in chosen},
+                time.monotonic(),
+                pick,
+                tokens,
+                prefill.id if prefill else None,
+            )
             self.pending.add(request_id, pending)
         self.metrics.decisions.labels(request.model).inc()
         self.metrics.scheduling.observe(time.perf_counter() - started)
-        return RouteDecision(chosen)
+        return RouteDecision(chosen, prefill)
 
     def complete(
         self, request_id: str, served_address: str | None, succeeded: bool, attempts: int = 1
@@ -223,6 +257,7 @@ class Router:
         if pending is None:
             self.metrics.completions.labels("unknown_request").inc()
             return False
+        self._end_in_flight(pending)
         if not succeeded:
             self.metrics.completions.labels("failed").inc()
             return False
@@ -236,6 +271,9 @@ class Router:
                 "request %s was served by %s, which is no known pod", request_id, served_address
             )
             return False
-        self.scheduler.record(pending.cycle, pod)
+        self.scheduler.record(pending.cycle, pod, pending.prefill)
         self.metrics.completions.labels("recorded").inc()
         return True
+
+    def _end_in_flight(self, pending: _Pending) -> None:
+        self.in_flight.end(pending.pick, pending.prefill_tokens)

@@ -1,6 +1,7 @@
 """``extproc serve``: the endpoint picker process.
 
-Wires the pieces: configuration -> scheduler; pods file (watched) -> router; gRPC
+Wires the pieces: configuration -> scheduler; pods file (watched) and each pod's scraped
+/metrics -> pod store -> router; gRPC
 ext_proc + access log on ``--grpc-port``; gRPC health on ``--health-port``; Prometheus
 metrics on ``--metrics-port``. SIGTERM/SIGINT: health goes NOT_SERVING, open streams get
 ``--drain-s`` seconds to finish, then the process exits.
@@ -25,9 +26,19 @@ from grpc_health.v1 import health, health_pb2
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
 from extproc.config import build_scheduler, load_config
-from extproc.datalayer.pods_file import DEFAULT_PODS_FILE, PodsFileWatcher
+from extproc.datalayer.scrape import MetricsScraper
+from extproc.datalayer.sources import (
+    PodsSource,
+    add_source_arguments,
+    describe_source,
+    make_pods_source,
+)
+from extproc.datalayer.store import PodStore
 from extproc.errors import ConfigError
+from extproc.gateway import epp_process
 from extproc.routing import Router
+from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.sessions import SessionStore
 from extproc.server import EXT_PROC_SERVICE, ExtProcHandlers, make_grpc_server, make_health_server
 
 log = logging.getLogger("extproc.serve")
@@ -42,7 +53,6 @@ def register(sub: Any) -> None:
         "serve", help="run the ext_proc endpoint picker", description=__doc__
     )
     p.add_argument("--config", default=_env("config", None), help="scheduler config YAML")
-    p.add_argument("--pods", default=_env("pods", str(DEFAULT_PODS_FILE)), help="pods YAML")
     p.add_argument("--address", default=_env("address", "127.0.0.1"), help="bind address")
     p.add_argument("--grpc-port", type=int, default=int(_env("grpc-port", 9002)))
     p.add_argument("--health-port", type=int, default=int(_env("health-port", 9003)))
@@ -58,8 +68,36 @@ def register(sub: Any) -> None:
         default=_env("session-header", "x-session-id"),
         help="request header carrying the session key ('' to ignore sessions)",
     )
+    p.add_argument(
+        "--session-ttl-s",
+        type=float,
+        default=float(_env("session-ttl-s", 600.0)),
+        help="session sticky: a session's binding lasts this long after its last use; "
+        "0 turns session sticky off (default %(default)s)",
+    )
+    p.add_argument(
+        "--protocol",
+        choices=("one-round", "epp"),
+        default=_env("protocol", "one-round"),
+        help="one-round: extproc's own Envoy config (envoy/, envoy-config); epp: gateways "
+        "speaking the Endpoint Picker Protocol (headers first, body buffered or "
+        "full-duplex streamed, destination header + metadata) (default %(default)s)",
+    )
     p.add_argument("--max-body-bytes", type=int, default=int(_env("max-body-bytes", 16 << 20)))
-    p.add_argument("--pods-poll-s", type=float, default=float(_env("pods-poll-s", 1.0)))
+    p.add_argument(
+        "--scrape-interval-s",
+        type=float,
+        default=float(_env("scrape-interval-s", 0.2)),
+        help="how often each pod's /metrics is scraped (default %(default)s)",
+    )
+    p.add_argument("--scrape-timeout-s", type=float, default=float(_env("scrape-timeout-s", 1.0)))
+    p.add_argument(
+        "--stale-after-s",
+        type=float,
+        default=float(_env("stale-after-s", 2.0)),
+        help="a pod without a fresh scrape this long is not ready; 0: no scraping, "
+        "readiness from the pods source only (default %(default)s)",
+    )
     p.add_argument("--drain-s", type=float, default=float(_env("drain-s", 10.0)))
     p.add_argument("--log-level", default=_env("log-level", "info"))
     p.add_argument(
@@ -68,6 +106,7 @@ def register(sub: Any) -> None:
         default=int(_env("v", 0)),
         help="verbosity; 4 logs every score plugin's per-pod scores",
     )
+    add_source_arguments(p, _env)
     p.set_defaults(func=run)
 
 
@@ -81,13 +120,16 @@ class Running:
     health_server: grpc.Server
     health_servicer: health.HealthServicer
     health_port: int
-    watcher: PodsFileWatcher
+    watcher: PodsSource
+    scraper: MetricsScraper | None
     metrics_server: Any
 
     def stop(self, drain_s: float = 10.0) -> None:
         for service in ("", EXT_PROC_SERVICE):
             self.health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.watcher.stop()
+        if self.scraper is not None:
+            self.scraper.stop()
         self.grpc_server.stop(drain_s).wait()
         self.health_server.stop(0).wait()
         if self.metrics_server is not None:
@@ -96,19 +138,34 @@ class Running:
 
 def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> Running:
     """Build and start the picker from parsed ``serve`` arguments (raises ConfigError)."""
-    scheduler = build_scheduler(load_config(args.config), registry)
+    in_flight = InFlight()
+    scheduler = build_scheduler(load_config(args.config), registry, in_flight)
+    if args.session_header and args.session_ttl_s > 0:
+        scheduler.sessions = SessionStore(ttl_s=args.session_ttl_s)
     router = Router(
         scheduler,
         num_fallbacks=args.num_fallbacks,
         session_header=args.session_header or None,
         max_body_bytes=args.max_body_bytes,
+        in_flight=in_flight,
         registry=registry,
     )
-    watcher = PodsFileWatcher(args.pods, router.set_pods, interval_s=args.pods_poll_s)
-    router.set_pods(watcher.pods)
+    scraping = args.stale_after_s > 0
+    store = PodStore(router.set_pods, stale_after_s=args.stale_after_s if scraping else None)
+    watcher = make_pods_source(args, store.set_pods)
+    store.set_pods(watcher.pods)
+    scraper = None
+    if scraping:
+        scraper = MetricsScraper(
+            store,
+            interval_s=args.scrape_interval_s,
+            timeout_s=args.scrape_timeout_s,
+            registry=registry,
+        )
     grpc_server, grpc_port = make_grpc_server(
         ExtProcHandlers(router),
         f"{args.address}:{args.grpc_port}",
+        process=epp_process(router) if args.protocol == "epp" else None,
         max_message_bytes=args.max_body_bytes + (1 << 20),
     )
     health_server, servicer, health_port = make_health_server(f"{args.address}:{args.health_port}")
@@ -118,6 +175,8 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
     grpc_server.start()
     health_server.start()
     watcher.start()
+    if scraper is not None:
+        scraper.start()
     for service in ("", EXT_PROC_SERVICE):
         servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     log.info(
@@ -127,7 +186,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         health_port,
         args.metrics_port,
         len(router.pods),
-        args.pods,
+        describe_source(args),
     )
     return Running(
         router,
@@ -137,6 +196,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         servicer,
         health_port,
         watcher,
+        scraper,
         metrics_server,
     )
 
@@ -153,20 +213,22 @@ def configure_logging(level: str, verbosity: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.v)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        stop.set()  # nothing else here: the handler may interrupt any code, logging included
+
+    # Installed before anything listens, so a SIGTERM right after start-up still drains.
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         running = start(args)
     except (ConfigError, OSError) as exc:
         log.error("cannot start: %s", exc)
         return 2
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("signal %d: draining for up to %.1f s", signum, args.drain_s)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    stop.wait()
+    while not stop.wait(1.0):
+        pass
+    log.info("signal received: draining for up to %.1f s", args.drain_s)
     running.stop(args.drain_s)
     log.info("stopped")
     return 0

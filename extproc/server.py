@@ -32,6 +32,7 @@ from extproc.epp import (
     DESTINATION_KEY,
     DESTINATION_NAMESPACE,
     PATH_ATTRIBUTE,
+    PREFILL_HEADER,
     REQUEST_ID_ATTRIBUTE,
     SUBSET_HINT_KEY,
     SUBSET_HINT_NAMESPACE,
@@ -62,12 +63,19 @@ def error_response(error: ExtProcError) -> ep.ProcessingResponse:
     )
 
 
-def route_response(destination: str) -> ep.ProcessingResponse:
-    """The body reply: continue, with the destination list as dynamic metadata."""
+def route_metadata(destination: str, prefill: str | None = None) -> struct_pb2.Struct:
+    """``envoy.lb``: the destination list, best first (and the prefill pod, if any)."""
     metadata = struct_pb2.Struct()
-    metadata.fields[DESTINATION_NAMESPACE].struct_value.fields[
-        DESTINATION_KEY
-    ].string_value = destination
+    fields = metadata.fields[DESTINATION_NAMESPACE].struct_value.fields
+    fields[DESTINATION_KEY].string_value = destination
+    if prefill:
+        fields[PREFILL_HEADER].string_value = prefill
+    return metadata
+
+
+def route_response(destination: str, prefill: str | None = None) -> ep.ProcessingResponse:
+    """The body reply: continue, with the destination list (and prefill pod) as metadata."""
+    metadata = route_metadata(destination, prefill)
     return ep.ProcessingResponse(
         request_body=ep.BodyResponse(response=ep.CommonResponse()),
         dynamic_metadata=metadata,
@@ -123,9 +131,10 @@ class ExtProcHandlers:
                 body.body,
                 request_id=request_id or None,
                 headers=headers,
-                subset=_subset_hint(message),
+                subset=subset_hint(message),
             )
-            return route_response(decision.destination)
+            prefill = decision.prefill.address if decision.prefill else None
+            return route_response(decision.destination, prefill)
         except ExtProcError as exc:
             log.debug("request %s: %s %s", request_id, exc.http_status, exc.message)
             return error_response(exc)
@@ -189,7 +198,7 @@ def _continue(kind: str | None) -> ep.ProcessingResponse:
     return ep.ProcessingResponse()
 
 
-def _subset_hint(message: ep.ProcessingRequest) -> list[str] | None:
+def subset_hint(message: ep.ProcessingRequest) -> list[str] | None:
     """The gateway's subset hint: a list of ``ip:port`` (or one comma-separated string)."""
     namespaces = message.metadata_context.filter_metadata
     if SUBSET_HINT_NAMESPACE not in namespaces:
@@ -203,14 +212,27 @@ def _subset_hint(message: ep.ProcessingRequest) -> list[str] | None:
     return [a.strip() for a in value.string_value.split(",") if a.strip()]
 
 
+def one_round_process(handlers: ExtProcHandlers) -> grpc.RpcMethodHandler:
+    """``Process`` for extproc's own Envoy config: stream-unary, one message each way."""
+    return grpc.stream_unary_rpc_method_handler(
+        handlers.process,
+        request_deserializer=ep.ProcessingRequest.FromString,
+        response_serializer=ep.ProcessingResponse.SerializeToString,
+    )
+
+
 def make_grpc_server(
     handlers: ExtProcHandlers,
     address: str,
     *,
+    process: grpc.RpcMethodHandler | None = None,
     max_workers: int = 32,
     max_message_bytes: int = 32 * 1024 * 1024,
 ) -> tuple[grpc.Server, int]:
-    """The ext_proc + access-log server, bound to ``address``; returns it and its port."""
+    """The ext_proc + access-log server, bound to ``address``; returns it and its port.
+
+    ``process`` replaces the one-round ``Process`` handler (``gateway.epp_process``).
+    """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="extproc-grpc"),
         options=[
@@ -223,13 +245,7 @@ def make_grpc_server(
         (
             grpc.method_handlers_generic_handler(
                 EXT_PROC_SERVICE,
-                {
-                    "Process": grpc.stream_unary_rpc_method_handler(
-                        handlers.process,
-                        request_deserializer=ep.ProcessingRequest.FromString,
-                        response_serializer=ep.ProcessingResponse.SerializeToString,
-                    )
-                },
+                {"Process": process or one_round_process(handlers)},
             ),
             grpc.method_handlers_generic_handler(
                 ACCESS_LOG_SERVICE,

@@ -9,6 +9,11 @@ from prometheus_client import CollectorRegistry
 
 from extproc.config import build_scheduler, load_config, parse_config
 from extproc.errors import ConfigError
+from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.plugins.cost_aware import CostAware
+from extproc.scheduling.plugins.gpu_usage import GPUCacheUsage
+from extproc.scheduling.plugins.least_latency import LeastLatency, LeastLatencyArgs
+from extproc.scheduling.plugins.least_request import LeastRequest, LeastRequestArgs
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheArgs, PrefixCacheScorer
 
 
@@ -23,19 +28,45 @@ scheduler:
 """
 
 
-def test_embedded_default_ships_the_spec_defaults_explicitly() -> None:
+def test_embedded_default_is_the_kthena_helm_chart_default() -> None:
     config = load_config()
-    assert [(s.name, s.weight) for s in config.scores] == [("prefix-cache", 1)]
-    assert config.plugin_args["prefix-cache"] == {
-        "blockSizeToHash": 64,
-        "maxBlocksToMatch": 128,
-        "maxHashCacheSize": 50000,
-        "topKMatches": 5,
+    assert config.filters == ("least-request",)
+    assert [(s.name, s.weight) for s in config.scores] == [
+        ("least-request", 1),
+        ("gpu-usage", 1),
+        ("least-latency", 1),
+        ("prefix-cache", 1),
+    ]
+    assert config.plugin_args == {
+        "least-request": {"maxWaitingRequests": 10},
+        "least-latency": {"TTFTTPOTWeightFactor": 0.5},
+        "prefix-cache": {
+            "blockSizeToHash": 64,
+            "maxBlocksToMatch": 128,
+            "maxHashCacheSize": 50000,
+            "topKMatches": 5,
+        },
     }
     scheduler = build_scheduler(config, CollectorRegistry())
-    plugin = scheduler.scorers[0].scorer
-    assert isinstance(plugin, PrefixCacheScorer) and plugin.args == PrefixCacheArgs()
-    assert scheduler.recorders == (plugin,) and scheduler.listeners == (plugin,)
+    least_request, gpu, latency, prefix = (ws.scorer for ws in scheduler.scorers)
+    assert scheduler.filters == (least_request,)  # one instance in both roles
+    assert isinstance(least_request, LeastRequest) and least_request.args == LeastRequestArgs()
+    assert isinstance(gpu, GPUCacheUsage)
+    assert isinstance(latency, LeastLatency) and latency.args == LeastLatencyArgs()
+    assert isinstance(prefix, PrefixCacheScorer) and prefix.args == PrefixCacheArgs()
+    assert scheduler.recorders == (prefix,) and scheduler.listeners == (prefix,)
+
+
+def test_plugins_share_the_given_in_flight_counters() -> None:
+    in_flight = InFlight()
+    text = (
+        "scheduler:\n  plugins:\n    Score:\n      enabled:\n"
+        "        - {name: least-request, weight: 1}\n        - {name: cost-aware, weight: 1}\n"
+    )
+    scheduler = build_scheduler(parse_config(text, "cm.yaml"), CollectorRegistry(), in_flight)
+    least_request, cost = (ws.scorer for ws in scheduler.scorers)
+    assert isinstance(least_request, LeastRequest) and least_request.in_flight is in_flight
+    assert isinstance(cost, CostAware) and cost.in_flight is in_flight
 
 
 def test_loads_from_a_file_with_weight_and_args(tmp_path: Path) -> None:
@@ -101,6 +132,21 @@ def test_score_disabled_has_no_effect() -> None:
             "scheduler:\n  plugins:\n    Filter:\n      enabled: [prefix-cache]\n",
             "cm.yaml: plugin 'prefix-cache' is not a Filter plugin",
             id="not-a-filter",
+        ),
+        *(
+            pytest.param(
+                f"scheduler:\n  plugins:\n    Filter:\n      enabled: [{name}]\n",
+                f"cm.yaml: plugin '{name}' is not a Filter plugin",
+                id=f"{name}-not-a-filter",
+            )
+            for name in ("gpu-usage", "least-latency", "cost-aware")
+        ),
+        pytest.param(
+            "scheduler:\n  plugins:\n    Score:\n      enabled:\n"
+            "        - {name: least-request, weight: 0}\n",
+            "cm.yaml: failed to Load Scheduler: failed to Unmarshal Plugins: "
+            'score plugin "least-request" must set a weight greater than 0, got 0',
+            id="least-request-weight-zero",
         ),
         pytest.param(
             "scheduler:\n  plugins:\n    Score:\n      enabled: prefix-cache\n",

@@ -100,13 +100,9 @@ def assemble_snippet(snippet: dict[str, Any]) -> dict[str, Any]:
                 {
                     "name": "existing",
                     "domains": ["*"],
-                    "routes": [
-                        {
-                            "match": {"prefix": "/v1/"},
-                            "route": snippet["route"],
-                            "request_headers_to_remove": snippet["request_headers_to_remove"],
-                        }
-                    ],
+                    "routes": [{"match": {"prefix": "/v1/"}, "route": snippet["route"]}],
+                    "request_headers_to_remove": snippet["request_headers_to_remove"],
+                    "request_headers_to_add": snippet["request_headers_to_add"],
                 }
             ]
         },
@@ -164,6 +160,7 @@ def test_every_shipped_yaml_validates(path: Path, tmp_path: Path) -> None:
             "access_log",
             "route",
             "request_headers_to_remove",
+            "request_headers_to_add",
             "clusters",
         }, f"{path.name} is neither a bootstrap nor the snippet"
         assembled = tmp_path / "assembled.yaml"
@@ -200,6 +197,7 @@ def test_every_shipped_yaml_validates(path: Path, tmp_path: Path) -> None:
         pytest.param(
             make_pods(3), {"attribute_headers": ("x-session-id", "x-tenant")}, id="two-headers"
         ),
+        pytest.param((), {"pods_dns": "vllm.llm.svc.cluster.local:8000"}, id="pods-from-dns"),
     ],
 )
 def test_generated_configs_validate(
@@ -296,6 +294,18 @@ def test_pods_cluster_lists_every_pod_in_order() -> None:
     ]
 
 
+def test_pods_from_dns_replace_the_static_list() -> None:
+    pods_cluster = cluster(bootstrap(make_pods(3), pods_dns="vllm.ns.svc:8000"), "extproc_pods")
+    assert pods_cluster["type"] == "STRICT_DNS"
+    assert pods_cluster["dns_lookup_family"] == "V4_PREFERRED"
+    [endpoint] = pods_cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert endpoint["endpoint"]["address"]["socket_address"] == {
+        "address": "vllm.ns.svc",
+        "port_value": 8000,
+    }
+    assert "override_host" in str(pods_cluster["load_balancing_policy"])
+
+
 @pytest.mark.parametrize("num_fallbacks", [0, 1, 3])
 def test_retry_policy_walks_the_list(num_fallbacks: int) -> None:
     retry = route(bootstrap(num_fallbacks=num_fallbacks))["retry_policy"]
@@ -313,6 +323,12 @@ def test_route_has_no_deadline_and_strips_routing_headers() -> None:
     assert route(config)["cluster"] == "extproc_pods"
     vhost = hcm(config)["route_config"]["virtual_hosts"][0]
     assert DESTINATION_KEY in vhost["request_headers_to_remove"]
+    assert "x-prefiller-host-port" in vhost["request_headers_to_remove"]
+    (added,) = vhost["request_headers_to_add"]
+    assert added["header"] == {
+        "key": "x-prefiller-host-port",
+        "value": "%DYNAMIC_METADATA(envoy.lb:x-prefiller-host-port)%",
+    }
 
 
 def test_request_id_generated_by_envoy() -> None:
@@ -382,6 +398,8 @@ def test_fail_open_option() -> None:
         pytest.param({"max_body_bytes": 1 << 32}, "max_body_bytes", id="body-too-big"),
         pytest.param({"attribute_headers": ("X-Session",)}, "lowercase", id="header-upper"),
         pytest.param({"attribute_headers": ("a']",)}, "lowercase", id="header-quote"),
+        pytest.param({"pods_dns": "10.0.0.1:8000"}, "dns-name:port", id="pods-dns-ip"),
+        pytest.param({"pods_dns": "vllm.svc"}, "not 'ip:port'", id="pods-dns-no-port"),
     ],
 )
 def test_bad_options(options: dict[str, Any], problem: str) -> None:
@@ -453,6 +471,7 @@ def test_cli_options_reach_the_config(tmp_path: Path) -> None:
         pytest.param(["--pods", "/nonexistent.yaml"], "pods file not found", id="missing-pods"),
         pytest.param(["--extproc-address", "x"], "not 'ip:port'", id="bad-address"),
         pytest.param(["--num-fallbacks", "-2"], "num_fallbacks", id="bad-fallbacks"),
+        pytest.param(["--pods-dns", "1.2.3.4:80"], "dns-name:port", id="pods-dns-ip"),
     ],
 )
 def test_cli_errors(argv: list[str], problem: str, capsys: pytest.CaptureFixture[str]) -> None:

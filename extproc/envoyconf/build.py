@@ -57,6 +57,7 @@ from extproc.epp import (
     DESTINATION_NAMESPACE,
     INTERNAL_HEADERS,
     PATH_ATTRIBUTE,
+    PREFILL_HEADER,
     REQUEST_ID_ATTRIBUTE,
     SUBSET_HINT_NAMESPACE,
     header_attribute,
@@ -103,6 +104,9 @@ class EnvoyOptions:
         connect_timeout_s: TCP connect timeout for pods and extproc.
         attribute_headers: request headers sent to extproc as attributes (lowercase),
             see ``header_attribute``.
+        pods_dns: ``dns-name:port`` whose addresses are the pods (in Kubernetes a
+            headless Service); replaces the static pod list with a STRICT_DNS cluster
+            that follows the pods as DNS does.
     """
 
     extproc_address: str = "127.0.0.1:9002"
@@ -115,9 +119,12 @@ class EnvoyOptions:
     max_body_bytes: int = 16 * 1024 * 1024  # 8 MB prompts with room to spare
     connect_timeout_s: float = 1.0
     attribute_headers: tuple[str, ...] = ("x-session-id",)
+    pods_dns: str | None = None
 
     def __post_init__(self) -> None:
         split_host_port(self.extproc_address)
+        if self.pods_dns is not None and split_host_port(self.pods_dns)[2]:
+            raise ValueError(f"pods_dns must be dns-name:port, got {self.pods_dns!r}")
         for name in ("listen_port", "admin_port"):
             if not 0 < getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be 1-65535, got {getattr(self, name)}")
@@ -163,7 +170,10 @@ class Snippet:
     access_log: accesslog_pb2.AccessLog  # on the HttpConnectionManager
     clusters: list[cluster_pb2.Cluster]  # extproc, and the pods
     route_action: route_components_pb2.RouteAction  # cluster, timeout, retry policy
-    request_headers_to_remove: list[str]  # on the route or virtual host
+    request_headers_to_remove: list[str]  # on the virtual host
+    # on the same virtual host (one header parser removes before it adds, so the
+    # client's copy is dropped and ours added): the prefill pod extproc chose
+    request_headers_to_add: list[base_pb2.HeaderValueOption]
     per_connection_buffer_limit_bytes: int  # on the listener
 
 
@@ -183,6 +193,7 @@ def make_bootstrap(pods: Sequence[Pod], options: EnvoyOptions) -> bootstrap_pb2.
                     )
                 ],
                 request_headers_to_remove=snippet.request_headers_to_remove,
+                request_headers_to_add=snippet.request_headers_to_add,
             )
         ],
     )
@@ -244,7 +255,20 @@ def make_snippet(pods: Sequence[Pod], options: EnvoyOptions) -> Snippet:
         clusters=[make_extproc_cluster(options), make_pods_cluster(pods, options)],
         route_action=make_route_action(options),
         request_headers_to_remove=list(INTERNAL_HEADERS),
+        request_headers_to_add=[make_prefill_header()],
         per_connection_buffer_limit_bytes=options.max_body_bytes,
+    )
+
+
+def make_prefill_header() -> base_pb2.HeaderValueOption:
+    """``x-prefiller-host-port`` from the reply's metadata; not added when it is empty."""
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(
+            key=PREFILL_HEADER,
+            value=f"%DYNAMIC_METADATA({DESTINATION_NAMESPACE}:{PREFILL_HEADER})%",
+        ),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+        keep_empty_value=False,
     )
 
 
@@ -338,7 +362,12 @@ def make_route_action(options: EnvoyOptions) -> route_components_pb2.RouteAction
 
 
 def make_pods_cluster(pods: Sequence[Pod], options: EnvoyOptions) -> cluster_pb2.Cluster:
-    """Every pod as a static endpoint, load-balanced by extproc's metadata (only)."""
+    """The pods, load-balanced by extproc's metadata (only).
+
+    Static endpoints from ``pods``, or with ``options.pods_dns`` every address its name
+    resolves to (refreshed every 5 s): override_host can only pick cluster members, and
+    a Kubernetes headless Service resolves to exactly the ready pods' IPs.
+    """
     source = override_host_pb2.OverrideHost.OverrideHostSource
     override_host = override_host_pb2.OverrideHost(
         # Metadata only: a header source would obey a client-sent header.
@@ -355,7 +384,7 @@ def make_pods_cluster(pods: Sequence[Pod], options: EnvoyOptions) -> cluster_pb2
             "envoy.load_balancing_policies.round_robin", round_robin_pb2.RoundRobin()
         ),
     )
-    return cluster_pb2.Cluster(
+    cluster = cluster_pb2.Cluster(
         name=PODS_CLUSTER,
         type=cluster_pb2.Cluster.STATIC,
         connect_timeout=_duration(options.connect_timeout_s),
@@ -363,15 +392,22 @@ def make_pods_cluster(pods: Sequence[Pod], options: EnvoyOptions) -> cluster_pb2
             "envoy.load_balancing_policies.override_host", override_host
         ),
         circuit_breakers=_open_circuit_breakers(),
-        load_assignment=endpoint_pb2.ClusterLoadAssignment(
-            cluster_name=PODS_CLUSTER,
-            endpoints=[
-                endpoint_components_pb2.LocalityLbEndpoints(
-                    lb_endpoints=[_lb_endpoint(*split_host_port(pod.address)[:2]) for pod in pods]
-                )
-            ],
-        ),
     )
+    if options.pods_dns is None:
+        endpoints = [_lb_endpoint(*split_host_port(pod.address)[:2]) for pod in pods]
+    else:
+        cluster.type = cluster_pb2.Cluster.STRICT_DNS
+        # extproc lists a pod by its primary IP (status.podIP, IPv4 in dual-stack
+        # clusters); the resolved hosts must carry the same address to be picked.
+        cluster.dns_lookup_family = cluster_pb2.Cluster.V4_PREFERRED
+        endpoints = [_lb_endpoint(*split_host_port(options.pods_dns)[:2])]
+    cluster.load_assignment.CopyFrom(
+        endpoint_pb2.ClusterLoadAssignment(
+            cluster_name=PODS_CLUSTER,
+            endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=endpoints)],
+        )
+    )
+    return cluster
 
 
 def make_extproc_cluster(options: EnvoyOptions) -> cluster_pb2.Cluster:

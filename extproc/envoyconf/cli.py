@@ -27,6 +27,11 @@ def register(subparsers: Any) -> None:
         "--pods", type=Path, default=DEFAULT_PODS_FILE, help="pods YAML file (every pod)"
     )
     parser.add_argument(
+        "--pods-dns",
+        metavar="NAME:PORT",
+        help="take the pods from DNS instead of --pods (e.g. a Kubernetes headless Service)",
+    )
+    parser.add_argument(
         "--extproc-address",
         default=_DEFAULTS.extproc_address,
         help="extproc gRPC server, ip:port or dns-name:port",
@@ -74,7 +79,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Write the files; bad input prints one line to stderr and returns 2."""
     try:
-        pods = load_pods(args.pods)
+        pods = () if args.pods_dns else load_pods(args.pods)
         options = EnvoyOptions(
             extproc_address=args.extproc_address,
             listen_address=args.listen_address,
@@ -85,11 +90,17 @@ def run(args: argparse.Namespace) -> int:
             message_timeout_s=args.message_timeout_s,
             max_body_bytes=args.max_body_bytes,
             attribute_headers=tuple(args.attribute_headers or _DEFAULTS.attribute_headers),
+            pods_dns=args.pods_dns,
         )
     except (ConfigError, ValueError) as exc:
         print(f"extproc envoy-config: {exc}", file=sys.stderr)
         return 2
-    summary = f"{len(pods)} pods from {args.pods.name}, extproc at {options.extproc_address}"
+    source = (
+        f"pods from DNS {args.pods_dns}"
+        if args.pods_dns
+        else f"{len(pods)} pods from {args.pods.name}"
+    )
+    summary = f"{source}, extproc at {options.extproc_address}"
     bootstrap = render_bootstrap(make_bootstrap(pods, options), summary=summary)
     if args.output is None:
         sys.stdout.write(bootstrap)

@@ -116,8 +116,10 @@ fail-open requests have nothing to record.""",
 extproc's gRPC server (ext_proc and access log), HTTP/2 as gRPC requires. Envoy
 reconnects by itself after an extproc restart.""",
     "name: extproc_pods": """\
-Every pod of the pods file as a static endpoint: override_host can only pick hosts
-that are members (others in the list are skipped). Regenerate when pods change.""",
+The pods: every pod of the pods file as a static endpoint (regenerate when pods
+change), or with --pods-dns every address a DNS name resolves to (a Kubernetes
+headless Service). override_host can only pick hosts that are members (others in the
+list are skipped).""",
     "load_balancing_policy:": """\
 override_host walks extproc's list, one host per try. The source is metadata ONLY: a
 header source would obey a client-sent x-gateway-destination-endpoint. Health is not
@@ -144,6 +146,9 @@ response whose headers reached the client is never retried.""",
 Clients must not reach pods with routing headers. ext_proc cannot strip them here:
 with request headers skipped, Envoy ignores header mutations in the body reply
 (measured), so the route does it.""",
+    "request_headers_to_add:": """The prefill pod extproc chose (prefill/decode disaggregation), from the reply's
+envoy.lb metadata; absent when there is none. Same virtual host as the removal, which
+runs first, so a client's copy never survives.""",
 }
 
 
@@ -176,6 +181,7 @@ def render_snippet(snippet: Snippet, *, summary: str) -> str:
         "access_log": [to_dict(snippet.access_log)],
         "route": to_dict(snippet.route_action),
         "request_headers_to_remove": snippet.request_headers_to_remove,
+        "request_headers_to_add": [to_dict(h) for h in snippet.request_headers_to_add],
         "clusters": [to_dict(c) for c in snippet.clusters],
     }
     header = f"""\
@@ -193,8 +199,9 @@ envoy.filters.http.router. Envoy's default generate_request_id: true must stay o
         "route:": """\
 The RouteAction ("route:") of your LLM route(s): the pods cluster, no deadline, and
 the retry policy that walks extproc's list.""",
-        "request_headers_to_remove:": "On the same route or its virtual host. "
+        "request_headers_to_remove:": "On your LLM routes' virtual host. "
         + _ROUTE["request_headers_to_remove:"],
+        "request_headers_to_add:": "On the same virtual host. " + _ROUTE["request_headers_to_add:"],
         "clusters:": "Add to static_resources.clusters (or serve them by CDS).",
     }
     return to_yaml(data, header=header, comments=comments)

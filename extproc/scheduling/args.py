@@ -1,7 +1,11 @@
 """Plugin arguments from the configuration's ``pluginConfig[].args``, Kthena's way.
 
 * A misspelled (unknown) key is ignored, so its default is used.
-* An omitted, zero or negative number uses the default.
+* An omitted, zero, negative or infinite number uses the default, unless the field declares a
+  closed range (``field(metadata={"range": (lo, hi)})``, as Kthena's
+  ``TTFTTPOTWeightFactor`` in [0, 1]): then any value in the range is used, and one
+  outside it (or NaN) uses the default and logs ``Invalid <key> <value>, using default
+  value <default>``.
 * An args block that cannot be parsed (not a mapping, or a value of the wrong type such
   as a string) falls back to all defaults and logs
   ``Failed to unmarshal <ArgsType>, using default values``.
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any, TypeVar
 
 log = logging.getLogger("extproc.config")
@@ -48,6 +53,12 @@ def _parse(args_type: type[Any], raw: Any) -> dict[str, Any]:
             raise _Unparseable
         if f.type in ("int", int) and not isinstance(value, int):
             raise _Unparseable
-        if value > 0:
+        bounds = f.metadata.get("range")
+        if bounds is None:
+            if value > 0 and math.isfinite(value):
+                values[f.name] = value
+        elif bounds[0] <= value <= bounds[1]:
             values[f.name] = value
+        else:
+            log.warning("Invalid %s %s, using default value %s", f.name, value, f.default)
     return values

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from extproc.scheduling.plugins.cost_aware import CostAware
+from extproc.scheduling.plugins.gpu_usage import GPUCacheUsage
+from extproc.scheduling.plugins.least_latency import LeastLatency
+from extproc.scheduling.plugins.least_request import LeastRequest
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheScorer
 from extproc.scheduling.types import Plugin
 
-BUILTIN: dict[str, type[Plugin]] = {cls.type_name: cls for cls in (PrefixCacheScorer,)}
+BUILTIN: dict[str, type[Plugin]] = {
+    cls.type_name: cls
+    for cls in (LeastRequest, LeastLatency, GPUCacheUsage, PrefixCacheScorer, CostAware)
+}

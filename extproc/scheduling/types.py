@@ -7,6 +7,10 @@ configured name serves every role it has (a plugin may be both a Filter and a Sc
 * ``Scorer``: pods -> a score 0..100 each; the scheduler adds ``weight * score``.
 * ``Recorder``: learns from a response that ended successfully (``record``).
 * ``PodsListener``: told when the set of known pods changes (e.g. to drop state).
+
+Plugins read shared services from ``PluginContext``: the router's ``InFlight`` counters,
+and ``SharedReaders``, where a plugin offers a read-only view to the others (the
+prefix-cache plugin registers itself as the ``PrefixMatcher`` that ``cost-aware`` reads).
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ from prometheus_client import CollectorRegistry
 from extproc.prefix.hashing import BlockHash, hash_prompt
 from extproc.prefix.index import Keys, as_keys
 from extproc.request import InferenceRequest
+from extproc.scheduling.inflight import InFlight
 from extproc.types import Pod, PodId
+
+BYTES_PER_TOKEN = 4  # the usual estimate for English text and code with BPE tokenizers
 
 
 @dataclass(slots=True)
@@ -28,8 +35,32 @@ class Cycle:
     """One request's pass through the scheduler; plugins share work through it."""
 
     request: InferenceRequest
+    # Prompt tokens each scored pod would prefill (prompt minus the prefix it holds),
+    # left by cost-aware; see ``num_prefill_tokens``.
+    uncached_tokens: dict[PodId, int] = field(default_factory=dict)
     _hashes: dict[tuple[int, int], list[BlockHash]] = field(default_factory=dict)
     _keys: dict[tuple[int, int], Keys] = field(default_factory=dict)
+    _num_prompt_bytes: int = -1
+
+    @property
+    def num_prompt_bytes(self) -> int:
+        """The rendered prompt's length in UTF-8 bytes, computed once."""
+        if self._num_prompt_bytes < 0:
+            prompt = self.request.prompt
+            self._num_prompt_bytes = len(prompt) if prompt.isascii() else len(prompt.encode())
+        return self._num_prompt_bytes
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Estimated prompt tokens: ceil(bytes / ``BYTES_PER_TOKEN``)."""
+        return -(-self.num_prompt_bytes // BYTES_PER_TOKEN)
+
+    def num_prefill_tokens(self, pod: PodId) -> int:
+        """Tokens ``pod`` would prefill for this prompt, for ``InFlight.start``.
+
+        cost-aware's estimate when it scored ``pod``, else the whole prompt.
+        """
+        return self.uncached_tokens.get(pod, self.num_prompt_tokens)
 
     def block_hashes(self, block_size: int, max_blocks: int) -> list[BlockHash]:
         """The prompt's chained block hashes, computed once per block geometry."""
@@ -50,11 +81,31 @@ class Cycle:
         return keys
 
 
+class PrefixMatcher(Protocol):
+    def matched_bytes(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
+        """Bytes of the prompt's start each pod is believed to hold; pods left out: 0."""
+        ...
+
+
+@dataclass(slots=True)
+class SharedReaders:
+    """Read-only views plugins offer each other, registered as they are built.
+
+    Readers look them up when they score, not when they are built, so the order in
+    which plugins are configured does not matter.
+    """
+
+    prefix: PrefixMatcher | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class PluginContext:
-    """What a plugin may use when it is built: where to register its metrics."""
+    """What a plugin may use when it is built: where to register its metrics, the
+    router's in-flight counters and the views other plugins share."""
 
     registry: CollectorRegistry
+    in_flight: InFlight = field(default_factory=InFlight)
+    shared: SharedReaders = field(default_factory=SharedReaders)
 
 
 class Plugin(Protocol):

@@ -11,6 +11,12 @@
     pods.py       N pods on N ports of 127.0.0.1 (aiohttp) plus an admin port
     pods_cli.py   ``extproc sim-pods``
     harness.py    start pods from tests: in a thread, or as a subprocess
+    workloads.py  seeded workloads for the offline simulator: multi-tenant burst, chats
+    traces.py     Mooncake request traces as workloads
+    policies.py   routing policies that see pods as a router does, the real scheduler one
+    offline.py    discrete-event replay of a workload through N engines, no network
+    report.py     per-policy summary: table, JSON, PNG
+    simulate_cli.py  ``extproc simulate``
 
 The engine is deterministic and driven by explicit time (``Engine.step(now)``), so the
 same model serves both a discrete-event simulator with a virtual clock and the HTTP pods,

@@ -384,10 +384,12 @@ class SimPod:
             {
                 "request_id": fin.request_id,
                 "x_request_id": request.headers.get("x-request-id"),
-                # lets tests check that routing headers never reach a pod
-                "gateway_headers": sorted(
-                    h.lower() for h in request.headers if h.lower().startswith("x-gateway-")
-                ),
+                # lets tests check which routing headers reach a pod, and their values
+                "routing_headers": {
+                    h.lower(): v
+                    for h, v in request.headers.items()
+                    if h.lower().startswith(("x-gateway-", "x-prefiller-"))
+                },
                 "kind": parsed.kind,
                 "stream": parsed.stream,
                 "cache_salt": parsed.cache_salt,

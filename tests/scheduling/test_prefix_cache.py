@@ -148,3 +148,19 @@ def test_block_geometry_comes_from_args() -> None:
     assert plugin.index.num_entries == 3
     # only the first 30 bytes are hashed: a differing tail still scores 100
     assert plugin.score(make_cycle("k" * 30 + "different"), [pod]) == {pod.id: 100}
+
+
+def test_matched_bytes_covers_every_pod_and_caps_at_the_prompt() -> None:
+    plugin = make_plugin(CollectorRegistry(), topKMatches=1)
+    pods = [make_pod(f"p{i}", port=i + 1) for i in range(3)]
+    prompt = "m" * 300  # 5 blocks, the last one 44 bytes
+    plugin.record(make_cycle(prompt), pods[0].id)
+    plugin.record(make_cycle(prompt[:128]), pods[1].id)
+    assert plugin.matched_bytes(make_cycle(prompt), pods) == {pods[0].id: 300, pods[1].id: 128}
+    assert plugin.matched_bytes(make_cycle(""), pods) == {}
+
+
+def test_registers_as_the_shared_prefix_matcher() -> None:
+    ctx = PluginContext(CollectorRegistry())
+    plugin = PrefixCacheScorer.from_args(None, ctx)
+    assert ctx.shared.prefix is plugin

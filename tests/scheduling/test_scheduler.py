@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from extproc.errors import ModelNotFound, NoCapacity, NoReadyPods
 from extproc.scheduling.scheduler import Scheduler, WeightedScorer
@@ -121,3 +122,13 @@ def test_pods_changed_reaches_listeners() -> None:
     assert sched.schedule(make_cycle("x" * 100), [a, b])  # a is unknown to the index now
     plugin = sched.scorers[0].scorer
     assert plugin.index.num_entries == 0  # type: ignore[attr-defined]
+
+
+def test_each_plugin_call_is_timed() -> None:
+    registry = CollectorRegistry()
+    sched = make_scheduler(PREFIX_ONLY, registry)
+    for _ in range(3):
+        sched.schedule(make_cycle("timed " * 20), [make_pod("a"), make_pod("b")])
+    labels = {"plugin": "prefix-cache", "extension_point": "score"}
+    assert registry.get_sample_value("extproc_plugin_duration_seconds_count", labels) == 3
+    assert registry.get_sample_value("extproc_plugin_duration_seconds_sum", labels) > 0

@@ -8,6 +8,8 @@ Kthena's prefix-cache plugin, to the letter (``kthena-prefix-cache-plugin.txt``)
   found from the longest match down; every other candidate scores 0; an empty prompt
   is not scored;
 * record: after a response ended successfully, the prompt's blocks for the serving pod;
+* shared: registers itself as ``PluginContext.shared.prefix``, the ``PrefixMatcher``
+  that tells other plugins (cost-aware) how much of the prompt each pod holds;
 * metrics: ``kthena_router_prefix_cache_match_ratio{model}`` (best pod's fraction, each
   time the plugin scores), ``..._evictions_total{model}``, ``..._entries``.
 """
@@ -64,6 +66,7 @@ class PrefixCacheScorer:
             registry=ctx.registry,
         )
         entries.set_function(lambda: self.index.num_entries)
+        ctx.shared.prefix = self
 
     @classmethod
     def from_args(cls, args: Any, ctx: PluginContext) -> PrefixCacheScorer:
@@ -81,6 +84,16 @@ class PrefixCacheScorer:
         best = max(matches.values(), default=0)
         self._match_ratio.labels(cycle.request.model).observe(best / num_hashed)
         return {pod: matched * 100 // num_hashed for pod, matched in matches.items()}
+
+    def matched_bytes(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
+        """Bytes of the prompt's start each pod holds: its matched blocks times the block
+        size, at most the prompt (the last block may be short); every pod, not top-K."""
+        keys = self._keys(cycle)
+        if not len(keys):
+            return {}
+        matches = self.index.match(keys, [p.id for p in pods], len(pods))
+        size, limit = self.args.blockSizeToHash, cycle.num_prompt_bytes
+        return {pod: min(matched * size, limit) for pod, matched in matches.items()}
 
     def record(self, cycle: Cycle, pod: PodId) -> None:
         keys = self._keys(cycle)

@@ -1,0 +1,72 @@
+{{/* Names, labels and the shared pieces of the templates. */}}
+
+{{- define "extproc.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The release's full name; the Envoy and model-server Services append to it. */}}
+{{- define "extproc.fullname" -}}
+{{- if contains .Chart.Name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{- define "extproc.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "extproc.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: extproc
+{{- end }}
+
+{{/* Selector labels of the picker pods; the Envoy pods differ by component. */}}
+{{- define "extproc.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "extproc.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: picker
+{{- end }}
+
+{{- define "extproc.envoySelectorLabels" -}}
+app.kubernetes.io/name: {{ include "extproc.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: envoy
+{{- end }}
+
+{{- define "extproc.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "extproc.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "extproc.poolName" -}}
+{{- default (include "extproc.fullname" .) .Values.inferencePool.name }}
+{{- end }}
+
+{{/* modelServers.matchLabels as a label selector string: "k1=v1,k2=v2", sorted. */}}
+{{- define "extproc.modelSelector" -}}
+{{- $pairs := list }}
+{{- range $key, $value := .Values.modelServers.matchLabels }}
+{{- $pairs = append $pairs (printf "%s=%s" $key $value) }}
+{{- end }}
+{{- join "," $pairs }}
+{{- end }}
+
+{{/* The scheduler configuration file, as extproc reads it. */}}
+{{- define "extproc.schedulerConfig" -}}
+{{ dict "scheduler" .Values.scheduler | toYaml }}
+{{- end }}
+
+{{/* Values rules that the JSON schema cannot state; each fails with what to change. */}}
+{{- define "extproc.validate" -}}
+{{- if and .Values.networkPolicy.enabled (ne .Values.mode "standalone") (not .Values.networkPolicy.gatewayFrom) }}
+{{- fail (printf "networkPolicy.gatewayFrom is empty: in %s mode, list the NetworkPolicyPeers of your gateway's Envoy pods (the only clients allowed on ext_proc port 9002), or set networkPolicy.enabled=false" .Values.mode) }}
+{{- end }}
+{{- if and .Values.inferencePool.httpRoute.enabled (eq .Values.mode "gateway") (not .Values.inferencePool.httpRoute.parentRefs) }}
+{{- fail "inferencePool.httpRoute.parentRefs is empty: name the Gateway the HTTPRoute attaches to, e.g. [{name: inference-gateway}]" }}
+{{- end }}
+{{- end }}

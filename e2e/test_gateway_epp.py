@@ -1,0 +1,87 @@
+"""``--protocol epp`` behind an Envoy configured the way Gateway API implementations do:
+request headers first, the body BUFFERED or FULL_DUPLEX_STREAMED, the response sent back
+through ext_proc, no access log. Routing, affinity, errors and recording must all hold."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from e2e.conftest import MODEL, PREFIX_CONFIG, metric, pods_of, unique_prefix, wait_for
+from extproc.launch import Stack, run_stack
+from extproc.sim.harness import SimPods
+
+RECORDED = ("extproc_completions_total", 'outcome="recorded"')
+
+
+def gateway_style(body_mode: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def edit(config: dict[str, Any]) -> dict[str, Any]:
+        for listener in config["static_resources"]["listeners"]:
+            hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+            hcm.pop("access_log", None)
+            filters = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.buffer"]
+            for f in filters:
+                if f["name"] == "envoy.filters.http.ext_proc":
+                    ext = f["typed_config"]
+                    ext.pop("request_attributes", None)
+                    ext["processing_mode"] = {
+                        "request_header_mode": "SEND",
+                        "request_body_mode": body_mode,
+                        "request_trailer_mode": "SEND"
+                        if body_mode == "FULL_DUPLEX_STREAMED"
+                        else "SKIP",
+                        "response_header_mode": "SEND",
+                        "response_body_mode": "STREAMED",
+                        "response_trailer_mode": "SKIP",
+                    }
+            hcm["http_filters"] = filters
+        return config
+
+    return edit
+
+
+@pytest.fixture(scope="module", params=["BUFFERED", "FULL_DUPLEX_STREAMED"])
+def epp_stack(request: pytest.FixtureRequest, sim: SimPods) -> Iterator[Stack]:
+    with run_stack(
+        pods_of(sim),
+        config=PREFIX_CONFIG,
+        extproc_args=["--protocol", "epp"],
+        envoy_transform=gateway_style(request.param),
+    ) as stack:
+        yield stack
+
+
+def test_epp_routes_with_affinity_and_records_on_success(epp_stack: Stack) -> None:
+    prefix = unique_prefix()
+    body = {"model": MODEL, "prompt": prefix + "first", "max_tokens": 3}
+    with httpx.Client(base_url=epp_stack.url, timeout=30) as client:
+        before = metric(epp_stack, *RECORDED)
+        first = client.post("/v1/completions", json=body)
+        assert first.status_code == 200, first.text
+        owner = first.headers["x-sim-pod"]
+        assert wait_for(lambda: metric(epp_stack, *RECORDED) > before)
+        for i in range(4):
+            again = client.post("/v1/completions", json={**body, "prompt": prefix + f"q{i}"})
+            assert again.headers["x-sim-pod"] == owner
+        streamed = client.post("/v1/completions", json={**body, "stream": True})
+        assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+
+
+def test_epp_errors_and_client_routing_headers(epp_stack: Stack, sim: SimPods) -> None:
+    with httpx.Client(base_url=epp_stack.url, timeout=30) as client:
+        bad = client.post(
+            "/v1/completions", content=b"{nope", headers={"content-type": "application/json"}
+        )
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+        resp = client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "steer me", "max_tokens": 1},
+            headers={"x-gateway-destination-endpoint": "10.9.9.9:80"},
+        )
+        assert resp.status_code == 200
+        seen = sim.stats(resp.headers["x-sim-pod"])["recent"][-1]["routing_headers"]
+        # the pod sees extproc's pick, never the client's value
+        assert seen.get("x-gateway-destination-endpoint", "").split(",")[0] != "10.9.9.9:80"

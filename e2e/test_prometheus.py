@@ -1,0 +1,156 @@
+"""A real Prometheus scrapes extproc and the simulated pods; every dashboard query has data.
+
+Prometheus is Debian's package (``apt-get install prometheus``, as .ci/run does); a
+missing binary fails the test. It scrapes every second, on 127.0.0.1, while a short
+workload goes through Envoy: shared prefixes (hits), distinct ones (misses, and evictions
+with a 32-entry cache per pod), requests extproc refuses (the error series), and a pod
+that is down (scrape errors, retries). extproc runs the Helm chart's configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from e2e.conftest import MODEL, NUM_PODS, pods_of, unique_prefix
+from extproc.launch import Proc, Stack, free_port, run_stack, spawn, wait_until
+from extproc.sim.harness import SimPods
+from extproc.types import Pod, PodId
+from tests.charts.conftest import find, render
+from tests.charts.dashboard import queries, require_binary
+
+SCRAPE_INTERVAL = "1s"
+RATE_INTERVAL = "30s"  # the dashboard's $__rate_interval: the whole run fits in it
+DATA_TIMEOUT_S = 20.0  # a series needs two scrapes after it first appears
+NUM_PREFIXES = 8
+NUM_ROUNDS = 4
+ROUND_PAUSE_S = 1.5  # more than a scrape interval
+NUM_TARGETS = 1 + NUM_PODS  # extproc and the pods
+
+# The chart's ConfigMap, with room for 32 blocks per pod: a prompt is about 20 blocks
+# (1,200-byte prefix), so a pod's second prefix evicts.
+MAX_HASH_CACHE_SIZE = 32
+
+
+def chart_config() -> dict[str, Any]:
+    configmap = find(render(), "ConfigMap", "rel-extproc")
+    config: dict[str, Any] = yaml.safe_load(configmap["data"]["config.yaml"])
+    [prefix_cache] = [p for p in config["scheduler"]["pluginConfig"] if p["name"] == "prefix-cache"]
+    prefix_cache["args"]["maxHashCacheSize"] = MAX_HASH_CACHE_SIZE
+    return config
+
+
+@pytest.fixture
+def picker(sim: SimPods, tmp_path: Path) -> Iterator[Stack]:
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(chart_config()))
+    # Nothing listens at the dead pod's address: extproc's scrapes of it fail (the scrape
+    # error series) and a request sent there is retried on the next listed pod.
+    dead = Pod(PodId("default", "dead"), f"127.0.0.1:{free_port()}", frozenset({MODEL}))
+    with run_stack([*pods_of(sim), dead], config=config) as stack:
+        yield stack
+
+
+@pytest.fixture
+def prometheus(picker: Stack, sim: SimPods, tmp_path: Path) -> Iterator[str]:
+    binary = require_binary("prometheus")
+    port = free_port()
+    config = {
+        "global": {"scrape_interval": SCRAPE_INTERVAL, "scrape_timeout": SCRAPE_INTERVAL},
+        "scrape_configs": [
+            {
+                "job_name": "extproc",
+                "static_configs": [{"targets": [f"127.0.0.1:{picker.metrics_port}"]}],
+            },
+            {
+                "job_name": "vllm",
+                "static_configs": [{"targets": [f"127.0.0.1:{p.port}" for p in sim.pods]}],
+            },
+        ],
+    }
+    config_path = tmp_path / "prometheus.yml"
+    config_path.write_text(yaml.safe_dump(config))
+    argv = [
+        binary,
+        f"--config.file={config_path}",
+        f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--log.level=warn",
+    ]
+    proc: Proc = spawn("prometheus", argv, tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _get(f"{url}/-/ready").startswith("Prometheus"), proc, "prometheus")
+        yield url
+    finally:
+        proc.stop()
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return str(resp.read().decode())
+
+
+def query(url: str, promql: str) -> list[dict[str, object]]:
+    """An instant query's result vector (the API's ``data.result``)."""
+    answer = json.loads(_get(f"{url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})))
+    assert answer["status"] == "success", answer
+    return answer["data"]["result"]  # type: ignore[no-any-return]
+
+
+def has_data(result: list[dict[str, object]]) -> bool:
+    """At least one sample that is a number (a ratio over no traffic is NaN)."""
+    values = [sample["value"][1] for sample in result]  # type: ignore[index]
+    return any(v not in ("NaN", "+Inf", "-Inf") for v in values)
+
+
+def run_workload(stack: Stack) -> None:
+    """Rounds of one request per prefix (the first round misses, later ones hit), and two
+    refused requests, with pauses: rate() only sees increases between two scrapes."""
+    prefixes = [unique_prefix() for _ in range(NUM_PREFIXES)]
+    with httpx.Client(base_url=stack.url, timeout=30) as client, ThreadPoolExecutor(4) as pool:
+        for round_idx in range(NUM_ROUNDS):
+            bodies = [
+                {"model": MODEL, "prompt": f"{prefix}question {round_idx}", "max_tokens": 4}
+                for prefix in prefixes
+            ]
+            replies = list(pool.map(lambda b: client.post("/v1/completions", json=b), bodies))
+            assert {r.status_code for r in replies} == {200}
+            unknown_model = client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+            not_json = client.post("/v1/completions", content=b"{not json")
+            assert (unknown_model.status_code, not_json.status_code) == (404, 400)
+            time.sleep(ROUND_PAUSE_S)
+
+
+def wait_for_first_scrapes(url: str) -> None:
+    """Until every target was scraped once, so the workload's increases are all seen."""
+    deadline = time.monotonic() + DATA_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if len(query(url, "up == 1")) == NUM_TARGETS:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"Prometheus did not scrape all {NUM_TARGETS} targets")
+
+
+def test_every_dashboard_query_returns_data(picker: Stack, prometheus: str) -> None:
+    wait_for_first_scrapes(prometheus)
+    run_workload(picker)
+    pending = queries(RATE_INTERVAL)
+    deadline = time.monotonic() + DATA_TIMEOUT_S
+    while pending and time.monotonic() < deadline:
+        pending = {k: q for k, q in pending.items() if not has_data(query(prometheus, q))}
+        time.sleep(0.5)
+    assert not pending, f"no data after {DATA_TIMEOUT_S} s for: {json.dumps(pending, indent=2)}"
+    hit_rate = query(prometheus, queries(RATE_INTERVAL)["Prefix cache hit rate/A"])
+    # 3 of every 4 requests repeat a prefix already sent: some attempts match.
+    assert 0.0 < float(hit_rate[0]["value"][1]) <= 1.0  # type: ignore[index]

@@ -1,0 +1,232 @@
+"""A pod's ``/metrics`` page -> ``PodMetrics``: the few vLLM and SGLang series we read.
+
+Series read; for each quantity the first name present on the page wins:
+
+* ``waiting``: ``vllm:num_requests_waiting`` | ``sglang:num_queue_reqs``
+* ``running``: ``vllm:num_requests_running`` | ``sglang:num_running_reqs``
+* ``kv_usage``: ``vllm:kv_cache_usage_perc`` | ``vllm:gpu_cache_usage_perc`` (vLLM before
+  0.10) | ``sglang:token_usage``
+* ``ttft_s`` (histogram): ``vllm:time_to_first_token_seconds`` |
+  ``sglang:time_to_first_token_seconds``
+* ``itl_s`` (histogram): ``vllm:inter_token_latency_seconds`` |
+  ``vllm:time_per_output_token_seconds`` (older vLLM) |
+  ``sglang:inter_token_latency_seconds`` | ``sglang:time_per_output_token_seconds``
+
+Label sets: counts and histogram totals are summed over label sets (a data-parallel
+vLLM server exposes one per engine); ``kv_usage`` is their mean. When series carry a
+``model_name`` label and some name one of the pod's models, only those count; when none
+does, all count, so a served-model name that differs from the configured one does not
+blind the scheduler.
+
+Recent latency (``LatencyWindow``): the mean of the observations made between the last
+two successful scrapes, delta ``_sum`` / delta ``_count``. Without new observations
+the last mean is kept for ``hold_s`` (default 10 s), then it is ``None``; a count that
+went down (the engine restarted) starts a new baseline.
+
+Cost: a vLLM page is ~90 KB of ~1,000 lines, almost all histogram buckets we do not
+need, and prometheus_client's parser spends ~20 us per sample line (it walks label
+strings a character at a time), ~20 ms per page. So ``PageParser`` first keeps only the
+lines of the series above (a set lookup on each line's first bytes), then parses each
+distinct series text once with ``text_string_to_metric_families`` and caches its name
+and labels; the value is read with ``float``, as the parser itself does. See
+``bench/scrape.py`` for the measured figures.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.types import PodMetrics
+
+WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+TTFT = ("vllm:time_to_first_token_seconds", "sglang:time_to_first_token_seconds")
+ITL = (
+    "vllm:inter_token_latency_seconds",
+    "vllm:time_per_output_token_seconds",
+    "sglang:inter_token_latency_seconds",
+    "sglang:time_per_output_token_seconds",
+)
+MODEL_LABEL = "model_name"
+
+_GAUGE_NAMES = (*WAITING, *RUNNING, *KV_USAGE)
+SAMPLE_NAMES = frozenset(
+    [*_GAUGE_NAMES, *(f"{h}{suffix}" for h in (*TTFT, *ITL) for suffix in ("_sum", "_count"))]
+)
+# A line is a candidate when its first _KEY_LEN bytes start a wanted name: one slice and
+# one set lookup per line, which rejects all but the wanted families' buckets.
+_KEY_LEN = min(map(len, SAMPLE_NAMES))
+_KEYS = frozenset(name.encode()[:_KEY_LEN] for name in SAMPLE_NAMES)
+_NAMES = frozenset(name.encode() for name in SAMPLE_NAMES)
+
+MAX_CACHED_SERIES = 4096  # ~20 series per pod page: thousands of distinct pages
+
+
+class Sample(NamedTuple):
+    name: str
+    labels: Mapping[str, str]
+    value: float
+
+
+class HistogramTotals(NamedTuple):
+    sum: float
+    num_observed: float
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One page's values, before latency deltas."""
+
+    waiting: int
+    running: int
+    kv_usage: float
+    ttft: HistogramTotals | None
+    itl: HistogramTotals | None
+
+
+class PageParser:
+    """Parses the wanted lines of ``/metrics`` pages; caches each series' name and labels.
+
+    Not thread-safe: one parser per scraper thread.
+    """
+
+    def __init__(self, max_cached_series: int = MAX_CACHED_SERIES) -> None:
+        self.max_cached_series = max_cached_series
+        self._series: dict[bytes, tuple[str, Mapping[str, str]]] = {}
+
+    def samples(self, page: bytes) -> list[Sample]:
+        """The page's samples of the series this module reads.
+
+        Raises:
+            ValueError: a wanted line is malformed.
+        """
+        out: list[Sample] = []
+        for line in select_lines(page):
+            brace = line.rfind(b"}")
+            split_at = brace + 1 if brace >= 0 else line.find(b" ")
+            series, rest = line[:split_at], line[split_at:].split()
+            if not rest:
+                raise ValueError(f"no value in {line[:200]!r}")
+            parsed = self._series.get(series)
+            if parsed is None:
+                parsed = self._parse_series(series)
+            out.append(Sample(parsed[0], parsed[1], float(rest[0])))
+        return out
+
+    def _parse_series(self, series: bytes) -> tuple[str, Mapping[str, str]]:
+        families = list(text_string_to_metric_families(series.decode() + " 0\n"))
+        if len(families) != 1 or len(families[0].samples) != 1:
+            raise ValueError(f"not one sample: {series[:200]!r}")
+        sample = families[0].samples[0]
+        if len(self._series) >= self.max_cached_series:
+            self._series.clear()
+        parsed = self._series[series] = (sample.name, sample.labels)
+        return parsed
+
+
+def select_lines(page: bytes) -> list[bytes]:
+    """The sample lines of the wanted series (comments and other series dropped)."""
+    candidates = [line for line in page.split(b"\n") if line[:_KEY_LEN] in _KEYS]
+    out = []
+    for line in candidates:
+        end = line.find(b"{")
+        if end < 0:
+            end = line.find(b" ")
+        if end > 0 and line[:end] in _NAMES:
+            out.append(line)
+    return out
+
+
+def read_samples(samples: Sequence[Sample], models: frozenset[str]) -> Reading | None:
+    """Sum (or average) the samples per quantity; ``None`` when the page has none."""
+    if any(s.labels.get(MODEL_LABEL) in models for s in samples):
+        samples = [s for s in samples if s.labels.get(MODEL_LABEL, "") in models]
+    by_name: dict[str, list[float]] = {}
+    for s in samples:
+        by_name.setdefault(s.name, []).append(s.value)
+    waiting, running, kv = (_first(by_name, names) for names in (WAITING, RUNNING, KV_USAGE))
+    ttft, itl = _histogram(by_name, TTFT), _histogram(by_name, ITL)
+    if waiting is None and running is None and kv is None and ttft is None and itl is None:
+        return None
+    return Reading(
+        waiting=_count(waiting),
+        running=_count(running),
+        kv_usage=_usage(kv),
+        ttft=ttft,
+        itl=itl,
+    )
+
+
+def _first(by_name: Mapping[str, list[float]], names: Sequence[str]) -> list[float] | None:
+    return next((by_name[n] for n in names if n in by_name), None)
+
+
+def _histogram(by_name: Mapping[str, list[float]], names: Sequence[str]) -> HistogramTotals | None:
+    for name in names:
+        sums, counts = by_name.get(f"{name}_sum"), by_name.get(f"{name}_count")
+        if sums is not None and counts is not None:
+            return HistogramTotals(math.fsum(sums), math.fsum(counts))
+    return None
+
+
+def _count(values: list[float] | None) -> int:
+    total = math.fsum(values) if values else 0.0
+    return max(0, round(total)) if math.isfinite(total) else 0
+
+
+def _usage(values: list[float] | None) -> float:
+    mean = math.fsum(values) / len(values) if values else 0.0
+    return min(1.0, max(0.0, mean)) if math.isfinite(mean) else 0.0
+
+
+class LatencyWindow:
+    """Recent mean of one histogram: delta sum / delta count between two scrapes."""
+
+    def __init__(self, hold_s: float = 10.0) -> None:
+        self.hold_s = hold_s
+        self._prev: HistogramTotals | None = None
+        self._mean: float | None = None
+        self._mean_at_s = 0.0
+
+    def update(self, totals: HistogramTotals | None, now_s: float) -> float | None:
+        """Feed one successful scrape's totals; returns the mean to publish."""
+        prev, self._prev = self._prev, totals
+        if totals is not None and prev is not None:
+            num_new = totals.num_observed - prev.num_observed
+            if num_new > 0:
+                mean = (totals.sum - prev.sum) / num_new
+                if math.isfinite(mean) and mean >= 0:
+                    self._mean, self._mean_at_s = mean, now_s
+                    return mean
+        if self._mean is not None and now_s - self._mean_at_s <= self.hold_s:
+            return self._mean
+        self._mean = None
+        return None
+
+
+class PodReader:
+    """One pod's page -> ``PodMetrics``, keeping the latency windows between scrapes."""
+
+    def __init__(self, models: frozenset[str], hold_s: float = 10.0) -> None:
+        self.models = models
+        self._ttft = LatencyWindow(hold_s)
+        self._itl = LatencyWindow(hold_s)
+
+    def read(self, samples: Sequence[Sample], now_s: float) -> PodMetrics | None:
+        """``None`` when the page carries none of the series we read."""
+        reading = read_samples(samples, self.models)
+        if reading is None:
+            return None
+        return PodMetrics(
+            waiting=reading.waiting,
+            running=reading.running,
+            kv_usage=reading.kv_usage,
+            ttft_s=self._ttft.update(reading.ttft, now_s),
+            itl_s=self._itl.update(reading.itl, now_s),
+        )

@@ -1,0 +1,143 @@
+"""Kubernetes objects as extproc values: a Pod's JSON -> ``Pod``; an InferencePool -> ``PodTarget``.
+
+Pod rules (``make_pod``):
+
+* no ``status.podIP`` yet, or phase ``Succeeded``/``Failed`` (finished: its IP may
+  already belong to another pod) -> None, the pod is not listed;
+* id ``(metadata.namespace, metadata.name)``; address ``podIP:target_port``
+  (``[ip]:port`` for IPv6);
+* ready: the ``Ready`` condition is ``"True"`` and ``metadata.deletionTimestamp`` is unset
+  (a terminating pod takes no new requests but may finish its streams);
+* models: the annotation ``model_annotation``, comma-separated (annotations may hold
+  ``/``, which Hugging Face names need and label values cannot), else the label
+  ``model_label``, else ``default_model``, else none: the pod is listed but serves nothing
+  (``pod_warnings`` says so);
+* role: the label ``role_label`` (llm-d's ``llm-d.ai/role`` by default): ``prefill``,
+  ``decode`` or ``both``; missing or another value -> both;
+* labels: all of them, sorted.
+
+A snapshot (``make_snapshot``) is sorted by id and keeps one pod per address (the ready
+one, else the first by id), since Envoy picks hosts by address.
+
+InferencePool (``parse_pool``): ``inference.networking.k8s.io/v1`` has
+``spec.selector.matchLabels`` and ``spec.targetPorts[0].number``; the older
+``inference.networking.x-k8s.io/v1alpha2`` has ``spec.selector`` (the map itself) and
+``spec.targetPortNumber``. Both shapes are read, whichever version was asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from extproc.datalayer.pods_file import parse_address
+from extproc.types import Pod, PodId, PodRole
+
+DEFAULT_MODEL_ANNOTATION = "extproc.io/models"
+DEFAULT_MODEL_LABEL = "extproc.io/model"
+DEFAULT_ROLE_LABEL = "llm-d.ai/role"  # llm-d's; Kthena's is modelserving.volcano.sh/role
+
+_ROLES = {r.value: r for r in PodRole}
+_FINISHED_PHASES = frozenset({"Succeeded", "Failed"})
+
+
+@dataclass(frozen=True, slots=True)
+class PodMapping:
+    """How a Kubernetes pod's labels and annotations become models and a role."""
+
+    model_annotation: str = DEFAULT_MODEL_ANNOTATION
+    model_label: str = DEFAULT_MODEL_LABEL
+    default_model: str | None = None
+    role_label: str = DEFAULT_ROLE_LABEL
+
+
+class PodTarget(NamedTuple):
+    """Which pods to send to, and on which port (given, or read from an InferencePool)."""
+
+    selector: str  # "k1=v1,k2=v2", sorted
+    target_port: int
+
+
+def make_pod(obj: Mapping[str, Any], mapping: PodMapping, target_port: int) -> Pod | None:
+    """The ``Pod`` for a pod object, or None if it cannot take traffic at any address."""
+    metadata = obj.get("metadata") or {}
+    status = obj.get("status") or {}
+    pod_ip = status.get("podIP")
+    if not pod_ip or status.get("phase") in _FINISHED_PHASES:
+        return None
+    host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
+    try:
+        address = parse_address(f"{host}:{target_port}")
+    except ValueError:
+        return None
+    labels: Mapping[str, str] = metadata.get("labels") or {}
+    annotations: Mapping[str, str] = metadata.get("annotations") or {}
+    if models_text := annotations.get(mapping.model_annotation):
+        models = frozenset(m.strip() for m in models_text.split(",") if m.strip())
+    elif model := labels.get(mapping.model_label) or mapping.default_model:
+        models = frozenset({model})
+    else:
+        models = frozenset()
+    ready = not metadata.get("deletionTimestamp") and any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or ()
+    )
+    return Pod(
+        id=PodId(str(metadata.get("namespace", "")), str(metadata.get("name", ""))),
+        address=address,
+        models=models,
+        labels=tuple(sorted((str(k), str(v)) for k, v in labels.items())),
+        role=_ROLES.get(labels.get(mapping.role_label, ""), PodRole.BOTH),
+        ready=ready,
+    )
+
+
+def pod_warnings(pod: Pod, mapping: PodMapping) -> list[str]:
+    """What in a listed pod's labels is probably a mistake (it is still published)."""
+    problems = []
+    if not pod.models:
+        problems.append(
+            f"no served model: set the annotation {mapping.model_annotation} or the label "
+            f"{mapping.model_label}, or pass --k8s-default-model; it gets no requests"
+        )
+    role = pod.label(mapping.role_label)
+    if role is not None and role not in _ROLES:
+        problems.append(f"label {mapping.role_label}={role!r} is not prefill|decode|both: both")
+    return problems
+
+
+def make_snapshot(pods: Iterable[Pod | None]) -> tuple[tuple[Pod, ...], list[Pod]]:
+    """Sort by id and keep one pod per address; returns (kept, dropped)."""
+    ordered = sorted((p for p in pods if p is not None), key=lambda p: p.id)
+    by_address: dict[str, Pod] = {}
+    for pod in ordered:
+        other = by_address.get(pod.address)
+        if other is None or (pod.ready and not other.ready):
+            by_address[pod.address] = pod
+    kept = tuple(p for p in ordered if by_address[p.address] is p)
+    return kept, [p for p in ordered if by_address[p.address] is not p]
+
+
+def parse_pool(obj: Mapping[str, Any]) -> PodTarget:
+    """Read an InferencePool's selector and target port (v1 or v1alpha2 shape).
+
+    Raises:
+        ValueError: the selector is empty or not a string map, or the port is not 1-65535.
+    """
+    spec = obj.get("spec") or {}
+    selector = spec.get("selector") or {}
+    if isinstance(selector, Mapping) and "matchLabels" in selector:
+        selector = selector["matchLabels"] or {}
+    if not isinstance(selector, Mapping) or not selector:
+        raise ValueError("spec.selector has no labels (it would select every pod)")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in selector.items()):
+        raise ValueError(f"spec.selector must map strings to strings, got {selector!r}")
+    ports = spec.get("targetPorts")
+    if isinstance(ports, list) and ports and isinstance(ports[0], Mapping):
+        port = ports[0].get("number")
+    else:
+        port = spec.get("targetPortNumber")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise ValueError(f"no target port 1-65535 (targetPorts[0].number), got {port!r}")
+    return PodTarget(",".join(f"{k}={v}" for k, v in sorted(selector.items())), port)

@@ -1,0 +1,174 @@
+"""Choosing where ``extproc serve`` gets its pods: ``--pods FILE`` or Kubernetes.
+
+Exactly one source::
+
+    --pods FILE                                  a YAML file, polled (the default: the
+                                                 shipped file with four local pods)
+    --k8s-selector SEL --k8s-target-port P       pods matching a label selector
+    --inference-pool NAME                        the pods of a GIE InferencePool
+
+Kubernetes options: ``--k8s-namespace`` (default: the kubeconfig context's, or in-cluster
+the service account's namespace), ``--kubeconfig``/``--kube-context`` (see
+``kubeconfig``), ``--k8s-model-annotation``, ``--k8s-model-label``,
+``--k8s-default-model``, ``--k8s-role-label`` (see ``k8s_objects``), and
+``--inference-pool-api``. Every flag also reads ``EXTPROC_<FLAG>`` through the
+caller's ``env`` helper.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from extproc.datalayer.k8s import DEFAULT_POOL_API, KubePodSource, WatchTiming
+from extproc.datalayer.k8s_objects import (
+    DEFAULT_MODEL_ANNOTATION,
+    DEFAULT_MODEL_LABEL,
+    DEFAULT_ROLE_LABEL,
+    PodMapping,
+    PodTarget,
+)
+from extproc.datalayer.kubeconfig import load_kube_config
+from extproc.datalayer.pods_file import DEFAULT_PODS_FILE, PodsFileWatcher
+from extproc.errors import ConfigError
+from extproc.types import Pod
+
+
+class PodsSource(Protocol):
+    """What ``serve`` needs of a source: the current pods, ``start()`` and ``stop()``."""
+
+    pods: tuple[Pod, ...]
+
+    def start(self) -> None: ...
+
+    def stop(self, timeout_s: float = 5.0) -> None: ...
+
+
+def add_source_arguments(p: argparse.ArgumentParser, env: Callable[[str, Any], Any]) -> None:
+    """Register the pod source flags; ``env(name, default)`` supplies environment defaults."""
+    g = p.add_argument_group("pod source", "--pods FILE, --k8s-selector, or --inference-pool")
+    g.add_argument(
+        "--pods", metavar="FILE", default=env("pods", None), help="pods YAML (default: shipped)"
+    )
+    g.add_argument("--pods-poll-s", type=float, default=float(env("pods-poll-s", 1.0)))
+    g.add_argument(
+        "--k8s-selector",
+        metavar="SEL",
+        default=env("k8s-selector", None),
+        help="watch the pods matching this label selector, e.g. app=vllm",
+    )
+    g.add_argument(
+        "--k8s-target-port",
+        metavar="PORT",
+        type=int,
+        default=_int_or_none(env("k8s-target-port", None)),
+        help="the model servers' port (with --k8s-selector)",
+    )
+    g.add_argument(
+        "--inference-pool",
+        metavar="NAME",
+        default=env("inference-pool", None),
+        help="watch this InferencePool's pods, on its target port",
+    )
+    g.add_argument(
+        "--inference-pool-api",
+        default=env("inference-pool-api", DEFAULT_POOL_API),
+        help="the pool's group/version (default %(default)s)",
+    )
+    g.add_argument(
+        "--k8s-namespace",
+        metavar="NS",
+        default=env("k8s-namespace", None),
+        help="default: the kubeconfig context's, or in-cluster the service account's",
+    )
+    g.add_argument(
+        "--kubeconfig",
+        metavar="FILE",
+        default=env("kubeconfig", None),
+        help="default: $KUBECONFIG, else in-cluster, else ~/.kube/config",
+    )
+    g.add_argument("--kube-context", metavar="NAME", default=env("kube-context", None))
+    g.add_argument(
+        "--k8s-model-annotation",
+        default=env("k8s-model-annotation", DEFAULT_MODEL_ANNOTATION),
+        help="pod annotation listing served models, comma-separated (default %(default)s)",
+    )
+    g.add_argument(
+        "--k8s-model-label",
+        default=env("k8s-model-label", DEFAULT_MODEL_LABEL),
+        help="pod label naming the served model (default %(default)s)",
+    )
+    g.add_argument(
+        "--k8s-default-model",
+        default=env("k8s-default-model", None),
+        help="model of pods with neither (e.g. an InferencePool's base model)",
+    )
+    g.add_argument(
+        "--k8s-role-label",
+        default=env("k8s-role-label", DEFAULT_ROLE_LABEL),
+        help="pod label holding prefill|decode|both (default %(default)s)",
+    )
+    g.add_argument(
+        "--k8s-start-timeout-s", type=float, default=float(env("k8s-start-timeout-s", 10.0))
+    )
+
+
+def make_pods_source(
+    args: argparse.Namespace, on_change: Callable[[tuple[Pod, ...]], Any]
+) -> PodsSource:
+    """Build the source the flags choose (not started).
+
+    Raises:
+        ConfigError: conflicting or missing flags, a bad pods file or kubeconfig.
+    """
+    chosen = [
+        f
+        for f, v in (
+            ("--pods", args.pods),
+            ("--k8s-selector", args.k8s_selector),
+            ("--inference-pool", args.inference_pool),
+        )
+        if v
+    ]
+    if len(chosen) > 1:
+        raise ConfigError(f"choose one pod source, not {' and '.join(chosen)}")
+    if not args.k8s_selector and not args.inference_pool:
+        return PodsFileWatcher(
+            args.pods or DEFAULT_PODS_FILE, on_change, interval_s=args.pods_poll_s
+        )
+    if args.k8s_selector and args.k8s_target_port is None:
+        raise ConfigError("--k8s-selector needs --k8s-target-port (the model server's port)")
+    if args.inference_pool and args.k8s_target_port is not None:
+        raise ConfigError("--k8s-target-port conflicts with --inference-pool (the pool has one)")
+    if args.k8s_target_port is not None and not 0 < args.k8s_target_port < 65536:
+        raise ConfigError(f"--k8s-target-port must be 1-65535, got {args.k8s_target_port}")
+    config = load_kube_config(args.kubeconfig, args.kube_context)
+    return KubePodSource(
+        config,
+        on_change,
+        namespace=args.k8s_namespace or config.namespace,
+        target=PodTarget(args.k8s_selector, args.k8s_target_port) if args.k8s_selector else None,
+        pool=args.inference_pool,
+        pool_api=args.inference_pool_api,
+        mapping=PodMapping(
+            model_annotation=args.k8s_model_annotation,
+            model_label=args.k8s_model_label,
+            default_model=args.k8s_default_model,
+            role_label=args.k8s_role_label,
+        ),
+        timing=WatchTiming(start_timeout_s=args.k8s_start_timeout_s),
+    )
+
+
+def describe_source(args: argparse.Namespace) -> str:
+    """The source in a few words, for the start-up log line."""
+    if args.inference_pool:
+        return f"InferencePool {args.inference_pool}"
+    if args.k8s_selector:
+        return f"Kubernetes pods matching {args.k8s_selector}"
+    return str(args.pods or DEFAULT_PODS_FILE)
+
+
+def _int_or_none(value: object) -> int | None:
+    return None if value is None else int(str(value))

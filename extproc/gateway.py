@@ -1,0 +1,236 @@
+"""ext_proc for gateways that speak the Endpoint Picker Protocol (``--protocol epp``).
+
+Gateway API implementations (Envoy Gateway, Istio, GKE, the Inference Extension's
+reference setup) configure the ext_proc filter themselves: request headers are sent
+first, the body follows either BUFFERED or FULL_DUPLEX_STREAMED, and the picked endpoint
+is read from the ``x-gateway-destination-endpoint`` request header and/or the
+``envoy.lb`` dynamic metadata. This handler serves that whole exchange on one
+bidirectional stream:
+
+* request headers: remembered (path, ``x-request-id``, the session header); client-sent
+  routing headers are removed. With a BUFFERED body the headers are answered at once;
+  with FULL_DUPLEX_STREAMED the answer waits for the body (Envoy's rule for that mode).
+* request body: at its end the request is routed; the pick goes out as the destination
+  header and as metadata (the pod list, best first). FULL_DUPLEX_STREAMED then sends the
+  whole body back as the streamed body.
+* response: if the gateway sends the response headers and body, the request is
+  recorded when the body ends with a 2xx status, for the endpoint the gateway reports as
+  served (``x-gateway-destination-endpoint-served`` in ``envoy.lb`` metadata) or else the
+  pick. A stream that ends otherwise records nothing.
+
+The one-round handler in ``server.py`` stays the default for extproc's own Envoy config;
+this one costs a message round per phase.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+from extproc.epp import DESTINATION_KEY, DESTINATION_NAMESPACE, INTERNAL_HEADERS
+from extproc.errors import BadRequest, ExtProcError
+from extproc.routing import RouteDecision, Router
+from extproc.server import error_response, route_metadata, subset_hint
+
+log = logging.getLogger("extproc.gateway")
+
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+SERVED_KEY = f"{DESTINATION_KEY}-served"
+
+
+@dataclass
+class _Exchange:
+    """One request's state across the stream's messages."""
+
+    request_id: str = ""
+    path: str = ""
+    headers: dict[str, str] = field(default_factory=dict)
+    full_duplex: bool = False
+    body: bytearray = field(default_factory=bytearray)
+    decision: RouteDecision | None = None
+    subset: list[str] | None = None
+    status: int = 0
+    served: str | None = None
+    done: bool = False
+
+
+def _header_value(h: base_pb2.HeaderValue) -> str:
+    return h.raw_value.decode("utf-8", "replace") if h.raw_value else str(h.value)
+
+
+def _set_header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
+class GatewayHandler:
+    """Stream-stream ``Process`` for the Endpoint Picker Protocol."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def process(
+        self, requests: Iterator[ep.ProcessingRequest], context: Any
+    ) -> Iterator[ep.ProcessingResponse]:
+        x = _Exchange()
+        try:
+            for message in requests:
+                yield from self._handle(x, message)
+                if x.done:
+                    return
+        except ExtProcError as exc:
+            yield error_response(exc)
+        except Exception:
+            log.exception("request %s: unexpected error while routing", x.request_id)
+            yield error_response(
+                ExtProcError(f"internal error in the endpoint picker (request id {x.request_id})")
+            )
+        finally:
+            self._finish(x)
+
+    def _handle(
+        self, x: _Exchange, message: ep.ProcessingRequest
+    ) -> Iterator[ep.ProcessingResponse]:
+        kind = message.WhichOneof("request")
+        if kind == "request_headers":
+            yield from self._on_request_headers(x, message)
+        elif kind == "request_body":
+            yield from self._on_request_body(x, message)
+        elif kind == "request_trailers":
+            yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+        elif kind == "response_headers":
+            hdrs = message.response_headers
+            status = next(
+                (_header_value(h) for h in hdrs.headers.headers if h.key == ":status"), ""
+            )
+            x.status = int(status) if status.isdigit() else 0
+            x.served = _served(message) or x.served
+            if hdrs.end_of_stream:
+                self._complete(x, ok=True)
+            yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+        elif kind == "response_body":
+            if message.response_body.end_of_stream:
+                self._complete(x, ok=True)
+            yield ep.ProcessingResponse(response_body=ep.BodyResponse())
+        elif kind == "response_trailers":
+            self._complete(x, ok=True)
+            yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+
+    def _on_request_headers(
+        self, x: _Exchange, message: ep.ProcessingRequest
+    ) -> Iterator[ep.ProcessingResponse]:
+        for h in message.request_headers.headers.headers:
+            x.headers[h.key.lower()] = _header_value(h)
+        x.path = x.headers.get(":path", "")
+        x.request_id = x.headers.get("x-request-id") or f"epp-{uuid.uuid4()}"
+        x.full_duplex = message.protocol_config.request_body_mode == FULL_DUPLEX
+        x.subset = subset_hint(message)
+        if message.request_headers.end_of_stream:
+            raise BadRequest(
+                "the request has no body: extproc routes OpenAI-style JSON requests",
+                code="invalid_json",
+            )
+        if not x.full_duplex:  # BUFFERED: Envoy waits for this answer before the body
+            yield ep.ProcessingResponse(
+                request_headers=ep.HeadersResponse(response=self._strip_internal())
+            )
+
+    def _on_request_body(
+        self, x: _Exchange, message: ep.ProcessingRequest
+    ) -> Iterator[ep.ProcessingResponse]:
+        body = message.request_body
+        x.body += body.body
+        if not body.end_of_stream:
+            if not x.full_duplex:
+                raise BadRequest(
+                    "extproc needs the whole request body (ext_proc body mode BUFFERED or "
+                    "FULL_DUPLEX_STREAMED)",
+                    code="body_not_buffered",
+                )
+            return
+        decision = self.router.route(
+            x.path,
+            bytes(x.body),
+            request_id=x.request_id,
+            headers=x.headers,
+            subset=x.subset,
+        )
+        x.decision = decision
+        common = self._strip_internal()
+        common.header_mutation.set_headers.append(
+            _set_header(DESTINATION_KEY, decision.destination)
+        )
+        if decision.prefill is not None:
+            common.header_mutation.set_headers.append(
+                _set_header("x-prefiller-host-port", decision.prefill.address)
+            )
+        metadata = route_metadata(
+            decision.destination, decision.prefill.address if decision.prefill else None
+        )
+        if x.full_duplex:
+            yield ep.ProcessingResponse(
+                request_headers=ep.HeadersResponse(response=common), dynamic_metadata=metadata
+            )
+            yield ep.ProcessingResponse(
+                request_body=ep.BodyResponse(
+                    response=ep.CommonResponse(
+                        body_mutation=ep.BodyMutation(
+                            streamed_response=ep.StreamedBodyResponse(
+                                body=bytes(x.body), end_of_stream=True
+                            )
+                        )
+                    )
+                )
+            )
+        else:
+            yield ep.ProcessingResponse(
+                request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata
+            )
+        x.body = bytearray()
+
+    @staticmethod
+    def _strip_internal() -> ep.CommonResponse:
+        common = ep.CommonResponse()
+        common.header_mutation.remove_headers.extend(INTERNAL_HEADERS)
+        return common
+
+    def _complete(self, x: _Exchange, ok: bool) -> None:
+        if x.decision is None or x.done:
+            return
+        x.done = True
+        served = x.served or x.decision.pods[0].address
+        self.router.complete(x.request_id, served, ok and 200 <= x.status < 300)
+
+    def _finish(self, x: _Exchange) -> None:
+        """The stream ended: a routed request without a successful end failed."""
+        if x.decision is not None and not x.done:
+            x.done = True
+            self.router.complete(x.request_id, None, False)
+
+
+def _served(message: ep.ProcessingRequest) -> str | None:
+    namespaces = message.metadata_context.filter_metadata
+    if DESTINATION_NAMESPACE in namespaces:
+        fields = namespaces[DESTINATION_NAMESPACE].fields
+        if SERVED_KEY in fields:
+            return fields[SERVED_KEY].string_value or None
+    return None
+
+
+def epp_process(router: Router) -> grpc.RpcMethodHandler:
+    """``Process`` for Endpoint Picker Protocol gateways: stream-stream."""
+    return grpc.stream_stream_rpc_method_handler(
+        GatewayHandler(router).process,
+        request_deserializer=ep.ProcessingRequest.FromString,
+        response_serializer=ep.ProcessingResponse.SerializeToString,
+    )

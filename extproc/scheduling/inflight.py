@@ -1,0 +1,78 @@
+"""Requests this router sent to each pod that have not ended yet.
+
+Scraped queue lengths lag by up to a scrape interval plus the time a request takes to
+reach the engine; these counters change the moment a decision is made, so a burst
+routed between two scrapes still spreads. The router calls ``start`` for the chosen pod
+when it routes and ``end`` (same pod, same token count) when Envoy reports the request
+ended, whatever the outcome and whichever pod finally served it.
+
+Each request also carries an estimate of the prompt tokens the pod has to prefill for
+it (``Cycle.num_prefill_tokens``); ``cost-aware`` uses the per-pod total to size the
+work queued ahead of a new request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import NamedTuple
+
+from extproc.types import PodId
+
+log = logging.getLogger("extproc.scheduling")
+
+
+class InFlightCount(NamedTuple):
+    num_requests: int
+    num_tokens: int  # sum of the requests' estimated prefill tokens
+
+
+_ZERO = InFlightCount(0, 0)
+
+
+class InFlight:
+    """Per-pod counters of routed, unfinished requests. Thread-safe.
+
+    Writers serialise on a lock; readers get the pod's current immutable count from a
+    dict without locking (a single dict lookup is atomic). Pods whose count returns to
+    zero are dropped, so the map holds only pods with requests in flight.
+    """
+
+    def __init__(self) -> None:
+        self._counts: dict[PodId, InFlightCount] = {}
+        self._lock = threading.Lock()
+
+    def start(self, pod_id: PodId, num_tokens: int = 0) -> None:
+        """A request was routed to ``pod_id``; ``num_tokens`` is its prefill estimate."""
+        with self._lock:
+            n, tokens = self._counts.get(pod_id, _ZERO)
+            self._counts[pod_id] = InFlightCount(n + 1, tokens + num_tokens)
+
+    def end(self, pod_id: PodId, num_tokens: int = 0) -> None:
+        """The request started with ``start(pod_id, num_tokens)`` ended.
+
+        An ``end`` without its ``start`` (a bug in the caller) is logged and ignored,
+        so counts never go negative.
+        """
+        with self._lock:
+            n, tokens = self._counts.get(pod_id, _ZERO)
+            if n <= 0:
+                log.warning("in-flight end for %s without a matching start", pod_id)
+                return
+            if n == 1:
+                del self._counts[pod_id]
+            else:
+                self._counts[pod_id] = InFlightCount(n - 1, max(0, tokens - num_tokens))
+
+    def get(self, pod_id: PodId) -> int:
+        """Requests in flight to ``pod_id``."""
+        return self._counts.get(pod_id, _ZERO).num_requests
+
+    def get_count(self, pod_id: PodId) -> InFlightCount:
+        """Requests and their prefill tokens in flight to ``pod_id``."""
+        return self._counts.get(pod_id, _ZERO)
+
+    def snapshot(self) -> dict[PodId, InFlightCount]:
+        """A consistent copy of every non-zero count."""
+        with self._lock:
+            return dict(self._counts)

@@ -1,0 +1,257 @@
+"""The chart: lint, what each mode renders, Kubernetes' schemas, and the pieces that matter.
+
+Each mode (see conftest.MODES) is linted with ``helm lint --strict`` and rendered offline;
+every manifest must pass ``kubernetes-validate --strict`` for Kubernetes 1.33, except the
+custom resources, whose schemas it does not have (checked field by field below instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import helm_python
+import kubernetes_validate
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from extproc import serve
+from extproc.config import build_scheduler, default_config_text, parse_config
+from tests.charts.conftest import CHART_DIR, GATEWAY_PEERS, MODES, NAMESPACE, find, render
+
+KUBERNETES_VERSION = "1.33"
+FULLNAME = "rel-extproc"
+CUSTOM_KINDS = {"InferencePool", "HTTPRoute", "ServiceMonitor"}
+
+
+def kinds(docs: list[dict[str, Any]]) -> set[tuple[str, str]]:
+    return {(d["kind"], d["metadata"]["name"]) for d in docs}
+
+
+def picker_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    pod = find(docs, "Deployment", FULLNAME)["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    return container  # type: ignore[no-any-return]
+
+
+def test_lint_strict(mode_values: dict[str, Any]) -> None:
+    report = helm_python.lint(CHART_DIR, mode_values, strict=True, namespace=NAMESPACE)
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # 2 warning, 3 error
+    assert not report["errors"] and not problems, report
+
+
+def test_manifests_pass_kubernetes_schemas(mode_values: dict[str, Any]) -> None:
+    custom = set()
+    for doc in render(mode_values):
+        try:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.SchemaNotFoundError:
+            custom.add(doc["kind"])
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{doc['kind']} {doc['metadata']['name']}: {exc}")
+    assert custom <= CUSTOM_KINDS
+
+
+COMMON = {
+    ("ConfigMap", FULLNAME),
+    ("Deployment", FULLNAME),
+    ("Service", FULLNAME),
+    ("ServiceAccount", FULLNAME),
+    ("Role", FULLNAME),
+    ("RoleBinding", FULLNAME),
+    ("PodDisruptionBudget", FULLNAME),
+    ("NetworkPolicy", FULLNAME),
+}
+STANDALONE = {
+    ("ConfigMap", f"{FULLNAME}-envoy"),
+    ("Deployment", f"{FULLNAME}-envoy"),
+    ("Service", f"{FULLNAME}-envoy"),
+    ("Service", f"{FULLNAME}-model-servers"),
+    ("PodDisruptionBudget", f"{FULLNAME}-envoy"),
+}
+
+
+@pytest.mark.parametrize(
+    ("mode", "extra"),
+    [
+        pytest.param("standalone", STANDALONE, id="standalone"),
+        pytest.param("external", set(), id="external"),
+        pytest.param(
+            "gateway", {("InferencePool", FULLNAME), ("HTTPRoute", FULLNAME)}, id="gateway"
+        ),
+        pytest.param(
+            "all-options",
+            STANDALONE | {("ServiceMonitor", FULLNAME), ("ConfigMap", f"{FULLNAME}-dashboard")},
+            id="all-options",
+        ),
+    ],
+)
+def test_what_each_mode_renders(mode: str, extra: set[tuple[str, str]]) -> None:
+    assert kinds(render(MODES[mode])) == COMMON | extra
+
+
+def test_picker_pod_runs_hardened_with_grpc_probes() -> None:
+    docs = render()
+    pod = find(docs, "Deployment", FULLNAME)["spec"]["template"]["spec"]
+    container = picker_container(docs)
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert container[probe]["grpc"] == {"port": 9003}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"ext-proc": 9002, "health": 9003, "metrics": 9090}
+    service = find(docs, "Service", FULLNAME)
+    assert [p["port"] for p in service["spec"]["ports"]] == [9002, 9003, 9090]
+    assert pod["terminationGracePeriodSeconds"] > 10  # the drain (10 s) fits
+
+
+def _checksum(values: dict[str, Any], deployment: str = FULLNAME) -> str:
+    template = find(render(values), "Deployment", deployment)["spec"]["template"]
+    return template["metadata"]["annotations"]["checksum/config"]  # type: ignore[no-any-return]
+
+
+def test_a_config_change_rolls_the_pods() -> None:
+    weights = {"plugins": {"Score": {"enabled": [{"name": "prefix-cache", "weight": 2}]}}}
+    assert _checksum({}) == _checksum({})
+    assert _checksum({}) != _checksum({"scheduler": weights})
+    envoy = f"{FULLNAME}-envoy"
+    assert _checksum({}, envoy) != _checksum({"envoy": {"failureModeAllow": True}}, envoy)
+
+
+@pytest.mark.parametrize(
+    ("mode", "source_args", "pool_rule"),
+    [
+        pytest.param(
+            "standalone", ["--k8s-selector=app=vllm", "--k8s-target-port=8000"], False, id="pods"
+        ),
+        pytest.param("gateway", [f"--inference-pool={FULLNAME}"], True, id="pool"),
+    ],
+)
+def test_discovery_args_and_least_rbac(mode: str, source_args: list[str], pool_rule: bool) -> None:
+    docs = render(MODES[mode])
+    args = picker_container(docs)["args"]
+    assert f"--k8s-namespace={NAMESPACE}" in args
+    assert all(a in args for a in source_args)
+    assert ("--k8s-selector=app=vllm" in args) is not pool_rule
+    rules = find(docs, "Role")["rules"]
+    expected = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
+    if pool_rule:
+        expected.append(
+            {
+                "apiGroups": ["inference.networking.k8s.io"],
+                "resources": ["inferencepools"],
+                "verbs": ["list", "watch"],
+                "resourceNames": [FULLNAME],  # the pool is named after the release
+            }
+        )
+    assert rules == expected
+    binding = find(docs, "RoleBinding")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": FULLNAME, "namespace": NAMESPACE}
+    ]
+
+
+def test_picker_args_are_extproc_serve_flags(mode_values: dict[str, Any]) -> None:
+    container = picker_container(render(mode_values))
+    assert container["command"] == ["extproc"] and container["args"][0] == "serve"
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    _, unknown = parser.parse_known_args(container["args"])
+    assert not unknown, f"not extproc serve flags: {unknown}"
+
+
+def test_optional_discovery_flags_reach_the_args() -> None:
+    args = picker_container(render(MODES["all-options"]))["args"]
+    assert "--k8s-model-label=llm/model" in args and "--k8s-role-label=llm/role" in args
+    assert args[-2:] == ["--k8s-default-model", "qwen3"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "peers"),
+    [
+        pytest.param(
+            "standalone",
+            [
+                {
+                    "podSelector": {
+                        "matchLabels": {
+                            "app.kubernetes.io/name": "extproc",
+                            "app.kubernetes.io/instance": "rel",
+                            "app.kubernetes.io/component": "envoy",
+                        }
+                    }
+                }
+            ],
+            id="standalone-envoy",
+        ),
+        pytest.param("external", GATEWAY_PEERS, id="external-gateway"),
+    ],
+)
+def test_network_policy_admits_only_the_gateway_to_ext_proc(
+    mode: str, peers: list[dict[str, Any]]
+) -> None:
+    policy = find(render(MODES[mode]), "NetworkPolicy")["spec"]
+    assert policy["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "picker"
+    [ext_proc_rule] = [r for r in policy["ingress"] if r["ports"][0]["port"] == 9002]
+    assert ext_proc_rule["from"] == peers
+    assert {r["ports"][0]["port"] for r in policy["ingress"]} == {9002, 9003, 9090}
+
+
+def test_inference_pool_picks_with_extproc() -> None:
+    docs = render(MODES["gateway"])
+    pool = find(docs, "InferencePool")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["spec"] == {
+        "selector": {"matchLabels": {"app": "vllm"}},
+        "targetPorts": [{"number": 8000}],
+        "endpointPickerRef": {
+            "kind": "Service",
+            "name": FULLNAME,
+            "port": {"number": 9002},
+            "failureMode": "FailClose",
+        },
+    }
+    assert find(docs, "Service", FULLNAME)["spec"]["ports"][0]["port"] == 9002
+    route = find(docs, "HTTPRoute")["spec"]
+    assert route["parentRefs"] == [{"name": "gw"}]
+    assert route["rules"][0]["backendRefs"] == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": FULLNAME}
+    ]
+
+
+def test_service_monitor_scrapes_the_metrics_port() -> None:
+    docs = render(MODES["all-options"])
+    monitor = find(docs, "ServiceMonitor")["spec"]
+    service = find(docs, "Service", FULLNAME)
+    assert monitor["endpoints"][0]["port"] == "http-metrics"
+    assert monitor["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+
+
+def test_configmap_config_is_extprocs_default_and_loads() -> None:
+    """The shipped ConfigMap is extproc's embedded default, and its loader builds it."""
+    text = find(render(), "ConfigMap", FULLNAME)["data"]["config.yaml"]
+    assert yaml.safe_load(text) == yaml.safe_load(default_config_text())
+    config = parse_config(text, "chart ConfigMap")
+    build_scheduler(config, CollectorRegistry())
+    assert [(s.name, s.weight) for s in config.scores] == [
+        ("least-request", 1),
+        ("gpu-usage", 1),
+        ("least-latency", 1),
+        ("prefix-cache", 1),
+    ]
+    assert config.filters == ("least-request",)
+    assert config.plugin_args["prefix-cache"] == {
+        "blockSizeToHash": 64,
+        "maxBlocksToMatch": 128,
+        "maxHashCacheSize": 50000,
+        "topKMatches": 5,
+    }
+
+
+def test_dashboard_configmap_holds_the_dashboard_json() -> None:
+    configmap = find(render(MODES["all-options"]), "ConfigMap", f"{FULLNAME}-dashboard")
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = (CHART_DIR / "dashboards" / "extproc.json").read_text()
+    assert configmap["data"]["extproc.json"].strip() == shipped.strip()

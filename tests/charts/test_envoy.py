@@ -1,0 +1,126 @@
+"""The standalone Envoy's bootstrap: generated from extproc/envoyconf, and Envoy accepts it.
+
+``_envoy-config.tpl`` is ``python -m extproc.envoyconf.helm``'s output (the code that
+writes envoy/envoy.yaml, with Helm expressions where values go); the rendered ConfigMap
+must pass ``envoy --mode validate`` and carry the values it was given.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from extproc.envoyconf import helm
+from extproc.launch import envoy_binary
+from tests.charts.conftest import NAMESPACE, find, render
+
+FULLNAME = "rel-extproc"
+
+
+def test_template_is_what_the_generator_writes() -> None:
+    assert helm.TEMPLATE_PATH.read_text() == helm.render_template(), (
+        "regenerate: python -m extproc.envoyconf.helm"
+    )
+
+
+def envoy_config(values: dict[str, Any]) -> dict[str, Any]:
+    text = find(render(values), "ConfigMap", f"{FULLNAME}-envoy")["data"]["envoy.yaml"]
+    return yaml.safe_load(text)  # type: ignore[no-any-return]
+
+
+def clusters(config: dict[str, Any]) -> dict[str, Any]:
+    return {c["name"]: c for c in config["static_resources"]["clusters"]}
+
+
+def hcm(config: dict[str, Any]) -> dict[str, Any]:
+    listener = config["static_resources"]["listeners"][0]
+    return listener["filter_chains"][0]["filters"][0]["typed_config"]  # type: ignore[no-any-return]
+
+
+def socket(cluster: dict[str, Any]) -> dict[str, Any]:
+    endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    return endpoint["address"]["socket_address"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        pytest.param({}, id="defaults"),
+        pytest.param(
+            {
+                "envoy": {"failureModeAllow": True, "messageTimeoutSeconds": 0.25},
+                "picker": {"numFallbacks": 0, "maxBodyBytes": 1048576, "sessionHeader": "x-t"},
+                "modelServers": {"targetPort": 9000},
+                "clusterDomain": "corp.local",
+            },
+            id="custom",
+        ),
+    ],
+)
+def test_rendered_bootstrap_validates_and_follows_values(
+    values: dict[str, Any], tmp_path: Path
+) -> None:
+    config = envoy_config(values)
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    envoy, picker = values.get("envoy", {}), values.get("picker", {})
+    domain = f"{NAMESPACE}.svc.{values.get('clusterDomain', 'cluster.local')}"
+    found = clusters(config)
+    assert socket(found["extproc"]) == {"address": f"{FULLNAME}.{domain}", "port_value": 9002}
+    assert found["extproc_pods"]["type"] == "STRICT_DNS"
+    assert socket(found["extproc_pods"]) == {
+        "address": f"{FULLNAME}-model-servers.{domain}",
+        "port_value": values.get("modelServers", {}).get("targetPort", 8000),
+    }
+    ext_proc = hcm(config)["http_filters"][0]["typed_config"]
+    assert ext_proc["failure_mode_allow"] is envoy.get("failureModeAllow", False)
+    assert ext_proc["message_timeout"] == f"{envoy.get('messageTimeoutSeconds', 1)}s"
+    header = picker.get("sessionHeader", "x-session-id")
+    assert ext_proc["request_attributes"][-1] == f"request.headers['{header}']"
+    route = hcm(config)["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+    assert route["retry_policy"]["num_retries"] == picker.get("numFallbacks", 2)
+    body_limit = picker.get("maxBodyBytes", 16777216)
+    assert config["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"] == (
+        body_limit
+    )
+    assert hcm(config)["http_filters"][1]["typed_config"]["max_request_bytes"] == body_limit
+
+
+def test_envoy_pod_and_services() -> None:
+    docs = render()
+    pod = find(docs, "Deployment", f"{FULLNAME}-envoy")["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["ports"] == [{"name": "http", "containerPort": helm.LISTEN_PORT}]
+    assert "--config-path=/etc/envoy/envoy.yaml" in container["args"]
+    headless = find(docs, "Service", f"{FULLNAME}-model-servers")["spec"]
+    assert headless["clusterIP"] == "None" and headless["selector"] == {"app": "vllm"}
+
+
+@pytest.mark.parametrize(
+    ("sentinel", "problem"),
+    [
+        pytest.param(helm.Sentinel("no-such-text", "x", 1), "occurs 0 times", id="missing"),
+        pytest.param(helm.Sentinel("port_value:", "x", 1), "occurs 4 times", id="several"),
+    ],
+)
+def test_generator_refuses_a_sentinel_that_does_not_fit(
+    sentinel: helm.Sentinel, problem: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(helm, "_SENTINELS", (sentinel,))
+    with pytest.raises(ValueError, match=problem):
+        helm.render_template()

@@ -1,0 +1,79 @@
+"""A fake pod's ``/metrics`` on 127.0.0.1: a real aiohttp server in its own thread.
+
+``mode`` switches what it answers: ``ok`` (``page``), ``error`` (HTTP 500), ``garbage``
+(a 200 HTML page), ``malformed`` (a broken wanted line) or ``slow`` (``page`` after
+``delay_s``); ``down()`` closes the listener and every connection, ``up()`` listens on
+the same port again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Literal
+
+from aiohttp import web
+
+Mode = Literal["ok", "error", "garbage", "malformed", "slow"]
+
+
+class FakePod:
+    def __init__(self, page: str, *, delay_s: float = 2.0) -> None:
+        self.page = page
+        self.mode: Mode = "ok"
+        self.delay_s = delay_s
+        self.num_requests = 0
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> FakePod:
+        self._thread.start()
+        self.up()
+        return self
+
+    def up(self) -> None:
+        self._call(self._up())
+
+    def down(self) -> None:
+        self._call(self._down())
+
+    def stop(self) -> None:
+        self.down()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5.0)
+        self._loop.close()
+
+    def _call(self, coro: object) -> None:
+        asyncio.run_coroutine_threadsafe(coro, self._loop).result(5.0)  # type: ignore[arg-type]
+
+    async def _up(self) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    async def _down(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self.num_requests += 1
+        if self.mode == "error":
+            return web.Response(status=500, text="engine dead")
+        if self.mode == "garbage":
+            return web.Response(text="<html>hello</html>", content_type="text/html")
+        if self.mode == "malformed":
+            return web.Response(text='vllm:num_requests_waiting{engine="0" 1\n')
+        if self.mode == "slow":
+            await asyncio.sleep(self.delay_s)
+        return web.Response(text=self.page)

@@ -1,0 +1,168 @@
+"""Reading /metrics pages: vLLM and SGLang names, label sets, models, latency windows."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from extproc.datalayer.engine_metrics import (
+    HistogramTotals,
+    LatencyWindow,
+    PageParser,
+    PodReader,
+    select_lines,
+)
+from extproc.types import PodMetrics
+from tests.datalayer.metrics_pages import EngineState, make_sglang_page, make_vllm_page
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def read(page: str, models: frozenset[str] = frozenset({MODEL})) -> PodMetrics | None:
+    return PodReader(models).read(PageParser().samples(page.encode()), now_s=0.0)
+
+
+@pytest.mark.parametrize(
+    ("page", "expected"),
+    [
+        pytest.param(
+            make_vllm_page([EngineState(waiting=3, running=4, kv_usage=0.5)]),
+            PodMetrics(waiting=3, running=4, kv_usage=0.5),
+            id="vllm-one-engine",
+        ),
+        pytest.param(
+            make_vllm_page(
+                [EngineState(waiting=3, running=4, kv_usage=0.5), EngineState(1, 2, 0.25)]
+            ),
+            PodMetrics(waiting=4, running=6, kv_usage=0.375),
+            id="vllm-engines-summed-usage-averaged",
+        ),
+        pytest.param(
+            make_vllm_page([EngineState(2, 1, 0.75)], legacy_names=True),
+            PodMetrics(waiting=2, running=1, kv_usage=0.75),
+            id="vllm-legacy-gpu-cache-name",
+        ),
+        pytest.param(
+            make_sglang_page(waiting=5, running=7, token_usage=0.9, model=MODEL),
+            PodMetrics(waiting=5, running=7, kv_usage=0.9),
+            id="sglang",
+        ),
+    ],
+)
+def test_first_scrape_reads_gauges_without_latency(page: str, expected: PodMetrics) -> None:
+    assert read(page) == expected
+
+
+def test_only_the_pods_model_counts_when_labels_name_it() -> None:
+    ours = make_vllm_page([EngineState(waiting=3)], model="a")
+    other = make_vllm_page([EngineState(waiting=100)], model="b")
+    assert read(ours + other, frozenset({"a"})) == PodMetrics(waiting=3)
+    assert read(ours + other, frozenset({"a", "b"})) == PodMetrics(waiting=103)
+
+
+def test_all_label_sets_count_when_none_names_the_pods_model() -> None:
+    page = make_vllm_page([EngineState(waiting=3)], model="served-name")
+    assert read(page, frozenset({"configured-name"})) == PodMetrics(waiting=3)
+
+
+def test_series_text_is_parsed_by_prometheus_client_escapes_included() -> None:
+    model = 'we"ird}\\name'
+    page = make_vllm_page([EngineState(waiting=6)], model=model)
+    assert read(page, frozenset({model})) == PodMetrics(waiting=6)
+
+
+def test_selected_samples_equal_the_full_parse() -> None:
+    """The fast path returns exactly what the full prometheus_client parse has."""
+    page = make_vllm_page([EngineState(3, 4, 0.5, 1.5, 10, 2.0, 100), EngineState(1, 2, 0.1)])
+    parser = PageParser()
+    fast = parser.samples(page.encode())
+    again = parser.samples(page.encode())  # from the series cache
+    wanted = {s.name for s in fast}
+    full = [
+        (s.name, s.labels, s.value)
+        for family in text_string_to_metric_families(page)
+        for s in family.samples
+        if s.name in wanted
+    ]
+    assert [(s.name, dict(s.labels), s.value) for s in fast] == full
+    assert again == fast
+    assert len(fast) == 14  # 3 gauges + 2 x (sum, count), per engine
+
+
+def test_select_lines_drops_buckets_comments_and_other_series() -> None:
+    lines = select_lines(make_vllm_page([EngineState()]).encode())
+    assert lines and all(not line.startswith(b"#") and b"_bucket" not in line for line in lines)
+    assert not any(line.startswith(b"vllm:request_queue_time_seconds") for line in lines)
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        pytest.param("<html>502 Bad Gateway</html>", id="html"),
+        pytest.param("", id="empty"),
+        pytest.param("# HELP x y\nx 1\n", id="other-series-only"),
+    ],
+)
+def test_page_without_known_series_reads_none(page: str) -> None:
+    assert read(page) is None
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        pytest.param('vllm:num_requests_waiting{engine="0"}', id="no-value"),
+        pytest.param('vllm:num_requests_waiting{engine="0"} many', id="bad-value"),
+        pytest.param('vllm:num_requests_waiting{engine="0} 1', id="bad-labels"),
+    ],
+)
+def test_malformed_wanted_line_raises_value_error(line: str) -> None:
+    with pytest.raises(ValueError):
+        PageParser().samples(line.encode() + b"\n")
+
+
+def test_series_cache_is_bounded() -> None:
+    parser = PageParser(max_cached_series=2)
+    for i in range(5):
+        parser.samples(f'vllm:num_requests_waiting{{engine="{i}"}} 1\n'.encode())
+        assert len(parser._series) <= 2
+
+
+def test_recent_latency_is_the_delta_mean_between_scrapes() -> None:
+    reader, parser = PodReader(frozenset({MODEL}), hold_s=5.0), PageParser()
+
+    def scrape(now_s: float, *engines: EngineState) -> PodMetrics | None:
+        return reader.read(parser.samples(make_vllm_page(engines).encode()), now_s)
+
+    first = scrape(0.0, EngineState(ttft_sum_s=10.0, ttft_count=10, itl_sum_s=5.0, itl_count=50))
+    assert first is not None and first.ttft_s is None and first.itl_s is None  # history ignored
+    second = scrape(
+        1.0,
+        EngineState(ttft_sum_s=10.5, ttft_count=11, itl_sum_s=5.0, itl_count=50),
+        EngineState(ttft_sum_s=0.3, ttft_count=1, itl_sum_s=0.2, itl_count=10),
+    )
+    assert second is not None
+    assert second.ttft_s == pytest.approx(0.8 / 2)  # (0.5 + 0.3) over 2 new observations
+    assert second.itl_s == pytest.approx(0.02)
+    same = EngineState(ttft_sum_s=10.5, ttft_count=11, itl_sum_s=5.0, itl_count=50)
+    held = scrape(4.0, same, EngineState(ttft_sum_s=0.3, ttft_count=1, itl_sum_s=0.2, itl_count=10))
+    assert held is not None and held.ttft_s == pytest.approx(0.4)  # no news: held for 5 s
+    gone = scrape(6.5, same, EngineState(ttft_sum_s=0.3, ttft_count=1, itl_sum_s=0.2, itl_count=10))
+    assert gone is not None and gone.ttft_s is None and gone.itl_s is None
+
+
+@pytest.mark.parametrize(
+    ("totals", "expected"),
+    [
+        pytest.param([(1.0, 10), (3.0, 20)], 0.2, id="delta"),
+        pytest.param([(1.0, 10), (1.0, 10)], None, id="no-new-observations"),
+        pytest.param([(9.0, 90), (0.5, 2)], None, id="restart-is-a-new-baseline"),
+        pytest.param([(9.0, 90), (0.5, 2), (1.5, 4)], 0.5, id="after-restart"),
+        pytest.param([(1.0, 10), None, (3.0, 20)], None, id="series-vanished"),
+    ],
+)
+def test_latency_window(totals: list[tuple[float, int] | None], expected: float | None) -> None:
+    window = LatencyWindow(hold_s=0.0)
+    result = None
+    for now_s, t in enumerate(totals):
+        result = window.update(None if t is None else HistogramTotals(*t), float(now_s))
+    assert result == (None if expected is None else pytest.approx(expected))

@@ -1,0 +1,195 @@
+"""Kubernetes objects -> Pod / PodTarget: every rule of ``k8s_objects``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from extproc.datalayer.k8s_objects import (
+    PodMapping,
+    PodTarget,
+    make_pod,
+    make_snapshot,
+    parse_pool,
+    pod_warnings,
+)
+from extproc.types import Pod, PodId, PodRole
+from tests.datalayer.fake_kube import inference_pool, k8s_pod
+
+MAPPING = PodMapping()
+
+
+def convert(obj: dict[str, Any], mapping: PodMapping = MAPPING) -> Pod | None:
+    return make_pod(obj, mapping, 8000)
+
+
+def test_ready_pod() -> None:
+    pod = convert(k8s_pod("p0", "10.1.2.3", labels={"app": "vllm", "extproc.io/model": "m"}))
+    assert pod == Pod(
+        id=PodId("ns", "p0"),
+        address="10.1.2.3:8000",
+        models=frozenset({"m"}),
+        labels=(("app", "vllm"), ("extproc.io/model", "m")),
+        role=PodRole.BOTH,
+        ready=True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("obj", "ready"),
+    [
+        pytest.param(k8s_pod("p", ready=False), False, id="ready-condition-false"),
+        pytest.param(k8s_pod("p", deleting=True), False, id="terminating"),
+        pytest.param(k8s_pod("p", phase="Pending", ready=False), False, id="pending-with-ip"),
+    ],
+)
+def test_readiness(obj: dict[str, Any], ready: bool) -> None:
+    pod = convert(obj)
+    assert pod is not None and pod.ready is ready
+
+
+def test_no_conditions_is_not_ready() -> None:
+    obj = k8s_pod("p")
+    del obj["status"]["conditions"]
+    pod = convert(obj)
+    assert pod is not None and not pod.ready
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        pytest.param(k8s_pod("p", ip=None, ready=False), id="no-ip-yet"),
+        pytest.param(k8s_pod("p", phase="Succeeded", ready=False), id="succeeded"),
+        pytest.param(k8s_pod("p", phase="Failed", ready=False), id="failed"),
+        pytest.param(k8s_pod("p", ip="not-an-ip"), id="bad-ip"),
+    ],
+)
+def test_unroutable_pods_are_skipped(obj: dict[str, Any]) -> None:
+    assert convert(obj) is None
+
+
+def test_ipv6_address() -> None:
+    pod = convert(k8s_pod("p", "fd00::0001"))
+    assert pod is not None and pod.address == "[fd00::1]:8000"
+
+
+@pytest.mark.parametrize(
+    ("labels", "annotations", "default_model", "models"),
+    [
+        pytest.param(
+            {}, {"extproc.io/models": "org/a, b,,"}, None, {"org/a", "b"}, id="annotation"
+        ),
+        pytest.param(
+            {"extproc.io/model": "l"}, {"extproc.io/models": "a"}, None, {"a"}, id="annotation-wins"
+        ),
+        pytest.param({"extproc.io/model": "l"}, {}, "d", {"l"}, id="label-before-default"),
+        pytest.param({}, {}, "base", {"base"}, id="default-model"),
+        pytest.param({}, {}, None, set(), id="none"),
+    ],
+)
+def test_models(
+    labels: dict[str, str],
+    annotations: dict[str, str],
+    default_model: str | None,
+    models: set[str],
+) -> None:
+    mapping = PodMapping(default_model=default_model)
+    pod = convert(k8s_pod("p", labels=labels, annotations=annotations), mapping)
+    assert pod is not None and pod.models == models
+
+
+def test_custom_keys() -> None:
+    mapping = PodMapping(
+        model_annotation="a/models",
+        model_label="a/model",
+        role_label="modelserving.volcano.sh/role",
+    )
+    obj = k8s_pod("p", labels={"a/model": "x", "modelserving.volcano.sh/role": "prefill"})
+    pod = convert(obj, mapping)
+    assert pod is not None and pod.models == {"x"} and pod.role is PodRole.PREFILL
+
+
+@pytest.mark.parametrize(
+    ("value", "role"),
+    [
+        pytest.param("prefill", PodRole.PREFILL, id="prefill"),
+        pytest.param("decode", PodRole.DECODE, id="decode"),
+        pytest.param("both", PodRole.BOTH, id="both"),
+        pytest.param(None, PodRole.BOTH, id="missing"),
+        pytest.param("leader", PodRole.BOTH, id="unknown"),
+    ],
+)
+def test_role(value: str | None, role: PodRole) -> None:
+    labels = {"extproc.io/model": "m"} | ({"llm-d.ai/role": value} if value else {})
+    pod = convert(k8s_pod("p", labels=labels))
+    assert pod is not None and pod.role is role
+
+
+def test_warnings() -> None:
+    pod = convert(k8s_pod("p", labels={"llm-d.ai/role": "leader"}))
+    assert pod is not None
+    problems = pod_warnings(pod, MAPPING)
+    assert len(problems) == 2
+    assert "no served model" in problems[0] and "extproc.io/models" in problems[0]
+    assert "'leader' is not prefill|decode|both" in problems[1]
+    good = convert(k8s_pod("q"))
+    assert good is not None and pod_warnings(good, MAPPING) == []
+
+
+def test_snapshot_sorts_and_keeps_one_pod_per_address() -> None:
+    pods = [
+        convert(k8s_pod("b", "10.0.0.2")),
+        None,
+        convert(k8s_pod("c", "10.0.0.1", ready=False)),
+        convert(k8s_pod("d", "10.0.0.1")),  # ready: wins over c
+        convert(k8s_pod("a", "10.0.0.3")),
+        convert(k8s_pod("e", "10.0.0.3")),  # both ready: the first by id (a) wins
+    ]
+    kept, dropped = make_snapshot(pods)
+    assert [p.id.name for p in kept] == ["a", "b", "d"]
+    assert [p.id.name for p in dropped] == ["c", "e"]
+
+
+@pytest.mark.parametrize(
+    ("obj", "target"),
+    [
+        pytest.param(
+            inference_pool("p", {"b": "2", "a": "1"}, 8000), PodTarget("a=1,b=2", 8000), id="v1"
+        ),
+        pytest.param(
+            inference_pool("p", {"app": "x"}, 9000, v1=False),
+            PodTarget("app=x", 9000),
+            id="v1alpha2",
+        ),
+    ],
+)
+def test_parse_pool(obj: dict[str, Any], target: PodTarget) -> None:
+    assert parse_pool(obj) == target
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        pytest.param({"targetPorts": [{"number": 1}]}, "no labels", id="no-selector"),
+        pytest.param(
+            {"selector": {"matchLabels": {}}, "targetPorts": [{"number": 1}]},
+            "no labels",
+            id="empty-match-labels",
+        ),
+        pytest.param(
+            {"selector": {"matchLabels": {"a": 1}}, "targetPorts": [{"number": 1}]},
+            "strings",
+            id="non-string-value",
+        ),
+        pytest.param({"selector": {"a": "b"}}, "no target port", id="no-port"),
+        pytest.param({"selector": {"a": "b"}, "targetPortNumber": 0}, "got 0", id="port-zero"),
+        pytest.param({"selector": {"a": "b"}, "targetPortNumber": True}, "True", id="port-bool"),
+        pytest.param(
+            {"selector": {"a": "b"}, "targetPorts": [{"number": 70000}]}, "70000", id="port-big"
+        ),
+    ],
+)
+def test_parse_pool_errors(spec: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_pool({"spec": spec})

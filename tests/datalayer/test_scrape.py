@@ -1,0 +1,153 @@
+"""MetricsScraper against real HTTP servers on 127.0.0.1: metrics, failures, staleness."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from extproc.datalayer.scrape import MetricsScraper
+from extproc.datalayer.store import PodStore
+from extproc.types import Pod, PodId
+from tests.datalayer.fake_pod import FakePod
+from tests.datalayer.metrics_pages import EngineState, make_vllm_page
+from tests.factories import make_pod
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+STALE_S = 0.3
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def fake_pods() -> Iterator[list[FakePod]]:
+    pods = [FakePod(make_vllm_page([EngineState(waiting=i, running=1)])).start() for i in (1, 2)]
+    yield pods
+    for pod in pods:
+        pod.stop()
+
+
+class Rig:
+    def __init__(self, fakes: list[FakePod]) -> None:
+        self.registry = CollectorRegistry()
+        self.store = PodStore(self._published, stale_after_s=STALE_S)
+        self.pods = [
+            Pod(PodId("default", f"p{i}"), fake.address, frozenset({MODEL}))
+            for i, fake in enumerate(fakes)
+        ]
+        self.snapshot: tuple[Pod, ...] = ()
+        self.store.set_pods(self.pods)
+        self.scraper = MetricsScraper(
+            self.store, interval_s=0.02, timeout_s=0.2, registry=self.registry
+        )
+
+    def _published(self, pods: tuple[Pod, ...]) -> None:
+        self.snapshot = pods
+
+    def pod(self, idx: int) -> Pod:
+        return self.snapshot[idx]
+
+    def errors(self, idx: int, reason: str) -> float:
+        labels = {"pod": str(self.pods[idx].id), "reason": reason}
+        return self.registry.get_sample_value("extproc_scrape_errors_total", labels) or 0.0
+
+
+@pytest.fixture
+def rig(fake_pods: list[FakePod]) -> Iterator[Rig]:
+    rig = Rig(fake_pods)
+    rig.scraper.start()
+    yield rig
+    rig.scraper.stop()
+
+
+def test_scrapes_every_pod_into_the_store(rig: Rig) -> None:
+    wait_for(lambda: [p.metrics.waiting for p in rig.snapshot] == [1, 2])
+    assert all(p.ready and p.metrics.running == 1 for p in rig.snapshot)
+    count = rig.registry.get_sample_value("extproc_scrape_duration_seconds_count")
+    assert count is not None and count >= 2
+
+
+def test_latency_from_histogram_deltas(rig: Rig, fake_pods: list[FakePod]) -> None:
+    wait_for(lambda: rig.pod(0).metrics.waiting == 1)
+    fake_pods[0].page = make_vllm_page(
+        [EngineState(waiting=1, ttft_sum_s=0.6, ttft_count=3, itl_sum_s=0.5, itl_count=10)]
+    )
+    wait_for(lambda: rig.pod(0).metrics.ttft_s is not None)
+    assert rig.pod(0).metrics.ttft_s == pytest.approx(0.2)
+    assert rig.pod(0).metrics.itl_s == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize(
+    ("mode", "reason"),
+    [
+        pytest.param("error", "http_status", id="http-500"),
+        pytest.param("garbage", "no_metrics", id="garbage"),
+        pytest.param("malformed", "parse", id="malformed"),
+        pytest.param("slow", "timeout", id="slow"),
+    ],
+)
+def test_failing_pod_keeps_metrics_until_stale_then_returns(
+    rig: Rig, fake_pods: list[FakePod], mode: str, reason: str
+) -> None:
+    wait_for(lambda: rig.pod(0).metrics.waiting == 1 and rig.pod(0).ready)
+    switched_at = time.monotonic()
+    fake_pods[0].mode = mode  # type: ignore[assignment]
+    wait_for(lambda: rig.errors(0, reason) >= 1)
+    wait_for(lambda: not rig.pod(0).ready)
+    # stale: out once the last success (at most one interval before the switch) is old
+    assert time.monotonic() - switched_at >= STALE_S - 0.05
+    assert rig.pod(0).metrics.waiting == 1  # the last metrics are kept
+    assert rig.pod(1).ready
+    fake_pods[0].mode = "ok"
+    wait_for(lambda: rig.pod(0).ready)
+
+
+def test_unreachable_pod_leaves_at_once_and_returns(rig: Rig, fake_pods: list[FakePod]) -> None:
+    wait_for(lambda: rig.pod(0).ready and rig.pod(0).metrics.waiting == 1)
+    fake_pods[0].down()
+    down_at = time.monotonic()
+    wait_for(lambda: not rig.pod(0).ready)
+    assert time.monotonic() - down_at < STALE_S
+    assert rig.errors(0, "connect") >= 1 and rig.pod(1).ready
+    fake_pods[0].up()
+    wait_for(lambda: rig.pod(0).ready)
+
+
+def test_removed_pod_is_no_longer_scraped_and_its_errors_are_dropped(
+    rig: Rig, fake_pods: list[FakePod]
+) -> None:
+    fake_pods[0].mode = "error"
+    wait_for(lambda: rig.errors(0, "http_status") >= 1)
+    rig.store.set_pods(rig.pods[1:])
+    time.sleep(0.1)
+    before = fake_pods[0].num_requests
+    time.sleep(0.1)
+    assert fake_pods[0].num_requests == before
+    assert rig.errors(0, "http_status") == 0
+
+
+def test_discovery_unready_pods_are_not_scraped(fake_pods: list[FakePod]) -> None:
+    rig = Rig(fake_pods)
+    rig.store.set_pods([make_pod("idle", port=fake_pods[0].port, ready=False)])
+    rig.scraper.start()
+    time.sleep(0.1)
+    rig.scraper.stop()
+    assert fake_pods[0].num_requests == 0
+
+
+def test_stop_ends_the_thread_promptly(fake_pods: list[FakePod]) -> None:
+    rig = Rig(fake_pods)
+    rig.scraper.start()
+    wait_for(lambda: bool(rig.snapshot) and rig.pod(0).metrics.waiting == 1)
+    started = time.monotonic()
+    rig.scraper.stop()
+    assert time.monotonic() - started < 1.0
+    assert rig.scraper._thread is not None and not rig.scraper._thread.is_alive()

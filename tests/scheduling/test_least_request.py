@@ -1,0 +1,87 @@
+"""least-request: the waiting-queue filter and the load score, in-flight included."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.plugins.least_request import LeastRequest, LeastRequestArgs
+from extproc.scheduling.types import PluginContext
+from extproc.types import PodMetrics
+from tests.factories import make_cycle, make_pod
+
+
+def make_plugin(raw: object = None, in_flight: InFlight | None = None) -> LeastRequest:
+    ctx = PluginContext(CollectorRegistry(), in_flight=in_flight or InFlight())
+    return LeastRequest.from_args(raw, ctx)
+
+
+@pytest.mark.parametrize(
+    ("waiting", "limit", "kept"),
+    [
+        pytest.param([0, 9, 10, 11], None, [0, 9], id="default-10"),
+        pytest.param([0, 2, 3], 3, [0, 2], id="limit-reached-is-removed"),
+        pytest.param([5, 6], 5, [], id="all-removed"),
+    ],
+)
+def test_filter_removes_full_queues(waiting: list[int], limit: int | None, kept: list[int]) -> None:
+    plugin = make_plugin(None if limit is None else {"maxWaitingRequests": limit})
+    pods = [make_pod(f"p{i}", metrics=PodMetrics(waiting=w)) for i, w in enumerate(waiting)]
+    assert [p.metrics.waiting for p in plugin.filter(make_cycle("x"), pods)] == kept
+
+
+@pytest.mark.parametrize(
+    ("loads", "in_flight", "expected"),
+    [
+        pytest.param([(0, 0), (0, 0)], [0, 0], [100, 100], id="idle-is-neutral"),
+        pytest.param([(0, 4), (0, 2), (0, 0)], [0, 0, 0], [0, 50, 100], id="running"),
+        pytest.param([(1, 0), (0, 50)], [0, 0], [0, 50], id="waiting-weighs-100"),
+        pytest.param([(0, 3), (0, 3)], [0, 0], [0, 0], id="equal-load-all-0-as-kthena"),
+        pytest.param([(0, 0), (0, 0)], [2, 0], [0, 100], id="in-flight-before-any-scrape"),
+        pytest.param([(0, 2), (0, 0)], [2, 0], [0, 100], id="in-flight-already-visible"),
+        pytest.param([(1, 2), (0, 0)], [5, 0], [0, 100], id="unseen-beyond-scrape"),
+        pytest.param([(0, 1), (0, 4)], [3, 0], [25, 0], id="unseen-counts-as-running"),
+        pytest.param([(0, 3), (0, 1), (0, 2)], [0, 0, 0], [0, 66, 33], id="floored"),
+    ],
+)
+def test_score(loads: list[tuple[int, int]], in_flight: list[int], expected: list[int]) -> None:
+    counters = InFlight()
+    pods = [
+        make_pod(f"p{i}", metrics=PodMetrics(waiting=w, running=r))
+        for i, (w, r) in enumerate(loads)
+    ]
+    for pod, n in zip(pods, in_flight, strict=True):
+        for _ in range(n):
+            counters.start(pod.id)
+    scores = make_plugin(in_flight=counters).score(make_cycle("x"), pods)
+    assert [scores[p.id] for p in pods] == expected
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        pytest.param(None, LeastRequestArgs(10), id="omitted"),
+        pytest.param({"maxWaitingRequests": 4}, LeastRequestArgs(4), id="set"),
+        pytest.param({"maxWaitingRequests": 0}, LeastRequestArgs(10), id="zero"),
+        pytest.param({"maxWaitingRequest": 4}, LeastRequestArgs(10), id="misspelled"),
+    ],
+)
+def test_args(raw: object, expected: LeastRequestArgs) -> None:
+    assert make_plugin(raw).args == expected
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        pytest.param({"maxWaitingRequests": "10"}, id="string"),
+        pytest.param({"maxWaitingRequests": 2.5}, id="float"),
+        pytest.param([10], id="list"),
+    ],
+)
+def test_unparseable_args_fall_back_to_defaults_and_log(
+    raw: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="extproc.config"):
+        assert make_plugin(raw).args == LeastRequestArgs()
+    assert "Failed to unmarshal LeastRequestArgs, using default values" in caplog.text
