@@ -1,5 +1,8 @@
 """Fixtures: 3 real vLLM pods started once per package (in parallel), Envoy + extproc.
 
+extproc runs the e2e prefix-cache configuration (least-request filter, prefix-cache
+score), as the simulated-pod e2e tests do, so affinity is what is tested.
+
 The machine should be prepared first (``make vllm``; ``.ci/run`` does it): the
 ``vllm_pods`` fixture calls ``prepare()`` again, which takes well under a second once
 everything is cached and installs what is missing otherwise. Tests marked ``kills_pod``
@@ -15,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from e2e.conftest import PREFIX_CONFIG
 from e2e.real_vllm.pods import VllmPod, start_vllm_pods
 from e2e.real_vllm.prepare import prepare
 from extproc.launch import Stack, run_stack
@@ -43,7 +47,7 @@ def vllm_pods() -> Iterator[list[VllmPod]]:
 
 @pytest.fixture(scope="package")
 def vllm_stack(vllm_pods: list[VllmPod]) -> Iterator[Stack]:
-    with run_stack([p.as_pod() for p in vllm_pods]) as running:
+    with run_stack([p.as_pod() for p in vllm_pods], config=PREFIX_CONFIG) as running:
         yield running
 
 

@@ -1,5 +1,5 @@
 """Real vLLM pods behind Envoy and extproc: prefix affinity seen by the engines, streaming,
-and extproc's counters against the pods' own.
+extproc's counters against the pods' own, and its scraper's reading of their pages.
 
 Which pod served a request is read from the pods' ``vllm:request_success_total``
 (requests are sent one at a time), and the cache reuse from their
@@ -8,14 +8,18 @@ Which pod served a request is read from the pods' ``vllm:request_success_total``
 
 from __future__ import annotations
 
+import threading
 import uuid
 
 import httpx
 import orjson
 import pytest
+from prometheus_client import CollectorRegistry
 
 from e2e.conftest import metric, wait_for
 from e2e.real_vllm.pods import MODEL, VllmPod, metric_sum
+from extproc.datalayer.scrape import MetricsScraper
+from extproc.datalayer.store import PodStore
 from extproc.launch import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_vllm, pytest.mark.timeout(900)]
@@ -108,3 +112,39 @@ def test_extprocs_counters_match_what_the_pods_served(
     assert served == 6
     assert metric(vllm_stack, "extproc_route_decisions_total", f'model="{MODEL}"') == routed + 6
     assert metric(vllm_stack, *RECORDED) == recorded + 6
+
+
+def test_extprocs_scraped_metrics_match_the_pods(vllm_pods: list[VllmPod]) -> None:
+    """extproc's scraper (the classes ``extproc serve`` runs) reads what each pod's page says,
+    with a request running on one pod so the values are not all zero."""
+    store = PodStore(lambda _: None, stale_after_s=None)
+    store.set_pods([p.as_pod() for p in vllm_pods])
+    scraper = MetricsScraper(store, interval_s=0.1, registry=CollectorRegistry())
+    busy = vllm_pods[0]
+    body = {"model": MODEL, "prompt": long_prefix(), "max_tokens": 200, "ignore_eos": True}
+    worker = threading.Thread(target=httpx.post, args=(busy.url + "/v1/completions",),
+                              kwargs={"json": body, "timeout": 60})  # fmt: skip
+    scraper.start()
+    worker.start()
+    try:
+
+        def scraped_running(i: int) -> float | None:
+            m = store.pods[i].metrics
+            return None if m is None else m.running
+
+        assert wait_for(lambda: scraped_running(0) == 1, 20), "the running request was not seen"
+        page = busy.metrics_text()
+        assert metric_sum(page, "vllm:num_requests_running") == 1
+        metrics = store.pods[0].metrics
+        assert metrics is not None and metrics.kv_usage > 0
+        assert metrics.kv_usage == pytest.approx(
+            metric_sum(page, "vllm:kv_cache_usage_perc"), rel=0.5
+        )
+        assert metrics.waiting == metric_sum(page, "vllm:num_requests_waiting")
+    finally:
+        worker.join(60)
+        scraper.stop()
+    for pod, vp in zip(store.pods, vllm_pods, strict=True):
+        page = vp.metrics_text()
+        assert pod.ready and pod.metrics is not None
+        assert pod.metrics.waiting == metric_sum(page, "vllm:num_requests_waiting")
