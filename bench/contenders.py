@@ -1,11 +1,10 @@
 """The routers compared, each started on demand in front of the same pods, stopped by PID.
 
 - ``envoy-rr``: Envoy alone, round robin (extproc's bootstrap without ext_proc).
-- ``extproc``: Envoy + extproc with its shipped configuration. On main today that is
-  the prefix-cache scorer alone: least-request, cost-aware and a pod-metrics scraper are
-  not merged yet, so "prefix-cache only" and "defaults" are the same contender.
-- ``extproc-sized``: the same with ``maxHashCacheSize`` set to what one pod's KV cache
-  really holds (``index_entries``), instead of the default 50,000 entries (3.2 MB of text).
+- ``extproc-*``: Envoy + extproc with a scheduler configuration: ``least-request`` and
+  ``prefix-cache`` alone (``bench/configs/``), ``default`` (the shipped one: least-request
+  filter, least-request + gpu-usage + least-latency + prefix-cache scores) and
+  ``cost-aware`` (``extproc/data/cost-aware.yaml``: the default plus cost-aware).
 - ``sglang-router``, ``vllm-router``: the peers' Rust proxies with their ``cache_aware``
   policy and the thresholds of ``../shared/TOOLING.md``, each from its own venv
   (``python -m e2e.real_vllm.prepare --peers``).
@@ -18,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
+import extproc as extproc_package
 from bench.picker import envoy_alone_config
 from e2e.real_vllm.prepare import peer_binary
 from extproc.envoyconf.build import EnvoyOptions
@@ -46,38 +46,15 @@ def envoy_rr(pods: Sequence[Pod], log_dir: Path) -> Iterator[str]:
         proc.stop()
 
 
-@contextmanager
-def extproc(pods: Sequence[Pod], log_dir: Path) -> Iterator[str]:
-    with run_stack(pods) as stack:
-        yield stack.url
+CONFIGS = Path(__file__).with_name("configs")
+EXTPROC_DATA = Path(extproc_package.__file__).with_name("data")
 
 
-SIZED_CONFIG = """\
-scheduler:
-  plugins:
-    Score:
-      enabled:
-        - name: prefix-cache
-          weight: 1
-  pluginConfig:
-    - name: prefix-cache
-      args:
-        maxHashCacheSize: {entries}
-"""
-
-
-def index_entries(kv_tokens_per_pod: int, bytes_per_token: int = 4, block_bytes: int = 64) -> int:
-    """Prefix-index entries (64-byte blocks of prompt) that match a pod's KV capacity."""
-    return max(1, kv_tokens_per_pod * bytes_per_token // block_bytes)
-
-
-def extproc_sized(entries: int) -> Serve:
-    """extproc whose per-pod prefix index holds ``entries`` blocks."""
+def extproc_with(config: Path | None) -> Serve:
+    """Envoy + extproc with ``config`` (None: the shipped default)."""
 
     @contextmanager
     def serve(pods: Sequence[Pod], log_dir: Path) -> Iterator[str]:
-        config = log_dir / f"extproc-sized-{entries}.yaml"
-        config.write_text(SIZED_CONFIG.format(entries=entries))
         with run_stack(pods, config=config) as stack:
             yield stack.url
 
@@ -126,7 +103,10 @@ def vllm_router(pods: Sequence[Pod], log_dir: Path) -> Iterator[str]:
 
 CONTENDERS: dict[str, Serve] = {
     "envoy-rr": envoy_rr,
-    "extproc": extproc,
+    "extproc-least-request": extproc_with(CONFIGS / "least-request.yaml"),
+    "extproc-prefix-cache": extproc_with(CONFIGS / "prefix-cache.yaml"),
+    "extproc-default": extproc_with(None),
+    "extproc-cost-aware": extproc_with(EXTPROC_DATA / "cost-aware.yaml"),
     "sglang-router": sglang_router,
     "vllm-router": vllm_router,
 }

@@ -31,7 +31,7 @@ from typing import Any
 
 from bench import report
 from bench.bench_pods import PodSet, sim_pod_set, vllm_pod_set
-from bench.contenders import CONTENDERS, Serve, extproc_sized, index_entries
+from bench.contenders import CONTENDERS
 from bench.replay import Outcome, replay
 from bench.workloads import (
     BYTES_PER_TOKEN,
@@ -46,15 +46,6 @@ from bench.workloads import (
 WORKLOADS = ("conversation", "synthetic", "tenants", "multiturn")
 SIM_BLOCKS, SIM_BLOCK_TOKENS = 2048, 16
 SIM_ENGINE = ["--num-gpu-blocks", str(SIM_BLOCKS), "--max-num-seqs", "8"]
-VLLM_KV_TOKENS = 2_097_152  # vLLM's kv_cache_size_tokens with VLLM_CPU_KVCACHE_SPACE=1
-ALL_CONTENDERS = ("envoy-rr", "extproc", "extproc-sized", "sglang-router", "vllm-router")
-
-
-def contender(name: str, kind: str) -> Serve:
-    if name != "extproc-sized":
-        return CONTENDERS[name]
-    kv_tokens = SIM_BLOCKS * SIM_BLOCK_TOKENS if kind == "sim" else VLLM_KV_TOKENS
-    return extproc_sized(index_entries(kv_tokens))
 
 
 def build_workload(name: str, kind: str, args: argparse.Namespace) -> list[TimedRequest]:
@@ -115,7 +106,7 @@ def run_pods(pods: PodSet, args: argparse.Namespace, log_dir: Path) -> list[dict
         for name in args.contenders:
             pods.reset_all()
             before = pods.counters()
-            with contender(name, pods.kind)(pods.pods, log_dir) as url:
+            with CONTENDERS[name](pods.pods, log_dir) as url:
                 outcomes, wall = asyncio.run(replay(url, requests, deadline_s=args.deadline_s))
             time.sleep(0.5)  # the last counters settle
             row = {"workload": workload, "contender": name, "bound": bound, "requests": len(requests),
@@ -150,13 +141,13 @@ def pod_sets(
 
 NOTES = """\
 Contenders run one after the other on the same pods, each from empty prefix caches.
-`extproc` is Envoy + extproc with its shipped configuration, which on main today is the
-prefix-cache scorer alone: the least-request and cost-aware plugins are not merged yet,
-so "least-request only", "prefix-cache only", "defaults" and "cost-aware" cannot be told
-apart and appear once. `extproc-sized` is the same scorer with `maxHashCacheSize` set to
-what one pod's KV cache holds (simulated pods: 32,768 tokens = 2,048 entries of 64 bytes)
-instead of the default 50,000 entries. `envoy-rr` is Envoy alone (round robin); `sglang-router` and
-`vllm-router` use `cache_aware` (cache threshold 0.3, balance thresholds 64 / 1.5).
+`envoy-rr` is Envoy alone (round robin). `extproc-*` is Envoy + extproc with a scheduler
+configuration: `least-request` alone and `prefix-cache` alone (`bench/configs/`),
+`default` (shipped: least-request filter; least-request, gpu-usage, least-latency and
+prefix-cache scores, weight 1 each) and `cost-aware` (`extproc/data/cost-aware.yaml`: the
+default plus cost-aware); extproc scrapes the pods' `/metrics` every 200 ms.
+`sglang-router` and `vllm-router` use `cache_aware` (cache threshold 0.3, balance
+thresholds 64 / 1.5).
 Hit ratio: the pods' `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`
 over the run; bound: the same with unlimited cache and perfect routing, from the
 prompts, in blocks of the pods' size at 4 bytes a token (exact for the simulated
@@ -171,7 +162,7 @@ results."""
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pods", default="sim,vllm", help="sim, vllm or both")
-    parser.add_argument("--contenders", default=",".join(ALL_CONTENDERS))
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--sim-pods", type=int, default=8)
     parser.add_argument("--trace-requests", type=int, default=1000)
