@@ -33,7 +33,7 @@ system-deps:
 demo: $(STAMP)
 	$(VENV)/bin/extproc demo
 
-test: $(STAMP) vllm
+test: $(STAMP) system-deps vllm
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
