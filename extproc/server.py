@@ -259,10 +259,21 @@ def make_grpc_server(
             ),
         )
     )
-    port = server.add_insecure_port(address)
+    return server, _bind(server, address, "gRPC")
+
+
+def _bind(server: grpc.Server, address: str, what: str) -> int:
+    """``add_insecure_port``, failing with an ``OSError`` naming the address.
+
+    grpcio reports a failed bind by returning 0 or, in newer versions, a RuntimeError.
+    """
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
     if not port:
-        raise OSError(f"cannot bind the gRPC server to {address}")
-    return server, port
+        raise OSError(f"cannot bind the {what} server to {address} (in use or not local)")
+    return int(port)
 
 
 def make_health_server(address: str) -> tuple[grpc.Server, health.HealthServicer, int]:
@@ -273,9 +284,7 @@ def make_health_server(address: str) -> tuple[grpc.Server, health.HealthServicer
     )
     servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    port = server.add_insecure_port(address)
-    if not port:
-        raise OSError(f"cannot bind the health server to {address}")
+    port = _bind(server, address, "health")
     for service in ("", EXT_PROC_SERVICE):
         servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     return server, servicer, port

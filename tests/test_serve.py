@@ -130,7 +130,9 @@ REFUSALS: dict[str, Refusal] = {
     "log-level-unknown": Refusal(("--log-level", "loud"), "--log-level must be one of"),
     "not-a-number": Refusal(("--num-fallbacks", "two"), "invalid int value: 'two'"),
     "env-not-a-number": Refusal(
-        (), "argument --grpc-port: invalid int value: 'abc'", env=(("EXTPROC_GRPC_PORT", "abc"),)
+        (),
+        "argument --num-fallbacks: invalid int value: 'abc'",
+        env=(("EXTPROC_NUM_FALLBACKS", "abc"),),
     ),
     "unknown-protocol": Refusal(("--protocol", "http"), "invalid choice: 'http'"),
     "grpc-and-health-port-equal": Refusal(
@@ -189,23 +191,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
         return {name: f.result() for name, f in futures.items()}
 
 
-# Not refused (or refused with a traceback) before the next commit's fix.
-_BROKEN = {
-    "grpc-port-too-big", "health-port-too-big", "metrics-port-negative",
-    "num-fallbacks-negative", "max-body-bytes-zero", "scrape-interval-zero",
-    "scrape-timeout-negative", "stale-after-negative", "drain-negative",
-    "session-ttl-negative", "log-level-unknown", "env-not-a-number",
-    "grpc-and-health-port-equal",
-}  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True)) if n in _BROKEN else n
-        for n in REFUSALS
-    ],
-)
+@pytest.mark.parametrize("name", list(REFUSALS))
 def test_bad_configuration_is_refused_at_start_up_with_its_message(
     outcomes: dict[str, Outcome], name: str
 ) -> None:
