@@ -88,6 +88,8 @@ class GatewayHandler:
                 yield from self._handle(x, message)
                 if x.done:
                     return
+        except grpc.RpcError:  # cancelled (timeout, client gone) or not a message
+            log.debug("request %s: ext_proc stream ended early", x.request_id)
         except ExtProcError as exc:
             yield error_response(exc)
         except Exception:

@@ -118,7 +118,7 @@ class RouterMetrics:
         self.completions = Counter(
             "extproc_completions",
             "Routed requests whose end Envoy reported, by outcome (recorded, failed, "
-            "unknown_request, unknown_pod).",
+            "unknown_request, unknown_pod; abandoned: Envoy stopped waiting for the route).",
             ["outcome"],
             registry=registry,
         )
@@ -274,6 +274,14 @@ class Router:
         self.scheduler.record(pending.cycle, pod, pending.prefill)
         self.metrics.completions.labels("recorded").inc()
         return True
+
+    def abandon(self, request_id: str) -> None:
+        """The route was never used (Envoy gave up waiting for it): forget it now rather
+        than when it expires, and stop counting it in flight."""
+        pending = self.pending.pop(request_id)
+        if pending is not None:
+            self._end_in_flight(pending)
+            self.metrics.completions.labels("abandoned").inc()
 
     def _end_in_flight(self, pending: _Pending) -> None:
         self.in_flight.end(pending.pick, pending.prefill_tokens)

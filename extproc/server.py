@@ -99,7 +99,11 @@ class ExtProcHandlers:
         """Stream-unary ``Process``: one message in (the buffered body), one reply out."""
         request_id = ""
         try:
-            message = next(requests, None)
+            try:
+                message = next(requests, None)
+            except grpc.RpcError:  # cancelled, or bytes that are not a message: gRPC answered
+                log.debug("ext_proc stream ended before its message arrived")
+                return ep.ProcessingResponse()
             if message is None:
                 return ep.ProcessingResponse()
             attributes = message.attributes[ATTRIBUTES_KEY].fields
@@ -133,6 +137,11 @@ class ExtProcHandlers:
                 headers=headers,
                 subset=subset_hint(message),
             )
+            if context is not None and not context.is_active():
+                # Envoy stopped waiting (message timeout: a 504 or a fail-open route; or
+                # the client left): no access-log entry will come for this route.
+                self.router.abandon(request_id)
+                return ep.ProcessingResponse()
             prefill = decision.prefill.address if decision.prefill else None
             return route_response(decision.destination, prefill)
         except ExtProcError as exc:
