@@ -44,6 +44,8 @@ from extproc.server import EXT_PROC_SERVICE, ExtProcHandlers, make_grpc_server, 
 
 log = logging.getLogger("extproc.serve")
 
+STOP_GRACE_S = 2.0  # beyond --drain-s, for the servers to confirm they stopped
+
 
 def _env(name: str, default: Any) -> Any:
     return os.environ.get(f"EXTPROC_{name.upper().replace('-', '_')}", default)
@@ -131,8 +133,11 @@ class Running:
         self.watcher.stop()
         if self.scraper is not None:
             self.scraper.stop()
-        self.grpc_server.stop(drain_s).wait()
-        self.health_server.stop(0).wait()
+        # Bounded: grpcio's stop can miss its event after a stream whose message failed to
+        # deserialize (a client that is not Envoy); the drain must end anyway.
+        if not self.grpc_server.stop(drain_s).wait(drain_s + STOP_GRACE_S):
+            log.warning("the gRPC server did not confirm its stop; exiting anyway")
+        self.health_server.stop(0).wait(STOP_GRACE_S)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
 

@@ -30,7 +30,6 @@ def test_serve_starts_and_drains_on_sigterm(tmp_path: Path) -> None:
     assert "draining" in log and "stopped" in log and "Traceback" not in log
 
 
-@pytest.mark.xfail(strict=True, reason="the drain waits for ever")
 def test_sigterm_ends_the_process_after_bytes_that_are_not_a_message(tmp_path: Path) -> None:
     """grpcio's stop can wait for ever after a request that failed to deserialize; the
     drain is bounded all the same."""
