@@ -24,6 +24,7 @@ this one costs a message round per phase.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import uuid
 from collections.abc import Iterator
@@ -51,6 +52,7 @@ class _Exchange:
     """One request's state across the stream's messages."""
 
     request_id: str = ""
+    key: str = ""  # the router's pending key: this stream's own, whatever the request id
     path: str = ""
     headers: dict[str, str] = field(default_factory=dict)
     full_duplex: bool = False
@@ -78,6 +80,7 @@ class GatewayHandler:
 
     def __init__(self, router: Router) -> None:
         self.router = router
+        self._streams = itertools.count()
 
     def process(
         self, requests: Iterator[ep.ProcessingRequest], context: Any
@@ -151,6 +154,9 @@ class GatewayHandler:
         self, x: _Exchange, message: ep.ProcessingRequest
     ) -> Iterator[ep.ProcessingResponse]:
         body = message.request_body
+        if x.decision is not None:  # routed already: a second body is not routed again
+            yield ep.ProcessingResponse(request_body=ep.BodyResponse())
+            return
         x.body += body.body
         if not body.end_of_stream:
             if not x.full_duplex:
@@ -160,10 +166,13 @@ class GatewayHandler:
                     code="body_not_buffered",
                 )
             return
+        # Keyed by stream: the completion comes on this stream, and a request id repeated
+        # by a client (gateways may keep it) must not cross two streams' records.
+        x.key = f"{x.request_id}/{next(self._streams)}"
         decision = self.router.route(
             x.path,
             bytes(x.body),
-            request_id=x.request_id,
+            request_id=x.key,
             headers=x.headers,
             subset=x.subset,
         )
@@ -211,13 +220,13 @@ class GatewayHandler:
             return
         x.done = True
         served = x.served or x.decision.pods[0].address
-        self.router.complete(x.request_id, served, ok and 200 <= x.status < 300)
+        self.router.complete(x.key, served, ok and 200 <= x.status < 300)
 
     def _finish(self, x: _Exchange) -> None:
         """The stream ended: a routed request without a successful end failed."""
         if x.decision is not None and not x.done:
             x.done = True
-            self.router.complete(x.request_id, None, False)
+            self.router.complete(x.key, None, False)
 
 
 def _served(message: ep.ProcessingRequest) -> str | None:

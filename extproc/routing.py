@@ -77,8 +77,11 @@ class PendingRecords:
 
     def add(self, request_id: str, pending: _Pending) -> None:
         with self._lock:
+            replaced = self._items.pop(request_id, None)
+            if replaced is not None:  # the id came again before its end: drop the first
+                self.num_dropped += 1
+                self.on_drop(replaced)
             self._items[request_id] = pending
-            self._items.move_to_end(request_id)
             self._expire(pending.created_s)
 
     def pop(self, request_id: str) -> _Pending | None:

@@ -278,9 +278,6 @@ MAKE = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True, reason="a second request_headers or body after routing leaks the pending record"
-)
 @settings(max_examples=300, deadline=None)
 @given(st.lists(message_kinds, max_size=8))
 def test_any_epp_sequence_is_answered_and_leaves_nothing_in_flight(sequence: list[str]) -> None:
@@ -370,7 +367,6 @@ def test_a_route_the_caller_gave_up_on_is_forgotten(
     still_routes(server)
 
 
-@pytest.mark.xfail(strict=True, reason="the first stays in flight for ever")
 def test_a_repeated_request_id_does_not_leak_in_flight() -> None:
     """Envoy generates request ids, but a gateway may keep the client's: the same id
     routed twice before its end must not leave the first counted in flight for ever."""
@@ -384,7 +380,6 @@ def test_a_repeated_request_id_does_not_leak_in_flight() -> None:
         s.close()
 
 
-@pytest.mark.xfail(strict=True, reason="the second replaces the first pending record")
 def test_epp_streams_with_the_same_request_id_record_each_their_own() -> None:
     router = new_router()
     s = Server("epp", router)
