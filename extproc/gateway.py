@@ -37,7 +37,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc.epp import DESTINATION_KEY, DESTINATION_NAMESPACE, INTERNAL_HEADERS
-from extproc.errors import BadRequest, ExtProcError
+from extproc.errors import BadRequest, BodyTooLarge, ExtProcError
 from extproc.routing import RouteDecision, Router
 from extproc.server import error_response, route_metadata, subset_hint
 
@@ -158,6 +158,10 @@ class GatewayHandler:
             yield ep.ProcessingResponse(request_body=ep.BodyResponse())
             return
         x.body += body.body
+        if len(x.body) > self.router.max_body_bytes:  # Envoy sets no limit in full duplex
+            raise BodyTooLarge(
+                f"request body is over the limit of {self.router.max_body_bytes} bytes"
+            )
         if not body.end_of_stream:
             if not x.full_duplex:
                 raise BadRequest(

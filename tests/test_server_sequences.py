@@ -412,7 +412,6 @@ def test_epp_streams_with_the_same_request_id_record_each_their_own() -> None:
         s.close()
 
 
-@pytest.mark.xfail(strict=True, reason="buffers without limit")
 def test_epp_full_duplex_body_over_the_limit_is_refused_while_it_streams() -> None:
     """FULL_DUPLEX_STREAMED has no Envoy buffer limit: extproc must not buffer without one."""
     router = Router(
