@@ -86,6 +86,14 @@ def register(sub: Any) -> None:
         "speaking the Endpoint Picker Protocol (headers first, body buffered or "
         "full-duplex streamed, destination header + metadata) (default %(default)s)",
     )
+    p.add_argument(
+        "--grpc-workers",
+        type=int,
+        default=_env("grpc-workers", "256"),
+        help="threads serving gRPC streams: an EPP stream holds one for its request's "
+        "whole life, Envoy's access log one per Envoy worker (at most a quarter); "
+        "streams beyond are refused at once (default %(default)s)",
+    )
     p.add_argument("--max-body-bytes", type=int, default=_env("max-body-bytes", str(16 << 20)))
     p.add_argument(
         "--scrape-interval-s",
@@ -159,6 +167,7 @@ def check_args(args: argparse.Namespace) -> None:
             )
     rules = (
         ("num_fallbacks", args.num_fallbacks >= 0, "must be 0 or more"),
+        ("grpc_workers", args.grpc_workers >= 4, "must be 4 or more"),
         ("max_body_bytes", args.max_body_bytes > 0, "must be greater than 0"),
         ("scrape_interval_s", args.scrape_interval_s > 0, "must be greater than 0"),
         ("scrape_timeout_s", args.scrape_timeout_s > 0, "must be greater than 0"),
@@ -212,6 +221,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         ExtProcHandlers(router),
         f"{args.address}:{args.grpc_port}",
         process=epp_process(router) if args.protocol == "epp" else None,
+        max_workers=args.grpc_workers,
         max_message_bytes=args.max_body_bytes + (1 << 20),
     )
     health_server, servicer, health_port = make_health_server(f"{args.address}:{args.health_port}")

@@ -449,7 +449,6 @@ def hold_streams(
     return [call.future(idle(), timeout=10) for _ in range(count)]
 
 
-@pytest.mark.xfail(strict=True, reason="routing waits for ever")
 def test_access_log_streams_cannot_take_every_worker() -> None:
     """Envoy keeps one access-log stream per worker thread, for ever: 4 Envoys with 8
     workers each must not leave no thread to route with."""
@@ -473,15 +472,15 @@ def test_access_log_streams_cannot_take_every_worker() -> None:
         s.close()
 
 
-@pytest.mark.xfail(strict=True, reason="queued until a stream ends")
 def test_epp_streams_beyond_the_workers_are_refused_at_once_not_queued() -> None:
     """Each EPP request holds a worker until its response ends; past the budget a new one
     fails fast (Envoy answers or fails open) instead of waiting out the message timeout."""
     s = Server("epp", new_router(), max_workers=4)
     gate = threading.Event()
     try:
-        hold_streams(s.channel, 4, gate, f"/{EXT_PROC_SERVICE}/Process")
+        held = hold_streams(s.channel, 4, gate, f"/{EXT_PROC_SERVICE}/Process")
         time.sleep(0.5)
+        assert not any(f.done() for f in held)
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as info:
             s.exchange([headers(rid="fifth"), body()])
