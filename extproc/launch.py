@@ -49,6 +49,25 @@ def envoy_binary() -> str:
     return found
 
 
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What a process holds, from ``/proc`` (Linux)."""
+
+    rss_bytes: int
+    threads: int
+    fds: int
+
+
+def usage_of(pid: int) -> Usage:
+    status = Path(f"/proc/{pid}/status").read_text()
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    return Usage(
+        rss_bytes=int(fields["VmRSS"].split()[0]) * 1024,
+        threads=int(fields["Threads"]),
+        fds=len(os.listdir(f"/proc/{pid}/fd")),
+    )
+
+
 @dataclass
 class Proc:
     """A started process and where its output goes."""
@@ -63,6 +82,10 @@ class Proc:
 
     def alive(self) -> bool:
         return self.popen.poll() is None
+
+    def usage(self) -> Usage:
+        """Its resident memory, threads and open file descriptors now."""
+        return usage_of(self.pid)
 
     def log_tail(self, num_bytes: int = 4000) -> str:
         try:
