@@ -29,6 +29,7 @@ from extproc.envoyconf.render import to_dict
 from extproc.types import Pod
 
 START_TIMEOUT_S = 30.0
+EXTPROC_COMMAND = (sys.executable, "-m", "extproc")
 STOP_TIMEOUT_S = 15.0
 
 
@@ -198,9 +199,10 @@ def start_extproc(
     metrics_port: int,
     config: Path | None = None,
     extra_args: Sequence[str] = (),
+    command: Sequence[str] = EXTPROC_COMMAND,
 ) -> Proc:
     argv = [
-        sys.executable, "-m", "extproc", "serve",
+        *command, "serve",
         "--pods", str(pods_file),
         "--grpc-port", str(grpc_port),
         "--health-port", str(free_port()),
@@ -257,8 +259,13 @@ def run_stack(
     num_fallbacks: int = 2,
     extproc_args: Sequence[str] = (),
     envoy_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    extproc_command: Sequence[str] = EXTPROC_COMMAND,
 ) -> Iterator[Stack]:
-    """extproc (on a pods file of ``pods``) and Envoy in front of it, both stopped after."""
+    """extproc (on a pods file of ``pods``) and Envoy in front of it, both stopped after.
+
+    ``extproc_command`` runs another entry point with extproc's ``serve`` flags (a test
+    wrapper such as ``e2e.slow_scheduler``).
+    """
     with tempfile.TemporaryDirectory(prefix="extproc-stack-") as tmp:
         log_dir = Path(tmp)
         pods_file = write_pods_file(pods, log_dir / "pods.yaml")
@@ -279,6 +286,7 @@ def run_stack(
                 metrics_port=metrics_port,
                 config=config,
                 extra_args=["--num-fallbacks", str(num_fallbacks), *extproc_args],
+                command=extproc_command,
             )
 
         stack: Stack | None = None
