@@ -216,7 +216,6 @@ def test_network_policy_admits_only_the_gateway_to_ext_proc(
 @pytest.mark.parametrize(
     "arg", ["--grpc-port=9999", "--address=10.0.0.1", "--metrics-port", "--health-port=1"]
 )
-@pytest.mark.xfail(strict=True, reason="extraArgs can move ext_proc off 9002")
 def test_extra_args_cannot_move_the_ports_the_policy_guards(arg: str) -> None:
     with pytest.raises(helm_python.HelmValuesError):
         render({"picker": {"extraArgs": [arg]}})
