@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench venv system-deps clean
+.PHONY: demo test bench bench-routing venv vllm peers system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,6 +15,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# The real-vLLM tests' own venv and model, and the peer routers, cached in ~/.cache/extproc-e2e.
+vllm: $(STAMP)
+	$(PY) -m e2e.real_vllm.prepare
+
+peers: $(STAMP)
+	$(PY) -m e2e.real_vllm.prepare --peers
 
 # Debian packages the tests run (as root, as CI is): prometheus brings prometheus and
 # promtool for the Grafana dashboard's PromQL and e2e/test_prometheus.py.
@@ -26,12 +33,15 @@ system-deps:
 demo: $(STAMP)
 	$(VENV)/bin/extproc demo
 
-test: $(STAMP)
+test: $(STAMP) system-deps vllm
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) -m bench.prefix
 	$(PY) -m bench.picker
+
+bench-routing: peers
+	$(PY) -m bench.routing_quality
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -40,6 +40,12 @@ from extproc.launch import (
 )
 from extproc.types import Pod, PodId
 
+# What a idle vLLM pod's /metrics says, so the picker's scraper reads real series.
+METRICS_PAGE = (
+    'vllm:num_requests_running{engine="0",model_name="bench"} 0.0\n'
+    'vllm:num_requests_waiting{engine="0",model_name="bench"} 0.0\n'
+    'vllm:kv_cache_usage_perc{engine="0",model_name="bench"} 0.1\n'
+)
 COMPLETION = orjson.dumps(
     {"id": "cmpl-1", "object": "text_completion", "model": "bench", "choices": [{"text": "ok"}]}
 ).decode()
@@ -55,6 +61,9 @@ def upstream_config(ports: list[int], admin_port: int) -> dict[str, Any]:
             "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
             "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [{
+                "match": {"prefix": "/metrics"},
+                "direct_response": {"status": 200, "body": {"inline_string": METRICS_PAGE}},
+            }, {
                 "match": {"prefix": "/"},
                 "direct_response": {"status": 200, "body": {"inline_string": COMPLETION}},
                 "response_headers_to_add": [{"header": {"key": "x-sim-pod", "value": f"pod-{port}"}}],
@@ -121,7 +130,9 @@ def run_wrk(url: str, body_file: Path, seconds: int, connections: int) -> dict[s
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
     total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
     non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    lat = {k: _ms(v) for k, v in re.findall(r"^\s+(50|99)%\s+(\S+)$", out, re.MULTILINE)}
+    lat = {k: _ms(v) for k, v in re.findall(r"^\s*(50|99)(?:\.0+)?%\s+(\S+)", out, re.MULTILINE)}
+    if set(lat) != {"50", "99"}:
+        raise RuntimeError(f"unexpected wrk output:\n{out}")
     return {"rps": rps, "requests": total, "non_2xx": int(non2xx.group(1)) if non2xx else 0,
             "p50_ms": lat["50"], "p99_ms": lat["99"]}  # fmt: skip
 

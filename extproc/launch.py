@@ -133,6 +133,15 @@ def wait_until(check: object, proc: Proc, what: str, timeout_s: float = START_TI
     raise TimeoutError(f"{what} not ready after {timeout_s} s:\n{proc.log_tail()}")
 
 
+def _wait_or_stop(check: object, proc: Proc, what: str) -> None:
+    """``wait_until``; a process that did not get ready is stopped, not left running."""
+    try:
+        wait_until(check, proc, what)
+    except BaseException:
+        proc.stop()
+        raise
+
+
 def _port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
@@ -212,7 +221,7 @@ def start_extproc(
         *extra_args,
     ]  # fmt: skip
     proc = spawn("extproc", argv, log_dir)
-    wait_until(lambda: _port_open(grpc_port) and _port_open(metrics_port), proc, "extproc")
+    _wait_or_stop(lambda: _port_open(grpc_port) and _port_open(metrics_port), proc, "extproc")
     return proc
 
 
@@ -246,7 +255,7 @@ def start_envoy_config(
         with urllib.request.urlopen(url, timeout=1) as r:
             return bool(r.status == 200)
 
-    wait_until(ready, proc, name)
+    _wait_or_stop(ready, proc, name)
     return proc
 
 

@@ -16,8 +16,10 @@ Three endpoints, each plain or streamed (``"stream": true``, Server-Sent Events)
 Usage everywhere counts ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` and
 ``prompt_tokens_details.cached_tokens`` (Responses: ``input_tokens``,
 ``input_tokens_details.cached_tokens``, ...). The serving pod's name is in
-``system_fingerprint`` of every body and chunk (and of the Responses object). Output
-always stops at the token limit: ``finish_reason`` is ``"length"``.
+``system_fingerprint`` of every completions and chat body and chunk. Output always stops
+at the token limit: ``finish_reason`` is ``"length"``, a Responses object is
+``"incomplete"`` with ``incomplete_details.reason`` ``"max_output_tokens"``, as vLLM says.
+Fields follow vLLM 0.32's non-null fields (``e2e/real_vllm/test_sim_parity.py`` checks).
 
 Errors have vLLM's body ``{"error": {"message", "type", "param", "code"}}`` with ``code``
 the HTTP status: 400 ``BadRequestError``, 404 ``NotFoundError`` for an unknown model.
@@ -198,6 +200,21 @@ def _responses_messages(input_: Any, instructions: Any) -> list[ChatMessage]:
     return out
 
 
+def render_body(req: GenerationRequest) -> dict[str, Any]:
+    """A render endpoint's answer: vLLM's ``GenerateRequest`` fields that carry values."""
+    prefix = {"completion": "cmpl-", "chat": "chatcmpl-", "responses": "resp_"}[req.kind]
+    return {
+        "request_id": prefix + uuid.uuid4().hex,
+        "token_ids": list(req.prompt_token_ids),
+        "sampling_params": {"max_tokens": req.max_tokens},
+        "model": req.model,
+        "output_mode": "tokens",
+        "stream": req.stream,
+        "cache_salt": req.cache_salt,
+        "priority": 0,
+    }
+
+
 def _sse(obj: Any, event: str | None = None) -> bytes:
     head = b"event: " + event.encode() + b"\n" if event else b""
     return head + b"data: " + orjson.dumps(obj) + b"\n\n"
@@ -206,13 +223,16 @@ def _sse(obj: Any, event: str | None = None) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def _usage(fin: FinishedRequest) -> dict[str, Any]:
+def _usage(fin: FinishedRequest, kind: Kind) -> dict[str, Any]:
     num_out = len(fin.output_token_ids)
+    details: dict[str, int] = {"cached_tokens": fin.num_cached_tokens}
+    if kind == "chat":  # vLLM 0.32 fills it for chat only; the sim does not model it
+        details["created_cache_tokens"] = 0
     return {
         "prompt_tokens": fin.num_prompt_tokens,
         "total_tokens": fin.num_prompt_tokens + num_out,
         "completion_tokens": num_out,
-        "prompt_tokens_details": {"cached_tokens": fin.num_cached_tokens},
+        "prompt_tokens_details": details,
     }
 
 
@@ -235,9 +255,9 @@ class ResponseFormat:
         if self.req.kind == "completion":
             choice["text"] = fin.output_text
         else:
-            choice["message"] = {"role": "assistant", "content": fin.output_text, "tool_calls": []}
+            choice["message"] = {"role": "assistant", "content": fin.output_text}
         choice.update(logprobs=None, finish_reason=fin.finish_reason, stop_reason=None)
-        return {**self._envelope(False), "choices": [choice], "usage": _usage(fin)}
+        return {**self._envelope(False), "choices": [choice], "usage": _usage(fin, self.req.kind)}
 
     def head(self) -> list[bytes]:
         if self.req.kind == "completion":
@@ -247,7 +267,7 @@ class ResponseFormat:
             return [_sse(self._chunk({"delta": delta, "logprobs": None, "finish_reason": None}))]
         item = {"id": self._item_id, "type": "message", "role": "assistant",
                 "status": "in_progress", "content": []}  # fmt: skip
-        part = {"type": "output_text", "text": "", "annotations": []}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return [
             self._event("response.created", response=self._response_object(None)),
             self._event("response.in_progress", response=self._response_object(None)),
@@ -277,7 +297,8 @@ class ResponseFormat:
         if self.req.kind != "responses":
             frames = []
             if self.req.include_usage:
-                frames.append(_sse({**self._envelope(True), "choices": [], "usage": _usage(fin)}))
+                usage = _usage(fin, self.req.kind)
+                frames.append(_sse({**self._envelope(True), "choices": [], "usage": usage}))
             return [*frames, SSE_DONE]
         part = {"type": "output_text", "text": fin.output_text, "annotations": []}
         response = self._response_object(fin)
@@ -312,20 +333,25 @@ class ResponseFormat:
         output: list[dict[str, Any]] = []
         usage = None
         if fin is not None:
-            part = {
-                "type": "output_text",
-                "text": fin.output_text,
-                "annotations": [],
-                "logprobs": [],
-            }
+            part = {"type": "output_text", "text": fin.output_text, "annotations": []}
             output = [{"id": self._item_id, "type": "message", "role": "assistant",
                        "status": "completed", "content": [part]}]  # fmt: skip
-            u = _usage(fin)
+            u = _usage(fin, self.req.kind)
             usage = {
                 "input_tokens": u["prompt_tokens"],
-                "input_tokens_details": {"cached_tokens": fin.num_cached_tokens},
+                "input_tokens_details": {
+                    "cached_tokens": fin.num_cached_tokens,
+                    "cache_write_tokens": 0,
+                    "input_tokens_per_turn": [],
+                    "cached_tokens_per_turn": [],
+                },
                 "output_tokens": u["completion_tokens"],
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {
+                    "reasoning_tokens": 0,
+                    "tool_output_tokens": 0,
+                    "output_tokens_per_turn": [],
+                    "tool_output_tokens_per_turn": [],
+                },
                 "total_tokens": u["total_tokens"],
             }
         return {
@@ -333,18 +359,20 @@ class ResponseFormat:
             "object": "response",
             "created_at": self.created,
             "model": self.req.model,
-            "status": "completed" if fin is not None else "in_progress",
+            # output always stops at the token limit, which vLLM reports as incomplete
+            "status": "incomplete" if fin is not None else "in_progress",
             "output": output,
             "usage": usage,
-            "error": None,
-            "incomplete_details": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if fin is not None else None,
             "max_output_tokens": self.req.max_tokens,
             "parallel_tool_calls": True,
             "tool_choice": "auto",
             "tools": [],
             "temperature": 1.0,
             "top_p": 1.0,
-            "text": {"format": {"type": "text"}},
-            "metadata": {},
-            "system_fingerprint": self.pod_name,
+            "background": False,
+            "frequency_penalty": 0.0,
+            "presence_penalty": 0.0,
+            "service_tier": "auto",
+            "truncation": "disabled",
         }

@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import orjson
 
@@ -138,6 +138,7 @@ def spawn_sim_pods(
     args: Sequence[str] = (),
     port: int = 0,
     timeout_s: float = START_TIMEOUT_S,
+    stderr: IO[bytes] | None = None,
 ) -> Iterator[SimPods]:
     """Run ``python -m extproc.sim.pods_cli --pods N --port PORT ARGS`` and wait until it serves.
 
@@ -147,6 +148,7 @@ def spawn_sim_pods(
         port: the first pod's port; 0 (the default): free ports, the admin port too. A
             pod started again on its old port comes back with an empty cache.
         timeout_s: how long to wait for the ready line.
+        stderr: where the process's stderr goes (default: this process's).
 
     Raises:
         RuntimeError: the process exited or stayed silent before serving.
@@ -154,7 +156,11 @@ def spawn_sim_pods(
     cmd = [sys.executable, "-m", "extproc.sim.pods_cli", "--pods", str(num_pods)]
     cmd += ["--port", str(port), "--admin-port", "0"]  # a free admin port
     proc = subprocess.Popen(
-        [*cmd, *args], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, env=_child_env()
+        [*cmd, *args],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        stderr=stderr,
+        env=_child_env(),
     )
     try:
         assert proc.stdout is not None

@@ -3,6 +3,8 @@
 Each pod serves, on its own port:
 
     POST /v1/completions, /v1/chat/completions, /v1/responses   (see api.py)
+    POST the same paths + ``/render``   the prompt's token ids, as vLLM's render endpoints
+                                       (what vllm-router's cache_aware policy asks for)
     GET  /v1/models, /health, /metrics                           (vLLM's shapes and names)
     GET|POST|DELETE /admin/faults    read / merge into / clear the pod's faults (faults.py)
     GET  /admin/stats                the pod's counters and engine stats as JSON
@@ -37,6 +39,7 @@ from extproc.sim.api import (
     ResponseFormat,
     error_body,
     parse_request,
+    render_body,
 )
 from extproc.sim.engine import (
     Engine,
@@ -146,6 +149,7 @@ class SimPod:
             ("/v1/responses", "responses"),
         ):
             self.app.router.add_post(path, self._generate_handler(kind))  # type: ignore[arg-type]
+            self.app.router.add_post(path + "/render", self._render_handler(kind))  # type: ignore[arg-type]
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_get("/metrics", self._metrics)
@@ -263,6 +267,24 @@ class SimPod:
         return web.Response(
             body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
+
+    def _render_handler(self, kind: Kind) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handler(request: web.Request) -> web.Response:
+            return await self._render(request, kind)
+
+        return handler
+
+    async def _render(self, request: web.Request, kind: Kind) -> web.Response:
+        """vLLM's ``GenerateRequest`` (completions: a list of one), token ids and all."""
+        try:
+            body = orjson.loads(await request.read())
+            parsed = parse_request(kind, body, self.model, self._settings.default_max_tokens)
+        except orjson.JSONDecodeError as e:
+            return self._error(400, f"the body is not valid JSON: {e}")
+        except ApiError as e:
+            return _json(e.body(), e.status)
+        rendered = render_body(parsed)
+        return _json([rendered] if kind == "completion" else rendered)
 
     def _error(self, status: int, message: str, param: str | None = None) -> web.Response:
         return _json(error_body(status, message, param), status)

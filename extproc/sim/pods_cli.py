@@ -18,17 +18,14 @@ import asyncio
 import signal
 import sys
 from collections.abc import Sequence
-from dataclasses import MISSING, fields
 from typing import Any
 
 import orjson
 
 from extproc.errors import ConfigError
-from extproc.sim.engine import EngineConfig
+from extproc.sim.engine_flags import add_engine_flags, engine_config_from_args
 from extproc.sim.faults import Faults
 from extproc.sim.pods import GroupSettings, KvEventsSettings, PodGroup
-
-_ENGINE_FLAGS = [f for f in fields(EngineConfig) if f.name != "enable_kv_cache_events"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,15 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name-prefix", default="sim", help="pods are PREFIX-0, PREFIX-1, ...")
     parser.add_argument("--default-max-tokens", type=int, default=16,
                         help="output tokens when a request sets no limit")  # fmt: skip
-    engine = parser.add_argument_group("engine")
-    for f in _ENGINE_FLAGS:
-        assert f.default is not MISSING
-        engine.add_argument(
-            "--" + f.name.replace("_", "-"),
-            type=type(f.default),
-            default=f.default,
-            help=f"{f.metadata['help']} (default {f.default})",
-        )
+    add_engine_flags(parser.add_argument_group("engine"))
     kv = parser.add_argument_group("KV-cache events")
     kv.add_argument("--kv-events-endpoint", help="ZMQ endpoint, e.g. tcp://127.0.0.1:5557")
     kv.add_argument("--kv-events-topic", default="kv@{host}:{port}@{model}",
@@ -72,7 +61,7 @@ def settings_from_args(args: argparse.Namespace) -> GroupSettings:
     Raises:
         ConfigError: a setting is invalid; the message names it.
     """
-    engine = EngineConfig(**{f.name: getattr(args, f.name) for f in _ENGINE_FLAGS})
+    engine = engine_config_from_args(args)
     try:
         faults = Faults(
             error_rate=args.error_rate,

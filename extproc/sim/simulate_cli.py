@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-from dataclasses import MISSING, asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from extproc.config import DEFAULT_CONFIG_NAME, default_config_text, parse_config
 from extproc.errors import ConfigError
 from extproc.sim.engine import EngineConfig
+from extproc.sim.engine_flags import add_engine_flags, engine_config_from_args
 from extproc.sim.offline import SimSettings, compare
 from extproc.sim.policies import POLICY_NAMES
 from extproc.sim.report import format_table, summarize, write_json, write_png
@@ -39,7 +40,6 @@ from extproc.sim.workloads import (
 )
 
 WORKLOADS = ("burst", "chat", *TRACE_FILES, "trace")
-_ENGINE_FLAGS = [f for f in fields(EngineConfig) if f.name != "enable_kv_cache_events"]
 
 
 def register(sub: Any) -> None:
@@ -74,15 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="model name the pods serve")
     p.add_argument("--json", type=Path, help="write the report as JSON here")
     p.add_argument("--png", type=Path, help="write a chart here")
-    engine = p.add_argument_group("engine (default: the workload's, else EngineConfig's)")
-    for f in _ENGINE_FLAGS:
-        assert f.default is not MISSING
-        engine.add_argument(
-            "--" + f.name.replace("_", "-"),
-            type=type(f.default),
-            default=None,
-            help=f"{f.metadata['help']} (engine default {f.default})",
-        )
+    add_engine_flags(
+        p.add_argument_group("engine (default: the workload's, else EngineConfig's)"),
+        unset_by_default=True,
+    )
 
 
 def make_workload(args: argparse.Namespace) -> Workload:
@@ -117,11 +112,7 @@ def make_workload(args: argparse.Namespace) -> Workload:
 
 def engine_config(args: argparse.Namespace, workload: Workload) -> EngineConfig:
     """Flags first, then the workload's defaults, then ``EngineConfig``'s."""
-    values = dict(workload.engine_defaults)
-    for f in _ENGINE_FLAGS:
-        if getattr(args, f.name) is not None:
-            values[f.name] = getattr(args, f.name)
-    return EngineConfig(**values)
+    return engine_config_from_args(args, workload.engine_defaults)
 
 
 def git_sha() -> str | None:

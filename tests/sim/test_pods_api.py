@@ -106,7 +106,7 @@ def test_responses_plain_and_stream_with_the_openai_client(pods: SimPods) -> Non
     )
     assert plain.object == "response"
     assert plain.id.startswith("resp_")
-    assert plain.status == "completed"
+    assert plain.status == "incomplete"  # stopped by max_output_tokens, as in vLLM
     assert len(tokenize(plain.output_text)) == 3
     assert plain.usage is not None
     assert plain.usage.output_tokens == 3
@@ -241,3 +241,18 @@ def test_models_and_health(pods: SimPods) -> None:
     health = httpx.get(pods.pods[1].url + "/health")
     assert health.status_code == 200
     assert health.headers["x-sim-pod"] == "sim-1"
+
+
+def test_render_endpoints_give_the_prompts_token_ids(pods: SimPods) -> None:
+    url = pods.pods[0].url
+    plain = httpx.post(
+        url + "/v1/completions/render", json={"model": "sim-llm", "prompt": "hello there"}
+    ).json()
+    assert plain[0]["token_ids"] == tokenize("hello there")
+    messages = [{"role": "user", "content": "hi"}]
+    chat = httpx.post(
+        url + "/v1/chat/completions/render", json={"model": "sim-llm", "messages": messages}
+    ).json()
+    assert chat["token_ids"] == render_chat([ChatMessage("user", "hi")])
+    bad = httpx.post(url + "/v1/completions/render", json={"model": "other", "prompt": "x"})
+    assert bad.status_code == 404

@@ -1,0 +1,112 @@
+"""The routers compared, each started on demand in front of the same pods, stopped by PID.
+
+- ``envoy-rr``: Envoy alone, round robin (extproc's bootstrap without ext_proc).
+- ``extproc-*``: Envoy + extproc with a scheduler configuration: ``least-request`` and
+  ``prefix-cache`` alone (``bench/configs/``), ``default`` (the shipped one: least-request
+  filter, least-request + gpu-usage + least-latency + prefix-cache scores) and
+  ``cost-aware`` (``extproc/data/cost-aware.yaml``: the default plus cost-aware).
+- ``sglang-router``, ``vllm-router``: the peers' Rust proxies with their ``cache_aware``
+  policy and the thresholds of ``../shared/TOOLING.md``, each from its own venv
+  (``python -m e2e.real_vllm.prepare --peers``).
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+
+import extproc as extproc_package
+from bench.picker import envoy_alone_config
+from e2e.real_vllm.prepare import peer_binary
+from extproc.envoyconf.build import EnvoyOptions
+from extproc.launch import Proc, free_port, run_stack, spawn, start_envoy_config, wait_until
+from extproc.types import Pod
+
+PEER_START_TIMEOUT_S = 60.0
+CACHE_AWARE = [
+    "--policy", "cache_aware", "--cache-threshold", "0.3",
+    "--balance-abs-threshold", "64", "--balance-rel-threshold", "1.5",
+]  # fmt: skip
+
+Serve = Callable[[Sequence[Pod], Path], AbstractContextManager[str]]
+
+
+@contextmanager
+def envoy_rr(pods: Sequence[Pod], log_dir: Path) -> Iterator[str]:
+    options = EnvoyOptions(
+        extproc_address="127.0.0.1:9", listen_port=free_port(), admin_port=free_port()
+    )
+    config = envoy_alone_config(list(pods), options)
+    proc = start_envoy_config(config, options.admin_port, log_dir, "envoy-rr")
+    try:
+        yield f"http://127.0.0.1:{options.listen_port}"
+    finally:
+        proc.stop()
+
+
+CONFIGS = Path(__file__).with_name("configs")
+EXTPROC_DATA = Path(extproc_package.__file__).with_name("data")
+
+
+def extproc_with(config: Path | None) -> Serve:
+    """Envoy + extproc with ``config`` (None: the shipped default)."""
+
+    @contextmanager
+    def serve(pods: Sequence[Pod], log_dir: Path) -> Iterator[str]:
+        with run_stack(pods, config=config) as stack:
+            yield stack.url
+
+    return serve
+
+
+def _ready(url: str) -> bool:
+    with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
+        return bool(r.status == 200)
+
+
+@contextmanager
+def _peer(name: str, argv: list[str], port: int, log_dir: Path) -> Iterator[str]:
+    proc: Proc = spawn(name, argv, log_dir, {"RUST_LOG": "warn"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _ready(url), proc, name, PEER_START_TIMEOUT_S)
+        yield url
+    finally:
+        proc.stop()
+
+
+@contextmanager
+def sglang_router(pods: Sequence[Pod], log_dir: Path) -> Iterator[str]:
+    port = free_port()
+    argv = [
+        str(peer_binary("sglang-router")), "launch", "--host", "127.0.0.1", "--port", str(port),
+        "--worker-urls", *[f"http://{p.address}" for p in pods], *CACHE_AWARE,
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+    ]  # fmt: skip
+    with _peer("sglang-router", argv, port, log_dir) as url:
+        yield url
+
+
+@contextmanager
+def vllm_router(pods: Sequence[Pod], log_dir: Path) -> Iterator[str]:
+    port = free_port()
+    argv = [
+        str(peer_binary("vllm-router")), "--host", "127.0.0.1", "--port", str(port),
+        "--worker-urls", *[f"http://{p.address}" for p in pods], *CACHE_AWARE,
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+    ]  # fmt: skip
+    with _peer("vllm-router", argv, port, log_dir) as url:
+        yield url
+
+
+CONTENDERS: dict[str, Serve] = {
+    "envoy-rr": envoy_rr,
+    "extproc-least-request": extproc_with(CONFIGS / "least-request.yaml"),
+    "extproc-prefix-cache": extproc_with(CONFIGS / "prefix-cache.yaml"),
+    "extproc-default": extproc_with(None),
+    "extproc-cost-aware": extproc_with(EXTPROC_DATA / "cost-aware.yaml"),
+    "sglang-router": sglang_router,
+    "vllm-router": vllm_router,
+}

@@ -1,0 +1,92 @@
+"""Open-loop replay of timed requests against one URL, streamed, bounded in count and time.
+
+Each request is sent at its arrival time (whatever is still in flight), with
+``"stream": true`` and usage in the last chunk, so the client sees the time to first
+token (first chunk carrying text) and the end. At most ``max_in_flight`` requests are
+open at once; past ``deadline_s`` nothing new starts and open requests are cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+
+from bench.workloads import TimedRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    ok: bool
+    ttft_s: float | None
+    e2e_s: float
+    completion_tokens: int
+    error: str = ""
+
+
+def _has_text(chunk: dict[str, Any]) -> bool:
+    for choice in chunk.get("choices") or ():
+        if choice.get("text") or (choice.get("delta") or {}).get("content"):
+            return True
+    return False
+
+
+async def _one(client: httpx.AsyncClient, req: TimedRequest) -> Outcome:
+    body = {**req.body, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft: float | None = None
+    tokens = 0
+    done = False
+    try:
+        async with client.stream("POST", req.path, content=orjson.dumps(body),
+                                 headers={"content-type": "application/json"}) as resp:  # fmt: skip
+            if resp.status_code != 200:
+                await resp.aread()
+                return Outcome(
+                    False, None, time.perf_counter() - start, 0, f"http {resp.status_code}"
+                )
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = orjson.loads(data)
+                if ttft is None and _has_text(chunk):
+                    ttft = time.perf_counter() - start
+                if chunk.get("usage"):
+                    tokens = chunk["usage"].get("completion_tokens", 0)
+    except (httpx.HTTPError, orjson.JSONDecodeError) as e:
+        return Outcome(False, ttft, time.perf_counter() - start, tokens, type(e).__name__)
+    return Outcome(done, ttft, time.perf_counter() - start, tokens, "" if done else "no [DONE]")
+
+
+async def replay(
+    url: str, requests: list[TimedRequest], *, max_in_flight: int = 256, deadline_s: float = 120.0
+) -> tuple[list[Outcome], float]:
+    """Send every request at its time; returns the outcomes and the wall time taken."""
+    limits = httpx.Limits(max_connections=max_in_flight, max_keepalive_connections=max_in_flight)
+    timeout = httpx.Timeout(deadline_s, connect=10.0)
+    gate = asyncio.Semaphore(max_in_flight)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+        start = time.perf_counter()
+
+        async def launch(req: TimedRequest) -> Outcome:
+            await asyncio.sleep(max(0.0, req.at_s - (time.perf_counter() - start)))
+            async with gate:
+                return await _one(client, req)
+
+        tasks = [asyncio.create_task(launch(r)) for r in requests]
+        finished, pending = await asyncio.wait(tasks, timeout=deadline_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        wall = time.perf_counter() - start
+    outcomes = [t.result() for t in tasks if t in finished]
+    outcomes += [Outcome(False, None, wall, 0, "deadline")] * len(pending)
+    return outcomes, wall

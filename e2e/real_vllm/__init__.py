@@ -1,0 +1,1 @@
+"""Real vLLM (CPU) pods behind Envoy and extproc; see ``prepare.py`` and ``pods.py``."""
