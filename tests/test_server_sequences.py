@@ -111,7 +111,7 @@ class Server:
     def close(self) -> None:
         self.channel.close()
         self.one_round.channel.close()
-        self.server.stop(0).wait(5)  # bounded: see test_serve's SIGTERM-after-garbage test
+        self.server.stop(0).wait(2)  # bounded: grpcio may miss the event (see test_serve)
 
 
 @pytest.fixture(params=["one-round", "epp"])
