@@ -35,6 +35,7 @@ from pathlib import Path
 import httpx
 
 from e2e.conftest import MODEL, metric, pods_of, wait_for
+from e2e.test_routing import body_for
 from extproc.launch import Stack, Usage, run_stack
 from extproc.sim.harness import spawn_sim_pods
 
@@ -128,18 +129,7 @@ class Workload:
         extra: dict[str, object] = {"stream": True} if stream else {}
         if rng.random() < 0.1:
             extra["cache_salt"] = f"tenant-{rng.randint(0, 3)}"
-        question = f"question {i}?"
-        if api == "/v1/completions":
-            body = {"model": MODEL, "prompt": prefix + question, "max_tokens": 4, **extra}
-        elif api == "/v1/chat/completions":
-            messages = [
-                {"role": "system", "content": prefix},
-                {"role": "user", "content": question},
-            ]
-            body = {"model": MODEL, "messages": messages, "max_tokens": 4, **extra}
-        else:
-            body = {"model": MODEL, "instructions": prefix, "input": question, "max_output_tokens": 4, **extra}  # fmt: skip
-        return api, body, stream
+        return api, body_for(api, prefix, f"question {i}?", **extra), stream
 
 
 def _send(client: httpx.Client, api: str, body: dict[str, object], stream: bool) -> str | None:

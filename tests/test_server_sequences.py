@@ -11,6 +11,8 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Self
 
 import grpc
 import orjson
@@ -113,12 +115,17 @@ class Server:
         self.one_round.channel.close()
         self.server.stop(0).wait(2)  # bounded: grpcio may miss the event (see test_serve)
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 @pytest.fixture(params=["one-round", "epp"])
 def server(request: pytest.FixtureRequest) -> Iterator[Server]:
-    s = Server(request.param, new_router())
-    yield s
-    s.close()
+    with Server(request.param, new_router()) as s:
+        yield s
 
 
 def routed_body(rid: str) -> ep.ProcessingRequest:
@@ -161,8 +168,7 @@ ONE_ROUND = {
 
 @pytest.mark.parametrize("case", list(ONE_ROUND))
 def test_one_round_malformed_sequences_get_an_answer(case: str) -> None:
-    s = Server("one-round", new_router())
-    try:
+    with Server("one-round", new_router()) as s:
         messages, expected = ONE_ROUND[case]
         reply = s.one_round.process(iter(messages), timeout=5)
         assert [reply.WhichOneof("response")] == expected
@@ -171,20 +177,15 @@ def test_one_round_malformed_sequences_get_an_answer(case: str) -> None:
             assert status == 400 and error["code"] in {"body_not_buffered", "unsupported_endpoint"}
         assert settled(s.router)
         still_routes(s)
-    finally:
-        s.close()
 
 
 def test_one_round_reads_one_message_and_ignores_the_rest() -> None:
-    s = Server("one-round", new_router())
-    try:
+    with Server("one-round", new_router()) as s:
         reply = s.one_round.process(
             iter([routed_body("two"), body(b"{junk"), response_headers()]), timeout=5
         )
         assert destination(reply)
         assert len(s.router.pending) == 1
-    finally:
-        s.close()
 
 
 # -- the Endpoint Picker Protocol ------------------------------------------------------
@@ -231,8 +232,7 @@ EPP = {
 
 @pytest.mark.parametrize("case", list(EPP))
 def test_epp_malformed_sequences_get_an_answer_and_leave_nothing_behind(case: str) -> None:
-    s = Server("epp", new_router())
-    try:
+    with Server("epp", new_router()) as s:
         messages, expected, status = EPP[case]
         replies = s.exchange(messages)
         assert kinds(replies) == expected
@@ -240,21 +240,16 @@ def test_epp_malformed_sequences_get_an_answer_and_leave_nothing_behind(case: st
             assert error_of(replies[-1])[0] == status
         assert settled(s.router), (len(s.router.pending), s.router.in_flight.snapshot())
         still_routes(s)
-    finally:
-        s.close()
 
 
 def test_epp_records_only_a_2xx_response_that_ended() -> None:
     router = new_router()
-    s = Server("epp", router)
-    try:
+    with Server("epp", router) as s:
         s.exchange([headers(rid="fail"), body(), response_headers("503"), response_body()])
         s.exchange([headers(rid="cut"), body(), response_headers(), response_body(eos=False)])
         assert router.metrics.completions.labels("recorded")._value.get() == 0
         s.exchange([headers(rid="ok"), body(), response_headers(), response_body()])
         assert router.metrics.completions.labels("recorded")._value.get() == 1
-    finally:
-        s.close()
 
 
 message_kinds = st.sampled_from(
@@ -370,20 +365,16 @@ def test_a_route_the_caller_gave_up_on_is_forgotten(
 def test_a_repeated_request_id_does_not_leak_in_flight() -> None:
     """Envoy generates request ids, but a gateway may keep the client's: the same id
     routed twice before its end must not leave the first counted in flight for ever."""
-    s = Server("one-round", new_router())
-    try:
+    with Server("one-round", new_router()) as s:
         for _ in range(2):
             assert destination(s.one_round.process(iter([routed_body("dup")]), timeout=5))
         s.router.complete("dup", None, False)
         assert settled(s.router), s.router.in_flight.snapshot()
-    finally:
-        s.close()
 
 
 def test_epp_streams_with_the_same_request_id_record_each_their_own() -> None:
     router = new_router()
-    s = Server("epp", router)
-    try:
+    with Server("epp", router) as s:
         gate = threading.Event()
 
         def first() -> Iterator[ep.ProcessingRequest]:
@@ -408,8 +399,6 @@ def test_epp_streams_with_the_same_request_id_record_each_their_own() -> None:
         assert len(list(call)) == 2
         assert router.metrics.completions.labels("recorded")._value.get() == 2
         assert settled(router)
-    finally:
-        s.close()
 
 
 def test_epp_full_duplex_body_over_the_limit_is_refused_while_it_streams() -> None:
@@ -417,8 +406,7 @@ def test_epp_full_duplex_body_over_the_limit_is_refused_while_it_streams() -> No
     router = Router(
         make_scheduler(PREFIX_ONLY), PODS, registry=CollectorRegistry(), max_body_bytes=1000
     )
-    s = Server("epp", router)
-    try:
+    with Server("epp", router) as s:
 
         def chunks() -> Iterator[ep.ProcessingRequest]:
             yield headers(duplex=True)
@@ -430,15 +418,13 @@ def test_epp_full_duplex_body_over_the_limit_is_refused_while_it_streams() -> No
         status, error = error_of(replies[0])
         assert status == 413 and error["code"] == "body_too_large"
         assert settled(router)
-    finally:
-        s.close()
 
 
-def hold_streams(
-    channel: grpc.Channel, count: int, gate: threading.Event, method: str
-) -> list[grpc.Future]:
-    """``count`` long-lived streams that send nothing until ``gate`` (Envoy's access-log
-    streams, or EPP requests whose responses are still streaming)."""
+@contextmanager
+def held_streams(channel: grpc.Channel, count: int, method: str) -> Iterator[list[grpc.Future]]:
+    """``count`` long-lived streams that send nothing until the block ends (Envoy's
+    access-log streams, or EPP requests whose responses are still streaming)."""
+    gate = threading.Event()
 
     def idle() -> Iterator[bytes]:
         gate.wait(10)
@@ -446,18 +432,22 @@ def hold_streams(
         yield b""
 
     call = channel.stream_unary(method)
-    return [call.future(idle(), timeout=10) for _ in range(count)]
+    try:
+        yield [call.future(idle(), timeout=10) for _ in range(count)]
+    finally:
+        gate.set()
+
+
+ACCESS_LOG = "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs"
 
 
 def test_access_log_streams_cannot_take_every_worker() -> None:
     """Envoy keeps one access-log stream per worker thread, for ever: 4 Envoys with 8
     workers each must not leave no thread to route with."""
-    s = Server("one-round", new_router(), max_workers=8)
-    gate = threading.Event()
-    try:
-        held = hold_streams(
-            s.channel, 8, gate, "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs"
-        )
+    with (
+        Server("one-round", new_router(), max_workers=8) as s,
+        held_streams(s.channel, 8, ACCESS_LOG) as held,
+    ):
         time.sleep(0.5)
         started = time.monotonic()
         assert destination(s.one_round.process(iter([routed_body("r")]), timeout=3))
@@ -467,18 +457,15 @@ def test_access_log_streams_cannot_take_every_worker() -> None:
             f.exception().code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[union-attr]
             for f in refused
         )
-    finally:
-        gate.set()
-        s.close()
 
 
 def test_epp_streams_beyond_the_workers_are_refused_at_once_not_queued() -> None:
     """Each EPP request holds a worker until its response ends; past the budget a new one
     fails fast (Envoy answers or fails open) instead of waiting out the message timeout."""
-    s = Server("epp", new_router(), max_workers=4)
-    gate = threading.Event()
-    try:
-        held = hold_streams(s.channel, 4, gate, f"/{EXT_PROC_SERVICE}/Process")
+    with (
+        Server("epp", new_router(), max_workers=4) as s,
+        held_streams(s.channel, 4, f"/{EXT_PROC_SERVICE}/Process") as held,
+    ):
         time.sleep(0.5)
         assert not any(f.done() for f in held)
         started = time.monotonic()
@@ -486,6 +473,3 @@ def test_epp_streams_beyond_the_workers_are_refused_at_once_not_queued() -> None
             s.exchange([headers(rid="fifth"), body()])
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert time.monotonic() - started < 1
-    finally:
-        gate.set()
-        s.close()
