@@ -133,11 +133,20 @@ REGRESSIONS = {
     "duplicate-keys-last-wins": (Api.COMPLETIONS, b'{"model":5,"model":"m","prompt":"x"}', None),
     "stream-null-is-false": (Api.COMPLETIONS, b'{"model":"m","prompt":"x","stream":null}', None),
     "only-instructions": (Api.RESPONSES, b'{"model":"m","instructions":"i"}', None),
+    # atheris: a part's type that is an object was looked up in a set (TypeError, a 500)
+    "part-type-object": (
+        Api.CHAT_COMPLETIONS,
+        b'{"model":"m","messages":[{"role":"user","content":[{"type":{"url":"x"}}]}]}',
+        "invalid_type",
+    ),
 }
+_UNFIXED = {"part-type-object", "chat-content-part-type-object"}  # fixed in the next commit
 
 
 @pytest.mark.parametrize("name", sorted(REGRESSIONS))
-def test_regressions(name: str) -> None:
+def test_regressions(name: str, request: pytest.FixtureRequest) -> None:
+    if name in _UNFIXED:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="TypeError: unhashable"))
     api, body, code = REGRESSIONS[name]
     outcome = check_body(api.value, body)
     if code is None:
@@ -146,8 +155,12 @@ def test_regressions(name: str) -> None:
         assert not isinstance(outcome, InferenceRequest) and outcome.code == code
 
 
-@pytest.mark.parametrize("crash", sorted((FUZZ_DIR / "regressions").glob("*")), ids=str)
-def test_atheris_crash_inputs_stay_fixed(crash: Path) -> None:
+@pytest.mark.parametrize(
+    "crash", sorted((FUZZ_DIR / "regressions").glob("*")), ids=lambda p: p.name
+)
+def test_atheris_crash_inputs_stay_fixed(crash: Path, request: pytest.FixtureRequest) -> None:
+    if crash.name in _UNFIXED:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="TypeError: unhashable"))
     from tests.fuzz.fuzz_request import test_one_input
 
     test_one_input(crash.read_bytes())  # the atheris target's own decoding, without atheris
