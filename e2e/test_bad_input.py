@@ -116,6 +116,9 @@ CORPUS: dict[str, Case] = {
     "part-text-null": bad(
         CHAT, chat([{"role": "user", "content": [{"type": "text", "text": None}]}]), "invalid_type"
     ),
+    "part-type-object": bad(
+        CHAT, chat([{"role": "user", "content": [{"type": {"url": "x"}}]}]), "invalid_type"
+    ),
     "parts-nested-deep": bad(
         CHAT, chat([{"role": "user", "content": [[[[["deep"]]]]]}]), "invalid_type"
     ),

@@ -71,6 +71,19 @@ def test_truncated_json_is_a_400(path: str, value: object, cut: int) -> None:
     assert not isinstance(outcome, InferenceRequest)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.dictionaries(st.sampled_from(["type", "text", "role"]), json_values), max_size=4),
+    st.sampled_from(["messages", "input", "system"]),
+)
+def test_any_content_parts_route_or_get_a_json_error(parts: list[object], field: str) -> None:
+    """Parts of any shape inside a message: how atheris found the object-typed part."""
+    message = {"role": "user", "content": parts}
+    value: object = parts if field == "system" else [message]
+    path = Api.RESPONSES.value if field == "input" else Api.CHAT_COMPLETIONS.value
+    check_body(path, encode({"model": "m", "messages": [], field: value}, True))
+
+
 messages = st.lists(
     st.fixed_dictionaries(
         {
@@ -140,13 +153,10 @@ REGRESSIONS = {
         "invalid_type",
     ),
 }
-_UNFIXED = {"part-type-object", "chat-content-part-type-object"}  # fixed in the next commit
 
 
 @pytest.mark.parametrize("name", sorted(REGRESSIONS))
-def test_regressions(name: str, request: pytest.FixtureRequest) -> None:
-    if name in _UNFIXED:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="TypeError: unhashable"))
+def test_regressions(name: str) -> None:
     api, body, code = REGRESSIONS[name]
     outcome = check_body(api.value, body)
     if code is None:
@@ -158,15 +168,13 @@ def test_regressions(name: str, request: pytest.FixtureRequest) -> None:
 @pytest.mark.parametrize(
     "crash", sorted((FUZZ_DIR / "regressions").glob("*")), ids=lambda p: p.name
 )
-def test_atheris_crash_inputs_stay_fixed(crash: Path, request: pytest.FixtureRequest) -> None:
-    if crash.name in _UNFIXED:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="TypeError: unhashable"))
+def test_atheris_crash_inputs_stay_fixed(crash: Path) -> None:
     from tests.fuzz.fuzz_request import test_one_input
 
     test_one_input(crash.read_bytes())  # the atheris target's own decoding, without atheris
 
 
-ATHERIS_RUNS = 100_000
+ATHERIS_RUNS = 300_000
 
 
 def test_atheris_finds_no_crash_in_a_bounded_run(tmp_path: Path) -> None:
