@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import collections
+import itertools
 import re
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -73,3 +77,64 @@ def wait_for(predicate: object, timeout_s: float = 5.0) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+class Load:
+    """Requests sent back to back by ``workers`` threads until stopped (bounded: at most
+    ``max_s`` seconds), each answer's status and serving pod counted in order."""
+
+    def __init__(
+        self, url: str, body: Callable[[int], dict[str, object]], workers: int, max_s: float
+    ) -> None:
+        self.url = url
+        self.body = body
+        self.outcomes: list[tuple[float, int, str | None]] = []  # (time, status, pod); 0: no answer
+        self._stop = threading.Event()
+        self._deadline = time.monotonic() + max_s
+        self._count = itertools.count()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(workers)]
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=30) as client:
+            while not self._stop.is_set() and time.monotonic() < self._deadline:
+                i = next(self._count)
+                try:
+                    resp = client.post("/v1/completions", json=self.body(i))
+                    outcome = (time.monotonic(), resp.status_code, resp.headers.get("x-sim-pod"))
+                except httpx.HTTPError:
+                    outcome = (time.monotonic(), 0, None)
+                with self._lock:
+                    self.outcomes.append(outcome)
+
+    def statuses(self, since: float = 0.0) -> collections.Counter[int]:
+        with self._lock:
+            return collections.Counter(s for t, s, _ in self.outcomes if t >= since)
+
+    def wait_for_answers(self, count: int, since: float = 0.0, timeout_s: float = 20) -> None:
+        assert wait_for(lambda: self.statuses(since).total() >= count, timeout_s), self.statuses()
+
+
+@contextmanager
+def background_load(
+    url: str,
+    body: Callable[[int], dict[str, object]] | None = None,
+    *,
+    workers: int = 4,
+    max_s: float = 60.0,
+) -> Iterator[Load]:
+    """``Load`` running for the ``with`` block; its threads are joined on leaving."""
+    load = Load(
+        url,
+        body or (lambda i: {"model": MODEL, "prompt": f"load {i}", "max_tokens": 1}),
+        workers,
+        max_s,
+    )
+    for t in load._threads:
+        t.start()
+    try:
+        yield load
+    finally:
+        load._stop.set()
+        for t in load._threads:
+            t.join(35)

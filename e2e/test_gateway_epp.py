@@ -11,6 +11,8 @@ import httpx
 import pytest
 
 from e2e.conftest import MODEL, PREFIX_CONFIG, metric, pods_of, unique_prefix, wait_for
+from e2e.test_security import client_routing_headers
+from extproc.epp import INTERNAL_HEADERS
 from extproc.launch import Stack, run_stack
 from extproc.sim.harness import SimPods
 
@@ -38,6 +40,10 @@ def gateway_style(body_mode: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
                         "response_trailer_mode": "SKIP",
                     }
             hcm["http_filters"] = filters
+            # a gateway has no strip list of ours: extproc itself must remove what clients
+            # send and set the destination header the pod then sees
+            for host in hcm["route_config"]["virtual_hosts"]:
+                host.pop("request_headers_to_remove", None)
         return config
 
     return edit
@@ -70,18 +76,32 @@ def test_epp_routes_with_affinity_and_records_on_success(epp_stack: Stack) -> No
         assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
 
 
-def test_epp_errors_and_client_routing_headers(epp_stack: Stack, sim: SimPods) -> None:
+def test_epp_errors_are_json(epp_stack: Stack) -> None:
     with httpx.Client(base_url=epp_stack.url, timeout=30) as client:
         bad = client.post(
             "/v1/completions", content=b"{nope", headers={"content-type": "application/json"}
         )
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
-        resp = client.post(
-            "/v1/completions",
-            json={"model": MODEL, "prompt": "steer me", "max_tokens": 1},
-            headers={"x-gateway-destination-endpoint": "10.9.9.9:80"},
-        )
-        assert resp.status_code == 200
-        seen = sim.stats(resp.headers["x-sim-pod"])["recent"][-1]["routing_headers"]
-        # the pod sees extproc's pick, never the client's value
-        assert seen.get("x-gateway-destination-endpoint", "").split(",")[0] != "10.9.9.9:80"
+        empty = client.post("/v1/completions", content=b"")
+        assert empty.status_code == 400 and empty.json()["error"]["code"] == "invalid_json"
+
+
+def test_epp_client_routing_headers_never_steer_and_never_reach_a_pod(
+    epp_stack: Stack, sim: SimPods
+) -> None:
+    prefix = unique_prefix()
+    body = {"model": MODEL, "prompt": prefix + "q", "max_tokens": 1}
+    with httpx.Client(base_url=epp_stack.url, timeout=30) as client:
+        before = metric(epp_stack, *RECORDED)
+        owner = client.post("/v1/completions", json=body).headers["x-sim-pod"]
+        assert wait_for(lambda: metric(epp_stack, *RECORDED) > before)
+        address = {p.name: f"127.0.0.1:{p.port}" for p in sim.pods}
+        for other in (name for name in address if name != owner):
+            resp = client.post(
+                "/v1/completions", json=body, headers=client_routing_headers(address[other])
+            )
+            assert resp.status_code == 200 and resp.headers["x-sim-pod"] == owner
+            seen = sim.stats(owner)["recent"][-1]["routing_headers"]
+            # the pod sees extproc's pick (this protocol sends it as a header), nothing else
+            assert seen["x-gateway-destination-endpoint"].split(",")[0] == address[owner]
+            assert not set(seen) & (set(INTERNAL_HEADERS) - {"x-gateway-destination-endpoint"})

@@ -105,24 +105,6 @@ def test_bad_requests_get_json_errors_and_extproc_keeps_serving(
     )
 
 
-def test_client_sent_destination_header_does_not_steer(
-    stack: Stack, client: httpx.Client, sim: SimPods
-) -> None:
-    prefix = unique_prefix()
-    api = "/v1/completions"
-    owner = send_and_wait_recorded(stack, client, api, body_for(api, prefix, "q"))
-    other = next(p for p in sim.pods if p.name != owner)
-    for _ in range(5):
-        resp = client.post(
-            api,
-            json=body_for(api, prefix, "q again"),
-            headers={"x-gateway-destination-endpoint": f"127.0.0.1:{other.port}"},
-        )
-        assert served_by(resp) == owner
-    recent = sim.stats(owner)["recent"][-5:]
-    assert all(r["routing_headers"] == {} for r in recent)  # stripped before the pod
-
-
 def test_openai_client_plain_and_streamed_chat(stack: Stack) -> None:
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": "Say something short."}]

@@ -24,6 +24,7 @@ this one costs a message round per phase.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import uuid
 from collections.abc import Iterator
@@ -36,7 +37,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc.epp import DESTINATION_KEY, DESTINATION_NAMESPACE, INTERNAL_HEADERS
-from extproc.errors import BadRequest, ExtProcError
+from extproc.errors import BadRequest, BodyTooLarge, ExtProcError
 from extproc.routing import RouteDecision, Router
 from extproc.server import error_response, route_metadata, subset_hint
 
@@ -51,6 +52,7 @@ class _Exchange:
     """One request's state across the stream's messages."""
 
     request_id: str = ""
+    key: str = ""  # the router's pending key: this stream's own, whatever the request id
     path: str = ""
     headers: dict[str, str] = field(default_factory=dict)
     full_duplex: bool = False
@@ -78,6 +80,7 @@ class GatewayHandler:
 
     def __init__(self, router: Router) -> None:
         self.router = router
+        self._streams = itertools.count()
 
     def process(
         self, requests: Iterator[ep.ProcessingRequest], context: Any
@@ -88,6 +91,8 @@ class GatewayHandler:
                 yield from self._handle(x, message)
                 if x.done:
                     return
+        except grpc.RpcError:  # cancelled (timeout, client gone) or not a message
+            log.debug("request %s: ext_proc stream ended early", x.request_id)
         except ExtProcError as exc:
             yield error_response(exc)
         except Exception:
@@ -149,7 +154,14 @@ class GatewayHandler:
         self, x: _Exchange, message: ep.ProcessingRequest
     ) -> Iterator[ep.ProcessingResponse]:
         body = message.request_body
+        if x.decision is not None:  # routed already: a second body is not routed again
+            yield ep.ProcessingResponse(request_body=ep.BodyResponse())
+            return
         x.body += body.body
+        if len(x.body) > self.router.max_body_bytes:  # Envoy sets no limit in full duplex
+            raise BodyTooLarge(
+                f"request body is over the limit of {self.router.max_body_bytes} bytes"
+            )
         if not body.end_of_stream:
             if not x.full_duplex:
                 raise BadRequest(
@@ -158,10 +170,13 @@ class GatewayHandler:
                     code="body_not_buffered",
                 )
             return
+        # Keyed by stream: the completion comes on this stream, and a request id repeated
+        # by a client (gateways may keep it) must not cross two streams' records.
+        x.key = f"{x.request_id}/{next(self._streams)}"
         decision = self.router.route(
             x.path,
             bytes(x.body),
-            request_id=x.request_id,
+            request_id=x.key,
             headers=x.headers,
             subset=x.subset,
         )
@@ -209,13 +224,13 @@ class GatewayHandler:
             return
         x.done = True
         served = x.served or x.decision.pods[0].address
-        self.router.complete(x.request_id, served, ok and 200 <= x.status < 300)
+        self.router.complete(x.key, served, ok and 200 <= x.status < 300)
 
     def _finish(self, x: _Exchange) -> None:
         """The stream ended: a routed request without a successful end failed."""
         if x.decision is not None and not x.done:
             x.done = True
-            self.router.complete(x.request_id, None, False)
+            self.router.complete(x.key, None, False)
 
 
 def _served(message: ep.ProcessingRequest) -> str | None:

@@ -29,6 +29,7 @@ from extproc.envoyconf.render import to_dict
 from extproc.types import Pod
 
 START_TIMEOUT_S = 30.0
+EXTPROC_COMMAND = (sys.executable, "-m", "extproc")
 STOP_TIMEOUT_S = 15.0
 
 
@@ -49,6 +50,25 @@ def envoy_binary() -> str:
     return found
 
 
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What a process holds, from ``/proc`` (Linux)."""
+
+    rss_bytes: int
+    threads: int
+    fds: int
+
+
+def usage_of(pid: int) -> Usage:
+    status = Path(f"/proc/{pid}/status").read_text()
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    return Usage(
+        rss_bytes=int(fields["VmRSS"].split()[0]) * 1024,
+        threads=int(fields["Threads"]),
+        fds=len(os.listdir(f"/proc/{pid}/fd")),
+    )
+
+
 @dataclass
 class Proc:
     """A started process and where its output goes."""
@@ -63,6 +83,10 @@ class Proc:
 
     def alive(self) -> bool:
         return self.popen.poll() is None
+
+    def usage(self) -> Usage:
+        """Its resident memory, threads and open file descriptors now."""
+        return usage_of(self.pid)
 
     def log_tail(self, num_bytes: int = 4000) -> str:
         try:
@@ -107,6 +131,15 @@ def wait_until(check: object, proc: Proc, what: str, timeout_s: float = START_TI
             pass
         time.sleep(0.05)
     raise TimeoutError(f"{what} not ready after {timeout_s} s:\n{proc.log_tail()}")
+
+
+def _wait_or_stop(check: object, proc: Proc, what: str) -> None:
+    """``wait_until``; a process that did not get ready is stopped, not left running."""
+    try:
+        wait_until(check, proc, what)
+    except BaseException:
+        proc.stop()
+        raise
 
 
 def _port_open(port: int) -> bool:
@@ -175,9 +208,10 @@ def start_extproc(
     metrics_port: int,
     config: Path | None = None,
     extra_args: Sequence[str] = (),
+    command: Sequence[str] = EXTPROC_COMMAND,
 ) -> Proc:
     argv = [
-        sys.executable, "-m", "extproc", "serve",
+        *command, "serve",
         "--pods", str(pods_file),
         "--grpc-port", str(grpc_port),
         "--health-port", str(free_port()),
@@ -187,7 +221,7 @@ def start_extproc(
         *extra_args,
     ]  # fmt: skip
     proc = spawn("extproc", argv, log_dir)
-    wait_until(lambda: _port_open(grpc_port) and _port_open(metrics_port), proc, "extproc")
+    _wait_or_stop(lambda: _port_open(grpc_port) and _port_open(metrics_port), proc, "extproc")
     return proc
 
 
@@ -221,7 +255,7 @@ def start_envoy_config(
         with urllib.request.urlopen(url, timeout=1) as r:
             return bool(r.status == 200)
 
-    wait_until(ready, proc, name)
+    _wait_or_stop(ready, proc, name)
     return proc
 
 
@@ -234,8 +268,13 @@ def run_stack(
     num_fallbacks: int = 2,
     extproc_args: Sequence[str] = (),
     envoy_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    extproc_command: Sequence[str] = EXTPROC_COMMAND,
 ) -> Iterator[Stack]:
-    """extproc (on a pods file of ``pods``) and Envoy in front of it, both stopped after."""
+    """extproc (on a pods file of ``pods``) and Envoy in front of it, both stopped after.
+
+    ``extproc_command`` runs another entry point with extproc's ``serve`` flags (a test
+    wrapper such as ``e2e.slow_scheduler``).
+    """
     with tempfile.TemporaryDirectory(prefix="extproc-stack-") as tmp:
         log_dir = Path(tmp)
         pods_file = write_pods_file(pods, log_dir / "pods.yaml")
@@ -256,6 +295,7 @@ def run_stack(
                 metrics_port=metrics_port,
                 config=config,
                 extra_args=["--num-fallbacks", str(num_fallbacks), *extproc_args],
+                command=extproc_command,
             )
 
         stack: Stack | None = None

@@ -199,7 +199,10 @@ def _render_content(content: object, where: str) -> str:
     for j, part in enumerate(content):
         if not isinstance(part, dict):
             raise _wrong_type(f"{where}.content[{j}]", "an object", part)
-        if part.get("type") not in TEXT_PART_TYPES:
+        kind = part.get("type")
+        if not isinstance(kind, str):  # (an object or a list would not even hash)
+            raise _wrong_type(f"{where}.content[{j}].type", "a string", kind)
+        if kind not in TEXT_PART_TYPES:
             continue
         text = part.get("text")
         if not isinstance(text, str):

@@ -77,8 +77,11 @@ class PendingRecords:
 
     def add(self, request_id: str, pending: _Pending) -> None:
         with self._lock:
+            replaced = self._items.pop(request_id, None)
+            if replaced is not None:  # the id came again before its end: drop the first
+                self.num_dropped += 1
+                self.on_drop(replaced)
             self._items[request_id] = pending
-            self._items.move_to_end(request_id)
             self._expire(pending.created_s)
 
     def pop(self, request_id: str) -> _Pending | None:
@@ -118,7 +121,7 @@ class RouterMetrics:
         self.completions = Counter(
             "extproc_completions",
             "Routed requests whose end Envoy reported, by outcome (recorded, failed, "
-            "unknown_request, unknown_pod).",
+            "unknown_request, unknown_pod; abandoned: Envoy stopped waiting for the route).",
             ["outcome"],
             registry=registry,
         )
@@ -274,6 +277,14 @@ class Router:
         self.scheduler.record(pending.cycle, pod, pending.prefill)
         self.metrics.completions.labels("recorded").inc()
         return True
+
+    def abandon(self, request_id: str) -> None:
+        """The route was never used (Envoy gave up waiting for it): forget it now rather
+        than when it expires, and stop counting it in flight."""
+        pending = self.pending.pop(request_id)
+        if pending is not None:
+            self._end_in_flight(pending)
+            self.metrics.completions.labels("abandoned").inc()
 
     def _end_in_flight(self, pending: _Pending) -> None:
         self.in_flight.end(pending.pick, pending.prefill_tokens)

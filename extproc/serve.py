@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import threading
 from dataclasses import dataclass
 from types import FrameType
@@ -43,6 +44,8 @@ from extproc.server import EXT_PROC_SERVICE, ExtProcHandlers, make_grpc_server, 
 
 log = logging.getLogger("extproc.serve")
 
+STOP_GRACE_S = 2.0  # beyond --drain-s, for the servers to confirm they stopped
+
 
 def _env(name: str, default: Any) -> Any:
     return os.environ.get(f"EXTPROC_{name.upper().replace('-', '_')}", default)
@@ -54,13 +57,13 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--config", default=_env("config", None), help="scheduler config YAML")
     p.add_argument("--address", default=_env("address", "127.0.0.1"), help="bind address")
-    p.add_argument("--grpc-port", type=int, default=int(_env("grpc-port", 9002)))
-    p.add_argument("--health-port", type=int, default=int(_env("health-port", 9003)))
-    p.add_argument("--metrics-port", type=int, default=int(_env("metrics-port", 9090)))
+    p.add_argument("--grpc-port", type=int, default=_env("grpc-port", "9002"))
+    p.add_argument("--health-port", type=int, default=_env("health-port", "9003"))
+    p.add_argument("--metrics-port", type=int, default=_env("metrics-port", "9090"))
     p.add_argument(
         "--num-fallbacks",
         type=int,
-        default=int(_env("num-fallbacks", 2)),
+        default=_env("num-fallbacks", "2"),
         help="pods listed after the pick, for Envoy's retries (default %(default)s)",
     )
     p.add_argument(
@@ -71,7 +74,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--session-ttl-s",
         type=float,
-        default=float(_env("session-ttl-s", 600.0)),
+        default=_env("session-ttl-s", "600"),
         help="session sticky: a session's binding lasts this long after its last use; "
         "0 turns session sticky off (default %(default)s)",
     )
@@ -83,27 +86,35 @@ def register(sub: Any) -> None:
         "speaking the Endpoint Picker Protocol (headers first, body buffered or "
         "full-duplex streamed, destination header + metadata) (default %(default)s)",
     )
-    p.add_argument("--max-body-bytes", type=int, default=int(_env("max-body-bytes", 16 << 20)))
+    p.add_argument(
+        "--grpc-workers",
+        type=int,
+        default=_env("grpc-workers", "256"),
+        help="threads serving gRPC streams: an EPP stream holds one for its request's "
+        "whole life, Envoy's access log one per Envoy worker (at most a quarter); "
+        "streams beyond are refused at once (default %(default)s)",
+    )
+    p.add_argument("--max-body-bytes", type=int, default=_env("max-body-bytes", str(16 << 20)))
     p.add_argument(
         "--scrape-interval-s",
         type=float,
-        default=float(_env("scrape-interval-s", 0.2)),
+        default=_env("scrape-interval-s", "0.2"),
         help="how often each pod's /metrics is scraped (default %(default)s)",
     )
-    p.add_argument("--scrape-timeout-s", type=float, default=float(_env("scrape-timeout-s", 1.0)))
+    p.add_argument("--scrape-timeout-s", type=float, default=_env("scrape-timeout-s", "1.0"))
     p.add_argument(
         "--stale-after-s",
         type=float,
-        default=float(_env("stale-after-s", 2.0)),
+        default=_env("stale-after-s", "2.0"),
         help="a pod without a fresh scrape this long is not ready; 0: no scraping, "
         "readiness from the pods source only (default %(default)s)",
     )
-    p.add_argument("--drain-s", type=float, default=float(_env("drain-s", 10.0)))
+    p.add_argument("--drain-s", type=float, default=_env("drain-s", "10.0"))
     p.add_argument("--log-level", default=_env("log-level", "info"))
     p.add_argument(
         "-v",
         type=int,
-        default=int(_env("v", 0)),
+        default=_env("v", "0"),
         help="verbosity; 4 logs every score plugin's per-pod scores",
     )
     add_source_arguments(p, _env)
@@ -130,14 +141,58 @@ class Running:
         self.watcher.stop()
         if self.scraper is not None:
             self.scraper.stop()
-        self.grpc_server.stop(drain_s).wait()
-        self.health_server.stop(0).wait()
+        # Bounded: grpcio's stop can miss its event after a stream whose message failed to
+        # deserialize (a client that is not Envoy); the drain must end anyway.
+        if not self.grpc_server.stop(drain_s).wait(drain_s + STOP_GRACE_S):
+            log.warning("the gRPC server did not confirm its stop; exiting anyway")
+        self.health_server.stop(0).wait(STOP_GRACE_S)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
 
 
+_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse flag values that cannot work, naming the flag (argparse checks only types).
+
+    Raises:
+        ConfigError: the first bad value.
+    """
+    for flag in ("grpc_port", "health_port", "metrics_port"):
+        port = getattr(args, flag)
+        if not 0 <= port <= 65535:  # grpcio would wrap 99999 to 34463 and serve there
+            raise ConfigError(
+                f"--{flag.replace('_', '-')} must be a port number from 0 to 65535, got {port}"
+            )
+    rules = (
+        ("num_fallbacks", args.num_fallbacks >= 0, "must be 0 or more"),
+        ("grpc_workers", args.grpc_workers >= 4, "must be 4 or more"),
+        ("max_body_bytes", args.max_body_bytes > 0, "must be greater than 0"),
+        ("scrape_interval_s", args.scrape_interval_s > 0, "must be greater than 0"),
+        ("scrape_timeout_s", args.scrape_timeout_s > 0, "must be greater than 0"),
+        ("stale_after_s", args.stale_after_s >= 0, "must be 0 (no scraping) or more"),
+        ("drain_s", args.drain_s >= 0, "must be 0 or more"),
+        ("session_ttl_s", args.session_ttl_s >= 0, "must be 0 (off) or more"),
+        ("v", args.v >= 0, "must be 0 or more"),
+    )
+    for name, ok, rule in rules:
+        if not ok:
+            raise ConfigError(f"--{name.replace('_', '-')} {rule}, got {getattr(args, name)}")
+    if str(args.log_level).lower() not in _LOG_LEVELS:
+        raise ConfigError(
+            f"--log-level must be one of {', '.join(_LOG_LEVELS)}, got {args.log_level!r}"
+        )
+
+
 def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> Running:
-    """Build and start the picker from parsed ``serve`` arguments (raises ConfigError)."""
+    """Build and start the picker from parsed ``serve`` arguments.
+
+    Raises:
+        ConfigError: a bad flag, configuration or pods source.
+        OSError: a port cannot be bound (the message names the address).
+    """
+    check_args(args)
     in_flight = InFlight()
     scheduler = build_scheduler(load_config(args.config), registry, in_flight)
     if args.session_header and args.session_ttl_s > 0:
@@ -166,12 +221,19 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         ExtProcHandlers(router),
         f"{args.address}:{args.grpc_port}",
         process=epp_process(router) if args.protocol == "epp" else None,
+        max_workers=args.grpc_workers,
         max_message_bytes=args.max_body_bytes + (1 << 20),
     )
     health_server, servicer, health_port = make_health_server(f"{args.address}:{args.health_port}")
     metrics_server = None
     if args.metrics_port:
-        metrics_server, _ = start_http_server(args.metrics_port, args.address, registry)
+        try:
+            metrics_server, _ = start_http_server(args.metrics_port, args.address, registry)
+        except OSError as exc:
+            raise OSError(
+                f"cannot bind the metrics server to {args.address}:{args.metrics_port}: "
+                f"{exc.strerror or exc}"
+            ) from None
     grpc_server.start()
     health_server.start()
     watcher.start()
@@ -212,6 +274,11 @@ def configure_logging(level: str, verbosity: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        check_args(args)
+    except ConfigError as exc:
+        print(f"extproc serve: cannot start: {exc}", file=sys.stderr)
+        return 2
     configure_logging(args.log_level, args.v)
     stop = threading.Event()
 

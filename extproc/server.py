@@ -14,7 +14,9 @@ Nothing here knows a plugin; every error is answered, never raised into grpcio.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -99,7 +101,11 @@ class ExtProcHandlers:
         """Stream-unary ``Process``: one message in (the buffered body), one reply out."""
         request_id = ""
         try:
-            message = next(requests, None)
+            try:
+                message = next(requests, None)
+            except grpc.RpcError:  # cancelled, or bytes that are not a message: gRPC answered
+                log.debug("ext_proc stream ended before its message arrived")
+                return ep.ProcessingResponse()
             if message is None:
                 return ep.ProcessingResponse()
             attributes = message.attributes[ATTRIBUTES_KEY].fields
@@ -133,6 +139,11 @@ class ExtProcHandlers:
                 headers=headers,
                 subset=subset_hint(message),
             )
+            if context is not None and not context.is_active():
+                # Envoy stopped waiting (message timeout: a 504 or a fail-open route; or
+                # the client left): no access-log entry will come for this route.
+                self.router.abandon(request_id)
+                return ep.ProcessingResponse()
             prefill = decision.prefill.address if decision.prefill else None
             return route_response(decision.destination, prefill)
         except ExtProcError as exc:
@@ -221,6 +232,48 @@ def one_round_process(handlers: ExtProcHandlers) -> grpc.RpcMethodHandler:
     )
 
 
+class LogStreamBudget:
+    """At most ``limit`` access-log streams at once; past it a new one is refused.
+
+    The sync server holds a worker thread per open stream, and Envoy keeps one
+    access-log stream open per worker thread for good: enough Envoys would otherwise
+    take every thread and leave none to route with.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._slots = threading.BoundedSemaphore(limit)
+        self._warned_s = -float("inf")
+
+    def serve(
+        self,
+        handler: Callable[[Iterator[als_pb2.StreamAccessLogsMessage], Any], Any],
+    ) -> Callable[[Iterator[als_pb2.StreamAccessLogsMessage], Any], Any]:
+        def limited(messages: Iterator[als_pb2.StreamAccessLogsMessage], context: Any) -> Any:
+            if not self._slots.acquire(blocking=False):
+                self._warn()
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"extproc takes at most {self.limit} access-log streams (--grpc-workers / 4)",
+                )
+            try:
+                return handler(messages, context)
+            finally:
+                self._slots.release()
+
+        return limited
+
+    def _warn(self) -> None:
+        now = time.monotonic()
+        if now - self._warned_s > 60:
+            self._warned_s = now
+            log.warning(
+                "refusing an access-log stream: %d are open already (one per Envoy worker); "
+                "their requests are not recorded. Raise --grpc-workers (4 per stream)",
+                self.limit,
+            )
+
+
 def make_grpc_server(
     handlers: ExtProcHandlers,
     address: str,
@@ -232,9 +285,15 @@ def make_grpc_server(
     """The ext_proc + access-log server, bound to ``address``; returns it and its port.
 
     ``process`` replaces the one-round ``Process`` handler (``gateway.epp_process``).
+    Each open stream holds one of ``max_workers`` threads: an EPP stream for its request's
+    whole life, an access-log stream for good. Streams past ``max_workers`` are refused
+    at once (RESOURCE_EXHAUSTED: Envoy answers 500 or fails open) rather than queued
+    until Envoy's message timeout; access logs may take a quarter of the workers.
     """
+    log_streams = LogStreamBudget(max(1, max_workers // 4))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="extproc-grpc"),
+        maximum_concurrent_rpcs=max_workers,
         options=[
             ("grpc.so_reuseport", 0),  # a stale server must not silently share the port
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -251,7 +310,7 @@ def make_grpc_server(
                 ACCESS_LOG_SERVICE,
                 {
                     "StreamAccessLogs": grpc.stream_unary_rpc_method_handler(
-                        handlers.stream_access_logs,
+                        log_streams.serve(handlers.stream_access_logs),
                         request_deserializer=als_pb2.StreamAccessLogsMessage.FromString,
                         response_serializer=als_pb2.StreamAccessLogsResponse.SerializeToString,
                     )
@@ -259,10 +318,21 @@ def make_grpc_server(
             ),
         )
     )
-    port = server.add_insecure_port(address)
+    return server, _bind(server, address, "gRPC")
+
+
+def _bind(server: grpc.Server, address: str, what: str) -> int:
+    """``add_insecure_port``, failing with an ``OSError`` naming the address.
+
+    grpcio reports a failed bind by returning 0 or, in newer versions, a RuntimeError.
+    """
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
     if not port:
-        raise OSError(f"cannot bind the gRPC server to {address}")
-    return server, port
+        raise OSError(f"cannot bind the {what} server to {address} (in use or not local)")
+    return int(port)
 
 
 def make_health_server(address: str) -> tuple[grpc.Server, health.HealthServicer, int]:
@@ -273,9 +343,7 @@ def make_health_server(address: str) -> tuple[grpc.Server, health.HealthServicer
     )
     servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    port = server.add_insecure_port(address)
-    if not port:
-        raise OSError(f"cannot bind the health server to {address}")
+    port = _bind(server, address, "health")
     for service in ("", EXT_PROC_SERVICE):
         servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     return server, servicer, port

@@ -51,7 +51,7 @@ def add_source_arguments(p: argparse.ArgumentParser, env: Callable[[str, Any], A
     g.add_argument(
         "--pods", metavar="FILE", default=env("pods", None), help="pods YAML (default: shipped)"
     )
-    g.add_argument("--pods-poll-s", type=float, default=float(env("pods-poll-s", 1.0)))
+    g.add_argument("--pods-poll-s", type=float, default=env("pods-poll-s", "1.0"))
     g.add_argument(
         "--k8s-selector",
         metavar="SEL",
@@ -62,7 +62,7 @@ def add_source_arguments(p: argparse.ArgumentParser, env: Callable[[str, Any], A
         "--k8s-target-port",
         metavar="PORT",
         type=int,
-        default=_int_or_none(env("k8s-target-port", None)),
+        default=env("k8s-target-port", None),
         help="the model servers' port (with --k8s-selector)",
     )
     g.add_argument(
@@ -109,9 +109,7 @@ def add_source_arguments(p: argparse.ArgumentParser, env: Callable[[str, Any], A
         default=env("k8s-role-label", DEFAULT_ROLE_LABEL),
         help="pod label holding prefill|decode|both (default %(default)s)",
     )
-    g.add_argument(
-        "--k8s-start-timeout-s", type=float, default=float(env("k8s-start-timeout-s", 10.0))
-    )
+    g.add_argument("--k8s-start-timeout-s", type=float, default=env("k8s-start-timeout-s", "10.0"))
 
 
 def make_pods_source(
@@ -168,7 +166,3 @@ def describe_source(args: argparse.Namespace) -> str:
     if args.k8s_selector:
         return f"Kubernetes pods matching {args.k8s_selector}"
     return str(args.pods or DEFAULT_PODS_FILE)
-
-
-def _int_or_none(value: object) -> int | None:
-    return None if value is None else int(str(value))

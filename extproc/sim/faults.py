@@ -1,8 +1,8 @@
 """Injected failures of one pod, set from flags or ``/admin/faults``.
 
 Only the inference endpoints (``/v1/completions``, ``/v1/chat/completions``,
-``/v1/responses``) are affected; ``/health``, ``/metrics`` and ``/admin`` always answer,
-except that ``refuse_connections`` closes the pod's whole port.
+``/v1/responses``) are affected, and ``/metrics`` by ``metrics``; ``/health`` and
+``/admin`` always answer, except that ``refuse_connections`` closes the pod's whole port.
 
 - ``delay_s``: wait this long before handling the request (at most 60 s).
 - ``error_rate`` / ``error_status``: answer that share of requests with that status (a
@@ -14,6 +14,8 @@ except that ``refuse_connections`` closes the pod's whole port.
 - ``die_mid_stream_after_chunks``: a streamed answer is cut (connection aborted, no
   terminating chunk, no ``[DONE]``) after this many SSE events; 0 cuts right after the
   headers. Plain (non-streamed) answers are not affected.
+- ``metrics``: what ``/metrics`` answers: ``ok``; ``error`` (HTTP 500, the endpoint is
+  down while the pod serves); ``garbage`` (HTTP 200, bytes that are not Prometheus text).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 MAX_DELAY_S = 60.0
+METRICS_MODES = ("ok", "error", "garbage")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +35,7 @@ class Faults:
     refuse_connections: bool = False
     die_mid_stream_after_chunks: int | None = None
     delay_s: float = 0.0
+    metrics: str = "ok"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.error_rate <= 1.0:
@@ -44,6 +48,10 @@ class Faults:
             )
         if not 0.0 <= self.delay_s <= MAX_DELAY_S:
             raise ValueError(f"delay_s must be within 0..{MAX_DELAY_S}, got {self.delay_s}")
+        if self.metrics not in METRICS_MODES:
+            raise ValueError(
+                f"metrics must be one of {', '.join(METRICS_MODES)}, got {self.metrics!r}"
+            )
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,6 +76,7 @@ class Faults:
                 "die_mid_stream_after_chunks": value is None
                 or (isinstance(value, int) and not isinstance(value, bool)),
                 "delay_s": isinstance(value, int | float) and not isinstance(value, bool),
+                "metrics": isinstance(value, str),
             }[key]
             if not ok:
                 raise ValueError(f"fault {key!r} has a value of the wrong type: {value!r}")

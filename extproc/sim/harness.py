@@ -136,21 +136,25 @@ def spawn_sim_pods(
     num_pods: int = 2,
     *,
     args: Sequence[str] = (),
+    port: int = 0,
     timeout_s: float = START_TIMEOUT_S,
     stderr: IO[bytes] | None = None,
 ) -> Iterator[SimPods]:
-    """Run ``python -m extproc.sim.pods_cli --pods N --port 0 ARGS`` and wait until it serves.
+    """Run ``python -m extproc.sim.pods_cli --pods N --port PORT ARGS`` and wait until it serves.
 
     Args:
         num_pods: pods to start.
         args: more ``sim-pods`` flags (not ``--pods``/``--port``).
+        port: the first pod's port; 0 (the default): free ports, the admin port too. A
+            pod started again on its old port comes back with an empty cache.
         timeout_s: how long to wait for the ready line.
         stderr: where the process's stderr goes (default: this process's).
 
     Raises:
         RuntimeError: the process exited or stayed silent before serving.
     """
-    cmd = [sys.executable, "-m", "extproc.sim.pods_cli", "--pods", str(num_pods), "--port", "0"]
+    cmd = [sys.executable, "-m", "extproc.sim.pods_cli", "--pods", str(num_pods)]
+    cmd += ["--port", str(port), "--admin-port", "0"]  # a free admin port
     proc = subprocess.Popen(
         [*cmd, *args],
         stdout=subprocess.PIPE,

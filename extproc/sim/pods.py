@@ -58,6 +58,12 @@ if TYPE_CHECKING:  # pyzmq and msgpack are the optional ``sim`` extra: imported 
     from extproc.sim.kv_events import Layout, ZmqEventPublisher
 
 HOST = "127.0.0.1"
+# What a pod's /metrics answers under the "garbage" fault: a vLLM series name with a
+# value that is no number, binary junk, and lines cut in the middle.
+GARBAGE_METRICS = (
+    b'vllm:num_requests_waiting{model_name="x"} many\n\x00\xff\xfe<html>\n'
+    b'vllm:kv_cache_usage_perc{model_name="x" 0.5\n# TYPE\n'
+)
 MAX_BODY_BYTES = 16 * 1024 * 1024  # 4M tokens of text, far over any max_model_len
 MAX_PODS = 256
 RECENT_REQUESTS = 256  # per pod, for /admin/stats
@@ -254,6 +260,10 @@ class SimPod:
         return _json({"object": "list", "data": [card]})
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        if self.faults.metrics == "error":
+            return web.Response(status=500, text="metrics unavailable")
+        if self.faults.metrics == "garbage":
+            return web.Response(body=GARBAGE_METRICS, headers={"Content-Type": CONTENT_TYPE_LATEST})
         return web.Response(
             body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )

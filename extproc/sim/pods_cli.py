@@ -49,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     faults.add_argument("--refuse-connections", action="store_true")
     faults.add_argument("--die-mid-stream-after-chunks", type=int, default=None)
     faults.add_argument("--delay-s", type=float, default=0.0)
+    faults.add_argument("--metrics", choices=("ok", "error", "garbage"), default="ok",
+                        help="what /metrics answers (default ok)")  # fmt: skip
     faults.add_argument("--fault-pods", default=None,
                         help="comma-separated pod indexes the fault flags apply to (default all)")  # fmt: skip
 
@@ -67,6 +69,7 @@ def settings_from_args(args: argparse.Namespace) -> GroupSettings:
             refuse_connections=args.refuse_connections,
             die_mid_stream_after_chunks=args.die_mid_stream_after_chunks,
             delay_s=args.delay_s,
+            metrics=args.metrics,
         )
         fault_pods = None
         if args.fault_pods:

@@ -187,16 +187,38 @@ def test_optional_discovery_flags_reach_the_args() -> None:
             id="standalone-envoy",
         ),
         pytest.param("external", GATEWAY_PEERS, id="external-gateway"),
+        pytest.param("gateway", GATEWAY_PEERS, id="gateway-inference-pool"),
     ],
 )
 def test_network_policy_admits_only_the_gateway_to_ext_proc(
     mode: str, peers: list[dict[str, Any]]
 ) -> None:
-    policy = find(render(MODES[mode]), "NetworkPolicy")["spec"]
+    docs = render(MODES[mode])
+    policy = find(docs, "NetworkPolicy")["spec"]
     assert policy["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "picker"
-    [ext_proc_rule] = [r for r in policy["ingress"] if r["ports"][0]["port"] == 9002]
+    assert policy["policyTypes"] == ["Ingress"]
+    # every rule names its ports (a rule without ports admits every port) ...
+    assert all(r.get("ports") for r in policy["ingress"])
+    assert {p["port"] for r in policy["ingress"] for p in r["ports"]} == {9002, 9003, 9090}
+    # ... and the one naming 9002 names nothing else and admits only the gateway
+    [ext_proc_rule] = [r for r in policy["ingress"] if any(p["port"] == 9002 for p in r["ports"])]
+    assert ext_proc_rule["ports"] == [{"port": 9002, "protocol": "TCP"}]
     assert ext_proc_rule["from"] == peers
-    assert {r["ports"][0]["port"] for r in policy["ingress"]} == {9002, 9003, 9090}
+    # the policy's selector is the picker's pods, whose ext_proc port it names
+    deployment = find(docs, "Deployment", FULLNAME)
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert "--grpc-port=9002" in container["args"]
+    assert {p["containerPort"] for p in container["ports"]} == {9002, 9003, 9090}
+
+
+@pytest.mark.parametrize(
+    "arg", ["--grpc-port=9999", "--address=10.0.0.1", "--metrics-port", "--health-port=1"]
+)
+def test_extra_args_cannot_move_the_ports_the_policy_guards(arg: str) -> None:
+    with pytest.raises(helm_python.HelmValuesError):
+        render({"picker": {"extraArgs": [arg]}})
 
 
 def test_inference_pool_picks_with_extproc() -> None:

@@ -97,7 +97,8 @@ def test_delay_holds_each_request(pods: SimPods) -> None:
 @pytest.mark.parametrize(
     "faults",
     [{"error_rat": 1}, {"error_rate": 2}, {"error_status": 200}, {"delay_s": "1"},
-     {"refuse_connections": 1}, {"die_mid_stream_after_chunks": -1}],
+     {"refuse_connections": 1}, {"die_mid_stream_after_chunks": -1},
+     {"metrics": "down"}, {"metrics": 1}],
 )  # fmt: skip
 def test_bad_faults_are_refused_and_change_nothing(
     pods: SimPods, faults: dict[str, object]
@@ -107,6 +108,18 @@ def test_bad_faults_are_refused_and_change_nothing(
     assert err.value.code == 400
     err.value.close()
     assert pods.faults(0) == pods.faults(1)
+
+
+@pytest.mark.parametrize(("mode", "status"), [("error", 500), ("garbage", 200)])
+def test_metrics_endpoint_down_or_garbage_while_the_pod_serves(
+    pods: SimPods, mode: str, status: int
+) -> None:
+    pods.set_faults(0, metrics=mode)
+    page = httpx.get(pods.pods[0].url + "/metrics", timeout=5)
+    assert page.status_code == status and b"vllm:num_requests_running" not in page.content
+    assert post(pods).status_code == 200
+    pods.clear_faults(0)
+    assert b"vllm:num_requests_running" in httpx.get(pods.pods[0].url + "/metrics").content
 
 
 def test_admin_routes_on_the_pod_port_too(pods: SimPods) -> None:

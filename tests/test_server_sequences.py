@@ -1,0 +1,475 @@
+"""Malformed ext_proc message sequences, straight to the gRPC server, both protocols.
+
+Envoy never sends most of these; a misconfigured gateway, a proxy in between or a
+client on the port might. Every sequence must end in a reply or a clean gRPC status,
+leave nothing pending or in flight, and leave the server routing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Self
+
+import grpc
+import orjson
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
+from extproc.gateway import GatewayHandler, epp_process
+from extproc.routing import Router
+from extproc.server import EXT_PROC_SERVICE, ExtProcHandlers, make_grpc_server
+from tests.factories import PREFIX_ONLY, make_scheduler
+from tests.test_server import PODS, Client, destination, error_of
+
+BODY = orjson.dumps({"model": "m", "prompt": "a prompt long enough to hash " * 4})
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+
+
+def headers(
+    path: str = "/v1/completions", rid: str = "r1", *, eos: bool = False, duplex: bool = False
+) -> ep.ProcessingRequest:
+    pairs = [(":path", path), (":method", "POST"), ("x-request-id", rid)]
+    msg = ep.ProcessingRequest(
+        request_headers=ep.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]
+            ),
+            end_of_stream=eos,
+        )
+    )
+    if duplex:
+        msg.protocol_config.request_body_mode = FULL_DUPLEX
+    return msg
+
+
+def body(data: bytes = BODY, *, eos: bool = True) -> ep.ProcessingRequest:
+    return ep.ProcessingRequest(request_body=ep.HttpBody(body=data, end_of_stream=eos))
+
+
+def response_headers(status: str = "200", *, eos: bool = False) -> ep.ProcessingRequest:
+    hv = base_pb2.HeaderValue(key=":status", raw_value=status.encode())
+    return ep.ProcessingRequest(
+        response_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=[hv]), end_of_stream=eos)
+    )
+
+
+def response_body(*, eos: bool = True) -> ep.ProcessingRequest:
+    return ep.ProcessingRequest(response_body=ep.HttpBody(body=b"data: x\n\n", end_of_stream=eos))
+
+
+def trailers(kind: str) -> ep.ProcessingRequest:
+    return ep.ProcessingRequest(**{kind: ep.HttpTrailers()})
+
+
+def new_router() -> Router:
+    return Router(make_scheduler(PREFIX_ONLY), PODS, registry=CollectorRegistry())
+
+
+def settled(router: Router) -> bool:
+    """Nothing awaits an end and nothing counts in flight (waits for grpcio's threads)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if len(router.pending) == 0 and not router.in_flight.snapshot():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+class Server:
+    """A real gRPC server for one protocol, with a stream-stream and a raw client."""
+
+    def __init__(self, protocol: str, router: Router, max_workers: int = 32) -> None:
+        self.protocol = protocol
+        self.router = router
+        self.server, self.port = make_grpc_server(
+            ExtProcHandlers(router),
+            "127.0.0.1:0",
+            process=epp_process(router) if protocol == "epp" else None,
+            max_workers=max_workers,
+            max_message_bytes=4 * 1024 * 1024,
+        )
+        self.server.start()
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.one_round = Client(self.port)
+        self.bidi = self.channel.stream_stream(
+            f"/{EXT_PROC_SERVICE}/Process",
+            request_serializer=ep.ProcessingRequest.SerializeToString,
+            response_deserializer=ep.ProcessingResponse.FromString,
+        )
+        self.raw = self.channel.stream_stream(f"/{EXT_PROC_SERVICE}/Process")
+
+    def exchange(self, messages: list[ep.ProcessingRequest]) -> list[ep.ProcessingResponse]:
+        return list(self.bidi(iter(messages), timeout=5))
+
+    def close(self) -> None:
+        self.channel.close()
+        self.one_round.channel.close()
+        self.server.stop(0).wait(2)  # bounded: grpcio may miss the event (see test_serve)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@pytest.fixture(params=["one-round", "epp"])
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    with Server(request.param, new_router()) as s:
+        yield s
+
+
+def routed_body(rid: str) -> ep.ProcessingRequest:
+    """The one-round message: the whole body, path and request id as attributes."""
+    msg = body()
+    fields = msg.attributes["envoy.filters.http.ext_proc"].fields
+    fields["request.url_path"].string_value = "/v1/completions"
+    fields["request.id"].string_value = rid
+    return msg
+
+
+def still_routes(s: Server) -> None:
+    """The server answers a good request with a route (and forgets it again)."""
+    if s.protocol == "epp":
+        replies = s.exchange([headers(rid="check"), body()])
+        assert [r for r in replies if r.dynamic_metadata.fields], replies
+    else:
+        assert destination(s.one_round.process(iter([routed_body("check")]), timeout=5))
+        s.router.complete("check", None, False)
+    assert settled(s.router)
+
+
+def kinds(replies: list[ep.ProcessingResponse]) -> list[str | None]:
+    return [r.WhichOneof("response") for r in replies]
+
+
+# -- the one-round protocol ------------------------------------------------------------
+
+ONE_ROUND = {
+    "empty-stream": ([], [None]),
+    "headers-only": ([headers(eos=True)], ["request_headers"]),
+    "response-headers-first": ([response_headers()], ["response_headers"]),
+    "response-body-first": ([response_body()], ["response_body"]),
+    "request-trailers-first": ([trailers("request_trailers")], ["request_trailers"]),
+    "response-trailers-first": ([trailers("response_trailers")], ["response_trailers"]),
+    "body-not-buffered": ([body(eos=False)], ["immediate_response"]),
+    "body-without-attributes": ([body()], ["immediate_response"]),
+}
+
+
+@pytest.mark.parametrize("case", list(ONE_ROUND))
+def test_one_round_malformed_sequences_get_an_answer(case: str) -> None:
+    with Server("one-round", new_router()) as s:
+        messages, expected = ONE_ROUND[case]
+        reply = s.one_round.process(iter(messages), timeout=5)
+        assert [reply.WhichOneof("response")] == expected
+        if expected == ["immediate_response"]:
+            status, error = error_of(reply)
+            assert status == 400 and error["code"] in {"body_not_buffered", "unsupported_endpoint"}
+        assert settled(s.router)
+        still_routes(s)
+
+
+def test_one_round_reads_one_message_and_ignores_the_rest() -> None:
+    with Server("one-round", new_router()) as s:
+        reply = s.one_round.process(
+            iter([routed_body("two"), body(b"{junk"), response_headers()]), timeout=5
+        )
+        assert destination(reply)
+        assert len(s.router.pending) == 1
+
+
+# -- the Endpoint Picker Protocol ------------------------------------------------------
+
+EPP = {
+    "body-before-headers": ([body()], ["immediate_response"], 400),
+    "headers-without-body": ([headers(eos=True)], ["immediate_response"], 400),
+    "headers-then-nothing": ([headers()], ["request_headers"], None),
+    "buffered-body-in-pieces": (
+        [headers(), body(b'{"model":', eos=False)],
+        ["request_headers", "immediate_response"],
+        400,
+    ),
+    "response-before-request": (
+        [response_headers(), response_body()],
+        ["response_headers", "response_body"],
+        None,
+    ),
+    "trailers-only": ([trailers("request_trailers")], ["request_trailers"], None),
+    "headers-twice": (
+        [headers(rid="a"), headers(rid="b"), body(), response_headers(), response_body()],
+        ["request_headers", "request_headers", "request_body", "response_headers", "response_body"],
+        None,
+    ),
+    "bad-body": ([headers(), body(b"{nope")], ["request_headers", "immediate_response"], 400),
+    "stream-ends-after-routing": ([headers(), body()], ["request_headers", "request_body"], None),
+    "error-status-response": (
+        [headers(), body(), response_headers("503"), response_body()],
+        ["request_headers", "request_body", "response_headers", "response_body"],
+        None,
+    ),
+    "messages-after-the-end": (
+        [headers(), body(), response_headers(eos=True), response_body(), body()],
+        ["request_headers", "request_body", "response_headers"],
+        None,
+    ),
+    "duplex-body-never-ends": (
+        [headers(duplex=True), body(b'{"model"', eos=False), body(b':"m"', eos=False)],
+        [],
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(EPP))
+def test_epp_malformed_sequences_get_an_answer_and_leave_nothing_behind(case: str) -> None:
+    with Server("epp", new_router()) as s:
+        messages, expected, status = EPP[case]
+        replies = s.exchange(messages)
+        assert kinds(replies) == expected
+        if status is not None:
+            assert error_of(replies[-1])[0] == status
+        assert settled(s.router), (len(s.router.pending), s.router.in_flight.snapshot())
+        still_routes(s)
+
+
+def test_epp_records_only_a_2xx_response_that_ended() -> None:
+    router = new_router()
+    with Server("epp", router) as s:
+        s.exchange([headers(rid="fail"), body(), response_headers("503"), response_body()])
+        s.exchange([headers(rid="cut"), body(), response_headers(), response_body(eos=False)])
+        assert router.metrics.completions.labels("recorded")._value.get() == 0
+        s.exchange([headers(rid="ok"), body(), response_headers(), response_body()])
+        assert router.metrics.completions.labels("recorded")._value.get() == 1
+
+
+message_kinds = st.sampled_from(
+    ["headers", "headers-eos", "duplex-headers", "body", "partial-body", "bad-body",
+     "response-headers", "response-503", "response-body", "response-body-eos",
+     "request-trailers", "response-trailers"]
+)  # fmt: skip
+MAKE = {
+    "headers": lambda i: headers(rid=f"h{i}"),
+    "headers-eos": lambda i: headers(rid=f"h{i}", eos=True),
+    "duplex-headers": lambda i: headers(rid=f"h{i}", duplex=True),
+    "body": lambda i: body(),
+    "partial-body": lambda i: body(b'{"model":"m",', eos=False),
+    "bad-body": lambda i: body(b"\xff"),
+    "response-headers": lambda i: response_headers(),
+    "response-503": lambda i: response_headers("503"),
+    "response-body": lambda i: response_body(eos=False),
+    "response-body-eos": lambda i: response_body(),
+    "request-trailers": lambda i: trailers("request_trailers"),
+    "response-trailers": lambda i: trailers("response_trailers"),
+}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(message_kinds, max_size=8))
+def test_any_epp_sequence_is_answered_and_leaves_nothing_in_flight(sequence: list[str]) -> None:
+    router = new_router()
+    handler = GatewayHandler(router)
+    replies = list(handler.process(iter(MAKE[k](i) for i, k in enumerate(sequence)), None))
+    assert all(isinstance(r, ep.ProcessingResponse) for r in replies)
+    assert len(router.pending) == 0 and not router.in_flight.snapshot()
+
+
+# -- gRPC-level abuse, both protocols ---------------------------------------------------
+
+
+def test_bytes_that_are_not_a_message_get_a_grpc_error(server: Server) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        list(server.raw(iter([b"\xff\xff\xff not protobuf"]), timeout=5))
+    assert info.value.code() in {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+    still_routes(server)
+
+
+def test_a_message_over_the_limit_is_refused(server: Server) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        server.exchange([body(b"x" * (5 * 1024 * 1024))])
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    still_routes(server)
+
+
+class Errors(logging.Handler):
+    """ERROR records of extproc's loggers, from any thread."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def errors() -> Iterator[Errors]:
+    handler = Errors()
+    logger = logging.getLogger("extproc")
+    logger.addHandler(handler)
+    yield handler
+    logger.removeHandler(handler)
+
+
+def test_cancelled_streams_log_no_error_and_leave_nothing(server: Server, errors: Errors) -> None:
+    """Envoy cancels the stream when its message timeout passes or the client leaves."""
+    gate = threading.Event()
+
+    def stalled() -> Iterator[ep.ProcessingRequest]:
+        if server.protocol == "epp":  # routed, then the stream is cut before the response
+            yield headers(rid="cancelled")
+            yield body()
+        gate.wait(5)
+
+    call = server.bidi(stalled(), timeout=5)
+    time.sleep(0.3)
+    call.cancel()
+    gate.set()
+    assert settled(server.router)
+    time.sleep(0.1)
+    assert errors.messages == []
+    still_routes(server)
+
+
+def test_a_route_the_caller_gave_up_on_is_forgotten(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Envoy's message timeout passed while extproc was routing (504, or fail-open): no
+    access-log entry will ever come for it, so it must not stay pending and in flight."""
+    route = server.router.route
+
+    def slow_route(*args: object, **kwargs: object) -> object:
+        time.sleep(0.4)
+        return route(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(server.router, "route", slow_route)
+    messages = [headers(rid="late"), body()] if server.protocol == "epp" else [routed_body("late")]
+    with pytest.raises(grpc.RpcError) as info:
+        list(server.bidi(iter(messages), timeout=0.1))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    time.sleep(0.5)
+    assert settled(server.router), (len(server.router.pending), server.router.in_flight.snapshot())
+    monkeypatch.undo()
+    still_routes(server)
+
+
+def test_a_repeated_request_id_does_not_leak_in_flight() -> None:
+    """Envoy generates request ids, but a gateway may keep the client's: the same id
+    routed twice before its end must not leave the first counted in flight for ever."""
+    with Server("one-round", new_router()) as s:
+        for _ in range(2):
+            assert destination(s.one_round.process(iter([routed_body("dup")]), timeout=5))
+        s.router.complete("dup", None, False)
+        assert settled(s.router), s.router.in_flight.snapshot()
+
+
+def test_epp_streams_with_the_same_request_id_record_each_their_own() -> None:
+    router = new_router()
+    with Server("epp", router) as s:
+        gate = threading.Event()
+
+        def first() -> Iterator[ep.ProcessingRequest]:
+            yield headers(rid="same")
+            yield body(orjson.dumps({"model": "m", "prompt": "first prompt " * 10}))
+            gate.wait(5)
+            yield response_headers()
+            yield response_body()
+
+        call = s.bidi(first(), timeout=10)
+        assert next(call).WhichOneof("response") == "request_headers"
+        assert next(call).WhichOneof("response") == "request_body"
+        s.exchange(
+            [
+                headers(rid="same"),
+                body(orjson.dumps({"model": "m", "prompt": "second prompt " * 10})),
+                response_headers(),
+                response_body(),
+            ]
+        )
+        gate.set()
+        assert len(list(call)) == 2
+        assert router.metrics.completions.labels("recorded")._value.get() == 2
+        assert settled(router)
+
+
+def test_epp_full_duplex_body_over_the_limit_is_refused_while_it_streams() -> None:
+    """FULL_DUPLEX_STREAMED has no Envoy buffer limit: extproc must not buffer without one."""
+    router = Router(
+        make_scheduler(PREFIX_ONLY), PODS, registry=CollectorRegistry(), max_body_bytes=1000
+    )
+    with Server("epp", router) as s:
+
+        def chunks() -> Iterator[ep.ProcessingRequest]:
+            yield headers(duplex=True)
+            for _ in range(50):  # 30 KB in all, never ending: the answer must come early
+                yield body(b" " * 600, eos=False)
+
+        replies = list(s.bidi(chunks(), timeout=5))
+        assert kinds(replies) == ["immediate_response"]
+        status, error = error_of(replies[0])
+        assert status == 413 and error["code"] == "body_too_large"
+        assert settled(router)
+
+
+@contextmanager
+def held_streams(channel: grpc.Channel, count: int, method: str) -> Iterator[list[grpc.Future]]:
+    """``count`` long-lived streams that send nothing until the block ends (Envoy's
+    access-log streams, or EPP requests whose responses are still streaming)."""
+    gate = threading.Event()
+
+    def idle() -> Iterator[bytes]:
+        gate.wait(10)
+        return
+        yield b""
+
+    call = channel.stream_unary(method)
+    try:
+        yield [call.future(idle(), timeout=10) for _ in range(count)]
+    finally:
+        gate.set()
+
+
+ACCESS_LOG = "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs"
+
+
+def test_access_log_streams_cannot_take_every_worker() -> None:
+    """Envoy keeps one access-log stream per worker thread, for ever: 4 Envoys with 8
+    workers each must not leave no thread to route with."""
+    with (
+        Server("one-round", new_router(), max_workers=8) as s,
+        held_streams(s.channel, 8, ACCESS_LOG) as held,
+    ):
+        time.sleep(0.5)
+        started = time.monotonic()
+        assert destination(s.one_round.process(iter([routed_body("r")]), timeout=3))
+        assert time.monotonic() - started < 1
+        refused = [f for f in held if f.done() and f.exception() is not None]
+        assert refused and all(
+            f.exception().code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[union-attr]
+            for f in refused
+        )
+
+
+def test_epp_streams_beyond_the_workers_are_refused_at_once_not_queued() -> None:
+    """Each EPP request holds a worker until its response ends; past the budget a new one
+    fails fast (Envoy answers or fails open) instead of waiting out the message timeout."""
+    with (
+        Server("epp", new_router(), max_workers=4) as s,
+        held_streams(s.channel, 4, f"/{EXT_PROC_SERVICE}/Process") as held,
+    ):
+        time.sleep(0.5)
+        assert not any(f.done() for f in held)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            s.exchange([headers(rid="fifth"), body()])
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert time.monotonic() - started < 1
