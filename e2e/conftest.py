@@ -66,15 +66,29 @@ def unique_prefix() -> str:
 def metric(stack: Stack, name: str, labels: str = "") -> float:
     """One sample of extproc's /metrics (0 when absent)."""
     pattern = re.compile(rf"^{re.escape(name)}(\{{{re.escape(labels)}\}})? (\S+)$", re.MULTILINE)
-    match = pattern.search(stack.metrics_text())
+    deadline = time.monotonic() + 5.0
+    while True:  # a loaded machine can be slow to accept: retry briefly, then fail
+        try:
+            text = stack.metrics_text()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    match = pattern.search(text)
     return float(match.group(2)) if match else 0.0
 
 
 def wait_for(predicate: object, timeout_s: float = 5.0) -> bool:
+    """Poll ``predicate`` until true; a connection error (a process starting, restarting
+    or draining under load) counts as not yet."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return True
+        try:
+            if predicate():  # type: ignore[operator]
+                return True
+        except OSError:
+            pass
         time.sleep(0.02)
     return False
 
