@@ -17,17 +17,10 @@ import pytest
 
 from extproc.launch import Stack, run_stack
 from extproc.sim.harness import SimPods, spawn_sim_pods
-from extproc.types import Pod, PodId
 
 MODEL = "sim-llm"
+RECORDED = ("extproc_completions_total", 'outcome="recorded"')
 NUM_PODS = 4
-
-
-def pods_of(sim: SimPods) -> list[Pod]:
-    return [
-        Pod(PodId("default", p.name), f"127.0.0.1:{p.port}", frozenset({sim.model}))
-        for p in sim.pods
-    ]
 
 
 @pytest.fixture(scope="package")
@@ -41,7 +34,7 @@ PREFIX_CONFIG = Path(__file__).with_name("prefix-cache.yaml")
 
 @pytest.fixture(scope="package")
 def stack(sim: SimPods) -> Iterator[Stack]:
-    with run_stack(pods_of(sim), config=PREFIX_CONFIG) as running:
+    with run_stack(sim.as_pods(), config=PREFIX_CONFIG) as running:
         yield running
 
 

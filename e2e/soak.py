@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from e2e.conftest import MODEL, metric, pods_of, wait_for
+from e2e.conftest import MODEL, metric, wait_for
 from e2e.test_routing import body_for
 from extproc.launch import Stack, Usage, run_stack
 from extproc.sim.harness import spawn_sim_pods
@@ -174,7 +174,7 @@ def soak_stack(pods: int, cache_size: int) -> Iterator[Stack]:
         sim_args = ["--model", MODEL, "--time-scale", "0.01", "--max-num-seqs", "64"]
         with (
             spawn_sim_pods(pods, args=sim_args) as sim,
-            run_stack(pods_of(sim), config=config) as stack,
+            run_stack(sim.as_pods(), config=config) as stack,
         ):
             yield stack
 

@@ -24,7 +24,6 @@ from e2e.conftest import (
     PREFIX_CONFIG,
     background_load,
     metric,
-    pods_of,
     unique_prefix,
     wait_for,
 )
@@ -48,7 +47,7 @@ def victim_port() -> int:
 @pytest.fixture(scope="module")
 def all_pods(sim: SimPods, victim_port: int) -> list[Pod]:
     victim = Pod(PodId("default", VICTIM), f"127.0.0.1:{victim_port}", frozenset({MODEL}))
-    return [*pods_of(sim), victim]
+    return [*sim.as_pods(), victim]
 
 
 @pytest.fixture(scope="module")

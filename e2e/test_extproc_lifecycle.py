@@ -19,7 +19,6 @@ from e2e.conftest import (
     PREFIX_CONFIG,
     background_load,
     metric,
-    pods_of,
     unique_prefix,
     wait_for,
 )
@@ -37,7 +36,7 @@ DRAIN_S = 3.0
 @pytest.fixture(scope="module", params=[False, True], ids=["fail-closed", "fail-open"])
 def lifecycle_stack(request: pytest.FixtureRequest, sim: SimPods) -> Iterator[Stack]:
     with run_stack(
-        pods_of(sim),
+        sim.as_pods(),
         config=PREFIX_CONFIG,
         failure_mode_allow=request.param,
         extproc_args=["--drain-s", str(DRAIN_S)],

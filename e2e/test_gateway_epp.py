@@ -10,13 +10,11 @@ from typing import Any
 import httpx
 import pytest
 
-from e2e.conftest import MODEL, PREFIX_CONFIG, metric, pods_of, unique_prefix, wait_for
+from e2e.conftest import MODEL, PREFIX_CONFIG, RECORDED, metric, unique_prefix, wait_for
 from e2e.test_security import client_routing_headers
 from extproc.epp import INTERNAL_HEADERS
 from extproc.launch import Stack, run_stack
 from extproc.sim.harness import SimPods
-
-RECORDED = ("extproc_completions_total", 'outcome="recorded"')
 
 
 def gateway_style(body_mode: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
@@ -52,7 +50,7 @@ def gateway_style(body_mode: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
 @pytest.fixture(scope="module", params=["BUFFERED", "FULL_DUPLEX_STREAMED"])
 def epp_stack(request: pytest.FixtureRequest, sim: SimPods) -> Iterator[Stack]:
     with run_stack(
-        pods_of(sim),
+        sim.as_pods(),
         config=PREFIX_CONFIG,
         extproc_args=["--protocol", "epp"],
         envoy_transform=gateway_style(request.param),

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from e2e.conftest import MODEL, pods_of, wait_for
+from e2e.conftest import MODEL, wait_for
 from extproc.launch import Stack, run_stack
 from extproc.sim.harness import SimPods, spawn_sim_pods
 
@@ -24,7 +24,7 @@ def slow_pods() -> Iterator[SimPods]:
 
 @pytest.fixture(scope="module")
 def default_stack(slow_pods: SimPods) -> Iterator[Stack]:
-    with run_stack(pods_of(slow_pods)) as stack:  # the shipped default configuration
+    with run_stack(slow_pods.as_pods()) as stack:  # the shipped default configuration
         yield stack
 
 

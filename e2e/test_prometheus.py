@@ -22,7 +22,7 @@ import httpx
 import pytest
 import yaml
 
-from e2e.conftest import MODEL, NUM_PODS, pods_of, unique_prefix
+from e2e.conftest import MODEL, NUM_PODS, unique_prefix
 from extproc.launch import Proc, Stack, free_port, run_stack, spawn, wait_until
 from extproc.sim.harness import SimPods
 from extproc.types import Pod, PodId
@@ -57,7 +57,7 @@ def picker(sim: SimPods, tmp_path: Path) -> Iterator[Stack]:
     # Nothing listens at the dead pod's address: extproc's scrapes of it fail (the scrape
     # error series) and a request sent there is retried on the next listed pod.
     dead = Pod(PodId("default", "dead"), f"127.0.0.1:{free_port()}", frozenset({MODEL}))
-    with run_stack([*pods_of(sim), dead], config=config) as stack:
+    with run_stack([*sim.as_pods(), dead], config=config) as stack:
         yield stack
 
 

@@ -6,11 +6,9 @@ import httpx
 import openai
 import pytest
 
-from e2e.conftest import MODEL, metric, unique_prefix, wait_for
+from e2e.conftest import MODEL, RECORDED, metric, unique_prefix, wait_for
 from extproc.launch import Stack
 from extproc.sim.harness import SimPods
-
-RECORDED = ("extproc_completions_total", 'outcome="recorded"')
 
 
 def body_for(api: str, prefix: str, question: str, **extra: object) -> dict[str, object]:

@@ -8,18 +8,16 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from e2e.conftest import MODEL, metric, pods_of, wait_for
+from e2e.conftest import MODEL, RECORDED, metric, wait_for
 from extproc.launch import Stack, run_stack
 from extproc.sim.harness import SimPods
 from extproc.types import PodRole
-
-RECORDED = ("extproc_completions_total", 'outcome="recorded"')
 
 
 @pytest.fixture(scope="module")
 def pd_stack(sim: SimPods) -> Iterator[Stack]:
     """sim-0, sim-1 decode; sim-2, sim-3 prefill; the shipped default configuration."""
-    pods = pods_of(sim)
+    pods = sim.as_pods()
     roles = [PodRole.DECODE, PodRole.DECODE, PodRole.PREFILL, PodRole.PREFILL]
     with run_stack([dataclasses.replace(p, role=r) for p, r in zip(pods, roles)]) as stack:
         yield stack

@@ -21,7 +21,6 @@ import httpx
 
 from extproc.launch import run_stack
 from extproc.sim.harness import SimPods, spawn_sim_pods
-from extproc.types import Pod, PodId
 
 TENANTS = ("acme", "globex", "initech", "umbrella", "hooli", "wonka", "stark", "wayne")
 # Each pod holds 192 blocks of 16 tokens, about four tenants' system prompts: round robin
@@ -91,10 +90,7 @@ def run_demo(num_requests: int, concurrency: int, seed: int) -> int:
     workload = make_workload(num_requests, seed)
     print(f"starting 4 simulated vLLM pods, extproc and Envoy; {num_requests} requests")
     with spawn_sim_pods(4, args=SIM_ARGS) as sim:
-        pods = [
-            Pod(PodId("default", p.name), f"127.0.0.1:{p.port}", frozenset({sim.model}))
-            for p in sim.pods
-        ]
+        pods = sim.as_pods()
         names = [p.name for p in sim.pods]
         with run_stack(pods) as stack:
             before = engine_counters(sim)

@@ -16,7 +16,7 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from e2e.conftest import metric, wait_for
+from e2e.conftest import RECORDED, metric, wait_for
 from e2e.real_vllm.pods import MODEL, VllmPod, metric_sum
 from extproc.datalayer.scrape import MetricsScraper
 from extproc.datalayer.store import PodStore
@@ -24,7 +24,6 @@ from extproc.launch import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_vllm, pytest.mark.timeout(900)]
 
-RECORDED = ("extproc_completions_total", 'outcome="recorded"')
 COUNTERS = ("vllm:request_success_total", "vllm:prefix_cache_hits_total")
 
 

@@ -34,6 +34,7 @@ import orjson
 
 import extproc
 from extproc.sim.pods import GroupSettings, PodGroup
+from extproc.types import Pod, PodId
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
@@ -60,6 +61,13 @@ class SimPods:
     def from_description(cls, desc: dict[str, Any], pid: int | None = None) -> SimPods:
         pods = tuple(SimPodInfo(p["name"], p["url"], p["port"]) for p in desc["pods"])
         return cls(desc["model"], desc["admin_url"], pods, pid)
+
+    def as_pods(self, namespace: str = "default") -> list[Pod]:
+        """The pods as extproc sees them (pods file, launch.run_stack): all ready."""
+        return [
+            Pod(PodId(namespace, p.name), f"127.0.0.1:{p.port}", frozenset({self.model}))
+            for p in self.pods
+        ]
 
     @property
     def urls(self) -> list[str]:
