@@ -28,18 +28,18 @@ import itertools
 import logging
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
-import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc.epp import DESTINATION_KEY, DESTINATION_NAMESPACE, INTERNAL_HEADERS
 from extproc.errors import BadRequest, BodyTooLarge, ExtProcError
+from extproc.grpc_loop import Answer, Method, run_off_loop
 from extproc.routing import RouteDecision, Router
-from extproc.server import error_response, route_metadata, subset_hint
+from extproc.server import OFF_LOOP_BODY_BYTES, error_response, route_metadata, subset_hint
 
 log = logging.getLogger("extproc.gateway")
 
@@ -82,28 +82,10 @@ class GatewayHandler:
         self.router = router
         self._streams = itertools.count()
 
-    def process(
-        self, requests: Iterator[ep.ProcessingRequest], context: Any
-    ) -> Iterator[ep.ProcessingResponse]:
-        x = _Exchange()
-        try:
-            for message in requests:
-                yield from self._handle(x, message)
-                if x.done:
-                    return
-        except grpc.RpcError:  # cancelled (timeout, client gone) or not a message
-            log.debug("request %s: ext_proc stream ended early", x.request_id)
-        except ExtProcError as exc:
-            yield error_response(exc)
-        except Exception:
-            log.exception("request %s: unexpected error while routing", x.request_id)
-            yield error_response(
-                ExtProcError(f"internal error in the endpoint picker (request id {x.request_id})")
-            )
-        finally:
-            self._finish(x)
+    def open(self) -> _EppStream:
+        return _EppStream(self)
 
-    def _handle(
+    def handle(
         self, x: _Exchange, message: ep.ProcessingRequest
     ) -> Iterator[ep.ProcessingResponse]:
         kind = message.WhichOneof("request")
@@ -226,7 +208,7 @@ class GatewayHandler:
         served = x.served or x.decision.pods[0].address
         self.router.complete(x.key, served, ok and 200 <= x.status < 300)
 
-    def _finish(self, x: _Exchange) -> None:
+    def finish(self, x: _Exchange) -> None:
         """The stream ended: a routed request without a successful end failed."""
         if x.decision is not None and not x.done:
             x.done = True
@@ -242,10 +224,50 @@ def _served(message: ep.ProcessingRequest) -> str | None:
     return None
 
 
-def epp_process(router: Router) -> grpc.RpcMethodHandler:
-    """``Process`` for Endpoint Picker Protocol gateways: stream-stream."""
-    return grpc.stream_stream_rpc_method_handler(
-        GatewayHandler(router).process,
-        request_deserializer=ep.ProcessingRequest.FromString,
-        response_serializer=ep.ProcessingResponse.SerializeToString,
+class _EppStream:
+    """One EPP stream: its request's messages in, replies out as the protocol asks."""
+
+    __slots__ = ("_handler", "_x")
+
+    def __init__(self, handler: GatewayHandler) -> None:
+        self._handler = handler
+        self._x = _Exchange()
+
+    def on_message(self, message: ep.ProcessingRequest) -> Answer | Future[Answer]:
+        body = message.request_body
+        if body.end_of_stream and len(self._x.body) + len(body.body) >= OFF_LOOP_BODY_BYTES:
+            return run_off_loop(lambda: self._answer(message))
+        return self._answer(message)
+
+    def _answer(self, message: ep.ProcessingRequest) -> Answer:
+        x = self._x
+        try:
+            replies = list(self._handler.handle(x, message))
+        except ExtProcError as exc:
+            return Answer((error_response(exc),), end=True)
+        except Exception:
+            log.exception("request %s: unexpected error while routing", x.request_id)
+            error = ExtProcError(
+                f"internal error in the endpoint picker (request id {x.request_id})"
+            )
+            return Answer((error_response(error),), end=True)
+        return Answer(replies, end=x.done)
+
+    def on_input_end(self) -> Answer:
+        return Answer(end=True)
+
+    def on_close(self, delivered: bool) -> None:
+        if not delivered:
+            log.debug("request %s: ext_proc stream ended early", self._x.request_id)
+        self._handler.finish(self._x)
+
+
+def epp_process(router: Router) -> Method:
+    """``Process`` for Endpoint Picker Protocol gateways: messages both ways, as they come."""
+    handler = GatewayHandler(router)
+    return Method(
+        parse=ep.ProcessingRequest.FromString,
+        serialize=ep.ProcessingResponse.SerializeToString,
+        open=handler.open,
+        name="ProcessingRequest",
     )

@@ -37,6 +37,7 @@ from extproc.datalayer.sources import (
 from extproc.datalayer.store import PodStore
 from extproc.errors import ConfigError
 from extproc.gateway import epp_process
+from extproc.grpc_loop import LoopServer
 from extproc.routing import Router
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.sessions import SessionStore
@@ -87,12 +88,12 @@ def register(sub: Any) -> None:
         "full-duplex streamed, destination header + metadata) (default %(default)s)",
     )
     p.add_argument(
-        "--grpc-workers",
+        "--max-streams",
         type=int,
-        default=_env("grpc-workers", "256"),
-        help="threads serving gRPC streams: an EPP stream holds one for its request's "
-        "whole life, Envoy's access log one per Envoy worker (at most a quarter); "
-        "streams beyond are refused at once (default %(default)s)",
+        default=_env("max-streams", "4096"),
+        help="gRPC streams open at once: one per request being routed (EPP: for the "
+        "request's whole life) and one access log per Envoy worker; streams beyond are "
+        "refused at once (default %(default)s)",
     )
     p.add_argument("--max-body-bytes", type=int, default=_env("max-body-bytes", str(16 << 20)))
     p.add_argument(
@@ -126,7 +127,7 @@ class Running:
     """A started picker; ``stop()`` drains and shuts everything down."""
 
     router: Router
-    grpc_server: grpc.Server
+    grpc_server: LoopServer
     grpc_port: int
     health_server: grpc.Server
     health_servicer: health.HealthServicer
@@ -141,8 +142,7 @@ class Running:
         self.watcher.stop()
         if self.scraper is not None:
             self.scraper.stop()
-        # Bounded: grpcio's stop can miss its event after a stream whose message failed to
-        # deserialize (a client that is not Envoy); the drain must end anyway.
+        # Bounded: the drain must end even if a stream ignores the cancellation.
         if not self.grpc_server.stop(drain_s).wait(drain_s + STOP_GRACE_S):
             log.warning("the gRPC server did not confirm its stop; exiting anyway")
         self.health_server.stop(0).wait(STOP_GRACE_S)
@@ -167,7 +167,7 @@ def check_args(args: argparse.Namespace) -> None:
             )
     rules = (
         ("num_fallbacks", args.num_fallbacks >= 0, "must be 0 or more"),
-        ("grpc_workers", args.grpc_workers >= 4, "must be 4 or more"),
+        ("max_streams", args.max_streams >= 4, "must be 4 or more"),
         ("max_body_bytes", args.max_body_bytes > 0, "must be greater than 0"),
         ("scrape_interval_s", args.scrape_interval_s > 0, "must be greater than 0"),
         ("scrape_timeout_s", args.scrape_timeout_s > 0, "must be greater than 0"),
@@ -221,7 +221,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         ExtProcHandlers(router),
         f"{args.address}:{args.grpc_port}",
         process=epp_process(router) if args.protocol == "epp" else None,
-        max_workers=args.grpc_workers,
+        max_streams=args.max_streams,
         max_message_bytes=args.max_body_bytes + (1 << 20),
     )
     health_server, servicer, health_port = make_health_server(f"{args.address}:{args.health_port}")

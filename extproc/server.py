@@ -2,23 +2,21 @@
 
 One ext_proc message round per request (``envoy/README.md``): Envoy skips the request
 headers and sends the buffered body with the attributes extproc needs (path, request id,
-session header). ``Process`` is registered stream-unary: it reads that one message and
-returns one reply, with the ordered pod list in dynamic metadata
+session header). ``Process`` reads that one message and answers with one reply and the
+OK status together: the ordered pod list in dynamic metadata
 ``envoy.lb/x-gateway-destination-endpoint``, or an ``ImmediateResponse`` carrying the
 OpenAI-style JSON error. ``StreamAccessLogs`` receives one entry per routed request as it
 ends, which tells whether the response ended successfully and which pod served it.
+Both run on ``grpc_loop.LoopServer`` (one thread, no hand-offs: why is there).
 
-Nothing here knows a plugin; every error is answered, never raised into grpcio.
+Nothing here knows a plugin; every error is answered, never raised into the loop.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections.abc import Callable, Iterator
 from concurrent import futures
-from typing import Any
+from concurrent.futures import Future
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -41,12 +39,18 @@ from extproc.epp import (
     header_attribute,
 )
 from extproc.errors import BadRequest, ExtProcError
+from extproc.grpc_loop import Answer, LoopServer, Method, run_off_loop
 from extproc.routing import Router
 
 log = logging.getLogger("extproc.server")
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 ACCESS_LOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
+
+# Bodies this big take tens of milliseconds and more to parse and render (a quarter of a
+# million chat messages: about 0.7 s); they are routed off the loop so that the requests
+# behind them are not held up.
+OFF_LOOP_BODY_BYTES = 1 << 20
 
 _JSON_CONTENT_TYPE = base_pb2.HeaderValueOption(
     header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json")
@@ -85,7 +89,7 @@ def route_response(destination: str, prefill: str | None = None) -> ep.Processin
 
 
 class ExtProcHandlers:
-    """The two RPC handlers, over one ``Router``."""
+    """The two services' logic over one ``Router``: route a body, complete a log entry."""
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -95,19 +99,11 @@ class ExtProcHandlers:
 
     # -- ext_proc --------------------------------------------------------------------
 
-    def process(
-        self, requests: Iterator[ep.ProcessingRequest], context: Any
-    ) -> ep.ProcessingResponse:
-        """Stream-unary ``Process``: one message in (the buffered body), one reply out."""
+    def process(self, message: ep.ProcessingRequest) -> tuple[ep.ProcessingResponse, str | None]:
+        """The one-round ``Process`` message -> the reply, and the request id routed (to
+        forget if the reply never reaches Envoy). Every error becomes the reply."""
         request_id = ""
         try:
-            try:
-                message = next(requests, None)
-            except grpc.RpcError:  # cancelled, or bytes that are not a message: gRPC answered
-                log.debug("ext_proc stream ended before its message arrived")
-                return ep.ProcessingResponse()
-            if message is None:
-                return ep.ProcessingResponse()
             attributes = message.attributes[ATTRIBUTES_KEY].fields
             request_id = attributes[REQUEST_ID_ATTRIBUTE].string_value
             kind = message.WhichOneof("request")
@@ -120,7 +116,7 @@ class ExtProcHandlers:
                     request_id,
                     kind,
                 )
-                return _continue(kind)
+                return _continue(kind), None
             body = message.request_body
             if not body.end_of_stream:
                 raise BadRequest(
@@ -139,38 +135,25 @@ class ExtProcHandlers:
                 headers=headers,
                 subset=subset_hint(message),
             )
-            if context is not None and not context.is_active():
-                # Envoy stopped waiting (message timeout: a 504 or a fail-open route; or
-                # the client left): no access-log entry will come for this route.
-                self.router.abandon(request_id)
-                return ep.ProcessingResponse()
             prefill = decision.prefill.address if decision.prefill else None
-            return route_response(decision.destination, prefill)
+            return route_response(decision.destination, prefill), request_id or None
         except ExtProcError as exc:
             log.debug("request %s: %s %s", request_id, exc.http_status, exc.message)
-            return error_response(exc)
+            return error_response(exc), None
         except Exception:
             log.exception("request %s: unexpected error while routing", request_id)
-            return error_response(
-                ExtProcError(f"internal error in the endpoint picker (request id {request_id})")
-            )
+            error = ExtProcError(f"internal error in the endpoint picker (request id {request_id})")
+            return error_response(error), None
 
     # -- access log ------------------------------------------------------------------
 
-    def stream_access_logs(
-        self, messages: Iterator[als_pb2.StreamAccessLogsMessage], context: Any
-    ) -> als_pb2.StreamAccessLogsResponse:
-        """Client-streaming ``StreamAccessLogs``: one entry per routed request as it ends."""
-        try:
-            for message in messages:
-                for entry in message.http_logs.log_entry:
-                    try:
-                        self._complete(entry)
-                    except Exception:
-                        log.exception("access log entry %s", entry.request.request_id)
-        except grpc.RpcError:
-            pass  # Envoy went away; it reopens the stream when it comes back
-        return als_pb2.StreamAccessLogsResponse()
+    def complete(self, message: als_pb2.StreamAccessLogsMessage) -> None:
+        """One access-log message: each entry tells how a routed request ended."""
+        for entry in message.http_logs.log_entry:
+            try:
+                self._complete(entry)
+            except Exception:
+                log.exception("access log entry %s", entry.request.request_id)
 
     def _complete(self, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
         common = entry.common_properties
@@ -192,6 +175,53 @@ class ExtProcHandlers:
                 served,
                 recorded,
             )
+
+
+class _OneRoundStream:
+    """``Process`` as extproc's own Envoy config drives it: one message, one reply."""
+
+    __slots__ = ("_handlers", "_routed")
+
+    def __init__(self, handlers: ExtProcHandlers) -> None:
+        self._handlers = handlers
+        self._routed: str | None = None
+
+    def on_message(self, message: ep.ProcessingRequest) -> Answer | Future[Answer]:
+        if len(message.request_body.body) >= OFF_LOOP_BODY_BYTES:
+            return run_off_loop(lambda: self._route(message))
+        return self._route(message)
+
+    def _route(self, message: ep.ProcessingRequest) -> Answer:
+        reply, self._routed = self._handlers.process(message)
+        return Answer((reply,), end=True)
+
+    def on_input_end(self) -> Answer:
+        return Answer((ep.ProcessingResponse(),), end=True)
+
+    def on_close(self, delivered: bool) -> None:
+        if not delivered and self._routed is not None:
+            # Envoy stopped waiting (message timeout: a 504 or a fail-open route; or the
+            # client left): no access-log entry will come for this route.
+            self._handlers.router.abandon(self._routed)
+
+
+class _AccessLogStream:
+    """``StreamAccessLogs``: Envoy keeps one open per worker, an entry per request."""
+
+    __slots__ = ("_handlers",)
+
+    def __init__(self, handlers: ExtProcHandlers) -> None:
+        self._handlers = handlers
+
+    def on_message(self, message: als_pb2.StreamAccessLogsMessage) -> Answer:
+        self._handlers.complete(message)
+        return Answer()
+
+    def on_input_end(self) -> Answer:
+        return Answer((als_pb2.StreamAccessLogsResponse(),), end=True)
+
+    def on_close(self, delivered: bool) -> None:
+        pass
 
 
 def _continue(kind: str | None) -> ep.ProcessingResponse:
@@ -223,105 +253,52 @@ def subset_hint(message: ep.ProcessingRequest) -> list[str] | None:
     return [a.strip() for a in value.string_value.split(",") if a.strip()]
 
 
-def one_round_process(handlers: ExtProcHandlers) -> grpc.RpcMethodHandler:
-    """``Process`` for extproc's own Envoy config: stream-unary, one message each way."""
-    return grpc.stream_unary_rpc_method_handler(
-        handlers.process,
-        request_deserializer=ep.ProcessingRequest.FromString,
-        response_serializer=ep.ProcessingResponse.SerializeToString,
+def one_round_process(handlers: ExtProcHandlers) -> Method:
+    """``Process`` for extproc's own Envoy config: one message each way."""
+    return Method(
+        parse=ep.ProcessingRequest.FromString,
+        serialize=ep.ProcessingResponse.SerializeToString,
+        open=lambda: _OneRoundStream(handlers),
+        name="ProcessingRequest",
     )
-
-
-class LogStreamBudget:
-    """At most ``limit`` access-log streams at once; past it a new one is refused.
-
-    The sync server holds a worker thread per open stream, and Envoy keeps one
-    access-log stream open per worker thread for good: enough Envoys would otherwise
-    take every thread and leave none to route with.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._slots = threading.BoundedSemaphore(limit)
-        self._warned_s = -float("inf")
-
-    def serve(
-        self,
-        handler: Callable[[Iterator[als_pb2.StreamAccessLogsMessage], Any], Any],
-    ) -> Callable[[Iterator[als_pb2.StreamAccessLogsMessage], Any], Any]:
-        def limited(messages: Iterator[als_pb2.StreamAccessLogsMessage], context: Any) -> Any:
-            if not self._slots.acquire(blocking=False):
-                self._warn()
-                context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"extproc takes at most {self.limit} access-log streams (--grpc-workers / 4)",
-                )
-            try:
-                return handler(messages, context)
-            finally:
-                self._slots.release()
-
-        return limited
-
-    def _warn(self) -> None:
-        now = time.monotonic()
-        if now - self._warned_s > 60:
-            self._warned_s = now
-            log.warning(
-                "refusing an access-log stream: %d are open already (one per Envoy worker); "
-                "their requests are not recorded. Raise --grpc-workers (4 per stream)",
-                self.limit,
-            )
 
 
 def make_grpc_server(
     handlers: ExtProcHandlers,
     address: str,
     *,
-    process: grpc.RpcMethodHandler | None = None,
-    max_workers: int = 32,
+    process: Method | None = None,
+    max_streams: int = 4096,
     max_message_bytes: int = 32 * 1024 * 1024,
-) -> tuple[grpc.Server, int]:
+) -> tuple[LoopServer, int]:
     """The ext_proc + access-log server, bound to ``address``; returns it and its port.
 
-    ``process`` replaces the one-round ``Process`` handler (``gateway.epp_process``).
-    Each open stream holds one of ``max_workers`` threads: an EPP stream for its request's
-    whole life, an access-log stream for good. Streams past ``max_workers`` are refused
-    at once (RESOURCE_EXHAUSTED: Envoy answers 500 or fails open) rather than queued
-    until Envoy's message timeout; access logs may take a quarter of the workers.
+    ``process`` replaces the one-round ``Process`` (``gateway.epp_process``). Streams
+    past ``max_streams`` are refused at once (RESOURCE_EXHAUSTED: Envoy answers 500 or
+    fails open).
     """
-    log_streams = LogStreamBudget(max(1, max_workers // 4))
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="extproc-grpc"),
-        maximum_concurrent_rpcs=max_workers,
+    access_log = Method(
+        parse=als_pb2.StreamAccessLogsMessage.FromString,
+        serialize=als_pb2.StreamAccessLogsResponse.SerializeToString,
+        open=lambda: _AccessLogStream(handlers),
+        name="StreamAccessLogsMessage",
+    )
+    server = LoopServer(
+        {
+            f"/{EXT_PROC_SERVICE}/Process": process or one_round_process(handlers),
+            f"/{ACCESS_LOG_SERVICE}/StreamAccessLogs": access_log,
+        },
+        max_streams=max_streams,
         options=[
             ("grpc.so_reuseport", 0),  # a stale server must not silently share the port
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
         ],
     )
-    server.add_generic_rpc_handlers(
-        (
-            grpc.method_handlers_generic_handler(
-                EXT_PROC_SERVICE,
-                {"Process": process or one_round_process(handlers)},
-            ),
-            grpc.method_handlers_generic_handler(
-                ACCESS_LOG_SERVICE,
-                {
-                    "StreamAccessLogs": grpc.stream_unary_rpc_method_handler(
-                        log_streams.serve(handlers.stream_access_logs),
-                        request_deserializer=als_pb2.StreamAccessLogsMessage.FromString,
-                        response_serializer=als_pb2.StreamAccessLogsResponse.SerializeToString,
-                    )
-                },
-            ),
-        )
-    )
     return server, _bind(server, address, "gRPC")
 
 
-def _bind(server: grpc.Server, address: str, what: str) -> int:
+def _bind(server: grpc.Server | LoopServer, address: str, what: str) -> int:
     """``add_insecure_port``, failing with an ``OSError`` naming the address.
 
     grpcio reports a failed bind by returning 0 or, in newer versions, a RuntimeError.

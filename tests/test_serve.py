@@ -135,7 +135,7 @@ REFUSALS: dict[str, Refusal] = {
     "num-fallbacks-negative": Refusal(
         ("--num-fallbacks", "-1"), "--num-fallbacks must be 0 or more, got -1"
     ),
-    "grpc-workers-too-few": Refusal(("--grpc-workers", "1"), "--grpc-workers must be 4 or more"),
+    "max-streams-too-few": Refusal(("--max-streams", "1"), "--max-streams must be 4 or more"),
     "max-body-bytes-zero": Refusal(
         ("--max-body-bytes", "0"), "--max-body-bytes must be greater than 0, got 0"
     ),
