@@ -37,7 +37,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,17 +52,18 @@ from extproc.types import Pod
 
 WARM_RUN_S = 3  # one warm-up wrk run; runs repeat until every prefix was sent
 MAX_WARM_RUNS = 40
-IDLE_S = 2.0  # extproc's CPU with no requests: its background (scraping every pod)
+IDLE_S = 2.0  # CPU with no requests: background work (extproc scrapes every pod's /metrics)
 SGLANG_START_TIMEOUT_S = 180.0  # it probes every worker before it serves
 
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """A router under test: its URL and the processes charged for its CPU, by role."""
+    """A router under test: its URL, the processes charged for its CPU and their idle CPU %."""
 
     name: str
     url: str
-    pids: dict[str, int]
+    pids: dict[str, int]  # by role: "envoy", "extproc", "router"
+    idle_pct: dict[str, float] = field(default_factory=dict)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -76,12 +77,21 @@ def cpu_seconds(pid: int) -> float:
 
 
 def measure(target: Target, workload: Workload, load: Load, label: str) -> dict[str, float]:
-    """One wrk run against ``target`` with the CPU per request of each of its processes."""
+    """One wrk run against ``target`` with the CPU per request of each of its processes.
+
+    ``ROLE_cpu_us_per_request`` is all the CPU the process used over the run;
+    ``ROLE_net_us_per_request`` leaves out what it burns when idle (``Target.idle_pct``).
+    """
     before = {role: cpu_seconds(pid) for role, pid in target.pids.items()}
+    started = time.monotonic()
     result = run_wrk(target.url, workload, load)
+    elapsed_s = time.monotonic() - started
+    num_requests = max(result["requests"], 1)
     for role, pid in target.pids.items():
         used_us = (cpu_seconds(pid) - before[role]) * 1e6
-        result[f"{role}_cpu_us_per_request"] = round(used_us / max(result["requests"], 1), 1)
+        idle_us = target.idle_pct.get(role, 0.0) / 100 * elapsed_s * 1e6
+        result[f"{role}_cpu_us_per_request"] = round(used_us / num_requests, 1)
+        result[f"{role}_net_us_per_request"] = round((used_us - idle_us) / num_requests, 1)
     print(f"    {label:5s} {target.name:14s} {json.dumps(result)}", flush=True)
     return result
 
@@ -106,26 +116,42 @@ def pods_served(admin_port: int) -> int:
     return sum(1 for f in fields if f[2] == "rq_success" and int(f[3]) > 0)
 
 
-def idle_cpu_pct(pid: int, seconds: float = IDLE_S) -> float:
-    before = cpu_seconds(pid)
+def idle_cpu_pct(pids: dict[str, int], seconds: float = IDLE_S) -> dict[str, float]:
+    """Each process's CPU % (of one core) over ``seconds`` without requests."""
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     time.sleep(seconds)
-    return round((cpu_seconds(pid) - before) / seconds * 100, 1)
+    return {
+        name: round((cpu_seconds(pid) - before[name]) / seconds * 100, 1)
+        for name, pid in pids.items()
+    }
+
+
+def with_idle(targets: list[Target], upstreams_pid: int) -> tuple[list[Target], dict[str, float]]:
+    """The targets with their processes' idle CPU %, and every such % by "target/role"."""
+    pids = {f"{t.name}/{role}": pid for t in targets for role, pid in t.pids.items()}
+    idle = idle_cpu_pct({"pods/envoy": upstreams_pid, **pids})
+    return [
+        replace(t, idle_pct={role: idle[f"{t.name}/{role}"] for role in t.pids}) for t in targets
+    ], idle
 
 
 @contextmanager
 def routers(
-    pods: list[Pod], log_dir: Path, with_sglang: bool
+    pods: list[Pod], log_dir: Path, args: argparse.Namespace
 ) -> Iterator[tuple[list[Target], Stack]]:
     """Start Envoy alone, Envoy + extproc and (maybe) sglang-router; stop them after."""
+    extproc_args = (
+        ["--scrape-interval-s", str(args.scrape_interval_s)] if args.scrape_interval_s else []
+    )
     with ExitStack() as stack:
         envoy, envoy_url = start_envoy_alone(pods, log_dir, "envoy-alone")
         stack.callback(envoy.stop)
-        ext = stack.enter_context(run_stack(pods))
+        ext = stack.enter_context(run_stack(pods, config=args.config, extproc_args=extproc_args))
         targets = [
             Target(ENVOY, envoy_url, {"envoy": envoy.pid}),
             Target(EXTPROC, ext.url, {"envoy": ext.envoy.pid, "extproc": ext.extproc.pid}),
         ]
-        if with_sglang:
+        if not args.no_sglang:
             port = free_port()
             sglang, url = start_peer(
                 SGLANG, sglang_argv(pods, port), port, log_dir, SGLANG_START_TIMEOUT_S
@@ -182,13 +208,13 @@ def run_pods(num_pods: int, args: argparse.Namespace, log_dir: Path) -> list[dic
     with ExitStack() as stack:
         upstreams, pods = start_upstreams(num_pods, log_dir)
         stack.callback(upstreams.stop)
-        targets, ext = stack.enter_context(routers(pods, log_dir, not args.no_sglang))
-        idle = idle_cpu_pct(ext.extproc.pid)
+        started, ext = stack.enter_context(routers(pods, log_dir, args))
+        targets, idle = with_idle(started, upstreams.pid)
         for kb in args.prompt_kb:
             print(f"{kb} KB prompts, {num_pods} pods", flush=True)
             workload = make_workload(kb * 1024, args.prefixes_per_pod * num_pods, log_dir)
             cell = run_cell(targets, ext, workload, args, f"{kb}kb-{num_pods}pods")
-            cells.append({"pods": num_pods, "extproc_idle_cpu_pct": idle, **cell})
+            cells.append({"pods": num_pods, "idle_cpu_pct": idle, **cell})
     return cells
 
 
@@ -218,6 +244,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="wrk threads, loaded runs")
     parser.add_argument("--connections", type=int, default=16, help="wrk connections, loaded")
     parser.add_argument("--no-sglang", action="store_true", help="leave sglang-router out")
+    parser.add_argument("--config", type=Path, help="extproc scheduler config (default: shipped)")
+    parser.add_argument(
+        "--scrape-interval-s", type=float, help="extproc's pod scrape interval (default: its own)"
+    )
     parser.add_argument("--json", type=Path, help="write config, machine, runs, medians here")
     parser.add_argument("--markdown", type=Path, help="write the tables here")
     parser.add_argument("--profile", type=Path, help="py-spy extproc in one extra run a cell")

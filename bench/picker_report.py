@@ -63,24 +63,30 @@ def _header(columns: list[str]) -> list[str]:
     return [_row(columns), "|" + "---|" * len(columns)]
 
 
-def _cpu(m: dict[str, float], key: str) -> str:
+def _cpu(m: dict[str, float], role: str) -> str:
+    key = f"{role}_cpu_us_per_request"
     return f"{m[key]:.0f}" if key in m else ""
 
 
+def _total(m: dict[str, float], suffix: str) -> float:
+    return sum(v for k, v in m.items() if k.endswith(suffix))
+
+
 def loaded_table(cells: list[dict[str, Any]]) -> str:
+    """Per cell and router: throughput, latency, CPU per request by process, failures."""
     lines = _header(["prompt", "pods", "router", "req/s", "x envoy", "p50 ms", "p99 ms",
-                     "CPU us/req (all)", "envoy us/req", "extproc us/req", "router us/req",
-                     "failed"])  # fmt: skip
+                     "envoy us/req", "extproc us/req", "sglang us/req", "all us/req",
+                     "all, net of idle", "failed"])  # fmt: skip
     for cell in cells:
         alone = cell["summary"][ENVOY]["loaded"]["rps"]
         for name, s in cell["summary"].items():
             m = s["loaded"]
-            total = sum(v for k, v in m.items() if k.endswith("_cpu_us_per_request"))
             lines.append(_row([
                 f"{cell['prompt_kb']} KB", cell["pods"], name, f"{m['rps']:.0f}",
                 f"{m['rps'] / alone:.2f}", f"{m['p50_ms']:.2f}", f"{m['p99_ms']:.2f}",
-                f"{total:.0f}", _cpu(m, "envoy_cpu_us_per_request"),
-                _cpu(m, "extproc_cpu_us_per_request"), _cpu(m, "router_cpu_us_per_request"),
+                _cpu(m, "envoy"), _cpu(m, "extproc"), _cpu(m, "router"),
+                f"{_total(m, '_cpu_us_per_request'):.0f}",
+                f"{_total(m, '_net_us_per_request'):.0f}",
                 int(m["non_2xx"] + m["socket_errors"]),
             ]))  # fmt: skip
     return "\n".join(lines)
@@ -102,14 +108,24 @@ def low_load_table(cells: list[dict[str, Any]]) -> str:
 
 
 def warm_table(cells: list[dict[str, Any]]) -> str:
+    """Per cell: the prefixes, how many pods extproc sent them to, the warm-up's length."""
     lines = _header(["prompt", "pods", "prefixes", "pods with index entries",
-                     "warm-up requests", "extproc idle CPU %"])  # fmt: skip
+                     "warm-up requests (extproc)", "warm-up requests (sglang)"])  # fmt: skip
     for cell in cells:
+        warm = cell["warm_requests"]
         lines.append(_row([
             f"{cell['prompt_kb']} KB", cell["pods"], cell["num_prefixes"],
-            cell["pods_with_entries"], cell["warm_requests"].get(EXTPROC, ""),
-            f"{cell['extproc_idle_cpu_pct']:.1f}",
+            cell["pods_with_entries"], warm.get(EXTPROC, ""), warm.get(SGLANG, ""),
         ]))  # fmt: skip
+    return "\n".join(lines)
+
+
+def idle_table(cells: list[dict[str, Any]]) -> str:
+    """Per pod count: each process's CPU % with no requests (extproc scrapes every pod)."""
+    first = {c["pods"]: c["idle_cpu_pct"] for c in cells}
+    names = list(next(iter(first.values()))) if first else []
+    lines = _header(["pods", *names])
+    lines += [_row([pods, *(f"{idle[n]:.1f}" for n in names)]) for pods, idle in first.items()]
     return "\n".join(lines)
 
 
@@ -130,4 +146,6 @@ def markdown(result: dict[str, Any]) -> str:
         "## Loaded", "", loaded_table(result["cells"]), "",
         "## Low load: p50 added", "", low_load_table(result["cells"]), "",
         "## Workload state", "", warm_table(result["cells"]), "",
+        "## Idle CPU % (one core = 100), before the first cell", "", idle_table(result["cells"]),
+        "",
     ])  # fmt: skip
