@@ -10,7 +10,7 @@ one set of processes serves every prompt size:
 - ``sglang-router``: the peer full proxy, ``cache_aware`` (``--no-sglang`` leaves it out).
 
 Each cell: write the workload (``bench/loadgen.py``: ``prompt_kb`` KB chat requests over
-``--prefixes-per-pod`` x pods distinct prefixes, chosen at random), warm up (every prefix
+``--prefixes-per-pod`` (2) x pods distinct prefixes, chosen at random), warm up (every prefix
 sent once through extproc and through sglang-router, so both prefix indexes hold every
 prefix, on every pod that served one), then ``--rounds`` rounds, each a loaded run
 (wrk ``-t2 -c16``) of every router in turn, then a low-load run (wrk ``-t1 -c1``) of
@@ -50,7 +50,7 @@ from e2e.real_vllm.prepare import peer_binary, prepare_peer
 from extproc.launch import Stack, free_port, run_stack
 from extproc.types import Pod
 
-WARM_RUN_S = 3  # one warm-up wrk run; runs repeat until every prefix was sent
+WARM_RUN_S = 2  # one warm-up wrk run; runs repeat until every prefix was sent
 MAX_WARM_RUNS = 40
 IDLE_S = 2.0  # CPU with no requests: background work (extproc scrapes every pod's /metrics)
 SGLANG_START_TIMEOUT_S = 180.0  # it probes every worker before it serves
@@ -237,7 +237,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-kb", type=_int_list, default=[1, 8, 220], help="e.g. 1,8,220")
     parser.add_argument("--pods", type=_int_list, default=[16, 1000], help="e.g. 16,1000")
-    parser.add_argument("--prefixes-per-pod", type=int, default=4)
+    parser.add_argument("--prefixes-per-pod", type=int, default=2, help="distinct prefixes")
     parser.add_argument("--seconds", type=int, default=5, help="each loaded run")
     parser.add_argument("--low-seconds", type=int, default=3, help="each low-load run")
     parser.add_argument("--rounds", type=int, default=2)

@@ -8,6 +8,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from e2e.real_vllm.prepare import PEERS
+from extproc.launch import envoy_binary
+
 ENVOY = "envoy"
 EXTPROC = "envoy+extproc"
 SGLANG = "sglang-router"
@@ -20,11 +23,16 @@ def machine() -> dict[str, Any]:
     models = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
               if line.startswith("model name")]  # fmt: skip
     sha = subprocess.run(["git", "rev-parse", "HEAD"], check=False, capture_output=True, text=True)
+    envoy = subprocess.run(
+        [envoy_binary(), "--version"], check=False, capture_output=True, text=True
+    )
     return {
         "cpu_model": models[0] if models else "unknown",
         "cores": cpuinfo.count("\nprocessor") + cpuinfo.startswith("processor"),
         "load_average": list(os.getloadavg()),
         "git_sha": sha.stdout.strip(),
+        "envoy_version": envoy.stdout.strip().rsplit(" ", 1)[-1],
+        "sglang_router": PEERS[SGLANG],
     }
 
 
@@ -140,9 +148,14 @@ def markdown(result: dict[str, Any]) -> str:
         f"Loaded: wrk -t{c['threads']} -c{c['connections']} -d{c['seconds']}s; low load:"
         f" wrk -t1 -c1 -d{c['low_seconds']}s; medians of {c['rounds']} alternating rounds."
     )
+    workload = (
+        f"Chat requests over {c['prefixes_per_pod']} distinct prefixes per pod, picked at random,"
+        " after a warm-up that sends every prefix once through each router (bench/loadgen.py)."
+        f" Envoy {m['envoy_version'].split('/')[1]}, {m['sglang_router']} (cache_aware)."
+    )
     return "\n".join([
         "# Envoy + extproc against Envoy alone and sglang-router (instant upstreams)", "",
-        host, "", load, "",
+        host, "", load, "", workload, "",
         "## Loaded", "", loaded_table(result["cells"]), "",
         "## Low load: p50 added", "", low_load_table(result["cells"]), "",
         "## Workload state", "", warm_table(result["cells"]), "",
