@@ -19,7 +19,8 @@ every router in turn. CPU per request is each process's user+system time over th
 
 "Warm" is not "at capacity": extproc's index keeps 50,000 block entries per pod, that is
 390 distinct 8 KB prompts (128 blocks each) per pod; filling 1,000 pods would take
-390,000 requests. What the lookups and records cost with entries on every pod is measured.
+390,000 requests. Measured: lookups and records with every prefix in the index, on the
+pods extproc chose for them (the report counts those pods).
 
     python -m bench.picker [--prompt-kb 1,8,220] [--pods 16,1000] [--seconds 5]
         [--low-seconds 3] [--rounds 2] [--json FILE] [--markdown FILE] [--profile FILE]
@@ -198,7 +199,8 @@ def run_cell(
     cell["ratios"] = ratios(cell["summary"])
     if args.profile:  # py-spy's collapsed stacks stay beside the profile, for flame graphs
         out = args.profile.with_name(f"{args.profile.stem}-{name}.collapsed")
-        cell["profile"] = profile_run(targets[1], workload, loaded, out)
+        ext_target = next(t for t in targets if t.name == EXTPROC)
+        cell["profile"] = profile_run(ext_target, workload, loaded, out)
     return cell
 
 
