@@ -1,7 +1,12 @@
-"""The proxy benchmark's report: the machine, per-cell medians and ratios, Markdown tables."""
+"""The proxy benchmark's report: the machine, per-cell medians and ratios, Markdown tables.
+
+python -m bench.picker_report bench/results/picker.json   # the tables again, from a run
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -82,15 +87,17 @@ def _total(m: dict[str, float], suffix: str) -> float:
 
 def loaded_table(cells: list[dict[str, Any]]) -> str:
     """Per cell and router: throughput, latency, CPU per request by process, failures."""
-    lines = _header(["prompt", "pods", "router", "req/s", "x envoy", "p50 ms", "p99 ms",
+    lines = _header(["prompt", "pods", "router", "req/s", "req/s runs", "x envoy", "p50 ms", "p99 ms",
                      "envoy us/req", "extproc us/req", "sglang us/req", "all us/req",
                      "all, net of idle", "failed"])  # fmt: skip
     for cell in cells:
         alone = cell["summary"][ENVOY]["loaded"]["rps"]
         for name, s in cell["summary"].items():
             m = s["loaded"]
+            runs = [r["rps"] for r in cell["runs"][name]["loaded"]]
             lines.append(_row([
                 f"{cell['prompt_kb']} KB", cell["pods"], name, f"{m['rps']:.0f}",
+                f"{min(runs):.0f}-{max(runs):.0f}",
                 f"{m['rps'] / alone:.2f}", f"{m['p50_ms']:.2f}", f"{m['p99_ms']:.2f}",
                 _cpu(m, "envoy"), _cpu(m, "extproc"), _cpu(m, "router"),
                 f"{_total(m, '_cpu_us_per_request'):.0f}",
@@ -162,3 +169,18 @@ def markdown(result: dict[str, Any]) -> str:
         "## Idle CPU % (one core = 100), before the first cell", "", idle_table(result["cells"]),
         "",
     ])  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="The tables of a bench.picker JSON result.")
+    parser.add_argument("result", type=Path, help="the JSON of bench.picker --json")
+    parser.add_argument("--markdown", type=Path, help="write the tables here too")
+    args = parser.parse_args()
+    report = markdown(json.loads(args.result.read_text()))
+    print(report)
+    if args.markdown:
+        args.markdown.write_text(report)
+
+
+if __name__ == "__main__":
+    main()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 import pytest
 
 from bench.loadgen import ID_MARK, chat_body, parse_wrk
-from bench.picker_report import medians
+from bench.picker_report import ENVOY, EXTPROC, markdown, medians, ratios
 from bench.pyspy import top_entries
 from bench.upstreams import PROBES, free_ports, upstream_config
 
@@ -73,3 +75,32 @@ def test_upstreams_have_one_listener_per_distinct_port_with_every_probe() -> Non
     hcm = listeners[0]["filter_chains"][0]["filters"][0]["typed_config"]
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
     assert [r["match"]["prefix"] for r in routes] == [path for path, _ in PROBES] + ["/"]
+
+
+def test_markdown_renders_every_router_of_a_cell_and_the_added_latency() -> None:
+    def run(rps: float, p50: float, **cpu: float) -> dict[str, float]:
+        return {"rps": rps, "requests": rps, "non_2xx": 0, "socket_errors": 0,
+                "p50_ms": p50, "p99_ms": 2 * p50, **cpu}  # fmt: skip
+
+    runs = {
+        ENVOY: {"loaded": [run(1000, 1.0, envoy_cpu_us_per_request=200)],
+                "low": [run(900, 0.5, envoy_cpu_us_per_request=250)]},
+        EXTPROC: {"loaded": [run(250, 4.0, extproc_cpu_us_per_request=900)],
+                  "low": [run(400, 0.9, extproc_cpu_us_per_request=950)]},
+    }  # fmt: skip
+    summary = {name: {k: medians(v) for k, v in by.items()} for name, by in runs.items()}
+    cell: dict[str, Any] = {"prompt_kb": 8, "pods": 16, "num_prefixes": 32, "pods_with_entries": 16,
+            "warm_requests": {EXTPROC: 40}, "idle_cpu_pct": {"envoy+extproc/extproc": 2.0},
+            "runs": runs, "summary": summary, "ratios": ratios(summary)}  # fmt: skip
+    result = {
+        "machine": {"cpu_model": "cpu", "cores": 2, "load_average": [0.1, 0, 0],
+                    "git_sha": "0" * 40, "envoy_version": "x/1.40.0/Clean",
+                    "sglang_router": "sglang-router==0.3.2"},
+        "config": {"threads": 2, "connections": 16, "seconds": 5, "low_seconds": 3,
+                   "rounds": 1, "prefixes_per_pod": 2},
+        "elapsed_s": 10.0, "cells": [cell],
+    }  # fmt: skip
+    text = markdown(result)
+    assert "| 8 KB | 16 | envoy+extproc | 250 | 250-250 | 0.25 |" in text
+    assert "| 8 KB | 16 | 0.500 | 0.900 | +0.400 | yes |" in text
+    assert ratios(summary)[f"{EXTPROC} throughput vs envoy"] == 0.25
