@@ -152,4 +152,4 @@ def parse_wrk(out: str) -> dict[str, float]:
 
 def _ms(text: str) -> float:
     value, unit = re.fullmatch(r"([\d.]+)(us|ms|s)", text).groups()  # type: ignore[union-attr]
-    return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
+    return round(float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit], 3)
