@@ -36,9 +36,12 @@ demo: $(STAMP)
 test: $(STAMP) system-deps vllm
 	$(PY) -m pytest -q
 
+# bench.picker: 1/8/220 KB prompts x 16/1,000 pods, Envoy alone, Envoy + extproc and
+# sglang-router (installed into ~/.cache/extproc-e2e on first use): about 7 minutes.
 bench: $(STAMP)
 	$(PY) -m bench.prefix
-	$(PY) -m bench.picker
+	$(PY) -m bench.picker --json bench/results/picker.json --markdown bench/results/picker.md \
+	  --profile bench/results/picker-profile.md
 
 bench-routing: peers
 	$(PY) -m bench.routing_quality

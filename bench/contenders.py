@@ -16,11 +16,12 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import Any
 
 import extproc as extproc_package
-from bench.picker import envoy_alone_config
 from e2e.real_vllm.prepare import peer_binary
-from extproc.envoyconf.build import EnvoyOptions
+from extproc.envoyconf.build import EnvoyOptions, make_bootstrap
+from extproc.envoyconf.render import to_dict
 from extproc.launch import Proc, free_port, run_stack, spawn, start_envoy_config, wait_until
 from extproc.types import Pod
 
@@ -33,15 +34,40 @@ CACHE_AWARE = [
 Serve = Callable[[Sequence[Pod], Path], AbstractContextManager[str]]
 
 
-@contextmanager
-def envoy_rr(pods: Sequence[Pod], log_dir: Path) -> Iterator[str]:
+def envoy_alone_config(pods: list[Pod], options: EnvoyOptions) -> dict[str, Any]:
+    """The generated bootstrap without extproc: router only, no access log."""
+    config = to_dict(make_bootstrap(pods, options))
+    for listener in config["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for f in chain["filters"]:
+                hcm = f["typed_config"]
+                hcm["http_filters"] = [
+                    h for h in hcm["http_filters"] if h["name"].endswith("router")
+                ]
+                hcm.pop("access_log", None)
+    config["static_resources"]["clusters"] = [
+        c for c in config["static_resources"]["clusters"] if c["name"] != "extproc"
+    ]
+    return config
+
+
+def start_envoy_alone(
+    pods: Sequence[Pod], log_dir: Path, name: str = "envoy-rr"
+) -> tuple[Proc, str]:
+    """Envoy alone, round robin over ``pods``: its process and URL (stop it by ``Proc.stop``)."""
     options = EnvoyOptions(
         extproc_address="127.0.0.1:9", listen_port=free_port(), admin_port=free_port()
     )
     config = envoy_alone_config(list(pods), options)
-    proc = start_envoy_config(config, options.admin_port, log_dir, "envoy-rr")
+    proc = start_envoy_config(config, options.admin_port, log_dir, name)
+    return proc, f"http://127.0.0.1:{options.listen_port}"
+
+
+@contextmanager
+def envoy_rr(pods: Sequence[Pod], log_dir: Path) -> Iterator[str]:
+    proc, url = start_envoy_alone(pods, log_dir)
     try:
-        yield f"http://127.0.0.1:{options.listen_port}"
+        yield url
     finally:
         proc.stop()
 
@@ -66,26 +92,42 @@ def _ready(url: str) -> bool:
         return bool(r.status == 200)
 
 
-@contextmanager
-def _peer(name: str, argv: list[str], port: int, log_dir: Path) -> Iterator[str]:
+def start_peer(
+    name: str, argv: list[str], port: int, log_dir: Path, timeout_s: float = PEER_START_TIMEOUT_S
+) -> tuple[Proc, str]:
+    """Start a peer router and wait until it serves ``/v1/models``: its process and URL."""
     proc: Proc = spawn(name, argv, log_dir, {"RUST_LOG": "warn"})
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _ready(url), proc, name, PEER_START_TIMEOUT_S)
+        wait_until(lambda: _ready(url), proc, name, timeout_s)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, url
+
+
+@contextmanager
+def _peer(name: str, argv: list[str], port: int, log_dir: Path) -> Iterator[str]:
+    proc, url = start_peer(name, argv, port, log_dir)
+    try:
         yield url
     finally:
         proc.stop()
 
 
-@contextmanager
-def sglang_router(pods: Sequence[Pod], log_dir: Path) -> Iterator[str]:
-    port = free_port()
-    argv = [
+def sglang_argv(pods: Sequence[Pod], port: int) -> list[str]:
+    """``sglang-router launch`` with cache_aware over ``pods``, serving 127.0.0.1:``port``."""
+    return [
         str(peer_binary("sglang-router")), "launch", "--host", "127.0.0.1", "--port", str(port),
         "--worker-urls", *[f"http://{p.address}" for p in pods], *CACHE_AWARE,
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
     ]  # fmt: skip
-    with _peer("sglang-router", argv, port, log_dir) as url:
+
+
+@contextmanager
+def sglang_router(pods: Sequence[Pod], log_dir: Path) -> Iterator[str]:
+    port = free_port()
+    with _peer("sglang-router", sglang_argv(pods, port), port, log_dir) as url:
         yield url
 
 

@@ -1,15 +1,29 @@
-"""Envoy + extproc against Envoy alone, same fast upstreams, same run, alternating.
+"""Envoy + extproc against Envoy alone and sglang-router, same instant pods, same run.
 
-The upstreams are "pods" that answer instantly: one Envoy process with a listener per pod,
-each returning a small completion JSON (``direct_response``), so the measured cost is the
-proxy's and the picker's, not a model's. Envoy alone is the generated bootstrap with the
-ext_proc, buffer and access-log parts removed (round robin over the same pods). Load is
-``wrk`` (Debian package) POSTing an 8 KB chat prompt, a few distinct prefixes.
+A matrix of prompt sizes (``--prompt-kb``) by pod counts (``--pods``). For each pod count
+one set of processes serves every prompt size:
 
-Prints requests/s, latency p50/p99, CPU per request of extproc and of Envoy, and the
-ratios against Envoy alone. Results also go out as JSON with the configuration.
+- the pods: one Envoy with a listener per pod, answering instantly (``bench/upstreams.py``),
+  so the cost measured is the proxies' and the picker's;
+- ``envoy``: Envoy alone, round robin (extproc's bootstrap without ext_proc);
+- ``envoy+extproc``: extproc's generated bootstrap and ``extproc serve`` (default scheduler);
+- ``sglang-router``: the peer full proxy, ``cache_aware`` (``--no-sglang`` leaves it out).
 
-    python -m bench.picker [--seconds 10] [--rounds 2] [--connections 16] [--pods 16]
+Each cell: write the workload (``bench/loadgen.py``: ``prompt_kb`` KB chat requests over
+``--prefixes-per-pod`` (2) x pods distinct prefixes, chosen at random), warm up (every prefix
+sent once through extproc and through sglang-router, so both prefix indexes hold every
+prefix, on every pod that served one), then ``--rounds`` rounds, each a loaded run
+(wrk ``-t2 -c16``) of every router in turn, then a low-load run (wrk ``-t1 -c1``) of
+every router in turn. CPU per request is each process's user+system time over the run
+(process and its children) divided by the requests wrk completed.
+
+"Warm" is not "at capacity": extproc's index keeps 50,000 block entries per pod, that is
+390 distinct 8 KB prompts (128 blocks each) per pod; filling 1,000 pods would take
+390,000 requests. Measured: lookups and records with every prefix in the index, on the
+pods extproc chose for them (the report counts those pods).
+
+    python -m bench.picker [--prompt-kb 1,8,220] [--pods 16,1000] [--seconds 5]
+        [--low-seconds 3] [--rounds 2] [--json FILE] [--markdown FILE] [--profile FILE]
 """
 
 from __future__ import annotations
@@ -17,232 +31,261 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import orjson
+from bench import pyspy
+from bench.contenders import sglang_argv, start_envoy_alone, start_peer
+from bench.loadgen import Load, Workload, make_workload, run_wrk
+from bench.picker_report import ENVOY, EXTPROC, SGLANG, machine, markdown, medians, ratios
+from bench.upstreams import start_upstreams
+from e2e.real_vllm.prepare import peer_binary, prepare_peer
+from extproc.launch import Stack, free_port, run_stack
+from extproc.types import Pod
 
-from extproc.envoyconf.build import EnvoyOptions, make_bootstrap
-from extproc.envoyconf.render import to_dict
-from extproc.launch import (
-    Proc,
-    free_port,
-    start_envoy,
-    start_envoy_config,
-    start_extproc,
-    write_pods_file,
-)
-from extproc.types import Pod, PodId
-
-# What a idle vLLM pod's /metrics says, so the picker's scraper reads real series.
-METRICS_PAGE = (
-    'vllm:num_requests_running{engine="0",model_name="bench"} 0.0\n'
-    'vllm:num_requests_waiting{engine="0",model_name="bench"} 0.0\n'
-    'vllm:kv_cache_usage_perc{engine="0",model_name="bench"} 0.1\n'
-)
-COMPLETION = orjson.dumps(
-    {"id": "cmpl-1", "object": "text_completion", "model": "bench", "choices": [{"text": "ok"}]}
-).decode()
+WARM_RUN_S = 2  # one warm-up wrk run; runs repeat until every prefix was sent
+MAX_WARM_RUNS = 40
+IDLE_S = 2.0  # CPU with no requests: background work (extproc scrapes every pod's /metrics)
+SGLANG_START_TIMEOUT_S = 180.0  # it probes every worker before it serves
 
 
-def upstream_config(ports: list[int], admin_port: int) -> dict[str, Any]:
-    """One Envoy, one listener per pod port, each answering 200 with a completion body."""
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A router under test: its URL, the processes charged for its CPU and their idle CPU %."""
 
-    def listener(port: int) -> dict[str, Any]:
-        hcm = {
-            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-            "stat_prefix": f"pod{port}",
-            "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
-            "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [{
-                "match": {"prefix": "/metrics"},
-                "direct_response": {"status": 200, "body": {"inline_string": METRICS_PAGE}},
-            }, {
-                "match": {"prefix": "/"},
-                "direct_response": {"status": 200, "body": {"inline_string": COMPLETION}},
-                "response_headers_to_add": [{"header": {"key": "x-sim-pod", "value": f"pod-{port}"}}],
-            }]}]},
-        }  # fmt: skip
-        return {
-            "name": f"pod{port}",
-            "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
-            "per_connection_buffer_limit_bytes": 16 << 20,
-            "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
-        }  # fmt: skip
-
-    return {
-        "admin": {
-            "address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}
-        },
-        "static_resources": {"listeners": [listener(p) for p in ports]},
-    }
-
-
-def envoy_alone_config(pods: list[Pod], options: EnvoyOptions) -> dict[str, Any]:
-    """The generated bootstrap without extproc: router only, no access log."""
-    config = to_dict(make_bootstrap(pods, options))
-    for listener in config["static_resources"]["listeners"]:
-        for chain in listener["filter_chains"]:
-            for f in chain["filters"]:
-                hcm = f["typed_config"]
-                hcm["http_filters"] = [
-                    h for h in hcm["http_filters"] if h["name"].endswith("router")
-                ]
-                hcm.pop("access_log", None)
-    config["static_resources"]["clusters"] = [
-        c for c in config["static_resources"]["clusters"] if c["name"] != "extproc"
-    ]
-    return config
-
-
-def chat_body(prompt_bytes: int) -> bytes:
-    system = ("You are a careful assistant for the support team. " * 400)[: prompt_bytes - 200]
-    return orjson.dumps(
-        {"model": "bench", "messages": [{"role": "system", "content": system},
-                                         {"role": "user", "content": "How do I reset my password?"}],
-         "max_tokens": 16}
-    )  # fmt: skip
+    name: str
+    url: str
+    pids: dict[str, int]  # by role: "envoy", "extproc", "router"
+    idle_pct: dict[str, float] = field(default_factory=dict)
 
 
 def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its live descendants."""
+    total = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            total += cpu_seconds(int(child))
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_wrk(url: str, body_file: Path, seconds: int, connections: int) -> dict[str, float]:
-    script = body_file.with_suffix(".lua")
-    script.write_text(
-        'wrk.method = "POST"\n'
-        'wrk.headers["Content-Type"] = "application/json"\n'
-        f'local f = io.open("{body_file}", "rb"); wrk.body = f:read("*all"); f:close()\n'
-    )
-    out = subprocess.run(
-        ["wrk", "-t2", f"-c{connections}", f"-d{seconds}s", "--latency", "-s", str(script),
-         url + "/v1/chat/completions"],
-        capture_output=True, text=True, check=True, timeout=seconds + 30,
-    ).stdout  # fmt: skip
-    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
-    total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
-    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    lat = {k: _ms(v) for k, v in re.findall(r"^\s*(50|99)(?:\.0+)?%\s+(\S+)", out, re.MULTILINE)}
-    if set(lat) != {"50", "99"}:
-        raise RuntimeError(f"unexpected wrk output:\n{out}")
-    return {"rps": rps, "requests": total, "non_2xx": int(non2xx.group(1)) if non2xx else 0,
-            "p50_ms": lat["50"], "p99_ms": lat["99"]}  # fmt: skip
+def measure(target: Target, workload: Workload, load: Load, label: str) -> dict[str, float]:
+    """One wrk run against ``target`` with the CPU per request of each of its processes.
 
-
-def _ms(text: str) -> float:
-    value, unit = re.fullmatch(r"([\d.]+)(us|ms|s)", text).groups()  # type: ignore[union-attr]
-    return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
-
-
-def measure(
-    name: str, url: str, procs: dict[str, Proc], body: Path, args: argparse.Namespace
-) -> dict[str, Any]:
-    before = {k: cpu_seconds(p.pid) for k, p in procs.items()}
-    result: dict[str, Any] = run_wrk(url, body, args.seconds, args.connections)
-    for k, p in procs.items():
-        result[f"{k}_cpu_us_per_request"] = round(
-            (cpu_seconds(p.pid) - before[k]) / max(result["requests"], 1) * 1e6, 1
-        )
-    print(f"  {name:16s} {result}", flush=True)
+    ``ROLE_cpu_us_per_request`` is all the CPU the process used over the run;
+    ``ROLE_net_us_per_request`` leaves out what it burns when idle (``Target.idle_pct``).
+    """
+    before = {role: cpu_seconds(pid) for role, pid in target.pids.items()}
+    started = time.monotonic()
+    result = run_wrk(target.url, workload, load)
+    elapsed_s = time.monotonic() - started
+    num_requests = max(result["requests"], 1)
+    for role, pid in target.pids.items():
+        used_us = (cpu_seconds(pid) - before[role]) * 1e6
+        idle_us = target.idle_pct.get(role, 0.0) / 100 * elapsed_s * 1e6
+        result[f"{role}_cpu_us_per_request"] = round(used_us / num_requests, 1)
+        result[f"{role}_net_us_per_request"] = round((used_us - idle_us) / num_requests, 1)
+    print(f"    {label:5s} {target.name:14s} {json.dumps(result)}", flush=True)
     return result
 
 
-def main() -> None:
+def warm_up(target: Target, workload: Workload, loaded: Load) -> int:
+    """Send every prefix once, in order (repeated runs); returns the requests sent."""
+    load = Load(loaded.threads, loaded.connections, WARM_RUN_S)
+    sent = 0
+    for _ in range(MAX_WARM_RUNS):
+        if sent >= workload.num_prefixes:
+            return sent
+        sent += int(run_wrk(target.url, workload, load, mode="warm", offset=sent)["requests"])
+    raise TimeoutError(f"{target.name}: {sent} of {workload.num_prefixes} prefixes warmed")
+
+
+def pods_served(admin_port: int) -> int:
+    """Pods of extproc's cluster that answered at least one request (so hold index entries)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/clusters", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    # Lines read "extproc_pods::127.0.0.1:PORT::rq_success::COUNT".
+    fields = [line.split("::") for line in lines if line.startswith("extproc_pods::")]
+    return sum(1 for f in fields if f[2] == "rq_success" and int(f[3]) > 0)
+
+
+def idle_cpu_pct(pids: dict[str, int], seconds: float = IDLE_S) -> dict[str, float]:
+    """Each process's CPU % (of one core) over ``seconds`` without requests."""
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    time.sleep(seconds)
+    return {
+        name: round((cpu_seconds(pid) - before[name]) / seconds * 100, 1)
+        for name, pid in pids.items()
+    }
+
+
+def with_idle(targets: list[Target], upstreams_pid: int) -> tuple[list[Target], dict[str, float]]:
+    """The targets with their processes' idle CPU %, and every such % by "target/role"."""
+    pids = {f"{t.name}/{role}": pid for t in targets for role, pid in t.pids.items()}
+    idle = idle_cpu_pct({"pods/envoy": upstreams_pid, **pids})
+    return [
+        replace(t, idle_pct={role: idle[f"{t.name}/{role}"] for role in t.pids}) for t in targets
+    ], idle
+
+
+@contextmanager
+def routers(
+    pods: list[Pod], log_dir: Path, args: argparse.Namespace
+) -> Iterator[tuple[list[Target], Stack]]:
+    """Start Envoy alone, Envoy + extproc and (maybe) sglang-router; stop them after."""
+    extproc_args = (
+        ["--scrape-interval-s", str(args.scrape_interval_s)] if args.scrape_interval_s else []
+    )
+    with ExitStack() as stack:
+        envoy, envoy_url = start_envoy_alone(pods, log_dir, "envoy-alone")
+        stack.callback(envoy.stop)
+        ext = stack.enter_context(run_stack(pods, config=args.config, extproc_args=extproc_args))
+        targets = [
+            Target(ENVOY, envoy_url, {"envoy": envoy.pid}),
+            Target(EXTPROC, ext.url, {"envoy": ext.envoy.pid, "extproc": ext.extproc.pid}),
+        ]
+        if not args.no_sglang:
+            port = free_port()
+            sglang, url = start_peer(
+                SGLANG, sglang_argv(pods, port), port, log_dir, SGLANG_START_TIMEOUT_S
+            )
+            stack.callback(sglang.stop)
+            targets.append(Target(SGLANG, url, {"router": sglang.pid}))
+        yield targets, ext
+
+
+def profile_run(target: Target, workload: Workload, load: Load, out: Path) -> dict[str, Any]:
+    """One extra loaded run with py-spy sampling extproc; the run and the top functions."""
+    recorder = pyspy.start_recording(target.pids["extproc"], load.seconds, out)
+    try:
+        result = measure(target, workload, load, "prof")
+    finally:
+        pyspy.finish_recording(recorder, load.seconds)
+    num_samples, entries = pyspy.top_entries(out.read_text())
+    return {"run": result, "samples": num_samples, "top": [asdict(e) for e in entries]}
+
+
+def run_cell(
+    targets: list[Target], ext: Stack, workload: Workload, args: argparse.Namespace, name: str
+) -> dict[str, Any]:
+    """Warm up, then the alternating rounds of loaded and low-load runs, and the medians."""
+    loaded = Load(args.threads, args.connections, args.seconds)
+    low = Load(1, 1, args.low_seconds)
+    warm = {t.name: warm_up(t, workload, loaded) for t in targets if t.name != ENVOY}
+    cell: dict[str, Any] = {
+        "prompt_kb": workload.prompt_bytes // 1024,
+        "num_prefixes": workload.num_prefixes,
+        "warm_requests": warm,
+        "pods_with_entries": pods_served(ext.admin_port),
+        "runs": {t.name: {"loaded": [], "low": []} for t in targets},
+    }
+    for r in range(args.rounds):
+        print(f"  round {r + 1}/{args.rounds}", flush=True)
+        for kind, load in (("loaded", loaded), ("low", low)):
+            for t in targets:
+                cell["runs"][t.name][kind].append(measure(t, workload, load, kind))
+    cell["summary"] = {
+        name: {kind: medians(runs) for kind, runs in by_kind.items()}
+        for name, by_kind in cell["runs"].items()
+    }
+    cell["ratios"] = ratios(cell["summary"])
+    if args.profile:  # py-spy's collapsed stacks stay beside the profile, for flame graphs
+        out = args.profile.with_name(f"{args.profile.stem}-{name}.collapsed")
+        ext_target = next(t for t in targets if t.name == EXTPROC)
+        cell["profile"] = profile_run(ext_target, workload, loaded, out)
+    return cell
+
+
+def run_pods(num_pods: int, args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
+    """Every prompt size on one set of processes in front of ``num_pods`` pods."""
+    cells = []
+    with ExitStack() as stack:
+        upstreams, pods = start_upstreams(num_pods, log_dir)
+        stack.callback(upstreams.stop)
+        started, ext = stack.enter_context(routers(pods, log_dir, args))
+        targets, idle = with_idle(started, upstreams.pid)
+        for kb in args.prompt_kb:
+            print(f"{kb} KB prompts, {num_pods} pods", flush=True)
+            workload = make_workload(kb * 1024, args.prefixes_per_pod * num_pods, log_dir)
+            cell = run_cell(targets, ext, workload, args, f"{kb}kb-{num_pods}pods")
+            cells.append({"pods": num_pods, "idle_cpu_pct": idle, **cell})
+    return cells
+
+
+def profile_text(cells: list[dict[str, Any]]) -> str:
+    """The py-spy tables of every cell, as Markdown."""
+    parts = ["## extproc under load, py-spy (self and total %)", ""]
+    for cell in cells:
+        p = cell["profile"]
+        title = f"{cell['prompt_kb']} KB prompts, {cell['pods']} pods ({p['run']['rps']:.0f} req/s)"
+        entries = [pyspy.Entry(**e) for e in p["top"]]
+        parts.append(pyspy.format_entries(title, p["samples"], entries))
+    return "\n".join(parts)
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=int, default=10)
+    parser.add_argument("--prompt-kb", type=_int_list, default=[1, 8, 220], help="e.g. 1,8,220")
+    parser.add_argument("--pods", type=_int_list, default=[16, 1000], help="e.g. 16,1000")
+    parser.add_argument("--prefixes-per-pod", type=int, default=2, help="distinct prefixes")
+    parser.add_argument("--seconds", type=int, default=5, help="each loaded run")
+    parser.add_argument("--low-seconds", type=int, default=3, help="each low-load run")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--connections", type=int, default=16)
-    parser.add_argument("--pods", type=int, default=16)
-    parser.add_argument("--prompt-bytes", type=int, default=8192)
-    parser.add_argument("--json", help="also write the results here")
-    args = parser.parse_args()
+    parser.add_argument("--threads", type=int, default=2, help="wrk threads, loaded runs")
+    parser.add_argument("--connections", type=int, default=16, help="wrk connections, loaded")
+    parser.add_argument("--no-sglang", action="store_true", help="leave sglang-router out")
+    parser.add_argument("--config", type=Path, help="extproc scheduler config (default: shipped)")
+    parser.add_argument(
+        "--scrape-interval-s", type=float, help="extproc's pod scrape interval (default: its own)"
+    )
+    parser.add_argument("--json", type=Path, help="write config, machine, runs, medians here")
+    parser.add_argument("--markdown", type=Path, help="write the tables here")
+    parser.add_argument("--profile", type=Path, help="py-spy extproc in one extra run a cell")
+    return parser.parse_args(argv)
+
+
+def check_tools(args: argparse.Namespace) -> None:
     if not shutil.which("wrk"):
         sys.exit("wrk not found: apt-get install wrk")
+    if args.profile:
+        pyspy.py_spy()
+    if not args.no_sglang and not peer_binary(SGLANG).exists():
+        prepare_peer(SGLANG)  # its own venv under ~/.cache/extproc-e2e, about a minute
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    check_tools(args)
+    result: dict[str, Any] = {"config": {k: str(v) if isinstance(v, Path) else v
+                                         for k, v in vars(args).items()},
+                              "machine": machine(), "cells": []}  # fmt: skip
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-picker-") as tmp:
-        log_dir = Path(tmp)
-        body = log_dir / "body.json"
-        body.write_bytes(chat_body(args.prompt_bytes))
-        ports = [free_port() for _ in range(args.pods)]
-        pods = [
-            Pod(PodId("default", f"pod-{p}"), f"127.0.0.1:{p}", frozenset({"bench"})) for p in ports
-        ]
-        procs: list[Proc] = []
-        try:
-            up_admin = free_port()
-            procs.append(
-                start_envoy_config(upstream_config(ports, up_admin), up_admin, log_dir, "upstreams")
-            )
-            grpc_port = free_port()
-            options = EnvoyOptions(
-                extproc_address=f"127.0.0.1:{grpc_port}",
-                listen_port=free_port(),
-                admin_port=free_port(),
-            )
-            alone_opts = EnvoyOptions(
-                extproc_address=f"127.0.0.1:{grpc_port}",
-                listen_port=free_port(),
-                admin_port=free_port(),
-            )
-            picker = start_extproc(
-                write_pods_file(pods, log_dir / "pods.yaml"),
-                log_dir,
-                grpc_port=grpc_port,
-                metrics_port=free_port(),
-            )
-            procs.append(picker)
-            with_picker = start_envoy(pods, options, log_dir)
-            procs.append(with_picker)
-            alone = start_envoy_config(
-                envoy_alone_config(pods, alone_opts), alone_opts.admin_port, log_dir, "envoy-alone"
-            )
-            procs.append(alone)
-            runs: dict[str, list[dict[str, Any]]] = {"envoy_alone": [], "envoy_extproc": []}
-            for r in range(args.rounds):
-                print(f"round {r + 1}/{args.rounds}", flush=True)
-                runs["envoy_alone"].append(
-                    measure(
-                        "envoy alone",
-                        f"http://127.0.0.1:{alone_opts.listen_port}",
-                        {"envoy": alone},
-                        body,
-                        args,
-                    )
-                )
-                runs["envoy_extproc"].append(
-                    measure(
-                        "envoy + extproc",
-                        f"http://127.0.0.1:{options.listen_port}",
-                        {"envoy": with_picker, "extproc": picker},
-                        body,
-                        args,
-                    )
-                )
-        finally:
-            for p in reversed(procs):
-                p.stop()
-    summary = {
-        k: {m: round(statistics.median(r[m] for r in v), 2) for m in v[0]} for k, v in runs.items()
-    }
-    a, e = summary["envoy_alone"], summary["envoy_extproc"]
-    ratios = {"throughput": round(e["rps"] / a["rps"], 2), "p50_added_ms": round(e["p50_ms"] - a["p50_ms"], 2),
-              "p99_added_ms": round(e["p99_ms"] - a["p99_ms"], 2)}  # fmt: skip
-    print(
-        f"\nmedian of {args.rounds} rounds: {json.dumps(summary)}\nratios vs envoy alone: {ratios}"
-    )
+        for num_pods in args.pods:
+            result["cells"] += run_pods(num_pods, args, Path(tmp))
+    result["elapsed_s"] = round(time.monotonic() - started, 1)
+    report = markdown(result)
+    print("\n" + report)
+    if args.markdown:
+        args.markdown.write_text(report)
     if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {"config": vars(args), "runs": runs, "summary": summary, "ratios": ratios}, indent=2
-            )
-        )
+        args.json.write_text(json.dumps(result, indent=2))
+    if args.profile:
+        text = profile_text(result["cells"])
+        args.profile.write_text(text)
+        print(text)
 
 
 if __name__ == "__main__":
