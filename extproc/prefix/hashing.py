@@ -12,10 +12,17 @@ folded into the start of the chain, so every hash of a salted prompt differs fro
 hash of an unsalted one or one with another salt. The salted start is hashed with a
 different XXH64 seed than the chain, so no unsalted prompt can be crafted to reproduce a
 salted chain. A request without a salt hashes exactly as Kthena's router does.
+
+Chaining costs about half a microsecond a block in Python (the decimal text of the
+previous hash is the expensive part), 60 us for a full 8 KB prompt. Prompts repeat their
+first 8 KB often (a shared system prompt and tools, the turns of one conversation), so
+the chains of the last ``MEMO_SIZE`` distinct prompt starts are kept, keyed by an
+XXH3-128 digest of the hashed bytes (0.5 us for 8 KB).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import NewType
 
 import xxhash
@@ -26,6 +33,9 @@ BlockHash = NewType("BlockHash", int)  # an unsigned 64-bit XXH64 digest
 SALT_SEED = 0x5A17_CAC4E_5A17 & 0xFFFF_FFFF_FFFF_FFFF
 
 _xxh64 = xxhash.xxh64_intdigest
+_digest = xxhash.xxh3_128_intdigest
+
+MEMO_SIZE = 4096  # distinct prompt starts whose chains are kept (about 5 KB each at most)
 
 
 def chain_start(model: str, salt: str | None = None) -> int:
@@ -69,5 +79,31 @@ def hash_prompt(
     """
     if block_size <= 0 or max_blocks <= 0:
         raise ValueError(f"block_size and max_blocks must be > 0, got {block_size}, {max_blocks}")
-    data = prompt.encode()[: block_size * max_blocks]
-    return hash_blocks(chain_start(model, salt), data, block_size, max_blocks)
+    limit = block_size * max_blocks
+    data = prompt[:limit].encode()[:limit]  # a character is at least a byte: no more needed
+    return _MEMO.chain(model, salt, data, block_size, max_blocks)
+
+
+class _ChainMemo:
+    """The chains of recently hashed prompt starts, first in first out."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._chains: dict[tuple[str, str | None, int, int, int], tuple[BlockHash, ...]] = {}
+        self._lock = threading.Lock()
+
+    def chain(
+        self, model: str, salt: str | None, data: bytes, block_size: int, max_blocks: int
+    ) -> list[BlockHash]:
+        key = (model, salt, block_size, max_blocks, _digest(data))
+        found = self._chains.get(key)
+        if found is None:
+            found = tuple(hash_blocks(chain_start(model, salt), data, block_size, max_blocks))
+            with self._lock:
+                if len(self._chains) >= self.size:
+                    del self._chains[next(iter(self._chains))]
+                self._chains[key] = found
+        return list(found)
+
+
+_MEMO = _ChainMemo(MEMO_SIZE)

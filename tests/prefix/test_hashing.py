@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from extproc.prefix import hash_prompt
+from extproc.prefix.hashing import BlockHash, _ChainMemo, chain_start, hash_blocks
 
 
 def reference_chain(model: str, data: bytes, block_size: int) -> list[int]:
@@ -91,3 +92,49 @@ def test_different_first_block_changes_every_hash(a: bytes, b: bytes) -> None:
     ha = hash_prompt("m", a.decode("latin-1"))
     hb = hash_prompt("m", b.decode("latin-1"))
     assert not set(ha) & set(hb)
+
+
+# -- the memo of recent chains ---------------------------------------------------------
+
+
+@given(
+    st.text(max_size=300),
+    st.sampled_from(["m", "other-model"]),
+    st.sampled_from([None, "tenant-a", "tenant-b"]),
+    st.sampled_from([(64, 128), (16, 4), (64, 2)]),
+)
+def test_remembered_chains_equal_freshly_computed_ones(
+    prompt: str, model: str, salt: str | None, geometry: tuple[int, int]
+) -> None:
+    block_size, max_blocks = geometry
+    fresh = hash_blocks(
+        chain_start(model, salt),
+        prompt.encode("utf-8", "surrogatepass")[: block_size * max_blocks],
+        block_size,
+        max_blocks,
+    )
+    for _ in range(2):  # computed, then remembered
+        assert hash_prompt(model, prompt, block_size, max_blocks, salt) == fresh
+
+
+def test_the_memo_keeps_models_salts_and_geometries_apart() -> None:
+    prompt = "shared system prompt " * 20
+    chains = {
+        tuple(hash_prompt(model, prompt, bs, mb, salt))
+        for model in ("m", "n")
+        for salt in (None, "s")
+        for bs, mb in ((64, 128), (32, 128))
+    }
+    assert len(chains) == 8
+
+
+def test_the_memo_is_bounded_and_forgets_the_oldest_first() -> None:
+    memo = _ChainMemo(size=3)
+    for i in range(5):
+        memo.chain("m", None, b"prompt %d" % i, 64, 128)
+    assert len(memo._chains) == 3
+    kept = {key[-1] for key in memo._chains}
+    assert kept == {xxhash.xxh3_128_intdigest(b"prompt %d" % i) for i in (2, 3, 4)}
+    returned = memo.chain("m", None, b"prompt 4", 64, 128)
+    returned.append(BlockHash(0))  # a caller's list is its own
+    assert memo.chain("m", None, b"prompt 4", 64, 128) == hash_prompt("m", "prompt 4")
