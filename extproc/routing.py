@@ -19,6 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
@@ -144,6 +145,18 @@ class RouterMetrics:
             "Routed requests awaiting their end (bounded in size and age).",
             registry=registry,
         )
+        # Children looked up once: ``labels()`` costs microseconds on every request.
+        self.outcome = {
+            o: self.completions.labels(o)
+            for o in ("recorded", "failed", "unknown_request", "unknown_pod", "abandoned")
+        }
+        self._decisions_by_model: dict[str, Any] = {}
+
+    def decided(self, model: str) -> None:
+        child = self._decisions_by_model.get(model)
+        if child is None:
+            child = self._decisions_by_model[model] = self.decisions.labels(model)
+        child.inc()
 
 
 class Router:
@@ -243,7 +256,7 @@ class Router:
                 prefill.id if prefill else None,
             )
             self.pending.add(request_id, pending)
-        self.metrics.decisions.labels(request.model).inc()
+        self.metrics.decided(request.model)
         self.metrics.scheduling.observe(time.perf_counter() - started)
         return RouteDecision(chosen, prefill)
 
@@ -258,24 +271,24 @@ class Router:
             self.metrics.retries.inc(attempts - 1)
         pending = self.pending.pop(request_id)
         if pending is None:
-            self.metrics.completions.labels("unknown_request").inc()
+            self.metrics.outcome["unknown_request"].inc()
             return False
         self._end_in_flight(pending)
         if not succeeded:
-            self.metrics.completions.labels("failed").inc()
+            self.metrics.outcome["failed"].inc()
             return False
         pod = pending.pod_by_address.get(served_address or "")
         if pod is None:
             # Served by the fallback policy after the list ran out: still a known pod?
             pod = next((p.id for p in self.pods if p.address == served_address), None)
         if pod is None:
-            self.metrics.completions.labels("unknown_pod").inc()
+            self.metrics.outcome["unknown_pod"].inc()
             log.warning(
                 "request %s was served by %s, which is no known pod", request_id, served_address
             )
             return False
         self.scheduler.record(pending.cycle, pod, pending.prefill)
-        self.metrics.completions.labels("recorded").inc()
+        self.metrics.outcome["recorded"].inc()
         return True
 
     def abandon(self, request_id: str) -> None:
@@ -284,7 +297,7 @@ class Router:
         pending = self.pending.pop(request_id)
         if pending is not None:
             self._end_in_flight(pending)
-            self.metrics.completions.labels("abandoned").inc()
+            self.metrics.outcome["abandoned"].inc()
 
     def _end_in_flight(self, pending: _Pending) -> None:
         self.in_flight.end(pending.pick, pending.prefill_tokens)
