@@ -37,8 +37,9 @@ _POLL_S = 1.0  # how often the loop looks up from the queue (nothing to do other
 
 
 class Answer(NamedTuple):
-    """What a stream says to a message: replies to send, in order; ``end``: then close
-    the stream with OK (nothing more is read)."""
+    """What a stream says to a message: replies to send, in order (messages, or their
+    bytes serialized already); ``end``: then close the stream with OK (nothing more is
+    read)."""
 
     replies: Sequence[Any] = ()
     end: bool = False
@@ -284,7 +285,8 @@ class _Call:
                 # outstanding on this call meanwhile (no receive was started).
                 answer.add_done_callback(lambda done: self._answer(done.result))
                 return
-            replies = [self._method.serialize(r) for r in answer.replies]
+            serialize = self._method.serialize
+            replies = [r if type(r) is bytes else serialize(r) for r in answer.replies]
         except Exception:
             log.exception("unexpected error in a stream handler")
             self._fail(cygrpc.StatusCode.internal, b"internal error in the endpoint picker")

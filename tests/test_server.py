@@ -21,8 +21,10 @@ from extproc.server import (
     ACCESS_LOG_SERVICE,
     EXT_PROC_SERVICE,
     ExtProcHandlers,
+    RouteReplies,
     make_grpc_server,
     make_health_server,
+    route_response,
 )
 from tests.factories import PREFIX_ONLY, make_pod, make_scheduler
 
@@ -279,3 +281,12 @@ def test_health_service_reports_serving() -> None:
             )
     finally:
         server.stop(0).wait()
+
+
+def test_route_replies_are_the_serialized_route_response_and_bounded() -> None:
+    replies = RouteReplies(size=2)
+    for dest, prefill in (("a:1,b:2", None), ("a:1,b:2", "p:3"), ("b:2,a:1", None)):
+        reply = ep.ProcessingResponse.FromString(replies.get(dest, prefill))
+        assert reply == route_response(dest, prefill)
+        assert destination(reply) == dest.split(",")
+    assert len(replies._replies) == 2 and ("a:1,b:2", None) not in replies._replies
