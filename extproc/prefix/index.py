@@ -105,6 +105,19 @@ class _PodLru:
         return np.arange(self.base + start, self.base + stop, dtype=np.int64)
 
 
+class PodSet:
+    """Candidate pods for ``PrefixIndex.match`` that are matched many times (e.g. one pod
+    snapshot's): the index computes their slot masks once and keeps them here until its
+    slot layout changes (a pod added or removed), instead of once per call.
+    """
+
+    __slots__ = ("_cached", "pods")
+
+    def __init__(self, pods: Iterable[PodId]) -> None:
+        self.pods = tuple(pods)
+        self._cached: tuple[PrefixIndex, int, dict[int, int]] | None = None
+
+
 class PrefixIndex:
     """Per-pod LRU of recorded block hashes, and the lookup that scores against it.
 
@@ -123,6 +136,8 @@ class PrefixIndex:
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._page_keys = [0] + [_mix_key(b"page", p) for p in range(1, MAX_PAGES)]
+        self._page_key_array = np.array(self._page_keys, dtype=np.int64)
+        self._slots_version = 0  # bumped whenever a pod gets or gives up a slot
         self._num_entries = 0
         self._lock = threading.Lock()
 
@@ -141,41 +156,50 @@ class PrefixIndex:
         return list(self._lru_by_pod)
 
     def match(
-        self, hashes: Sequence[int] | Keys, candidates: Iterable[PodId], top_k: int
+        self, hashes: Sequence[int] | Keys, candidates: Iterable[PodId] | PodSet, top_k: int
     ) -> dict[PodId, int]:
         """Longest recorded match, in blocks, for up to ``top_k`` candidate pods.
 
         Pods are found from the longest match down (among equal matches in slot order),
-        and pods with no match are left out.
+        and pods with no match are left out. A ``PodSet`` keeps the candidates' slot
+        masks between calls (until a pod is added to or removed from the index).
         """
         keys = as_keys(hashes)
         with self._lock:
-            page_masks = self._candidate_masks(candidates)
+            if isinstance(candidates, PodSet):
+                page_masks = self._pod_set_masks(candidates)
+            else:
+                page_masks = self._candidate_masks(candidates)
             if not page_masks or top_k <= 0 or not len(keys):
                 return {}
-            hits = self._hits_by_page(keys, page_masks)
-            if not hits:
+            pages, masks = self._hits_by_page(keys, page_masks)
+            if not pages:
                 return {}
-            total = sum(int(np.bitwise_or.reduce(masks)).bit_count() for _, masks in hits)
-            need = min(top_k, total)
-            if len(hits) == 1:
-                positions = np.flatnonzero(hits[0][1])
-            else:
-                positions = np.flatnonzero(np.logical_or.reduce([m != 0 for _, m in hits]))
+            # new[p, i]: candidates of page p holding block i but no later block, i.e. the
+            # pods a walk from the last block backwards finds at block i.
+            held_from = np.bitwise_or.accumulate(masks[:, ::-1], axis=1)[:, ::-1]
+            new = held_from.copy()
+            new[:, :-1] &= ~held_from[:, 1:]
+            need = min(top_k, sum(int(m).bit_count() for m in held_from[:, 0].tolist()))
             found: dict[PodId, int] = {}
-            seen = dict.fromkeys((page for page, _ in hits), 0)
-            for idx in positions[::-1].tolist():
-                for page, masks in hits:
-                    bits = int(masks[idx]) & ~seen[page]
+            for idx in np.flatnonzero(new.any(axis=0))[::-1].tolist():
+                for page, bits in zip(pages, new[:, idx].tolist(), strict=True):
                     while bits:
                         low = bits & -bits
                         bits ^= low
-                        seen[page] |= low
                         slot = page * SLOTS_PER_PAGE + low.bit_length() - 1
                         found[self._pod_by_slot[slot]] = idx + 1
                         if len(found) == need:
                             return found
             return found
+
+    def _pod_set_masks(self, pod_set: PodSet) -> dict[int, int]:
+        cached = pod_set._cached  # (index, slot layout version, masks), swapped as one
+        if cached is not None and cached[0] is self and cached[1] == self._slots_version:
+            return cached[2]
+        masks = self._candidate_masks(pod_set.pods)
+        pod_set._cached = (self, self._slots_version, masks)
+        return masks
 
     def _candidate_masks(self, candidates: Iterable[PodId]) -> dict[int, int]:
         """Page -> bitmask of the candidates' slots (pods unknown to the index left out)."""
@@ -190,13 +214,10 @@ class PrefixIndex:
         np.bitwise_or.at(by_page, slots // SLOTS_PER_PAGE, np.left_shift(1, slots % SLOTS_PER_PAGE))
         return {int(page): int(by_page[page]) for page in np.flatnonzero(by_page)}
 
-    def _hits_by_page(self, keys: Keys, page_masks: dict[int, int]) -> list[tuple[int, Keys]]:
-        """Per page holding any block: each block's candidate-owner mask."""
-        hits: list[tuple[int, Keys]] = []
-        if 0 in page_masks:
-            masks = _lookup(self._owners, keys, 0) & page_masks[0]
-            if masks.any():
-                hits.append((0, masks))
+    def _hits_by_page(self, keys: Keys, page_masks: dict[int, int]) -> tuple[list[int], Keys]:
+        """The pages (ascending) where a candidate holds any of the blocks, and per page
+        each block's candidate-owner mask (one row per page), probed in one batch."""
+        pages = [0] if 0 in page_masks else []
         upper = 0
         for page in page_masks:
             upper |= (1 << page) if page else 0
@@ -205,11 +226,16 @@ class PrefixIndex:
             while present:
                 low = present & -present
                 present ^= low
-                page = low.bit_length() - 1
-                masks = _lookup(self._owners, keys ^ self._page_keys[page], 0) & page_masks[page]
-                if masks.any():
-                    hits.append((page, masks))
-        return hits
+                pages.append(low.bit_length() - 1)
+        if not pages:
+            return [], np.empty((0, len(keys)), dtype=np.int64)
+        probes = (keys[np.newaxis, :] ^ self._page_key_array[pages][:, np.newaxis]).ravel()
+        masks = _lookup(self._owners, probes, 0).reshape(len(pages), len(keys))
+        masks &= np.array([page_masks[page] for page in pages], dtype=np.int64)[:, np.newaxis]
+        hit = np.asarray(masks.any(axis=1))
+        if hit.all():
+            return pages, masks
+        return [pages[row] for row in np.flatnonzero(hit).tolist()], masks[hit]
 
     # -- updates -------------------------------------------------------------------
 
@@ -248,6 +274,7 @@ class PrefixIndex:
             self._drop(lru, victims)
             del self._pod_by_slot[lru.slot]
             self._free_slots.append(lru.slot)
+            self._slots_version += 1
             return len(victims)
 
     def retain_pods(self, keep: Iterable[PodId]) -> list[PodId]:
@@ -272,6 +299,7 @@ class PrefixIndex:
         lru = _PodLru(slot=slot, key=_mix_key(b"slot", slot), page=page, bit=1 << bit)
         self._lru_by_pod[pod] = lru
         self._pod_by_slot[slot] = pod
+        self._slots_version += 1
         return lru
 
     def _append(self, lru: _PodLru, keys: Keys) -> int:
