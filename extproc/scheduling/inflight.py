@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
 
 from extproc.types import PodId
 
@@ -76,3 +80,15 @@ class InFlight:
         """A consistent copy of every non-zero count."""
         with self._lock:
             return dict(self._counts)
+
+    def requests_at(self, rows: Mapping[PodId, int], num_rows: int) -> npt.NDArray[np.int64]:
+        """Requests in flight per row of a pod table (``rows``: pod -> row; others 0).
+
+        Costs one step per pod with requests in flight, none per idle pod.
+        """
+        out = np.zeros(num_rows, dtype=np.int64)
+        for pod_id, count in self._counts.copy().items():  # copy: one atomic C call
+            row = rows.get(pod_id)
+            if row is not None:
+                out[row] = count.num_requests
+        return out

@@ -8,6 +8,10 @@ configured name serves every role it has (a plugin may be both a Filter and a Sc
 * ``Recorder``: learns from a response that ended successfully (``record``).
 * ``PodsListener``: told when the set of known pods changes (e.g. to drop state).
 
+Filters and scorers may also work on a whole snapshot at once (``TableFilter``,
+``TableScorer``: NumPy columns of a ``PodTable`` instead of ``Pod`` objects); the scheduler
+uses those when a plugin has them, so a request's cost hardly grows with the pods.
+
 Plugins read shared services from ``PluginContext``: the router's ``InFlight`` counters,
 and ``SharedReaders``, where a plugin offers a read-only view to the others (the
 prefix-cache plugin registers itself as the ``PrefixMatcher`` that ``cost-aware`` reads).
@@ -19,13 +23,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+import numpy as np
+import numpy.typing as npt
 from prometheus_client import CollectorRegistry
 
 from extproc.prefix.hashing import BlockHash, hash_prompt
 from extproc.prefix.index import Keys, as_keys
 from extproc.request import InferenceRequest
 from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.podtable import PodTable, Positions
 from extproc.types import Pod, PodId
+
+Scores = npt.NDArray[np.int64]  # one score per row of the ``Positions`` scored
 
 BYTES_PER_TOKEN = 4  # the usual estimate for English text and code with BPE tokenizers
 
@@ -128,6 +137,18 @@ class Scorer(Protocol):
 
     def score(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
         """0..100 per pod; pods left out score 0."""
+        ...
+
+
+class TableFilter(Protocol):
+    def filter_table(self, cycle: Cycle, table: PodTable, positions: Positions) -> Positions:
+        """The rows of ``positions`` that pass, in the same order; same rule as ``filter``."""
+        ...
+
+
+class TableScorer(Protocol):
+    def score_table(self, cycle: Cycle, table: PodTable, positions: Positions) -> Scores:
+        """0..100 per row of ``positions``, equal to ``score`` on those pods."""
         ...
 
 

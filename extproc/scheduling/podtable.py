@@ -1,0 +1,138 @@
+"""One pod snapshot as NumPy columns, built once and shared by every request.
+
+The scheduler scores a request against every candidate pod. Walking ``Pod`` objects in
+Python for each request costs about a microsecond per pod and plugin; a ``PodTable``
+holds the same snapshot as arrays (one row per pod, in snapshot order), so filters and
+scorers work on whole columns and a request costs a few dozen NumPy calls whatever the
+number of pods.
+
+Rows are addressed by position (``Positions``: an int64 array of row numbers, ascending
+in the scheduler's own passes). A snapshot is immutable (a tuple of frozen pods), so its
+table never goes stale: a new snapshot gets a new table (``Scheduler.pods_changed`` builds
+it as the snapshot is published, so no request pays for it).
+
+Columns follow ``PodMetrics``; a latency without data is ``has_ttft``/``has_itl`` False.
+Scraped values are finite (``engine_metrics`` clamps them); a non-finite one in a
+hand-built pod is read as no data (latency) or as fully used (``kv_usage``).
+``scratch`` is per-snapshot memory for plugins (e.g. prefix-cache's candidate masks),
+keyed by whatever the plugin likes and cleared when it grows past ``MAX_SCRATCH``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from extproc.errors import ModelNotFound, NoReadyPods
+from extproc.types import Pod, PodId, PodRole
+
+Positions = npt.NDArray[np.int64]
+MAX_SCRATCH = 64  # entries of per-snapshot plugin memory before it is cleared
+
+
+class Candidates(NamedTuple):
+    """Ready pods serving one model, as positions."""
+
+    all: Positions
+    serving: Positions  # decode and ordinary pods
+    prefill: Positions
+
+
+class PodTable:
+    """A pod snapshot as columns; see the module docstring."""
+
+    __slots__ = (
+        "_by_model",
+        "_models",
+        "has_itl",
+        "has_ttft",
+        "ids",
+        "is_prefill",
+        "itl_s",
+        "kv_usage",
+        "objects",
+        "pods",
+        "position",
+        "ready",
+        "running",
+        "scratch",
+        "ttft_s",
+        "waiting",
+    )
+
+    def __init__(self, pods: Sequence[Pod]) -> None:
+        self.pods: tuple[Pod, ...] = tuple(pods)
+        n = len(self.pods)
+        self.objects: npt.NDArray[np.object_] = np.empty(n, dtype=object)
+        self.objects[:] = self.pods
+        self.ids: tuple[PodId, ...] = tuple(p.id for p in self.pods)
+        self.position: dict[PodId, int] = {}
+        for i, pod_id in enumerate(self.ids):
+            self.position.setdefault(pod_id, i)  # a duplicate id: its first row
+        metrics = [p.metrics for p in self.pods]
+        self.waiting = np.fromiter((m.waiting for m in metrics), np.int64, n)
+        self.running = np.fromiter((m.running for m in metrics), np.int64, n)
+        kv = np.fromiter((m.kv_usage for m in metrics), np.float64, n)
+        self.kv_usage = np.where(np.isfinite(kv), kv, 1.0)
+        self.ttft_s, self.has_ttft = _latency([m.ttft_s for m in metrics])
+        self.itl_s, self.has_itl = _latency([m.itl_s for m in metrics])
+        self.ready = np.fromiter((p.ready for p in self.pods), np.bool_, n)
+        self.is_prefill = np.fromiter((p.role is PodRole.PREFILL for p in self.pods), np.bool_, n)
+        self.scratch: dict[Any, Any] = {}
+        self._models: frozenset[str] = frozenset().union(*(p.models for p in self.pods))
+        self._by_model: dict[str, Candidates] = {}
+
+    def __len__(self) -> int:
+        return len(self.pods)
+
+    def all_positions(self) -> Positions:
+        return np.arange(len(self.pods), dtype=np.int64)
+
+    def take(self, positions: Positions) -> list[Pod]:
+        """The pods at ``positions``, in that order."""
+        pods: list[Pod] = self.objects[positions].tolist()
+        return pods
+
+    def candidates(self, model: str) -> Candidates:
+        """Ready pods serving ``model``, computed once per model.
+
+        Raises:
+            ModelNotFound: no pod serves the model.
+            NoReadyPods: pods serve the model but none is ready.
+        """
+        found = self._by_model.get(model)
+        if found is not None:
+            return found
+        if model not in self._models:
+            raise ModelNotFound(f"the model {model!r} does not exist: no pod serves it")
+        serves = np.fromiter((model in p.models for p in self.pods), np.bool_, len(self.pods))
+        ready = serves & self.ready
+        if not ready.any():
+            raise NoReadyPods(
+                f"no pod serving model {model!r} is ready ({int(serves.sum())} known, none ready)"
+            )
+        found = Candidates(
+            np.flatnonzero(ready),
+            np.flatnonzero(ready & ~self.is_prefill),
+            np.flatnonzero(ready & self.is_prefill),
+        )
+        self._by_model[model] = found  # bounded: only models some pod serves
+        return found
+
+    def remember(self, key: Any, value: Any) -> None:
+        """Keep ``value`` in ``scratch`` for the snapshot's life (bounded, see module)."""
+        if len(self.scratch) >= MAX_SCRATCH:
+            self.scratch.clear()
+        self.scratch[key] = value
+
+
+def _latency(
+    values: Sequence[float | None],
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]:
+    column = np.array([0.0 if v is None else v for v in values], dtype=np.float64)
+    known = np.array([v is not None for v in values], dtype=np.bool_) & np.isfinite(column)
+    column[~known] = 0.0
+    return column, known
