@@ -21,16 +21,18 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Histogram
 
 from extproc.errors import ModelNotFound, NoCapacity, NoReadyPods
+from extproc.scheduling.podtable import PodTable, Positions
 from extproc.scheduling.sessions import Binding, SessionStore
-from extproc.scheduling.types import Cycle, Filter, PodsListener, Recorder, Scorer
-from extproc.types import Pod, PodId, PodRole
+from extproc.scheduling.types import Cycle, Filter, PodsListener, Recorder, Scorer, Scores
+from extproc.types import Pod, PodId
 
 log = logging.getLogger("extproc.scheduling")
 
@@ -84,6 +86,8 @@ class Scheduler:
     rng: random.Random = field(default_factory=random.Random)
     sessions: SessionStore | None = None
     timer: PluginTimer | None = None
+    _table: PodTable | None = field(default=None, repr=False)
+    _np_rng: tuple[random.Random, np.random.Generator] | None = field(default=None, repr=False)
 
     def schedule(self, cycle: Cycle, pods: Sequence[Pod]) -> list[Pod]:
         """Rank the pods that may serve ``cycle``'s model, best first (one pass).
@@ -93,61 +97,115 @@ class Scheduler:
             NoReadyPods: pods serve the model but none is ready.
             NoCapacity: the filters removed every ready pod.
         """
-        candidates = select_candidates(cycle.request.model, pods)
-        return self._score(cycle, self._filter(cycle, candidates))
+        table = self.table(pods)
+        candidates = table.candidates(cycle.request.model).all
+        return table.take(self._rank(cycle, table, self._filter(cycle, table, candidates)))
 
     def schedule_request(self, cycle: Cycle, pods: Sequence[Pod]) -> Schedule:
         """``schedule`` plus prefill/decode passes and session sticky (module doc)."""
-        candidates = select_candidates(cycle.request.model, pods)
-        prefill = [p for p in candidates if p.role is PodRole.PREFILL]
-        serving = [p for p in candidates if p.role is not PodRole.PREFILL]
-        if not serving:
+        table = self.table(pods)
+        candidates = table.candidates(cycle.request.model)
+        if not len(candidates.serving):
             raise NoReadyPods(
                 f"model {cycle.request.model!r} has ready prefill pods but no ready decode pod"
             )
-        serving = self._filter(cycle, serving)
-        prefill = self._filter(cycle, prefill) if prefill else []
+        serving = self._filter(cycle, table, candidates.serving)
+        prefill = candidates.prefill
+        if len(prefill):
+            prefill = self._filter(cycle, table, prefill)
         binding = self._binding(cycle)
         if binding is not None:
-            bound = _find(serving, binding.pod)
-            bound_prefill = _find(prefill, binding.prefill) if binding.prefill else None
-            if bound is not None and (bound_prefill is not None or not prefill):
-                rest = [p for p in serving if p is not bound]
-                self.rng.shuffle(rest)
-                return Schedule([bound, *rest], bound_prefill, pinned=True)
-        best_prefill = self._score(cycle, prefill)[0] if prefill else None
-        return Schedule(self._score(cycle, serving), best_prefill)
+            bound = _find(table, serving, binding.pod)
+            bound_prefill = _find(table, prefill, binding.prefill) if binding.prefill else None
+            if bound is not None and (bound_prefill is not None or not len(prefill)):
+                rest = np.delete(serving, bound)
+                rest = rest[self._generator().permutation(len(rest))]
+                return Schedule(
+                    [table.pods[serving[bound]], *table.take(rest)],
+                    None if bound_prefill is None else table.pods[prefill[bound_prefill]],
+                    pinned=True,
+                )
+        best_prefill = None
+        if len(prefill):
+            best_prefill = table.pods[self._rank(cycle, table, prefill)[0]]
+        return Schedule(table.take(self._rank(cycle, table, serving)), best_prefill)
+
+    def table(self, pods: Sequence[Pod]) -> PodTable:
+        """``pods`` as a ``PodTable``: kept while the same tuple comes back (a snapshot:
+        a tuple of frozen pods cannot change), built afresh for anything else."""
+        table = self._table
+        if table is not None and table.pods is pods:
+            return table
+        table = PodTable(pods)
+        if table.pods is pods:  # tuple(pods) is pods: it was a tuple
+            self._table = table
+        return table
+
+    def _generator(self) -> np.random.Generator:
+        """The tie-break generator, seeded from ``rng`` (again if ``rng`` is replaced)."""
+        cached = self._np_rng
+        if cached is None or cached[0] is not self.rng:
+            cached = self._np_rng = (self.rng, np.random.default_rng(self.rng.getrandbits(128)))
+        return cached[1]
 
     def _binding(self, cycle: Cycle) -> Binding | None:
         key = cycle.request.session_key
         return self.sessions.get(key) if key and self.sessions is not None else None
 
-    def _filter(self, cycle: Cycle, candidates: Sequence[Pod]) -> list[Pod]:
+    def _filter(self, cycle: Cycle, table: PodTable, candidates: Positions) -> Positions:
         for f in self.filters:
             started = time.perf_counter()
-            candidates = f.filter(cycle, candidates)
+            filter_table = getattr(f, "filter_table", None)
+            if filter_table is not None:
+                candidates = filter_table(cycle, table, candidates)
+            else:  # a plain Filter: it returns some of the pods it is given
+                kept = f.filter(cycle, table.take(candidates))
+                candidates = np.fromiter((table.position[p.id] for p in kept), np.int64, len(kept))
             if self.timer is not None:
                 self.timer.observe(f.type_name, "filter", time.perf_counter() - started)
-            if not candidates:
+            if not len(candidates):
                 raise NoCapacity(
                     f"no pod can take the request now: filter {f.type_name!r} removed "
                     f"every pod serving model {cycle.request.model!r}"
                 )
-        return list(candidates)
+        return candidates
 
-    def _score(self, cycle: Cycle, candidates: Sequence[Pod]) -> list[Pod]:
-        totals = dict.fromkeys((p.id for p in candidates), 0)
+    def _rank(self, cycle: Cycle, table: PodTable, candidates: Positions) -> Positions:
+        """``candidates`` by total score, best first; equal totals in random order."""
+        totals = np.zeros(len(candidates), dtype=np.int64)
         verbose = log.isEnabledFor(logging.DEBUG)
         for ws in self.scorers:
             started = time.perf_counter()
-            scores = ws.scorer.score(cycle, candidates)
+            score_table = getattr(ws.scorer, "score_table", None)
+            if score_table is not None:
+                scores = score_table(cycle, table, candidates)
+            else:  # a plain Scorer: a mapping, pods left out score 0
+                by_id = ws.scorer.score(cycle, table.take(candidates))
+                ids = (table.ids[i] for i in candidates.tolist())
+                scores = np.fromiter((by_id.get(i, 0) for i in ids), np.int64, len(candidates))
             if self.timer is not None:
                 self.timer.observe(ws.scorer.type_name, "score", time.perf_counter() - started)
-            for pod_id, score in scores.items():
-                totals[pod_id] += ws.weight * score
+            totals += ws.weight * scores
             if verbose:
-                _log_scores(ws.scorer.type_name, candidates, scores)
-        return rank(candidates, totals, self.rng)
+                _log_scores(ws.scorer.type_name, table, candidates, scores)
+        if len(candidates) == 1:
+            return candidates
+        return candidates[self._order(totals)]
+
+    def _order(self, totals: Scores) -> Positions:
+        """Indices of ``totals``, highest first, equal totals in random order.
+
+        One sort of int64 keys: the distance below the best total in the high 32 bits
+        and a random tie-break in the low 32 (two keys, as ``lexsort``, cost twice as much).
+        """
+        gen = self._generator()
+        below_best = int(totals.max()) - totals
+        if int(below_best.max()) >= 1 << 31:  # huge weights: keep the two keys
+            order: Positions = np.lexsort((gen.random(len(totals)), below_best))
+            return order
+        tiebreak = (gen.bit_generator.random_raw(len(totals)) >> np.uint64(32)).astype(np.int64)
+        order = np.argsort((below_best << 32) | tiebreak)
+        return order
 
     def record(self, cycle: Cycle, pod: PodId, prefill: PodId | None = None) -> None:
         """The response from ``pod`` (with ``prefill``) ended successfully: learn.
@@ -163,6 +221,8 @@ class Scheduler:
             self.sessions.bind(key, Binding(pod, prefill))
 
     def pods_changed(self, pods: Sequence[Pod]) -> None:
+        """A new snapshot: its table is built now, not by the next request."""
+        self.table(pods)
         for listener in self.listeners:
             listener.pods_changed(pods)
         if self.sessions is not None:
@@ -182,18 +242,17 @@ def select_candidates(model: str, pods: Sequence[Pod]) -> list[Pod]:
     return ready
 
 
-def _find(pods: Sequence[Pod], pod_id: PodId) -> Pod | None:
-    return next((p for p in pods if p.id == pod_id), None)
+def _find(table: PodTable, candidates: Positions, pod_id: PodId) -> int | None:
+    """Where ``pod_id`` is in ``candidates``, or None."""
+    row = table.position.get(pod_id)
+    if row is None:
+        return None
+    where = np.flatnonzero(candidates == row)
+    return int(where[0]) if len(where) else None
 
 
-def rank(pods: Sequence[Pod], totals: dict[PodId, int], rng: random.Random) -> list[Pod]:
-    """Pods by total score, best first; equal totals in random order."""
-    tiebreak = {p.id: rng.random() for p in pods}
-    return sorted(pods, key=lambda p: (-totals[p.id], tiebreak[p.id]))
-
-
-def _log_scores(name: str, pods: Sequence[Pod], scores: Mapping[PodId, int]) -> None:
+def _log_scores(name: str, table: PodTable, candidates: Positions, scores: Scores) -> None:
     """Kthena's ``--v=4`` lines: the plugin, then one line per candidate pod."""
     log.debug("ScorePlugin: %s", name)
-    for pod in pods:
-        log.debug("Pod: %s, Score: %d", pod.id, scores.get(pod.id, 0))
+    for row, score in zip(candidates.tolist(), scores.tolist(), strict=True):
+        log.debug("Pod: %s, Score: %d", table.ids[row], score)

@@ -10,7 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-from extproc.scheduling.types import Cycle, PluginContext
+import numpy as np
+
+from extproc.scheduling.podtable import PodTable, Positions
+from extproc.scheduling.types import Cycle, PluginContext, Scores
 from extproc.types import Pod, PodId
 
 
@@ -24,4 +27,11 @@ class GPUCacheUsage:
         return cls()
 
     def score(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
-        return {p.id: min(100, max(0, int((1.0 - p.metrics.kv_usage) * 100))) for p in pods}
+        table = PodTable(pods)
+        scores = self.score_table(cycle, table, table.all_positions())
+        return dict(zip(table.ids, scores.tolist(), strict=True))
+
+    def score_table(self, cycle: Cycle, table: PodTable, positions: Positions) -> Scores:
+        # astype truncates toward zero, as int() does
+        free = ((1.0 - table.kv_usage[positions]) * 100).astype(np.int64)
+        return np.clip(free, 0, 100)

@@ -15,13 +15,17 @@ level with the fastest one; 50 keeps it between the fastest and the slowest).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
+import numpy.typing as npt
+
 from extproc.scheduling.args import load_args
-from extproc.scheduling.types import Cycle, PluginContext
-from extproc.types import Pod, PodId, PodMetrics
+from extproc.scheduling.podtable import PodTable, Positions
+from extproc.scheduling.types import Cycle, PluginContext, Scores
+from extproc.types import Pod, PodId
 
 NO_DATA_SCORE = 50.0
 
@@ -44,20 +48,25 @@ class LeastLatency:
         return cls(load_args(LeastLatencyArgs, args))
 
     def score(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
-        ttft = _normalised(pods, lambda m: m.ttft_s)
-        itl = _normalised(pods, lambda m: m.itl_s)
+        table = PodTable(pods)
+        scores = self.score_table(cycle, table, table.all_positions())
+        return dict(zip(table.ids, scores.tolist(), strict=True))
+
+    def score_table(self, cycle: Cycle, table: PodTable, positions: Positions) -> Scores:
+        ttft = _normalised(table.ttft_s[positions], table.has_ttft[positions])
+        itl = _normalised(table.itl_s[positions], table.has_itl[positions])
         f = self.args.TTFTTPOTWeightFactor
-        return {p.id: int(f * ttft[p.id] + (1 - f) * itl[p.id]) for p in pods}
+        # astype truncates toward zero, as int() does
+        return (f * ttft + (1 - f) * itl).astype(np.int64)
 
 
 def _normalised(
-    pods: Sequence[Pod], get: Callable[[PodMetrics], float | None]
-) -> dict[PodId, float]:
+    values: npt.NDArray[np.float64], known: npt.NDArray[np.bool_]
+) -> npt.NDArray[np.float64]:
     """100 for the lowest value down to 0 for the highest; 50 without a value."""
-    values = {p.id: get(p.metrics) for p in pods}
-    known = [v for v in values.values() if v is not None]
-    lo, hi = min(known, default=0.0), max(known, default=0.0)
-    return {
-        pod_id: NO_DATA_SCORE if v is None else 100.0 if hi == lo else 100.0 * (hi - v) / (hi - lo)
-        for pod_id, v in values.items()
-    }
+    if not known.any():
+        return np.full(len(values), NO_DATA_SCORE)
+    lo, hi = float(values[known].min()), float(values[known].max())
+    if hi == lo:
+        return np.where(known, 100.0, NO_DATA_SCORE)
+    return np.where(known, 100.0 * (hi - values) / (hi - lo), NO_DATA_SCORE)

@@ -22,9 +22,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
+
 from extproc.scheduling.args import load_args
 from extproc.scheduling.inflight import InFlight
-from extproc.scheduling.types import Cycle, PluginContext
+from extproc.scheduling.podtable import PodTable, Positions
+from extproc.scheduling.types import Cycle, PluginContext, Scores
 from extproc.types import Pod, PodId
 
 WAITING_WEIGHT = 100
@@ -52,12 +55,24 @@ class LeastRequest:
         limit = self.args.maxWaitingRequests
         return [p for p in pods if p.metrics.waiting < limit]
 
+    def filter_table(self, cycle: Cycle, table: PodTable, positions: Positions) -> Positions:
+        return positions[table.waiting[positions] < self.args.maxWaitingRequests]
+
     def score(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
-        loads = {p.id: self.load(p) for p in pods}
-        max_load = max(loads.values(), default=0)
+        table = PodTable(pods)
+        scores = self.score_table(cycle, table, table.all_positions())
+        return dict(zip(table.ids, scores.tolist(), strict=True))
+
+    def score_table(self, cycle: Cycle, table: PodTable, positions: Positions) -> Scores:
+        waiting, running = table.waiting[positions], table.running[positions]
+        in_flight = self.in_flight.requests_at(table.position, len(table))[positions]
+        unseen = np.maximum(0, in_flight - waiting - running)
+        loads = running + unseen + WAITING_WEIGHT * waiting
+        max_load = int(loads.max()) if len(loads) else 0
         if max_load == 0:
-            return dict.fromkeys(loads, 100)
-        return {pod_id: 100 * (max_load - load) // max_load for pod_id, load in loads.items()}
+            return np.full(len(positions), 100, dtype=np.int64)
+        scores: Scores = 100 * (max_load - loads) // max_load
+        return scores
 
     def load(self, pod: Pod) -> int:
         """``running + unseen + 100 * waiting`` (see the module docstring)."""

@@ -20,11 +20,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
-from extproc.prefix.index import Keys, PrefixIndex
+from extproc.prefix.index import Keys, PodSet, PrefixIndex
 from extproc.scheduling.args import load_args
-from extproc.scheduling.types import Cycle, PluginContext
+from extproc.scheduling.podtable import PodTable, Positions
+from extproc.scheduling.types import Cycle, PluginContext, Scores
 from extproc.types import Pod, PodId
 
 MATCH_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -76,10 +78,25 @@ class PrefixCacheScorer:
         return cycle.block_keys(self.args.blockSizeToHash, self.args.maxBlocksToMatch)
 
     def score(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
+        return self._score(cycle, [p.id for p in pods])
+
+    def score_table(self, cycle: Cycle, table: PodTable, positions: Positions) -> Scores:
+        out = np.zeros(len(positions), dtype=np.int64)
+        # The candidates' slot masks, kept for the snapshot's life (PodSet).
+        key = (self, positions.tobytes())
+        pod_set = table.scratch.get(key)
+        if pod_set is None:
+            pod_set = PodSet(table.ids[i] for i in positions.tolist())
+            table.remember(key, pod_set)
+        for pod, score in self._score(cycle, pod_set).items():
+            out[positions == table.position[pod]] = score
+        return out
+
+    def _score(self, cycle: Cycle, candidates: Sequence[PodId] | PodSet) -> dict[PodId, int]:
         keys = self._keys(cycle)
         if not len(keys):
             return {}
-        matches = self.index.match(keys, [p.id for p in pods], self.args.topKMatches)
+        matches = self.index.match(keys, candidates, self.args.topKMatches)
         num_hashed = len(keys)
         best = max(matches.values(), default=0)
         self._match_ratio.labels(cycle.request.model).observe(best / num_hashed)
