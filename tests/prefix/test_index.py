@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 
 import pytest
@@ -9,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.prefix import PrefixIndex, hash_prompt
+from extproc.prefix.index import PodSet
 from extproc.types import PodId
 
 A, B, C, D = (PodId("ns", n) for n in "abcd")
@@ -189,3 +191,43 @@ def test_ring_compaction_under_many_refreshes() -> None:
     assert len(idx._lru_by_pod[A].ring) < 2000  # stale positions were dropped
     assert idx.match([1, 2, 3], [A], 5) == {A: 3}
     idx.verify()
+
+
+def test_a_pod_set_follows_pods_added_to_and_removed_from_the_index() -> None:
+    idx = PrefixIndex(100)
+    candidates = PodSet([A, B])
+    idx.record([1, 2, 3], A)
+    assert idx.match([1, 2, 3], candidates, 5) == {A: 3}
+    idx.record([1, 2], B)  # B gets its slot after the masks were first computed
+    assert idx.match([1, 2, 3], candidates, 5) == {A: 3, B: 2}
+    idx.remove_pod(B)
+    idx.record([1, 2, 3], C)  # C reuses B's slot, but is no candidate
+    assert idx.match([1, 2, 3], candidates, 5) == {A: 3}
+    other = PrefixIndex(100)  # the same set used with another index: its own slots
+    other.record([1], B)
+    assert other.match([1, 2, 3], candidates, 5) == {B: 1}
+    assert idx.match([1, 2, 3], candidates, 5) == {A: 3}
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32), st.integers(1, 300))
+def test_many_pages_match_the_plain_model(seed: int, top_k: int) -> None:
+    """Pods over many pages of slots, matched as a list and as a PodSet, agree with
+    the plain model: longest first, equal lengths in slot (first record) order."""
+    rng = random.Random(seed)
+    idx, model = PrefixIndex(1000), ModelIndex(1000)
+    pods = [PodId("ns", f"p{i}") for i in range(rng.randrange(60, 400))]
+    hashes = [rng.getrandbits(64) for _ in range(40)]
+    recorded: list[PodId] = []
+    for pod in rng.sample(pods, rng.randrange(1, len(pods))):
+        prompt = hashes[: rng.randrange(1, 41)] + [rng.getrandbits(64)]
+        idx.record(prompt, pod)
+        model.record(prompt, pod)
+        recorded.append(pod)
+    candidates = rng.sample(pods, rng.randrange(1, len(pods) + 1))
+    wanted = set(candidates)
+    lengths = {p: model.longest(hashes, p) for p in recorded if p in wanted}
+    ranked = sorted((p for p in lengths if lengths[p]), key=lambda p: -lengths[p])  # stable
+    expected = {p: lengths[p] for p in ranked[:top_k]}
+    assert idx.match(hashes, candidates, top_k) == expected
+    assert list(idx.match(hashes, PodSet(candidates), top_k).items()) == list(expected.items())

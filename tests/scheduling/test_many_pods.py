@@ -1,0 +1,231 @@
+"""1,000 pods: the column (PodTable) scoring equals the plain per-pod formulas, and the
+per-snapshot data the scheduler keeps follows every new snapshot."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import replace
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from extproc.config import build_scheduler, default_config_text, parse_config
+from extproc.routing import Router
+from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.plugins.prefix_cache import PrefixCacheScorer
+from extproc.scheduling.scheduler import Scheduler
+from extproc.scheduling.types import Cycle
+from extproc.types import Pod, PodId, PodMetrics, PodRole
+from tests.factories import PREFIX_ONLY, make_cycle, make_pod, make_scheduler
+
+SYSTEM = "You are a helpful assistant. " * 40
+
+
+def random_pods(rng: random.Random, num_pods: int) -> list[Pod]:
+    pods = []
+    for i in range(num_pods):
+        latency = rng.random() < 0.7
+        metrics = PodMetrics(
+            waiting=rng.choice([0, 0, 1, 3, 9, 10, 15]),
+            running=rng.randrange(0, 30),
+            kv_usage=rng.choice([0.0, 1.0, rng.random(), 0.29, 0.57]),
+            ttft_s=rng.choice([0.1, 0.25, rng.random()]) if latency else None,
+            itl_s=rng.choice([0.01, rng.random() / 10]) if rng.random() < 0.9 else None,
+        )
+        pods.append(
+            Pod(
+                id=PodId("ns", f"pod-{i}"),
+                address=f"10.1.{i // 250}.{i % 250}:8000",
+                models=frozenset({"m"} if rng.random() < 0.95 else {"other"}),
+                ready=rng.random() < 0.97,
+                metrics=metrics,
+            )
+        )
+    return pods
+
+
+# -- the plain formulas, one pod at a time (the plugins' module docstrings) ----------
+
+
+def plain_least_request(pods: Sequence[Pod], in_flight: InFlight) -> dict[PodId, int]:
+    loads = {}
+    for p in pods:
+        waiting, running = p.metrics.waiting, p.metrics.running
+        unseen = max(0, in_flight.get(p.id) - waiting - running)
+        loads[p.id] = running + unseen + 100 * waiting
+    top = max(loads.values())
+    return {i: 100 if top == 0 else 100 * (top - load) // top for i, load in loads.items()}
+
+
+def plain_gpu_usage(pods: Sequence[Pod]) -> dict[PodId, int]:
+    return {p.id: min(100, max(0, int((1.0 - p.metrics.kv_usage) * 100))) for p in pods}
+
+
+def plain_least_latency(pods: Sequence[Pod], f: float) -> dict[PodId, int]:
+    def normalised(values: dict[PodId, float | None]) -> dict[PodId, float]:
+        known = [v for v in values.values() if v is not None]
+        lo, hi = min(known, default=0.0), max(known, default=0.0)
+        out = {}
+        for pod_id, v in values.items():
+            if v is None:
+                out[pod_id] = 50.0
+            else:
+                out[pod_id] = 100.0 if hi == lo else 100.0 * (hi - v) / (hi - lo)
+        return out
+
+    ttft = normalised({p.id: p.metrics.ttft_s for p in pods})
+    itl = normalised({p.id: p.metrics.itl_s for p in pods})
+    return {p.id: int(f * ttft[p.id] + (1 - f) * itl[p.id]) for p in pods}
+
+
+def plain_prefix(
+    pods: Sequence[Pod], held: dict[PodId, set[int]], order: list[PodId], hashes: list[int]
+) -> dict[PodId, int]:
+    """Longest match walking back from the last block; top 5, ties in slot order."""
+    matched = {}
+    for pod_id in order:  # slot order: the order pods were first recorded
+        blocks = held[pod_id]
+        matched[pod_id] = next(
+            (i + 1 for i in reversed(range(len(hashes))) if hashes[i] in blocks), 0
+        )
+    wanted = {p.id for p in pods}
+    ranked = sorted((p for p in order if p in wanted and matched[p]), key=lambda p: -matched[p])
+    return {p: matched[p] * 100 // len(hashes) for p in ranked[:5]}
+
+
+def default_scheduler(in_flight: InFlight) -> Scheduler:
+    config = parse_config(default_config_text(), "default")
+    return build_scheduler(config, CollectorRegistry(), in_flight)
+
+
+def prefix_plugin(sched: Scheduler) -> PrefixCacheScorer:
+    (plugin,) = (ws.scorer for ws in sched.scorers if isinstance(ws.scorer, PrefixCacheScorer))
+    return plugin
+
+
+@pytest.mark.parametrize("seed", [pytest.param(s, id=f"seed{s}") for s in range(3)])
+def test_1000_pods_scores_and_order_equal_the_plain_computation(seed: int) -> None:
+    rng = random.Random(seed)
+    pods = tuple(random_pods(rng, 1000))
+    in_flight = InFlight()
+    sched = default_scheduler(in_flight)
+    sched.pods_changed(pods)
+    for _ in range(300):
+        in_flight.start(rng.choice(pods).id, 10)
+    held: dict[PodId, set[int]] = {}
+    order: list[PodId] = []
+    prompts = [SYSTEM + f"question {q} " * 20 for q in range(6)]
+    for _ in range(400):  # prompts, and their starts, recorded on many pods
+        pod = rng.choice(pods).id
+        cycle = make_cycle(rng.choice(prompts)[: rng.randrange(64, 2000)])
+        sched.record(cycle, pod)
+        if pod not in held:
+            held[pod], order = set(), [*order, pod]
+        held[pod].update(cycle.block_hashes(64, 128))
+    plugin = prefix_plugin(sched)
+    for prompt in prompts[:3]:
+        cycle = make_cycle(prompt)
+        hashes = list(cycle.block_hashes(64, 128))
+        ranked = sched.schedule(cycle, pods)
+        ready = [p for p in pods if "m" in p.models and p.ready]
+        kept = [p for p in ready if p.metrics.waiting < 10]
+        assert sorted(p.id for p in ranked) == sorted(p.id for p in kept)
+        parts = [
+            plain_least_request(kept, in_flight),
+            plain_gpu_usage(kept),
+            plain_least_latency(kept, 0.5),
+            plain_prefix(kept, held, order, hashes),
+        ]
+        assert parts[3], "the test should exercise prefix matches"
+        totals = [sum(part.get(p.id, 0) for part in parts) for p in ranked]
+        assert totals == sorted(totals, reverse=True)
+        table = sched.table(pods)
+        rows = table.candidates("m").serving
+        rows = rows[table.waiting[rows] < 10]
+        for ws, part in zip(sched.scorers, parts, strict=True):
+            scores = ws.scorer.score_table(cycle, table, rows)  # type: ignore[attr-defined]
+            assert dict(zip((table.ids[r] for r in rows), scores.tolist(), strict=True)) == {
+                p.id: part.get(p.id, 0) for p in kept
+            }, ws.scorer.type_name
+        assert plugin.score(cycle, kept) == parts[3]
+
+
+def test_the_snapshot_table_is_kept_per_tuple_and_rebuilt_for_a_new_one() -> None:
+    sched = make_scheduler(PREFIX_ONLY)
+    pods = tuple(make_pod(n) for n in "ab")
+    sched.pods_changed(pods)
+    assert sched.table(pods) is sched.table(pods)
+    assert sched.table(list(pods)) is not sched.table(list(pods))  # a list may change
+    moved = (*pods, make_pod("c"))
+    assert sched.table(moved).ids == tuple(p.id for p in moved)
+
+
+def test_new_snapshots_with_changed_metrics_added_and_removed_pods_are_scored_afresh() -> None:
+    in_flight = InFlight()
+    router = Router(
+        default_scheduler(in_flight),
+        [make_pod(f"p{i}", port=8000 + i) for i in range(300)],
+        in_flight=in_flight,
+        registry=CollectorRegistry(),
+    )
+    body = b'{"model": "m", "prompt": "hello there"}'
+    busy = PodMetrics(waiting=3, running=5, kv_usage=0.9)
+    # every pod but p7 busy: p7 must win
+    router.set_pods([replace(p, metrics=busy) if p.id.name != "p7" else p for p in router.pods])
+    assert router.route("/v1/completions", body).pods[0].id.name == "p7"
+    # p7 busy too, a new idle pod added: the new one wins
+    idle = make_pod("new", port=9999)
+    router.set_pods([*(replace(p, metrics=busy) for p in router.pods), idle])
+    assert router.route("/v1/completions", body).pods[0] == idle
+    # the new pod's queue fills: the filter drops it
+    full = replace(idle, metrics=PodMetrics(waiting=10))
+    router.set_pods([*router.pods[:-1], full])
+    assert full not in router.route("/v1/completions", body).pods
+    # removed: never chosen, and the others rank as before
+    router.set_pods(router.pods[:-1])
+    assert {p.id.name for p in router.route("/v1/completions", body).pods} <= {
+        f"p{i}" for i in range(300)
+    }
+
+
+def test_a_pod_recorded_after_the_snapshot_was_scored_gets_its_prefix_match() -> None:
+    """prefix-cache keeps the snapshot's candidate masks; a pod's first record (a new
+    slot in the index) must still count in the same snapshot."""
+    sched = make_scheduler(PREFIX_ONLY)
+    pods = tuple(make_pod(f"p{i}") for i in range(200))
+    sched.pods_changed(pods)
+    sched.record(make_cycle(SYSTEM + "one"), pods[3].id)
+    assert sched.schedule(make_cycle(SYSTEM + "one"), pods)[0] == pods[3]
+    sched.record(make_cycle(SYSTEM + "two"), pods[150].id)
+    assert sched.schedule(make_cycle(SYSTEM + "two"), pods)[0] == pods[150]
+    sched.pods_changed(pods[:150])  # pods[150] leaves the index; pods[3] stays
+    sched.record(make_cycle(SYSTEM + "two"), pods[9].id)
+    assert sched.schedule(make_cycle(SYSTEM + "two"), pods[:150])[0] == pods[9]
+
+
+def test_prefill_and_decode_pods_are_ranked_in_their_own_passes_at_scale() -> None:
+    pods = tuple(
+        replace(make_pod(f"p{i}"), role=PodRole.PREFILL if i % 4 == 0 else PodRole.DECODE)
+        for i in range(400)
+    )
+    sched = make_scheduler(PREFIX_ONLY)
+    schedule = sched.schedule_request(make_cycle("x" * 300), pods)
+    assert len(schedule.pods) == 300 and all(p.role is PodRole.DECODE for p in schedule.pods)
+    assert schedule.prefill is not None and schedule.prefill.role is PodRole.PREFILL
+
+
+def test_ties_at_scale_are_spread_over_every_equal_pod() -> None:
+    sched = Scheduler(rng=random.Random(3))
+    pods = tuple(make_pod(f"p{i}") for i in range(1000))
+    firsts = {sched.schedule(make_cycle("p"), pods)[0].id for _ in range(3000)}
+    assert len(firsts) > 900  # 3,000 draws over 1,000 equal pods miss ~50
+
+
+def test_a_cycle_is_scored_the_same_whatever_the_pods_container() -> None:
+    rng = random.Random(11)
+    pods = random_pods(rng, 500)
+    first = Scheduler(rng=random.Random(1), scorers=default_scheduler(InFlight()).scorers)
+    second = Scheduler(rng=random.Random(1), scorers=first.scorers)
+    cycle: Cycle = make_cycle("x" * 500)
+    assert first.schedule(cycle, pods) == second.schedule(cycle, tuple(pods))
