@@ -14,14 +14,17 @@ it as the snapshot is published, so no request pays for it).
 Columns follow ``PodMetrics``; a latency without data is ``has_ttft``/``has_itl`` False.
 Scraped values are finite (``engine_metrics`` clamps them); a non-finite one in a
 hand-built pod is read as no data (latency) or as fully used (``kv_usage``).
-``scratch`` is per-snapshot memory for plugins (e.g. prefix-cache's candidate masks),
-keyed by whatever the plugin likes and cleared when it grows past ``MAX_SCRATCH``.
+``scratch`` is per-snapshot memory for plugins (``memo``): what is the same for every
+request of the snapshot, such as prefix-cache's candidate masks and the gpu-usage and
+least-latency scores. Keys are the plugin's choice (the plugin and the candidates'
+bytes); it is cleared when it grows past ``MAX_SCRATCH`` entries.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from operator import attrgetter
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -29,6 +32,7 @@ import numpy.typing as npt
 from extproc.errors import ModelNotFound, NoReadyPods
 from extproc.types import Pod, PodId, PodRole
 
+T = TypeVar("T")
 Positions = npt.NDArray[np.int64]
 MAX_SCRATCH = 64  # entries of per-snapshot plugin memory before it is cleared
 
@@ -66,21 +70,20 @@ class PodTable:
     def __init__(self, pods: Sequence[Pod]) -> None:
         self.pods: tuple[Pod, ...] = tuple(pods)
         n = len(self.pods)
-        self.objects: npt.NDArray[np.object_] = np.empty(n, dtype=object)
-        self.objects[:] = self.pods
-        self.ids: tuple[PodId, ...] = tuple(p.id for p in self.pods)
-        self.position: dict[PodId, int] = {}
-        for i, pod_id in enumerate(self.ids):
-            self.position.setdefault(pod_id, i)  # a duplicate id: its first row
-        metrics = [p.metrics for p in self.pods]
-        self.waiting = np.fromiter((m.waiting for m in metrics), np.int64, n)
-        self.running = np.fromiter((m.running for m in metrics), np.int64, n)
-        kv = np.fromiter((m.kv_usage for m in metrics), np.float64, n)
+        self.objects: npt.NDArray[np.object_] = np.fromiter(self.pods, dtype=object, count=n)
+        self.ids: tuple[PodId, ...] = tuple(map(attrgetter("id"), self.pods))
+        # a duplicate id maps to its first row (the last write wins, rows reversed)
+        self.position: dict[PodId, int] = dict(zip(reversed(self.ids), range(n - 1, -1, -1)))
+        metrics = list(map(attrgetter("metrics"), self.pods))
+        self.waiting = np.fromiter(map(attrgetter("waiting"), metrics), np.int64, n)
+        self.running = np.fromiter(map(attrgetter("running"), metrics), np.int64, n)
+        kv = np.fromiter(map(attrgetter("kv_usage"), metrics), np.float64, n)
         self.kv_usage = np.where(np.isfinite(kv), kv, 1.0)
-        self.ttft_s, self.has_ttft = _latency([m.ttft_s for m in metrics])
-        self.itl_s, self.has_itl = _latency([m.itl_s for m in metrics])
-        self.ready = np.fromiter((p.ready for p in self.pods), np.bool_, n)
-        self.is_prefill = np.fromiter((p.role is PodRole.PREFILL for p in self.pods), np.bool_, n)
+        self.ttft_s, self.has_ttft = _latency(list(map(attrgetter("ttft_s"), metrics)))
+        self.itl_s, self.has_itl = _latency(list(map(attrgetter("itl_s"), metrics)))
+        self.ready = np.fromiter(map(attrgetter("ready"), self.pods), np.bool_, n)
+        roles = map(attrgetter("role"), self.pods)
+        self.is_prefill = np.fromiter(map(PodRole.PREFILL.__eq__, roles), np.bool_, n)
         self.scratch: dict[Any, Any] = {}
         self._models: frozenset[str] = frozenset().union(*(p.models for p in self.pods))
         self._by_model: dict[str, Candidates] = {}
@@ -122,6 +125,15 @@ class PodTable:
         self._by_model[model] = found  # bounded: only models some pod serves
         return found
 
+    def memo(self, key: Any, compute: Callable[[], T]) -> T:
+        """``compute()``, kept in ``scratch`` under ``key`` for the snapshot's life."""
+        try:
+            value: T = self.scratch[key]
+        except KeyError:
+            value = compute()
+            self.remember(key, value)
+        return value
+
     def remember(self, key: Any, value: Any) -> None:
         """Keep ``value`` in ``scratch`` for the snapshot's life (bounded, see module)."""
         if len(self.scratch) >= MAX_SCRATCH:
@@ -130,9 +142,10 @@ class PodTable:
 
 
 def _latency(
-    values: Sequence[float | None],
+    values: list[float | None],
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]:
-    column = np.array([0.0 if v is None else v for v in values], dtype=np.float64)
-    known = np.array([v is not None for v in values], dtype=np.bool_) & np.isfinite(column)
+    """The values (None as NaN), and which are known: not None and finite."""
+    column = np.array(values, dtype=np.float64).reshape(len(values))  # None -> NaN
+    known = np.isfinite(column)
     column[~known] = 0.0
     return column, known

@@ -32,6 +32,13 @@ class GPUCacheUsage:
         return dict(zip(table.ids, scores.tolist(), strict=True))
 
     def score_table(self, cycle: Cycle, table: PodTable, positions: Positions) -> Scores:
-        # astype truncates toward zero, as int() does
-        free = ((1.0 - table.kv_usage[positions]) * 100).astype(np.int64)
-        return np.clip(free, 0, 100)
+        """The same for every request of a snapshot: computed once per candidate set."""
+        return table.memo((self, positions.tobytes()), lambda: _score(table, positions))
+
+
+def _score(table: PodTable, positions: Positions) -> Scores:
+    # astype truncates toward zero, as int() does
+    free = ((1.0 - table.kv_usage[positions]) * 100).astype(np.int64)
+    scores = np.clip(free, 0, 100)
+    scores.flags.writeable = False  # shared by the snapshot's requests
+    return scores

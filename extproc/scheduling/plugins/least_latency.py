@@ -53,11 +53,17 @@ class LeastLatency:
         return dict(zip(table.ids, scores.tolist(), strict=True))
 
     def score_table(self, cycle: Cycle, table: PodTable, positions: Positions) -> Scores:
+        """The same for every request of a snapshot: computed once per candidate set."""
+        return table.memo((self, positions.tobytes()), lambda: self._score(table, positions))
+
+    def _score(self, table: PodTable, positions: Positions) -> Scores:
         ttft = _normalised(table.ttft_s[positions], table.has_ttft[positions])
         itl = _normalised(table.itl_s[positions], table.has_itl[positions])
         f = self.args.TTFTTPOTWeightFactor
         # astype truncates toward zero, as int() does
-        return (f * ttft + (1 - f) * itl).astype(np.int64)
+        scores = (f * ttft + (1 - f) * itl).astype(np.int64)
+        scores.flags.writeable = False  # shared by the snapshot's requests
+        return scores
 
 
 def _normalised(
