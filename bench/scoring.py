@@ -8,7 +8,10 @@ least-latency, prefix-cache), an 8 KB chat prompt, and every pod's prefix index 
 record evicts). Pods carry varied scraped metrics (a few have a full queue and are
 filtered out, some have no latency data). The sizes run in interleaved rounds in one
 process; the report is the median per-request time of each size and its ratio to the
-16-pod run. ``--profile`` adds the top cProfile entries at the largest size.
+16-pod run. A second pass publishes a new snapshot (every pod's metrics changed) every
+``--churn`` requests, as the scraper does each interval, and reports the same figures
+with the snapshot's cost spread over its requests. ``--profile`` adds the top cProfile
+entries at the largest size.
 
     python -m bench.scoring                        # 16, 256, 1,000 pods
     python -m bench.scoring --quick                # fewer rounds, for a smoke run
@@ -71,11 +74,15 @@ class Setup:
     num_pods: int
     router: Router
     bodies: list[bytes]
+    snapshots: list[list[Pod]]  # published in turn with ``churn``
+    churn: int = 0  # publish a new snapshot every this many requests; 0: never
     next_id: int = 0
 
     def one_request(self) -> None:
         n = self.next_id
         self.next_id += 1
+        if self.churn and n % self.churn == 0:
+            self.router.set_pods(self.snapshots[(n // self.churn) % len(self.snapshots)])
         request_id = f"r{n}"
         decision = self.router.route(PATH, self.bodies[n % len(self.bodies)], request_id=request_id)
         self.router.complete(request_id, decision.pods[0].address, True)
@@ -105,9 +112,19 @@ def make_setup(num_pods: int, entries_per_pod: int) -> Setup:
             prefix.record([rng.getrandbits(64) for _ in range(BLOCKS)], pod.id)
     assert prefix.num_entries == num_pods * entries_per_pod, prefix.num_entries
     bodies = [chat_body_8kb(seed) for seed in range(NUM_CONVERSATIONS)]
-    setup = Setup(num_pods, router, bodies)
+    snapshots = [make_pods(num_pods, seed=num_pods + k) for k in range(4)]
+    setup = Setup(num_pods, router, bodies, snapshots)
     setup.run(2 * NUM_CONVERSATIONS)  # warm up: every conversation recorded somewhere
     return setup
+
+
+def measure(setups: list[Setup], rounds: int, num_requests: int) -> dict[int, list[float]]:
+    """Per-request microseconds of each setup, one sample a round, sizes interleaved."""
+    samples: dict[int, list[float]] = {s.num_pods: [] for s in setups}
+    for _ in range(rounds):
+        for setup in setups:
+            samples[setup.num_pods].append(setup.run(num_requests))
+    return samples
 
 
 def set_pods_us(setup: Setup, repeat: int) -> float:
@@ -138,6 +155,7 @@ def main() -> None:
     parser.add_argument("--entries", type=int, default=4096, help="index entries per pod")
     parser.add_argument("--requests", type=int, default=200, help="requests per size a round")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--churn", type=int, default=50, help="requests per snapshot, pass 2")
     parser.add_argument("--quick", action="store_true", help="3 rounds of 100 requests")
     parser.add_argument("--profile", action="store_true", help="cProfile the largest size")
     parser.add_argument("--json", help="also write the results to this file")
@@ -146,13 +164,16 @@ def main() -> None:
         args.rounds, args.requests = 3, 100
     sizes = [int(n) for n in args.pods.split(",")]
     setups = [make_setup(n, args.entries) for n in sizes]
-    samples: dict[int, list[float]] = {n: [] for n in sizes}
     gc.collect()
-    for _ in range(args.rounds):
-        for setup in setups:
-            samples[setup.num_pods].append(setup.run(args.requests))
+    samples = measure(setups, args.rounds, args.requests)
     medians = {n: statistics.median(s) for n, s in samples.items()}
     base = medians[sizes[0]]
+    for setup in setups:
+        setup.churn = args.churn
+    churn_samples = measure(setups, args.rounds, args.requests)
+    churn_medians = {n: statistics.median(s) for n, s in churn_samples.items()}
+    for setup in setups:
+        setup.churn = 0
     snapshot = {s.num_pods: set_pods_us(s, 5) for s in setups}
     results = {
         "config": {
@@ -167,6 +188,11 @@ def main() -> None:
         "per_request_us": {n: round(m, 1) for n, m in medians.items()},
         "ratio": {n: round(m / base, 2) for n, m in medians.items()},
         "rounds_us": {n: [round(x, 1) for x in s] for n, s in samples.items()},
+        "churn": args.churn,
+        "per_request_us_with_churn": {n: round(m, 1) for n, m in churn_medians.items()},
+        "ratio_with_churn": {
+            n: round(m / churn_medians[sizes[0]], 2) for n, m in churn_medians.items()
+        },
         "set_pods_us": {n: round(x, 1) for n, x in snapshot.items()},
     }
     print(
@@ -178,6 +204,10 @@ def main() -> None:
             f"  {n:5d} pods  {medians[n]:8.1f} us/request  ratio {medians[n] / base:5.2f}"
             f"  (rounds {results['rounds_us'][n]})  set_pods {snapshot[n]:.0f} us"
         )
+    print(f"with a new snapshot every {args.churn} requests:")
+    for n in sizes:
+        ratio = churn_medians[n] / churn_medians[sizes[0]]
+        print(f"  {n:5d} pods  {churn_medians[n]:8.1f} us/request  ratio {ratio:5.2f}")
     if args.profile:
         print(f"\nprofile at {sizes[-1]} pods, {args.requests} requests:")
         print(profile(setups[-1], args.requests, 20))
