@@ -216,21 +216,35 @@ class PrefixIndex:
 
     def _hits_by_page(self, keys: Keys, page_masks: dict[int, int]) -> tuple[list[int], Keys]:
         """The pages (ascending) where a candidate holds any of the blocks, and per page
-        each block's candidate-owner mask (one row per page), probed in one batch."""
+        each block's candidate-owner mask (one row per page).
+
+        Probed in one batch, and only where ``_upper_pages`` says the page holds the block
+        (page 0, which it does not track, at every block).
+        """
         pages = [0] if 0 in page_masks else []
         upper = 0
         for page in page_masks:
             upper |= (1 << page) if page else 0
+        pages_by_block = None
         if upper:
-            present = int(np.bitwise_or.reduce(_lookup(self._upper_pages, keys, 0))) & upper
+            pages_by_block = _lookup(self._upper_pages, keys, 0) & upper
+            present = int(np.bitwise_or.reduce(pages_by_block))
             while present:
                 low = present & -present
                 present ^= low
                 pages.append(low.bit_length() - 1)
         if not pages:
             return [], np.empty((0, len(keys)), dtype=np.int64)
-        probes = (keys[np.newaxis, :] ^ self._page_key_array[pages][:, np.newaxis]).ravel()
-        masks = _lookup(self._owners, probes, 0).reshape(len(pages), len(keys))
+        page_array = np.array(pages, dtype=np.int64)
+        if pages_by_block is None:
+            held = np.ones((1, len(keys)), dtype=np.bool_)
+        else:
+            held = (pages_by_block[np.newaxis, :] >> page_array[:, np.newaxis]) & 1 != 0
+            if pages[0] == 0:
+                held[0] = True
+        probes = (keys[np.newaxis, :] ^ self._page_key_array[page_array][:, np.newaxis])[held]
+        masks = np.zeros((len(pages), len(keys)), dtype=np.int64)
+        masks[held] = _lookup(self._owners, probes, 0)
         masks &= np.array([page_masks[page] for page in pages], dtype=np.int64)[:, np.newaxis]
         hit = np.asarray(masks.any(axis=1))
         if hit.all():
