@@ -92,8 +92,10 @@ class Scheduler:
     rng: random.Random = field(default_factory=random.Random)
     sessions: SessionStore | None = None
     timer: PluginTimer | None = None
-    _table: PodTable | None = field(default=None, repr=False)
-    _np_rng: tuple[random.Random, np.random.Generator] | None = field(default=None, repr=False)
+    _table: PodTable | None = field(default=None, init=False, repr=False)
+    _np_rng: tuple[random.Random, np.random.Generator] | None = field(
+        default=None, init=False, repr=False
+    )
 
     def schedule(self, cycle: Cycle, pods: Sequence[Pod]) -> list[Pod]:
         """Rank the pods that may serve ``cycle``'s model, best first (one pass).
