@@ -49,6 +49,8 @@ class WeightedScorer:
     weight: int
 
 
+SMALL_RANK = 64  # candidates up to which ties are broken by ``rng`` directly (``_order``)
+
 PLUGIN_BUCKETS = (0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.005)
 
 
@@ -126,10 +128,9 @@ class Scheduler:
             bound = _find(table, serving, binding.pod)
             bound_prefill = _find(table, prefill, binding.prefill) if binding.prefill else None
             if bound is not None and (bound_prefill is not None or not len(prefill)):
-                rest = np.delete(serving, bound)
-                rest = rest[self._generator().permutation(len(rest))]
+                rest = self._shuffled(table.take(np.delete(serving, bound)))
                 return Schedule(
-                    [table.pods[serving[bound]], *table.take(rest)],
+                    [table.pods[serving[bound]], *rest],
                     None if bound_prefill is None else table.pods[prefill[bound_prefill]],
                     pinned=True,
                 )
@@ -148,6 +149,14 @@ class Scheduler:
         if table.pods is pods:  # tuple(pods) is pods: it was a tuple
             self._table = table
         return table
+
+    def _shuffled(self, pods: list[Pod]) -> list[Pod]:
+        """``pods`` in random order (``rng.shuffle`` up to ``SMALL_RANK``, see ``_order``)."""
+        if len(pods) <= SMALL_RANK:
+            self.rng.shuffle(pods)
+            return pods
+        shuffled: list[Pod] = [pods[i] for i in self._generator().permutation(len(pods))]
+        return shuffled
 
     def _generator(self) -> np.random.Generator:
         """The tie-break generator, seeded from ``rng`` (again if ``rng`` is replaced)."""
@@ -196,17 +205,21 @@ class Scheduler:
             totals += ws.weight * scores
             if verbose:
                 _log_scores(ws.scorer.type_name, table, candidates, scores)
-        if len(candidates) == 1:
-            return candidates
         return candidates[self._order(totals)]
 
     def _order(self, totals: Scores) -> Positions:
         """Indices of ``totals``, highest first, equal totals in random order.
 
-        A stable sort of a random permutation leaves equal totals in random order. Totals
-        span a few hundred (100 per unit of weight), so the keys fit int16, which NumPy
-        sorts stably by radix, in linear time.
+        Up to ``SMALL_RANK`` candidates, one ``rng.random()`` per candidate breaks ties,
+        as it always has (a seeded run, e.g. the offline simulator's, picks the same pods
+        as before). Beyond, a stable sort of a random permutation leaves equal totals in
+        random order: totals span a few hundred (100 per unit of weight), so the keys fit
+        int16, which NumPy sorts stably by radix, in linear time.
         """
+        if len(totals) <= SMALL_RANK:
+            tiebreak = np.array([self.rng.random() for _ in range(len(totals))])
+            small: Positions = np.lexsort((tiebreak, -totals))
+            return small
         shuffled: Positions = self._generator().permutation(len(totals))
         below_best = int(totals.max()) - totals[shuffled]
         if int(below_best.max()) < 1 << 15:

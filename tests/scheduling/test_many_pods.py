@@ -229,3 +229,18 @@ def test_a_cycle_is_scored_the_same_whatever_the_pods_container() -> None:
     second = Scheduler(rng=random.Random(1), scorers=first.scorers)
     cycle: Cycle = make_cycle("x" * 500)
     assert first.schedule(cycle, pods) == second.schedule(cycle, tuple(pods))
+
+
+def test_up_to_64_candidates_ties_draw_from_rng_exactly_as_the_plain_ranking() -> None:
+    """Seeded runs (the offline simulator, its published results) keep their picks."""
+    pods = [make_pod(f"p{i}", metrics=PodMetrics(running=i % 3)) for i in range(40)]
+    sched = make_scheduler(
+        "scheduler: {plugins: {Score: {enabled: [{name: least-request, weight: 2}]}}}"
+    )
+    sched.rng = random.Random(5)
+    plain_rng = random.Random(5)
+    for _ in range(20):
+        got = sched.schedule(make_cycle("q"), pods)
+        scores = plain_least_request(pods, InFlight())
+        tiebreak = {p.id: plain_rng.random() for p in pods}
+        assert got == sorted(pods, key=lambda p: (-2 * scores[p.id], tiebreak[p.id]))
