@@ -14,10 +14,13 @@ it as the snapshot is published, so no request pays for it).
 Columns follow ``PodMetrics``; a latency without data is ``has_ttft``/``has_itl`` False.
 Scraped values are finite (``engine_metrics`` clamps them); a non-finite one in a
 hand-built pod is read as no data (latency) or as fully used (``kv_usage``).
-``scratch`` is per-snapshot memory for plugins (``memo``): what is the same for every
-request of the snapshot, such as prefix-cache's candidate masks and the gpu-usage and
-least-latency scores. Keys are the plugin's choice (the plugin and the candidates'
-bytes); it is cleared when it grows past ``MAX_SCRATCH`` entries.
+``memo`` keeps, for plugins, what is the same for every request of the snapshot (the
+gpu-usage and least-latency scores). With ``rows_only`` the value depends only on which
+pod is in which row (prefix-cache's candidate set), and it is kept as long as later
+snapshots list the same pods in the same order (a table built with ``previous`` shares
+its predecessor's ``ids``, ``position`` and that memory): scrapes change metrics every
+interval, the pods themselves seldom. Keys are the plugin's choice (the plugin and the
+candidates' bytes); each memory is cleared when it grows past ``MAX_SCRATCH`` entries.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class PodTable:
     __slots__ = (
         "_by_model",
         "_models",
+        "by_rows",
         "has_itl",
         "has_ttft",
         "ids",
@@ -67,13 +71,23 @@ class PodTable:
         "waiting",
     )
 
-    def __init__(self, pods: Sequence[Pod]) -> None:
+    def __init__(self, pods: Sequence[Pod], previous: PodTable | None = None) -> None:
         self.pods: tuple[Pod, ...] = tuple(pods)
         n = len(self.pods)
         self.objects: npt.NDArray[np.object_] = np.fromiter(self.pods, dtype=object, count=n)
         self.ids: tuple[PodId, ...] = tuple(map(attrgetter("id"), self.pods))
-        # a duplicate id maps to its first row (the last write wins, rows reversed)
-        self.position: dict[PodId, int] = dict(zip(reversed(self.ids), range(n - 1, -1, -1)))
+        self.position: dict[PodId, int]
+        self.by_rows: dict[Any, Any]
+        if previous is not None and previous.ids == self.ids:
+            self.ids, self.position, self.by_rows = (
+                previous.ids,
+                previous.position,
+                previous.by_rows,
+            )
+        else:
+            # a duplicate id maps to its first row (the last write wins, rows reversed)
+            self.position = dict(zip(reversed(self.ids), range(n - 1, -1, -1)))
+            self.by_rows = {}
         metrics = list(map(attrgetter("metrics"), self.pods))
         self.waiting = np.fromiter(map(attrgetter("waiting"), metrics), np.int64, n)
         self.running = np.fromiter(map(attrgetter("running"), metrics), np.int64, n)
@@ -125,20 +139,18 @@ class PodTable:
         self._by_model[model] = found  # bounded: only models some pod serves
         return found
 
-    def memo(self, key: Any, compute: Callable[[], T]) -> T:
-        """``compute()``, kept in ``scratch`` under ``key`` for the snapshot's life."""
+    def memo(self, key: Any, compute: Callable[[], T], *, rows_only: bool = False) -> T:
+        """``compute()``, kept under ``key`` for the snapshot's life, or with ``rows_only``
+        for as long as snapshots list the same pods in the same order (module doc)."""
+        memory = self.by_rows if rows_only else self.scratch
         try:
-            value: T = self.scratch[key]
+            value: T = memory[key]
         except KeyError:
             value = compute()
-            self.remember(key, value)
+            if len(memory) >= MAX_SCRATCH:
+                memory.clear()
+            memory[key] = value
         return value
-
-    def remember(self, key: Any, value: Any) -> None:
-        """Keep ``value`` in ``scratch`` for the snapshot's life (bounded, see module)."""
-        if len(self.scratch) >= MAX_SCRATCH:
-            self.scratch.clear()
-        self.scratch[key] = value
 
 
 def _latency(

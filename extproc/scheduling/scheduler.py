@@ -145,7 +145,7 @@ class Scheduler:
         table = self._table
         if table is not None and table.pods is pods:
             return table
-        table = PodTable(pods)
+        table = PodTable(pods, previous=self._table)
         if table.pods is pods:  # tuple(pods) is pods: it was a tuple
             self._table = table
         return table

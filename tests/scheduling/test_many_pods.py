@@ -244,3 +244,22 @@ def test_up_to_64_candidates_ties_draw_from_rng_exactly_as_the_plain_ranking() -
         scores = plain_least_request(pods, InFlight())
         tiebreak = {p.id: plain_rng.random() for p in pods}
         assert got == sorted(pods, key=lambda p: (-2 * scores[p.id], tiebreak[p.id]))
+
+
+def test_row_memory_is_shared_only_while_snapshots_list_the_same_pods() -> None:
+    sched = make_scheduler(PREFIX_ONLY)
+    pods = tuple(make_pod(f"p{i}") for i in range(100))
+    sched.pods_changed(pods)
+    first = sched.table(pods)
+    busier = tuple(replace(p, metrics=PodMetrics(running=1)) for p in pods)
+    sched.pods_changed(busier)
+    assert sched.table(busier).by_rows is first.by_rows  # metrics changed, pods did not
+    sched.record(make_cycle(SYSTEM + "x"), pods[50].id)
+    assert sched.schedule(make_cycle(SYSTEM + "x"), busier)[0].id == pods[50].id
+    swapped = (*busier[:50], make_pod("new"), *busier[51:])  # row 50 is another pod now
+    sched.pods_changed(swapped)
+    assert sched.table(swapped).by_rows is not first.by_rows
+    ranked = sched.schedule(make_cycle(SYSTEM + "x"), swapped)
+    assert pods[50].id not in {p.id for p in ranked}
+    sched.record(make_cycle(SYSTEM + "x"), swapped[50].id)
+    assert sched.schedule(make_cycle(SYSTEM + "x"), swapped)[0].id.name == "new"

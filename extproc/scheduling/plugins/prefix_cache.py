@@ -82,12 +82,12 @@ class PrefixCacheScorer:
 
     def score_table(self, cycle: Cycle, table: PodTable, positions: Positions) -> Scores:
         out = np.zeros(len(positions), dtype=np.int64)
-        # The candidates' slot masks, kept for the snapshot's life (PodSet).
-        key = (self, positions.tobytes())
-        pod_set = table.scratch.get(key)
-        if pod_set is None:
-            pod_set = PodSet(table.ids[i] for i in positions.tolist())
-            table.remember(key, pod_set)
+        # The candidates' slot masks, kept while the snapshots list the same pods (PodSet).
+        pod_set = table.memo(
+            (self, positions.tobytes()),
+            lambda: PodSet(table.ids[i] for i in positions.tolist()),
+            rows_only=True,
+        )
         for pod, score in self._score(cycle, pod_set).items():
             out[positions == table.position[pod]] = score
         return out
