@@ -7,8 +7,8 @@ least-latency, prefix-cache), an 8 KB chat prompt, and every pod's prefix index 
 (``--entries`` per pod, the plugin's ``maxHashCacheSize`` set to the same number so each
 record evicts). Pods carry varied scraped metrics (a few have a full queue and are
 filtered out, some have no latency data). The sizes run in interleaved rounds in one
-process; the report is the median per-request time of each size and its ratio to the
-16-pod run. A second pass publishes a new snapshot (every pod's metrics changed) every
+process; the report is the median per-request time of each size and the median over
+rounds of each round's ratio to the 16-pod run (robust to load from other processes). A second pass publishes a new snapshot (every pod's metrics changed) every
 ``--churn`` requests, as the scraper does each interval, and reports the same figures
 with the snapshot's cost spread over its requests. ``--profile`` adds the top cProfile
 entries at the largest size.
@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -127,6 +128,19 @@ def measure(setups: list[Setup], rounds: int, num_requests: int) -> dict[int, li
     return samples
 
 
+def summarize(samples: dict[int, list[float]], base: int) -> dict[str, dict[int, Any]]:
+    """Medians, ranges, and the median over rounds of each round's ratio to ``base``
+    (a round's sizes run back to back, so its ratio is the least disturbed by load)."""
+    return {
+        "median_us": {n: round(statistics.median(s), 1) for n, s in samples.items()},
+        "range_us": {n: (round(min(s), 1), round(max(s), 1)) for n, s in samples.items()},
+        "ratio": {
+            n: round(statistics.median(x / b for x, b in zip(s, samples[base], strict=True)), 2)
+            for n, s in samples.items()
+        },
+    }
+
+
 def set_pods_us(setup: Setup, repeat: int) -> float:
     """Median cost of publishing a new snapshot (every pod's metrics changed)."""
     samples = []
@@ -153,8 +167,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pods", default="16,256,1000", help="comma-separated pod counts")
     parser.add_argument("--entries", type=int, default=4096, help="index entries per pod")
-    parser.add_argument("--requests", type=int, default=200, help="requests per size a round")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--requests", type=int, default=100, help="requests per size a round")
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--churn", type=int, default=50, help="requests per snapshot, pass 2")
     parser.add_argument("--quick", action="store_true", help="3 rounds of 100 requests")
     parser.add_argument("--profile", action="store_true", help="cProfile the largest size")
@@ -165,49 +179,41 @@ def main() -> None:
     sizes = [int(n) for n in args.pods.split(",")]
     setups = [make_setup(n, args.entries) for n in sizes]
     gc.collect()
-    samples = measure(setups, args.rounds, args.requests)
-    medians = {n: statistics.median(s) for n, s in samples.items()}
-    base = medians[sizes[0]]
+    steady = summarize(measure(setups, args.rounds, args.requests), sizes[0])
     for setup in setups:
         setup.churn = args.churn
-    churn_samples = measure(setups, args.rounds, args.requests)
-    churn_medians = {n: statistics.median(s) for n, s in churn_samples.items()}
+    churn = summarize(measure(setups, args.rounds, args.requests), sizes[0])
     for setup in setups:
         setup.churn = 0
-    snapshot = {s.num_pods: set_pods_us(s, 5) for s in setups}
+    snapshot = {s.num_pods: round(set_pods_us(s, 5), 1) for s in setups}
     results = {
         "config": {
             "entries_per_pod": args.entries,
             "requests_per_round": args.requests,
             "rounds": args.rounds,
+            "churn": args.churn,
             "python": sys.version.split()[0],
             "git": subprocess.run(
                 ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
             ).stdout.strip(),
         },
-        "per_request_us": {n: round(m, 1) for n, m in medians.items()},
-        "ratio": {n: round(m / base, 2) for n, m in medians.items()},
-        "rounds_us": {n: [round(x, 1) for x in s] for n, s in samples.items()},
-        "churn": args.churn,
-        "per_request_us_with_churn": {n: round(m, 1) for n, m in churn_medians.items()},
-        "ratio_with_churn": {
-            n: round(m / churn_medians[sizes[0]], 2) for n, m in churn_medians.items()
-        },
-        "set_pods_us": {n: round(x, 1) for n, x in snapshot.items()},
+        "steady": steady,
+        "with_churn": churn,
+        "set_pods_us": snapshot,
     }
     print(
-        f"route + complete, default scheduler, 8 KB chat prompt, {args.entries} entries per pod "
-        f"(median of {args.rounds} rounds x {args.requests} requests)"
+        f"route + complete, default scheduler, 8 KB chat prompt, {args.entries} entries per pod; "
+        f"{args.rounds} rounds x {args.requests} requests, sizes interleaved; "
+        f"us/request median [min-max]; ratio: median of the rounds' ratios to {sizes[0]} pods"
     )
-    for n in sizes:
-        print(
-            f"  {n:5d} pods  {medians[n]:8.1f} us/request  ratio {medians[n] / base:5.2f}"
-            f"  (rounds {results['rounds_us'][n]})  set_pods {snapshot[n]:.0f} us"
-        )
-    print(f"with a new snapshot every {args.churn} requests:")
-    for n in sizes:
-        ratio = churn_medians[n] / churn_medians[sizes[0]]
-        print(f"  {n:5d} pods  {churn_medians[n]:8.1f} us/request  ratio {ratio:5.2f}")
+    for title, summary in (("steady", steady), (f"new snapshot every {args.churn}", churn)):
+        print(f"{title}:")
+        for n in sizes:
+            lo, hi = summary["range_us"][n]
+            print(
+                f"  {n:5d} pods  {summary['median_us'][n]:8.1f} us [{lo:.0f}-{hi:.0f}]"
+                f"  ratio {summary['ratio'][n]:5.2f}  set_pods {snapshot[n]:.0f} us"
+            )
     if args.profile:
         print(f"\nprofile at {sizes[-1]} pods, {args.requests} requests:")
         print(profile(setups[-1], args.requests, 20))
