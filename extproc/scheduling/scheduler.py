@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry, Histogram
 
-from extproc.errors import ModelNotFound, NoCapacity, NoReadyPods
+from extproc.errors import NoCapacity, NoReadyPods
 from extproc.scheduling.podtable import PodTable, Positions
 from extproc.scheduling.sessions import Binding, SessionStore
 from extproc.scheduling.types import Cycle, Filter, PodsListener, Recorder, Scorer, Scores
@@ -247,19 +247,6 @@ class Scheduler:
             listener.pods_changed(pods)
         if self.sessions is not None:
             self.sessions.forget_pods({p.id for p in pods})
-
-
-def select_candidates(model: str, pods: Sequence[Pod]) -> list[Pod]:
-    """Ready pods serving ``model``; raises when there are none (404 vs 503)."""
-    serving = [p for p in pods if model in p.models]
-    if not serving:
-        raise ModelNotFound(f"the model {model!r} does not exist: no pod serves it")
-    ready = [p for p in serving if p.ready]
-    if not ready:
-        raise NoReadyPods(
-            f"no pod serving model {model!r} is ready ({len(serving)} known, none ready)"
-        )
-    return ready
 
 
 def _find(table: PodTable, candidates: Positions, pod_id: PodId) -> int | None:
