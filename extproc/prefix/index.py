@@ -39,6 +39,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -80,6 +81,29 @@ def _lookup(table: Int64toInt64Map, keys: Keys, default: int) -> Keys:
 
 def _assign(table: Int64toInt64Map, keys: Keys, values: Keys) -> None:
     update_int64toint64map(table, Int64toInt64Map_from_buffers(keys, values))
+
+
+def _popcount(values: Keys) -> npt.NDArray[np.integer[Any]]:
+    """Set bits of each (non-negative) value."""
+    if hasattr(np, "bitwise_count"):  # NumPy 2
+        counts: npt.NDArray[np.integer[Any]] = np.bitwise_count(values)
+        return counts
+    as_bytes = np.ascontiguousarray(values).view(np.uint8)
+    summed: npt.NDArray[np.integer[Any]] = (
+        np.unpackbits(as_bytes).reshape(len(values), 64).sum(axis=1)
+    )
+    return summed
+
+
+def _first_split(pages_by_block: Keys, top_k: int) -> int:
+    """Where a match walks to first: the last block from which on at least ``top_k``
+    pages hold some block (0 if none). A walk finds pods longest match first, so when
+    that suffix yields ``top_k`` pods the blocks before it need no probe at all (a
+    shared system prompt on every page, say); otherwise the rest is walked after.
+    """
+    held_from = np.bitwise_or.accumulate(pages_by_block[::-1])[::-1]
+    enough = np.flatnonzero(_popcount(held_from) >= top_k)
+    return int(enough[-1]) if len(enough) else 0
 
 
 @dataclass(slots=True)
@@ -172,25 +196,15 @@ class PrefixIndex:
                 page_masks = self._candidate_masks(candidates)
             if not page_masks or top_k <= 0 or not len(keys):
                 return {}
-            pages, masks = self._hits_by_page(keys, page_masks)
-            if not pages:
-                return {}
-            # new[p, i]: candidates of page p holding block i but no later block, i.e. the
-            # pods a walk from the last block backwards finds at block i.
-            held_from = np.bitwise_or.accumulate(masks[:, ::-1], axis=1)[:, ::-1]
-            new = held_from.copy()
-            new[:, :-1] &= ~held_from[:, 1:]
-            need = min(top_k, sum(int(m).bit_count() for m in held_from[:, 0].tolist()))
+            pages_by_block = self._pages_by_block(keys, page_masks)
+            split = _first_split(pages_by_block, top_k) if len(page_masks) > 1 else 0
             found: dict[PodId, int] = {}
-            for idx in np.flatnonzero(new.any(axis=0))[::-1].tolist():
-                for page, bits in zip(pages, new[:, idx].tolist(), strict=True):
-                    while bits:
-                        low = bits & -bits
-                        bits ^= low
-                        slot = page * SLOTS_PER_PAGE + low.bit_length() - 1
-                        found[self._pod_by_slot[slot]] = idx + 1
-                        if len(found) == need:
-                            return found
+            seen: dict[int, int] = {}  # page -> candidates found so far
+            for start, stop in ((split, len(keys)), (0, split)):
+                if start < stop and self._walk(
+                    keys, pages_by_block, page_masks, start, stop, top_k, found, seen
+                ):
+                    break
             return found
 
     def _pod_set_masks(self, pod_set: PodSet) -> dict[int, int]:
@@ -214,42 +228,70 @@ class PrefixIndex:
         np.bitwise_or.at(by_page, slots // SLOTS_PER_PAGE, np.left_shift(1, slots % SLOTS_PER_PAGE))
         return {int(page): int(by_page[page]) for page in np.flatnonzero(by_page)}
 
-    def _hits_by_page(self, keys: Keys, page_masks: dict[int, int]) -> tuple[list[int], Keys]:
-        """The pages (ascending) where a candidate holds any of the blocks, and per page
-        each block's candidate-owner mask (one row per page).
-
-        Probed in one batch, and only where ``_upper_pages`` says the page holds the block
-        (page 0, which it does not track, at every block).
-        """
-        pages = [0] if 0 in page_masks else []
+    def _pages_by_block(self, keys: Keys, page_masks: dict[int, int]) -> Keys:
+        """Per block, the candidate pages that may hold it: the upper pages
+        ``_upper_pages`` says hold it, and page 0 (not tracked there) at every block."""
         upper = 0
         for page in page_masks:
             upper |= (1 << page) if page else 0
-        pages_by_block = None
-        if upper:
-            pages_by_block = _lookup(self._upper_pages, keys, 0) & upper
-            present = int(np.bitwise_or.reduce(pages_by_block))
-            while present:
-                low = present & -present
-                present ^= low
-                pages.append(low.bit_length() - 1)
-        if not pages:
-            return [], np.empty((0, len(keys)), dtype=np.int64)
+        if not upper:
+            return np.ones(len(keys), dtype=np.int64)
+        pages_by_block = _lookup(self._upper_pages, keys, 0) & upper
+        if 0 in page_masks:
+            pages_by_block |= 1
+        return pages_by_block
+
+    def _walk(
+        self,
+        keys: Keys,
+        pages_by_block: Keys,
+        page_masks: dict[int, int],
+        start: int,
+        stop: int,
+        top_k: int,
+        found: dict[PodId, int],
+        seen: dict[int, int],
+    ) -> bool:
+        """Walk blocks ``stop - 1`` down to ``start``, adding to ``found`` each candidate
+        not ``seen`` at a later block; returns True once ``top_k`` are found.
+
+        Owner masks are probed in one batch, only where a page may hold the block.
+        """
+        present = int(np.bitwise_or.reduce(pages_by_block[start:stop]))
+        if not present:
+            return False
+        pages = []
+        while present:
+            low = present & -present
+            present ^= low
+            pages.append(low.bit_length() - 1)
         page_array = np.array(pages, dtype=np.int64)
-        if pages_by_block is None:
-            held = np.ones((1, len(keys)), dtype=np.bool_)
-        else:
-            held = (pages_by_block[np.newaxis, :] >> page_array[:, np.newaxis]) & 1 != 0
-            if pages[0] == 0:
-                held[0] = True
-        probes = (keys[np.newaxis, :] ^ self._page_key_array[page_array][:, np.newaxis])[held]
-        masks = np.zeros((len(pages), len(keys)), dtype=np.int64)
+        held = (pages_by_block[np.newaxis, start:stop] >> page_array[:, np.newaxis]) & 1 != 0
+        probes = (keys[np.newaxis, start:stop] ^ self._page_key_array[page_array][:, np.newaxis])[
+            held
+        ]
+        masks = np.zeros((len(pages), stop - start), dtype=np.int64)
         masks[held] = _lookup(self._owners, probes, 0)
         masks &= np.array([page_masks[page] for page in pages], dtype=np.int64)[:, np.newaxis]
-        hit = np.asarray(masks.any(axis=1))
-        if hit.all():
-            return pages, masks
-        return [pages[row] for row in np.flatnonzero(hit).tolist()], masks[hit]
+        # new[p, i]: candidates of page p holding block i but no later block, i.e. the
+        # pods a walk from the last block backwards finds at block i.
+        held_from = np.bitwise_or.accumulate(masks[:, ::-1], axis=1)[:, ::-1]
+        new = held_from.copy()
+        new[:, :-1] &= ~held_from[:, 1:]
+        if seen:
+            new &= ~np.array([seen.get(page, 0) for page in pages], dtype=np.int64)[:, np.newaxis]
+        for idx in np.flatnonzero(new.any(axis=0))[::-1].tolist():
+            for page, bits in zip(pages, new[:, idx].tolist(), strict=True):
+                while bits:
+                    low = bits & -bits
+                    bits ^= low
+                    slot = page * SLOTS_PER_PAGE + low.bit_length() - 1
+                    found[self._pod_by_slot[slot]] = start + idx + 1
+                    if len(found) == top_k:
+                        return True
+        for page, bits in zip(pages, held_from[:, 0].tolist(), strict=True):
+            seen[page] = seen.get(page, 0) | bits
+        return False
 
     # -- updates -------------------------------------------------------------------
 

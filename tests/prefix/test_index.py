@@ -231,3 +231,19 @@ def test_many_pages_match_the_plain_model(seed: int, top_k: int) -> None:
     expected = {p: lengths[p] for p in ranked[:top_k]}
     assert idx.match(hashes, candidates, top_k) == expected
     assert list(idx.match(hashes, PodSet(candidates), top_k).items()) == list(expected.items())
+
+
+def test_a_walk_past_blocks_held_only_by_other_pods_still_finds_the_candidates() -> None:
+    """Pages 1-3 hold the prompt's tail for pods that are no candidates: the first
+    (suffix) probe finds nothing, and the rest of the prompt is walked."""
+    idx = PrefixIndex(100)
+    pods = [PodId("ns", f"p{i}") for i in range(4 * 63)]
+    hashes = list(range(1, 41))
+    for page in (1, 2, 3):
+        idx.record(hashes, pods[page * 63])  # the whole prompt, on pages 1-3
+    idx.record(hashes[:10], pods[5])
+    idx.record(hashes[:20], pods[7])
+    idx.record(hashes[:15], pods[64])  # page 1, a candidate
+    candidates = [pods[5], pods[7], pods[64], pods[100]]
+    assert list(idx.match(hashes, candidates, 2).items()) == [(pods[7], 20), (pods[64], 15)]
+    assert idx.match(hashes, PodSet(candidates), 5) == {pods[7]: 20, pods[64]: 15, pods[5]: 10}
