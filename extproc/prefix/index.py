@@ -336,6 +336,8 @@ class PrefixIndex:
     def retain_pods(self, keep: Iterable[PodId]) -> list[PodId]:
         """Remove every pod not in ``keep`` (e.g. after discovery); returns those removed."""
         keep_set = set(keep)
+        if self._lru_by_pod.keys() <= keep_set:  # the usual case, one C-level check
+            return []
         gone = [pod for pod in list(self._lru_by_pod) if pod not in keep_set]
         for pod in gone:
             self.remove_pod(pod)

@@ -16,9 +16,10 @@ Scraped values are finite (``engine_metrics`` clamps them); a non-finite one in 
 hand-built pod is read as no data (latency) or as fully used (``kv_usage``).
 ``memo`` keeps, for plugins, what is the same for every request of the snapshot (the
 gpu-usage and least-latency scores). With ``rows_only`` the value depends only on which
-pod is in which row (prefix-cache's candidate set), and it is kept as long as later
-snapshots list the same pods in the same order (a table built with ``previous`` shares
-its predecessor's ``ids``, ``position`` and that memory): scrapes change metrics every
+pod is in which row (prefix-cache's candidate set, which pods serve a model), and it is
+kept as long as later snapshots list the same pods (ids and models) in the same order (a
+table built with ``previous`` shares its predecessor's ``ids``, ``position`` and that
+memory): scrapes change metrics every
 interval, the pods themselves seldom. Keys are the plugin's choice (the plugin and the
 candidates' bytes); each memory is cleared when it grows past ``MAX_SCRATCH`` entries.
 """
@@ -26,7 +27,8 @@ candidates' bytes); each memory is cleared when it grows past ``MAX_SCRATCH`` en
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, contains
 from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
@@ -54,6 +56,7 @@ class PodTable:
     __slots__ = (
         "_by_model",
         "_models",
+        "_models_by_row",
         "by_rows",
         "has_itl",
         "has_ttft",
@@ -76,18 +79,23 @@ class PodTable:
         n = len(self.pods)
         self.objects: npt.NDArray[np.object_] = np.fromiter(self.pods, dtype=object, count=n)
         self.ids: tuple[PodId, ...] = tuple(map(attrgetter("id"), self.pods))
+        self._models_by_row = tuple(map(attrgetter("models"), self.pods))
         self.position: dict[PodId, int]
         self.by_rows: dict[Any, Any]
-        if previous is not None and previous.ids == self.ids:
-            self.ids, self.position, self.by_rows = (
-                previous.ids,
-                previous.position,
-                previous.by_rows,
-            )
+        self._models: frozenset[str]
+        if (
+            previous is not None
+            and previous.ids == self.ids
+            and previous._models_by_row == self._models_by_row
+        ):  # the same pods in the same order: share what depends on that alone
+            self.ids, self._models_by_row = previous.ids, previous._models_by_row
+            self.position, self.by_rows = previous.position, previous.by_rows
+            self._models = previous._models
         else:
             # a duplicate id maps to its first row (the last write wins, rows reversed)
             self.position = dict(zip(reversed(self.ids), range(n - 1, -1, -1)))
             self.by_rows = {}
+            self._models = frozenset().union(*self._models_by_row)
         metrics = list(map(attrgetter("metrics"), self.pods))
         self.waiting = np.fromiter(map(attrgetter("waiting"), metrics), np.int64, n)
         self.running = np.fromiter(map(attrgetter("running"), metrics), np.int64, n)
@@ -99,7 +107,6 @@ class PodTable:
         roles = map(attrgetter("role"), self.pods)
         self.is_prefill = np.fromiter(map(PodRole.PREFILL.__eq__, roles), np.bool_, n)
         self.scratch: dict[Any, Any] = {}
-        self._models: frozenset[str] = frozenset().union(*(p.models for p in self.pods))
         self._by_model: dict[str, Candidates] = {}
 
     def __len__(self) -> int:
@@ -125,7 +132,7 @@ class PodTable:
             return found
         if model not in self._models:
             raise ModelNotFound(f"the model {model!r} does not exist: no pod serves it")
-        serves = np.fromiter((model in p.models for p in self.pods), np.bool_, len(self.pods))
+        serves = self.memo(("serves", model), lambda: self._serves(model), rows_only=True)
         ready = serves & self.ready
         if not ready.any():
             raise NoReadyPods(
@@ -138,6 +145,10 @@ class PodTable:
         )
         self._by_model[model] = found  # bounded: only models some pod serves
         return found
+
+    def _serves(self, model: str) -> npt.NDArray[np.bool_]:
+        serves = map(contains, self._models_by_row, repeat(model))
+        return np.fromiter(serves, np.bool_, len(self.pods))
 
     def memo(self, key: Any, compute: Callable[[], T], *, rows_only: bool = False) -> T:
         """``compute()``, kept under ``key`` for the snapshot's life, or with ``rows_only``

@@ -263,3 +263,14 @@ def test_row_memory_is_shared_only_while_snapshots_list_the_same_pods() -> None:
     assert pods[50].id not in {p.id for p in ranked}
     sched.record(make_cycle(SYSTEM + "x"), swapped[50].id)
     assert sched.schedule(make_cycle(SYSTEM + "x"), swapped)[0].id.name == "new"
+
+
+def test_a_pod_that_changes_models_is_a_candidate_for_its_new_model_only() -> None:
+    sched = make_scheduler(PREFIX_ONLY)
+    pods = tuple(make_pod(f"p{i}") for i in range(100))
+    sched.pods_changed(pods)
+    assert len(sched.schedule(make_cycle("x"), pods)) == 100
+    moved = (*pods[:10], replace(pods[10], models=frozenset({"other"})), *pods[11:])
+    sched.pods_changed(moved)  # same ids in the same order, one pod's models changed
+    assert pods[10].id not in {p.id for p in sched.schedule(make_cycle("x"), moved)}
+    assert sched.schedule(make_cycle("x", model="other"), moved) == [moved[10]]

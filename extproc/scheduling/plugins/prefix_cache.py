@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, ClassVar
 
 import numpy as np
@@ -121,4 +122,4 @@ class PrefixCacheScorer:
             self._evictions.labels(cycle.request.model).inc(evicted)
 
     def pods_changed(self, pods: Sequence[Pod]) -> None:
-        self.index.retain_pods(p.id for p in pods)
+        self.index.retain_pods(map(attrgetter("id"), pods))
