@@ -180,13 +180,18 @@ class PrefixIndex:
         return list(self._lru_by_pod)
 
     def match(
-        self, hashes: Sequence[int] | Keys, candidates: Iterable[PodId] | PodSet, top_k: int
+        self,
+        hashes: Sequence[int] | Keys,
+        candidates: Iterable[PodId] | PodSet,
+        top_k: int,
+        exclude: Iterable[PodId] = (),
     ) -> dict[PodId, int]:
         """Longest recorded match, in blocks, for up to ``top_k`` candidate pods.
 
         Pods are found from the longest match down (among equal matches in slot order),
         and pods with no match are left out. A ``PodSet`` keeps the candidates' slot
-        masks between calls (until a pod is added to or removed from the index).
+        masks between calls (until a pod is added to or removed from the index); pods
+        in ``exclude`` are taken out of the candidates for this call.
         """
         keys = as_keys(hashes)
         with self._lock:
@@ -194,6 +199,15 @@ class PrefixIndex:
                 page_masks = self._pod_set_masks(candidates)
             else:
                 page_masks = self._candidate_masks(candidates)
+            excluded = [lru for lru in map(self._lru_by_pod.get, exclude) if lru is not None]
+            if excluded:
+                page_masks = dict(page_masks)  # a copy: a PodSet's masks stay as cached
+                for lru in excluded:
+                    left = page_masks.get(lru.page, 0) & ~lru.bit
+                    if left:
+                        page_masks[lru.page] = left
+                    else:
+                        page_masks.pop(lru.page, None)
             if not page_masks or top_k <= 0 or not len(keys):
                 return {}
             pages_by_block = self._pages_by_block(keys, page_masks)

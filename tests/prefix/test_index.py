@@ -247,3 +247,13 @@ def test_a_walk_past_blocks_held_only_by_other_pods_still_finds_the_candidates()
     candidates = [pods[5], pods[7], pods[64], pods[100]]
     assert list(idx.match(hashes, candidates, 2).items()) == [(pods[7], 20), (pods[64], 15)]
     assert idx.match(hashes, PodSet(candidates), 5) == {pods[7]: 20, pods[64]: 15, pods[5]: 10}
+
+
+def test_excluded_pods_are_left_out_for_one_call_only() -> None:
+    idx = PrefixIndex(100)
+    for pod, n in ((A, 3), (B, 2), (C, 1)):
+        idx.record([1, 2, 3][:n], pod)
+    everyone = PodSet([A, B, C, D])
+    assert idx.match([1, 2, 3], everyone, 5, exclude=[A, D]) == {B: 2, C: 1}
+    assert idx.match([1, 2, 3], everyone, 5) == {A: 3, B: 2, C: 1}  # cached masks intact
+    assert idx.match([1, 2, 3], [A, B], 5, exclude=[A, B]) == {}

@@ -22,12 +22,16 @@ from tests.factories import PREFIX_ONLY, make_cycle, make_pod, make_scheduler
 SYSTEM = "You are a helpful assistant. " * 40
 
 
-def random_pods(rng: random.Random, num_pods: int) -> list[Pod]:
+BUSY = (0, 0, 1, 3, 9, 10, 15)  # 2 in 7 pods have a full queue (maxWaitingRequests 10)
+CALM = (0,) * 80 + (12,)  # 1 in 81: few enough left out for prefix-cache's "all but" masks
+
+
+def random_pods(rng: random.Random, num_pods: int, waiting: Sequence[int] = BUSY) -> list[Pod]:
     pods = []
     for i in range(num_pods):
         latency = rng.random() < 0.7
         metrics = PodMetrics(
-            waiting=rng.choice([0, 0, 1, 3, 9, 10, 15]),
+            waiting=rng.choice(waiting),
             running=rng.randrange(0, 30),
             kv_usage=rng.choice([0.0, 1.0, rng.random(), 0.29, 0.57]),
             ttft_s=rng.choice([0.1, 0.25, rng.random()]) if latency else None,
@@ -104,10 +108,16 @@ def prefix_plugin(sched: Scheduler) -> PrefixCacheScorer:
     return plugin
 
 
-@pytest.mark.parametrize("seed", [pytest.param(s, id=f"seed{s}") for s in range(3)])
-def test_1000_pods_scores_and_order_equal_the_plain_computation(seed: int) -> None:
+@pytest.mark.parametrize(
+    ("seed", "waiting"),
+    [pytest.param(s, BUSY, id=f"busy-seed{s}") for s in range(3)]
+    + [pytest.param(s, CALM, id=f"few-filtered-seed{s}") for s in range(2)],
+)
+def test_1000_pods_scores_and_order_equal_the_plain_computation(
+    seed: int, waiting: Sequence[int]
+) -> None:
     rng = random.Random(seed)
-    pods = tuple(random_pods(rng, 1000))
+    pods = tuple(random_pods(rng, 1000, waiting))
     in_flight = InFlight()
     sched = default_scheduler(in_flight)
     sched.pods_changed(pods)

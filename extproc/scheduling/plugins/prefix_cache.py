@@ -30,6 +30,8 @@ from extproc.scheduling.podtable import PodTable, Positions
 from extproc.scheduling.types import Cycle, PluginContext, Scores
 from extproc.types import Pod, PodId
 
+MAX_EXCLUDED = 64  # candidates scored as "every pod but these" up to this many left out
+
 MATCH_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
@@ -83,21 +85,33 @@ class PrefixCacheScorer:
 
     def score_table(self, cycle: Cycle, table: PodTable, positions: Positions) -> Scores:
         out = np.zeros(len(positions), dtype=np.int64)
-        # The candidates' slot masks, kept while the snapshots list the same pods (PodSet).
-        pod_set = table.memo(
-            (self, positions.tobytes()),
-            lambda: PodSet(table.ids[i] for i in positions.tolist()),
-            rows_only=True,
-        )
-        for pod, score in self._score(cycle, pod_set).items():
+        # The candidates' slot masks, kept while the snapshots list the same pods (PodSet):
+        # every pod's, less the few rows left out (the filters change with each snapshot's
+        # metrics), else those of exactly these rows.
+        excluded = np.ones(len(table), dtype=np.bool_)
+        excluded[positions] = False
+        num_excluded = len(table) - len(positions)
+        exclude: list[PodId] = []
+        if num_excluded <= max(MAX_EXCLUDED, len(positions) // 8):
+            pod_set = table.memo((self, "all"), lambda: PodSet(table.ids), rows_only=True)
+            exclude = [table.ids[row] for row in np.flatnonzero(excluded).tolist()]
+        else:
+            pod_set = table.memo(
+                (self, positions.tobytes()),
+                lambda: PodSet(table.ids[i] for i in positions.tolist()),
+                rows_only=True,
+            )
+        for pod, score in self._score(cycle, pod_set, exclude).items():
             out[positions == table.position[pod]] = score
         return out
 
-    def _score(self, cycle: Cycle, candidates: Sequence[PodId] | PodSet) -> dict[PodId, int]:
+    def _score(
+        self, cycle: Cycle, candidates: Sequence[PodId] | PodSet, exclude: Sequence[PodId] = ()
+    ) -> dict[PodId, int]:
         keys = self._keys(cycle)
         if not len(keys):
             return {}
-        matches = self.index.match(keys, candidates, self.args.topKMatches)
+        matches = self.index.match(keys, candidates, self.args.topKMatches, exclude)
         num_hashed = len(keys)
         best = max(matches.values(), default=0)
         self._match_ratio.labels(cycle.request.model).observe(best / num_hashed)
