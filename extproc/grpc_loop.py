@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -128,6 +128,7 @@ class LoopServer:
         self._open: set[_Call] = set()
         self._stopped = StopSignal()
         self._stopping = False
+        self._draining: frozenset[bytes] | None = None  # while draining: the methods kept
         self._lock = threading.Lock()  # start/stop against each other, not the loop
         self._thread: threading.Thread | None = None
 
@@ -144,6 +145,12 @@ class LoopServer:
             self._server.request_call(self._queue, self._queue, _REQUEST_CALL)
             self._thread = threading.Thread(target=self._serve, name="extproc-grpc", daemon=True)
             self._thread.start()
+
+    def drain(self, keep: Collection[str]) -> None:
+        """From now on refuse new streams (UNAVAILABLE) but those of the ``keep`` methods;
+        open streams go on. (Before ``stop``: e.g. keep taking the access logs of the
+        requests still in flight.)"""
+        self._draining = frozenset(path.encode() for path in keep)
 
     def stop(self, grace: float | None) -> StopSignal:
         """Take no new streams; after ``grace`` seconds (at once if None or 0) cancel
@@ -172,7 +179,8 @@ class LoopServer:
 
     def _serve(self) -> None:
         queue = self._queue
-        while True:
+        shut_down = False  # gRPC core's shutdown tag comes before open streams end
+        while not (shut_down and not self._open):
             event = queue.poll(time.time() + _POLL_S)  # an absolute deadline
             tag = event.tag
             if tag is None:  # a poll timeout, or a batch nobody waits for
@@ -180,7 +188,7 @@ class LoopServer:
             if tag is _REQUEST_CALL:
                 self._accept(event)
             elif tag is _SHUTDOWN:
-                break
+                shut_down = True
             else:
                 tag(event)
             event = None  # drop the event (and its call) before the next poll
@@ -197,6 +205,8 @@ class LoopServer:
         method = self._methods.get(event.call_details.method)
         if method is None:
             _refuse(call, cygrpc.StatusCode.unimplemented, b"method not found")
+        elif self._draining is not None and event.call_details.method not in self._draining:
+            _refuse(call, cygrpc.StatusCode.unavailable, b"extproc is shutting down")
         elif len(self._open) >= self._max_streams:
             _refuse(
                 call,

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -41,7 +42,13 @@ from extproc.grpc_loop import LoopServer
 from extproc.routing import Router
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.sessions import SessionStore
-from extproc.server import EXT_PROC_SERVICE, ExtProcHandlers, make_grpc_server, make_health_server
+from extproc.server import (
+    ACCESS_LOG_PATH,
+    EXT_PROC_SERVICE,
+    ExtProcHandlers,
+    make_grpc_server,
+    make_health_server,
+)
 
 log = logging.getLogger("extproc.serve")
 
@@ -142,8 +149,15 @@ class Running:
         self.watcher.stop()
         if self.scraper is not None:
             self.scraper.stop()
-        # Bounded: the drain must end even if a stream ignores the cancellation.
-        if not self.grpc_server.stop(drain_s).wait(drain_s + STOP_GRACE_S):
+        # New ext_proc streams are refused (Envoy answers 500 or fails open); the access
+        # logs of the requests in flight still come in and are recorded, until none is
+        # pending or drain_s has passed.
+        self.grpc_server.drain(keep=[ACCESS_LOG_PATH])
+        deadline = time.monotonic() + drain_s
+        while len(self.router.pending) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # Bounded: the stop must end even if a stream ignores the cancellation.
+        if not self.grpc_server.stop(0).wait(STOP_GRACE_S):
             log.warning("the gRPC server did not confirm its stop; exiting anyway")
         self.health_server.stop(0).wait(STOP_GRACE_S)
         if self.metrics_server is not None:

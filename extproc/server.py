@@ -47,6 +47,7 @@ log = logging.getLogger("extproc.server")
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 ACCESS_LOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
+ACCESS_LOG_PATH = f"/{ACCESS_LOG_SERVICE}/StreamAccessLogs"
 
 # Bodies this big take tens of milliseconds and more to parse and render (a quarter of a
 # million chat messages: about 0.7 s); they are routed off the loop so that the requests
@@ -312,7 +313,7 @@ def make_grpc_server(
     server = LoopServer(
         {
             f"/{EXT_PROC_SERVICE}/Process": process or one_round_process(handlers),
-            f"/{ACCESS_LOG_SERVICE}/StreamAccessLogs": access_log,
+            ACCESS_LOG_PATH: access_log,
         },
         max_streams=max_streams,
         options=[

@@ -34,7 +34,7 @@ from extproc.server import (
     make_grpc_server,
 )
 from tests.factories import PREFIX_ONLY, make_scheduler
-from tests.test_server import PODS, Client, destination, error_of
+from tests.test_server import PODS, Client, destination, error_of, log_entry
 
 BODY = orjson.dumps({"model": "m", "prompt": "a prompt long enough to hash " * 4})
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
@@ -524,3 +524,17 @@ def test_streams_beyond_the_limit_are_refused_at_once_not_queued(protocol: str) 
         assert eventually(lambda: s.server.open_streams == 0)
         assert settled(s.router)
         still_routes(s)
+
+
+def test_a_draining_server_refuses_new_routes_but_takes_access_logs() -> None:
+    """During the drain Envoy must fail the new requests fast (500, or fail open) while
+    the access logs of those in flight still arrive and are recorded."""
+    with Server("one-round", new_router()) as s:
+        served = destination(s.one_round.process(iter([routed_body("in-flight")]), timeout=5))[0]
+        s.server.drain(keep=[ACCESS_LOG])
+        with pytest.raises(grpc.RpcError) as info:
+            s.one_round.process(iter([routed_body("late")]), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        s.one_round.log(log_entry("in-flight", served))
+        assert settled(s.router)
+        assert s.router.metrics.outcome["recorded"]._value.get() == 1
