@@ -26,7 +26,7 @@ class Echo:
         if message == b"boom":
             raise RuntimeError("a handler bug")
         if message == b"slow":
-            return run_off_loop(lambda: (time.sleep(0.3), Answer((b"slow done",)))[1])
+            return run_off_loop(slow_answer)
         return Answer((message,), end=message == b"end")
 
     def on_input_end(self) -> Answer:
@@ -34,6 +34,11 @@ class Echo:
 
     def on_close(self, delivered: bool) -> None:
         Echo.closed.append(delivered)
+
+
+def slow_answer() -> Answer:
+    time.sleep(0.3)
+    return Answer((b"slow done",))
 
 
 @pytest.fixture
