@@ -111,6 +111,13 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--scrape-timeout-s", type=float, default=_env("scrape-timeout-s", "1.0"))
     p.add_argument(
+        "--scrape-cpu-budget",
+        type=float,
+        default=_env("scrape-cpu-budget", "0.1"),
+        help="the share of one core scraping may take; with many pods the sweeps are "
+        "spaced out to fit, and pods stay fresh for 3 sweeps (default %(default)s)",
+    )
+    p.add_argument(
         "--stale-after-s",
         type=float,
         default=_env("stale-after-s", "2.0"),
@@ -184,6 +191,7 @@ def check_args(args: argparse.Namespace) -> None:
         ("max_streams", args.max_streams >= 4, "must be 4 or more"),
         ("max_body_bytes", args.max_body_bytes > 0, "must be greater than 0"),
         ("scrape_interval_s", args.scrape_interval_s > 0, "must be greater than 0"),
+        ("scrape_cpu_budget", 0 < args.scrape_cpu_budget <= 1, "must be in (0, 1]"),
         ("scrape_timeout_s", args.scrape_timeout_s > 0, "must be greater than 0"),
         ("stale_after_s", args.stale_after_s >= 0, "must be 0 (no scraping) or more"),
         ("drain_s", args.drain_s >= 0, "must be 0 or more"),
@@ -229,6 +237,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
             store,
             interval_s=args.scrape_interval_s,
             timeout_s=args.scrape_timeout_s,
+            cpu_budget=args.scrape_cpu_budget,
             registry=registry,
         )
     grpc_server, grpc_port = make_grpc_server(

@@ -136,6 +136,9 @@ REFUSALS: dict[str, Refusal] = {
         ("--num-fallbacks", "-1"), "--num-fallbacks must be 0 or more, got -1"
     ),
     "max-streams-too-few": Refusal(("--max-streams", "1"), "--max-streams must be 4 or more"),
+    "scrape-budget-over-a-core": Refusal(
+        ("--scrape-cpu-budget", "1.5"), "--scrape-cpu-budget must be in (0, 1]"
+    ),
     "max-body-bytes-zero": Refusal(
         ("--max-body-bytes", "0"), "--max-body-bytes must be greater than 0, got 0"
     ),

@@ -36,7 +36,7 @@ def fake_pods() -> Iterator[list[FakePod]]:
 
 
 class Rig:
-    def __init__(self, fakes: list[FakePod]) -> None:
+    def __init__(self, fakes: list[FakePod], cpu_budget: float = 0.1) -> None:
         self.registry = CollectorRegistry()
         self.store = PodStore(self._published, stale_after_s=STALE_S)
         self.pods = [
@@ -46,7 +46,11 @@ class Rig:
         self.snapshot: tuple[Pod, ...] = ()
         self.store.set_pods(self.pods)
         self.scraper = MetricsScraper(
-            self.store, interval_s=0.02, timeout_s=0.2, registry=self.registry
+            self.store,
+            interval_s=0.02,
+            timeout_s=0.2,
+            cpu_budget=cpu_budget,
+            registry=self.registry,
         )
 
     def _published(self, pods: tuple[Pod, ...]) -> None:
@@ -151,3 +155,36 @@ def test_stop_ends_the_thread_promptly(fake_pods: list[FakePod]) -> None:
     rig.scraper.stop()
     assert time.monotonic() - started < 1.0
     assert rig.scraper._thread is not None and not rig.scraper._thread.is_alive()
+
+
+def test_sweeps_are_spaced_out_to_stay_within_the_cpu_budget(
+    fake_pods: list[FakePod], caplog: pytest.LogCaptureFixture
+) -> None:
+    rig = Rig(fake_pods, cpu_budget=0.001)
+    rig.scraper.start()
+    try:
+        wait_for(lambda: rig.scraper.sweep_interval_s > 0.2)
+        stretched = rig.scraper.sweep_interval_s
+        served = fake_pods[0].num_requests
+        time.sleep(0.6)
+    finally:
+        rig.scraper.stop()
+    # a sweep is ~1 ms of CPU: at 0.1% of a core, about one a second instead of 50
+    assert fake_pods[0].num_requests - served <= 0.6 / stretched + 2
+    final = rig.scraper.sweep_interval_s  # re-measured each sweep
+    assert final > 0.2
+    assert rig.registry.get_sample_value("extproc_scrape_interval_seconds") == final
+    assert rig.store.stale_after_s == max(STALE_S, 3 * final)  # pods stay fresh
+    assert "scraping every" in caplog.text and "--scrape-cpu-budget" in caplog.text
+
+
+def test_the_budget_follows_the_measured_cost_and_never_goes_below_the_interval() -> None:
+    store = PodStore(lambda pods: None, stale_after_s=2.0)
+    scraper = MetricsScraper(store, interval_s=0.2, cpu_budget=0.1, registry=CollectorRegistry())
+    scraper._fit_budget(0.016 * 0.5e-3 / 0.0005, num_pods=16, scraped=16)  # 16 x 0.5 ms
+    assert scraper.sweep_interval_s == 0.2 and store.stale_after_s == 2.0
+    scraper._fit_budget(500 * 1e-3, num_pods=1000, scraped=500)  # 1,000 x 1 ms
+    assert scraper.sweep_interval_s == pytest.approx(10.0)
+    assert store.stale_after_s == pytest.approx(30.0)
+    scraper._fit_budget(0.0, num_pods=1000, scraped=1000)  # pods got cheap again
+    assert scraper.sweep_interval_s == 0.2 and store.stale_after_s == 2.0
