@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
-from typing import ClassVar
+from contextlib import contextmanager
+from typing import Any, ClassVar
 
 import grpc
 import pytest
 
 from extproc.grpc_loop import Answer, LoopServer, Method, run_off_loop
+from tests.test_server_sequences import eventually
 
 ECHO = "/test.Loop/Echo"
 
@@ -67,7 +69,7 @@ def test_replies_in_order_and_the_stream_closes_when_input_ends(
     server, channel = served
     assert call(channel, b"a", b"b") == [b"a", b"b", b"bye"]
     assert call(channel, b"a", b"end", b"ignored") == [b"a", b"end"]
-    assert wait(lambda: server.open_streams == 0 and Echo.closed == [True, True])
+    assert eventually(lambda: server.open_streams == 0 and Echo.closed == [True, True])
 
 
 def test_a_handler_that_raises_gets_internal_without_a_trace_and_the_server_goes_on(
@@ -103,10 +105,9 @@ def test_a_slow_answer_off_the_loop_does_not_hold_up_other_streams(
     assert slow == [[b"slow done", b"bye"]]
 
 
-def test_a_client_that_cancels_is_closed_as_not_delivered(
-    served: tuple[LoopServer, grpc.Channel],
-) -> None:
-    server, channel = served
+@contextmanager
+def stalled_stream(channel: grpc.Channel) -> Iterator[Any]:
+    """A stream that has sent one message and got its echo, then sends nothing more."""
     gate = threading.Event()
 
     def stalled() -> Iterator[bytes]:
@@ -115,35 +116,28 @@ def test_a_client_that_cancels_is_closed_as_not_delivered(
 
     responses = channel.stream_stream(ECHO)(stalled(), timeout=5)
     assert next(responses) == b"a"
-    responses.cancel()
-    gate.set()
-    assert wait(lambda: server.open_streams == 0 and Echo.closed == [False])
+    try:
+        yield responses
+    finally:
+        gate.set()
+
+
+def test_a_client_that_cancels_is_closed_as_not_delivered(
+    served: tuple[LoopServer, grpc.Channel],
+) -> None:
+    server, channel = served
+    with stalled_stream(channel) as responses:
+        responses.cancel()
+    assert eventually(lambda: server.open_streams == 0 and Echo.closed == [False])
 
 
 def test_stop_cancels_open_streams_after_the_grace(
     served: tuple[LoopServer, grpc.Channel],
 ) -> None:
     server, channel = served
-    gate = threading.Event()
-
-    def stalled() -> Iterator[bytes]:
-        yield b"a"
-        gate.wait(5)
-
-    responses = channel.stream_stream(ECHO)(stalled(), timeout=5)
-    assert next(responses) == b"a"
-    started = time.monotonic()
-    stopped = server.stop(0.3)
-    assert not stopped.wait(0.1)  # the open stream keeps it running during the grace
-    assert stopped.wait(5) and 0.3 <= time.monotonic() - started < 3
-    gate.set()
+    with stalled_stream(channel):
+        started = time.monotonic()
+        stopped = server.stop(0.3)
+        assert not stopped.wait(0.1)  # the open stream keeps it running during the grace
+        assert stopped.wait(5) and 0.3 <= time.monotonic() - started < 3
     assert Echo.closed == [False]
-
-
-def wait(check: Callable[[], bool], timeout_s: float = 5) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.01)
-    return False
