@@ -129,6 +129,7 @@ class LoopServer:
         self._stopped = StopSignal()
         self._stopping = False
         self._draining: frozenset[bytes] | None = None  # while draining: the methods kept
+        self._cancelled_at: float | None = None
         self._lock = threading.Lock()  # start/stop against each other, not the loop
         self._thread: threading.Thread | None = None
 
@@ -174,23 +175,31 @@ class LoopServer:
         with self._lock:  # not after the loop destroyed the server: that would crash
             if not self._stopped.is_set():
                 self._server.cancel_all_calls()
+                self._cancelled_at = time.monotonic()
+
+    def _cancelled_long_ago(self) -> bool:
+        """Every stream was cancelled a while ago: one still listed is lost (a bug)."""
+        return self._cancelled_at is not None and time.monotonic() - self._cancelled_at > _POLL_S
 
     # -- the loop ----------------------------------------------------------------------
 
     def _serve(self) -> None:
         queue = self._queue
         shut_down = False  # gRPC core's shutdown tag comes before open streams end
-        while not (shut_down and not self._open):
+        while not (shut_down and (not self._open or self._cancelled_long_ago())):
             event = queue.poll(time.time() + _POLL_S)  # an absolute deadline
             tag = event.tag
             if tag is None:  # a poll timeout, or a batch nobody waits for
                 continue
-            if tag is _REQUEST_CALL:
-                self._accept(event)
-            elif tag is _SHUTDOWN:
-                shut_down = True
-            else:
-                tag(event)
+            try:
+                if tag is _REQUEST_CALL:
+                    self._accept(event)
+                elif tag is _SHUTDOWN:
+                    shut_down = True
+                else:
+                    tag(event)
+            except Exception:  # a bug here must not end the loop (and the server with it)
+                log.exception("unexpected error in the gRPC loop")
             event = None  # drop the event (and its call) before the next poll
         with self._lock:
             self._server.destroy()

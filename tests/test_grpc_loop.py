@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import grpc
 import pytest
 
+from extproc import grpc_loop
 from extproc.grpc_loop import Answer, LoopServer, Method, run_off_loop
 from tests.test_server_sequences import eventually
 
@@ -141,3 +142,24 @@ def test_stop_cancels_open_streams_after_the_grace(
         assert not stopped.wait(0.1)  # the open stream keeps it running during the grace
         assert stopped.wait(5) and 0.3 <= time.monotonic() - started < 3
     assert Echo.closed == [False]
+
+
+def test_a_bug_in_the_loop_is_logged_and_the_loop_goes_on(
+    served: tuple[LoopServer, grpc.Channel],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    _, channel = served
+    on_final = grpc_loop._Call._on_final
+    calls: list[object] = []
+
+    def broken_once(self: grpc_loop._Call, event: object) -> None:
+        calls.append(event)
+        if len(calls) == 1:
+            raise RuntimeError("a loop bug")
+        on_final(self, event)
+
+    monkeypatch.setattr(grpc_loop._Call, "_on_final", broken_once)
+    assert call(channel, b"a") == [b"a", b"bye"]  # the status went out before the bug
+    assert eventually(lambda: "a loop bug" in caplog.text)
+    assert call(channel, b"b") == [b"b", b"bye"]
