@@ -337,12 +337,13 @@ def test_request_id_generated_by_envoy() -> None:
     assert manager.get("preserve_external_request_id", False) is False
 
 
-def test_access_log_streams_to_extproc_unbuffered() -> None:
+def test_access_log_streams_to_extproc_in_small_batches() -> None:
     [log] = hcm(bootstrap())["access_log"]
     assert log["name"] == "envoy.access_loggers.http_grpc"
     common = log["typed_config"]["common_config"]
     assert common["grpc_service"] == {"envoy_grpc": {"cluster_name": "extproc"}}
-    assert common["buffer_size_bytes"] == 0
+    assert common["buffer_size_bytes"] == 16384
+    assert common["buffer_flush_interval"] == "0.010s"  # at most 10 ms before a record
     assert common["log_name"] == "extproc"
     assert common["transport_api_version"] == "V3"
     matcher = log["filter"]["metadata_filter"]["matcher"]
