@@ -149,6 +149,7 @@ class Running:
     watcher: PodsSource
     scraper: MetricsScraper | None
     metrics_server: Any
+    registry: CollectorRegistry
 
     def stop(self, drain_s: float = 10.0) -> None:
         for service in ("", EXT_PROC_SERVICE):
@@ -160,15 +161,26 @@ class Running:
         # logs of the requests in flight still come in and are recorded, until none is
         # pending or drain_s has passed.
         self.grpc_server.drain(keep=[ACCESS_LOG_PATH])
+        in_flight, recorded = len(self.router.pending), self._recorded()
         deadline = time.monotonic() + drain_s
         while len(self.router.pending) and time.monotonic() < deadline:
             time.sleep(0.05)
+        log.info(
+            "drained: %d routed requests were in flight, %d recorded since, %d left pending",
+            in_flight,
+            self._recorded() - recorded,
+            len(self.router.pending),
+        )
         # Bounded: the stop must end even if a stream ignores the cancellation.
         if not self.grpc_server.stop(0).wait(STOP_GRACE_S):
             log.warning("the gRPC server did not confirm its stop; exiting anyway")
         self.health_server.stop(0).wait(STOP_GRACE_S)
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
+
+    def _recorded(self) -> int:
+        value = self.registry.get_sample_value("extproc_completions_total", {"outcome": "recorded"})
+        return int(value or 0)
 
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -283,6 +295,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         watcher,
         scraper,
         metrics_server,
+        registry,
     )
 
 
