@@ -21,7 +21,6 @@ from extproc.server import (
     ACCESS_LOG_SERVICE,
     EXT_PROC_SERVICE,
     ExtProcHandlers,
-    RouteReplies,
     make_grpc_server,
     make_health_server,
     route_response,
@@ -283,10 +282,11 @@ def test_health_service_reports_serving() -> None:
         server.stop(0).wait()
 
 
-def test_route_replies_are_the_serialized_route_response_and_bounded() -> None:
-    replies = RouteReplies(size=2)
-    for dest, prefill in (("a:1,b:2", None), ("a:1,b:2", "p:3"), ("b:2,a:1", None)):
-        reply = ep.ProcessingResponse.FromString(replies.get(dest, prefill))
-        assert reply == route_response(dest, prefill)
-        assert destination(reply) == dest.split(",")
-    assert len(replies._replies) == 2 and ("a:1,b:2", None) not in replies._replies
+def test_route_replies_come_serialized_once_per_destination_list(client: Client) -> None:
+    """The reply bytes are remembered per destination list; they are exactly the reply
+    built afresh, also when a later request brings the same list."""
+    body = {"model": "m", "prompt": "a prompt no pod has recorded " * 8}
+    replies = [client.send_body(body, request_id=f"r{i}") for i in range(40)]
+    lists = [",".join(destination(r)) for r in replies]
+    assert len(set(lists)) < len(lists)  # some lists came again: remembered replies
+    assert all(r == route_response(dest) for r, dest in zip(replies, lists, strict=True))

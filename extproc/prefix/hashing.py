@@ -22,10 +22,11 @@ XXH3-128 digest of the hashed bytes (0.5 us for 8 KB).
 
 from __future__ import annotations
 
-import threading
 from typing import NewType
 
 import xxhash
+
+from extproc.memo import FifoMemo
 
 BlockHash = NewType("BlockHash", int)  # an unsigned 64-bit XXH64 digest
 
@@ -81,29 +82,14 @@ def hash_prompt(
         raise ValueError(f"block_size and max_blocks must be > 0, got {block_size}, {max_blocks}")
     limit = block_size * max_blocks
     data = prompt[:limit].encode()[:limit]  # a character is at least a byte: no more needed
-    return _MEMO.chain(model, salt, data, block_size, max_blocks)
+    key = (model, salt, block_size, max_blocks, _digest(data))
+    chain = _CHAINS.get(
+        key, lambda: tuple(hash_blocks(chain_start(model, salt), data, block_size, max_blocks))
+    )
+    return list(chain)
 
 
-class _ChainMemo:
-    """The chains of recently hashed prompt starts, first in first out."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._chains: dict[tuple[str, str | None, int, int, int], tuple[BlockHash, ...]] = {}
-        self._lock = threading.Lock()
-
-    def chain(
-        self, model: str, salt: str | None, data: bytes, block_size: int, max_blocks: int
-    ) -> list[BlockHash]:
-        key = (model, salt, block_size, max_blocks, _digest(data))
-        found = self._chains.get(key)
-        if found is None:
-            found = tuple(hash_blocks(chain_start(model, salt), data, block_size, max_blocks))
-            with self._lock:
-                if len(self._chains) >= self.size:
-                    del self._chains[next(iter(self._chains))]
-                self._chains[key] = found
-        return list(found)
-
-
-_MEMO = _ChainMemo(MEMO_SIZE)
+# (model, salt, block size, max blocks, digest of the hashed bytes) -> the chain
+_CHAINS: FifoMemo[tuple[str, str | None, int, int, int], tuple[BlockHash, ...]] = FifoMemo(
+    MEMO_SIZE
+)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extproc.prefix import hash_prompt
-from extproc.prefix.hashing import BlockHash, _ChainMemo, chain_start, hash_blocks
+from extproc.memo import FifoMemo
+from extproc.prefix import hash_prompt, hashing
+from extproc.prefix.hashing import BlockHash, chain_start, hash_blocks
 
 
 def reference_chain(model: str, data: bytes, block_size: int) -> list[int]:
@@ -128,13 +130,17 @@ def test_the_memo_keeps_models_salts_and_geometries_apart() -> None:
     assert len(chains) == 8
 
 
-def test_the_memo_is_bounded_and_forgets_the_oldest_first() -> None:
-    memo = _ChainMemo(size=3)
+def test_the_memo_is_bounded_and_forgets_the_oldest_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    memo: FifoMemo[tuple[str, str | None, int, int, int], tuple[BlockHash, ...]] = FifoMemo(3)
+    monkeypatch.setattr(hashing, "_CHAINS", memo)
     for i in range(5):
-        memo.chain("m", None, b"prompt %d" % i, 64, 128)
-    assert len(memo._chains) == 3
-    kept = {key[-1] for key in memo._chains}
-    assert kept == {xxhash.xxh3_128_intdigest(b"prompt %d" % i) for i in (2, 3, 4)}
-    returned = memo.chain("m", None, b"prompt 4", 64, 128)
+        hash_prompt("m", f"prompt {i}")
+    assert len(memo) == 3
+    for i in range(5):
+        key = ("m", None, 64, 128, xxhash.xxh3_128_intdigest(b"prompt %d" % i))
+        assert (key in memo) == (i >= 2)
+    returned = hash_prompt("m", "prompt 4")
     returned.append(BlockHash(0))  # a caller's list is its own
-    assert memo.chain("m", None, b"prompt 4", 64, 128) == hash_prompt("m", "prompt 4")
+    assert hash_prompt("m", "prompt 4") == reference_chain("m", b"prompt 4", 64)
