@@ -39,7 +39,14 @@ from extproc.epp import DESTINATION_KEY, DESTINATION_NAMESPACE, INTERNAL_HEADERS
 from extproc.errors import BadRequest, BodyTooLarge, ExtProcError
 from extproc.grpc_loop import Answer, Method, run_off_loop
 from extproc.routing import RouteDecision, Router
-from extproc.server import OFF_LOOP_BODY_BYTES, error_response, route_metadata, subset_hint
+from extproc.server import (
+    OFF_LOOP_BODY_BYTES,
+    error_response,
+    internal_error_response,
+    process_method,
+    route_metadata,
+    subset_hint,
+)
 
 log = logging.getLogger("extproc.gateway")
 
@@ -247,10 +254,7 @@ class _EppStream:
             return Answer((error_response(exc),), end=True)
         except Exception:
             log.exception("request %s: unexpected error while routing", x.request_id)
-            error = ExtProcError(
-                f"internal error in the endpoint picker (request id {x.request_id})"
-            )
-            return Answer((error_response(error),), end=True)
+            return Answer((internal_error_response(x.request_id),), end=True)
         return Answer(replies, end=x.done)
 
     def on_input_end(self) -> Answer:
@@ -264,10 +268,4 @@ class _EppStream:
 
 def epp_process(router: Router) -> Method:
     """``Process`` for Endpoint Picker Protocol gateways: messages both ways, as they come."""
-    handler = GatewayHandler(router)
-    return Method(
-        parse=ep.ProcessingRequest.FromString,
-        serialize=ep.ProcessingResponse.SerializeToString,
-        open=handler.open,
-        name="ProcessingRequest",
-    )
+    return process_method(GatewayHandler(router).open)

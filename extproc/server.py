@@ -15,6 +15,7 @@ Nothing here knows a plugin; every error is answered, never raised into the loop
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
 
@@ -39,7 +40,7 @@ from extproc.epp import (
     header_attribute,
 )
 from extproc.errors import BadRequest, ExtProcError
-from extproc.grpc_loop import Answer, LoopServer, Method, run_off_loop
+from extproc.grpc_loop import Answer, LoopServer, Method, Stream, run_off_loop
 from extproc.memo import FifoMemo
 from extproc.routing import Router
 
@@ -57,6 +58,13 @@ OFF_LOOP_BODY_BYTES = 1 << 20
 _JSON_CONTENT_TYPE = base_pb2.HeaderValueOption(
     header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json")
 )
+
+
+def internal_error_response(request_id: str) -> ep.ProcessingResponse:
+    """A 500 for a bug while routing: names the request, never the trace."""
+    return error_response(
+        ExtProcError(f"internal error in the endpoint picker (request id {request_id})")
+    )
 
 
 def error_response(error: ExtProcError) -> ep.ProcessingResponse:
@@ -154,8 +162,7 @@ class ExtProcHandlers:
             return error_response(exc), None
         except Exception:
             log.exception("request %s: unexpected error while routing", request_id)
-            error = ExtProcError(f"internal error in the endpoint picker (request id {request_id})")
-            return error_response(error), None
+            return internal_error_response(request_id), None
 
     # -- access log ------------------------------------------------------------------
 
@@ -265,14 +272,19 @@ def subset_hint(message: ep.ProcessingRequest) -> list[str] | None:
     return [a.strip() for a in value.string_value.split(",") if a.strip()]
 
 
-def one_round_process(handlers: ExtProcHandlers) -> Method:
-    """``Process`` for extproc's own Envoy config: one message each way."""
+def process_method(open_stream: Callable[[], Stream]) -> Method:
+    """ext_proc's ``Process``, its streams opened by ``open_stream``."""
     return Method(
         parse=ep.ProcessingRequest.FromString,
         serialize=ep.ProcessingResponse.SerializeToString,
-        open=lambda: _OneRoundStream(handlers),
+        open=open_stream,
         name="ProcessingRequest",
     )
+
+
+def one_round_process(handlers: ExtProcHandlers) -> Method:
+    """``Process`` for extproc's own Envoy config: one message each way."""
+    return process_method(lambda: _OneRoundStream(handlers))
 
 
 def make_grpc_server(

@@ -179,7 +179,7 @@ class MetricsScraper:
                     started += 1
             next_tick += self.sweep_interval_s
             if next_tick <= loop.time():  # fell behind (a stalled process): skip missed ticks
-                next_tick = loop.time() + self.interval_s
+                next_tick = loop.time() + self.sweep_interval_s
             if pending:
                 await asyncio.wait(pending.values(), timeout=next_tick - loop.time())
             done = [pod_id for pod_id, task in pending.items() if task.done()]
