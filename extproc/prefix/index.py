@@ -210,6 +210,9 @@ class PrefixIndex:
                         page_masks.pop(lru.page, None)
             if not page_masks or top_k <= 0 or not len(keys):
                 return {}
+            if len(page_masks) == 1:  # up to 63 pods: one probe, no page bookkeeping
+                ((page, mask),) = page_masks.items()
+                return self._match_page(keys, page, mask, top_k)
             pages_by_block = self._pages_by_block(keys, page_masks)
             split = _first_split(pages_by_block, top_k) if len(page_masks) > 1 else 0
             found: dict[PodId, int] = {}
@@ -254,6 +257,28 @@ class PrefixIndex:
         if 0 in page_masks:
             pages_by_block |= 1
         return pages_by_block
+
+    def _match_page(self, keys: Keys, page: int, mask: int, top_k: int) -> dict[PodId, int]:
+        """``match`` when every candidate is on one page: its owner masks in one probe,
+        then the blocks that some candidate holds, last first."""
+        owners = _lookup(self._owners, keys ^ self._page_keys[page] if page else keys, 0)
+        owners &= mask
+        held = owners.tolist()
+        found: dict[PodId, int] = {}
+        seen = 0
+        first_slot = page * SLOTS_PER_PAGE
+        for idx in np.flatnonzero(owners)[::-1].tolist():
+            bits = held[idx] & ~seen
+            seen |= bits
+            while bits:
+                low = bits & -bits
+                bits ^= low
+                found[self._pod_by_slot[first_slot + low.bit_length() - 1]] = idx + 1
+                if len(found) == top_k:
+                    return found
+            if seen == mask:
+                break
+        return found
 
     def _walk(
         self,

@@ -257,3 +257,26 @@ def test_excluded_pods_are_left_out_for_one_call_only() -> None:
     assert idx.match([1, 2, 3], everyone, 5, exclude=[A, D]) == {B: 2, C: 1}
     assert idx.match([1, 2, 3], everyone, 5) == {A: 3, B: 2, C: 1}  # cached masks intact
     assert idx.match([1, 2, 3], [A, B], 5, exclude=[A, B]) == {}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32), st.integers(1, 70), st.sampled_from([0, 1, 2]))
+def test_candidates_on_one_page_match_the_plain_model(seed: int, top_k: int, page: int) -> None:
+    """Every candidate's slot on one page (the single-probe path), on page 0 or above,
+    with pods of other pages holding the same prompt: the same pods, lengths and order
+    (longest first, equal lengths in slot order) as the plain model."""
+    rng = random.Random(seed)
+    idx, model = PrefixIndex(1000), ModelIndex(1000)
+    pods = [PodId("ns", f"p{i}") for i in range(3 * 63)]
+    hashes = [rng.getrandbits(64) for _ in range(40)]
+    for pod in pods:  # slots in list order: pods[63 * k : 63 * (k + 1)] are page k
+        prompt = hashes[: rng.randrange(0, 41)] + [rng.getrandbits(64)]
+        idx.record(prompt, pod)
+        model.record(prompt, pod)
+    page_pods = pods[63 * page : 63 * (page + 1)]
+    candidates = rng.sample(page_pods, rng.randrange(1, 64))
+    lengths = {p: model.longest(hashes, p) for p in candidates}
+    ranked = sorted((p for p in page_pods if lengths.get(p)), key=lambda p: -lengths[p])
+    expected = list({p: lengths[p] for p in ranked[:top_k]}.items())
+    assert list(idx.match(hashes, candidates, top_k).items()) == expected
+    assert list(idx.match(hashes, PodSet(candidates), top_k).items()) == expected
