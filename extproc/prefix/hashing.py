@@ -17,13 +17,16 @@ Chaining costs about half a microsecond a block in Python (the decimal text of t
 previous hash is the expensive part), 60 us for a full 8 KB prompt. Prompts repeat their
 first 8 KB often (a shared system prompt and tools, the turns of one conversation), so
 the chains of the last ``MEMO_SIZE`` distinct prompt starts are kept, keyed by an
-XXH3-128 digest of the hashed bytes (0.5 us for 8 KB).
+XXH3-128 digest of the hashed bytes (0.5 us for 8 KB), as the read-only int64 array
+(same bits) that ``PrefixIndex`` takes; ``prompt_keys`` hands out a copy.
 """
 
 from __future__ import annotations
 
 from typing import NewType
 
+import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from extproc.memo import FifoMemo
@@ -78,18 +81,38 @@ def hash_prompt(
     Returns:
         One hash per block, in prompt order; empty for an empty prompt.
     """
+    hashes: list[BlockHash] = (
+        prompt_keys(model, prompt, block_size, max_blocks, salt).view(np.uint64).tolist()
+    )
+    return hashes
+
+
+def prompt_keys(
+    model: str,
+    prompt: str,
+    block_size: int = 64,
+    max_blocks: int = 128,
+    salt: str | None = None,
+) -> npt.NDArray[np.int64]:
+    """``hash_prompt`` as an int64 array with the same bits (chains memoized)."""
     if block_size <= 0 or max_blocks <= 0:
         raise ValueError(f"block_size and max_blocks must be > 0, got {block_size}, {max_blocks}")
     limit = block_size * max_blocks
     data = prompt[:limit].encode()[:limit]  # a character is at least a byte: no more needed
     key = (model, salt, block_size, max_blocks, _digest(data))
     chain = _CHAINS.get(
-        key, lambda: tuple(hash_blocks(chain_start(model, salt), data, block_size, max_blocks))
+        key, lambda: _as_keys(hash_blocks(chain_start(model, salt), data, block_size, max_blocks))
     )
-    return list(chain)
+    return chain.copy()  # the memo's own array stays as computed, whatever the caller does
+
+
+def _as_keys(hashes: list[BlockHash]) -> npt.NDArray[np.int64]:
+    keys = np.array(hashes, dtype=np.uint64).view(np.int64)
+    keys.flags.writeable = False  # shared by every request with this prompt start
+    return keys
 
 
 # (model, salt, block size, max blocks, digest of the hashed bytes) -> the chain
-_CHAINS: FifoMemo[tuple[str, str | None, int, int, int], tuple[BlockHash, ...]] = FifoMemo(
+_CHAINS: FifoMemo[tuple[str, str | None, int, int, int], npt.NDArray[np.int64]] = FifoMemo(
     MEMO_SIZE
 )

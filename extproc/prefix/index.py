@@ -260,24 +260,22 @@ class PrefixIndex:
 
     def _match_page(self, keys: Keys, page: int, mask: int, top_k: int) -> dict[PodId, int]:
         """``match`` when every candidate is on one page: its owner masks in one probe,
-        then the blocks that some candidate holds, last first."""
+        then, last block first, the blocks where some candidate's longest match ends."""
         owners = _lookup(self._owners, keys ^ self._page_keys[page] if page else keys, 0)
         owners &= mask
-        held = owners.tolist()
+        held_from = np.bitwise_or.accumulate(owners[::-1])[::-1]  # held here or later
+        ends = held_from.copy()
+        ends[:-1] ^= held_from[1:]  # the candidates holding this block but no later one
+        at = np.flatnonzero(ends)[::-1]
         found: dict[PodId, int] = {}
-        seen = 0
         first_slot = page * SLOTS_PER_PAGE
-        for idx in np.flatnonzero(owners)[::-1].tolist():
-            bits = held[idx] & ~seen
-            seen |= bits
+        for idx, bits in zip(at.tolist(), ends[at].tolist(), strict=True):
             while bits:
                 low = bits & -bits
                 bits ^= low
                 found[self._pod_by_slot[first_slot + low.bit_length() - 1]] = idx + 1
                 if len(found) == top_k:
                     return found
-            if seen == mask:
-                break
         return found
 
     def _walk(

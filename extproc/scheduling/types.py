@@ -27,8 +27,8 @@ import numpy as np
 import numpy.typing as npt
 from prometheus_client import CollectorRegistry
 
-from extproc.prefix.hashing import BlockHash, hash_prompt
-from extproc.prefix.index import Keys, as_keys
+from extproc.prefix.hashing import prompt_keys
+from extproc.prefix.index import Keys
 from extproc.request import InferenceRequest
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.podtable import PodTable, Positions
@@ -47,7 +47,6 @@ class Cycle:
     # Prompt tokens each scored pod would prefill (prompt minus the prefix it holds),
     # left by cost-aware; see ``num_prefill_tokens``.
     uncached_tokens: dict[PodId, int] = field(default_factory=dict)
-    _hashes: dict[tuple[int, int], list[BlockHash]] = field(default_factory=dict)
     _keys: dict[tuple[int, int], Keys] = field(default_factory=dict)
     _num_prompt_bytes: int = -1
 
@@ -71,22 +70,15 @@ class Cycle:
         """
         return self.uncached_tokens.get(pod, self.num_prompt_tokens)
 
-    def block_hashes(self, block_size: int, max_blocks: int) -> list[BlockHash]:
-        """The prompt's chained block hashes, computed once per block geometry."""
-        key = (block_size, max_blocks)
-        hashes = self._hashes.get(key)
-        if hashes is None:
-            req = self.request
-            hashes = hash_prompt(req.model, req.prompt, block_size, max_blocks, req.cache_salt)
-            self._hashes[key] = hashes
-        return hashes
-
     def block_keys(self, block_size: int, max_blocks: int) -> Keys:
-        """``block_hashes`` as the int64 array ``PrefixIndex`` takes, converted once."""
+        """The prompt's chained block hashes (``prefix.hashing``), as the int64 array
+        ``PrefixIndex`` takes, looked up once per block geometry."""
         key = (block_size, max_blocks)
         keys = self._keys.get(key)
         if keys is None:
-            keys = self._keys[key] = as_keys(self.block_hashes(block_size, max_blocks))
+            req = self.request
+            keys = prompt_keys(req.model, req.prompt, block_size, max_blocks, req.cache_salt)
+            self._keys[key] = keys
         return keys
 
 

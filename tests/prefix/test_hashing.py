@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import xxhash
 from hypothesis import given
@@ -9,7 +10,7 @@ from hypothesis import strategies as st
 
 from extproc.memo import FifoMemo
 from extproc.prefix import hash_prompt, hashing
-from extproc.prefix.hashing import BlockHash, chain_start, hash_blocks
+from extproc.prefix.hashing import BlockHash, chain_start, hash_blocks, prompt_keys
 
 
 def reference_chain(model: str, data: bytes, block_size: int) -> list[int]:
@@ -144,3 +145,14 @@ def test_the_memo_is_bounded_and_forgets_the_oldest_first(
     returned = hash_prompt("m", "prompt 4")
     returned.append(BlockHash(0))  # a caller's list is its own
     assert hash_prompt("m", "prompt 4") == reference_chain("m", b"prompt 4", 64)
+
+
+def test_prompt_keys_are_the_hashes_bits_and_a_callers_own_copy() -> None:
+    prompt = "a shared system prompt " * 40
+    keys = prompt_keys("m", prompt)
+    assert keys.dtype == np.int64
+    assert keys.view(np.uint64).tolist() == hash_prompt("m", prompt)
+    expected = hash_prompt("m", prompt)
+    keys[:] = 0  # a caller scribbling on its array leaves the memoized chain alone
+    assert prompt_keys("m", prompt).view(np.uint64).tolist() == expected
+    assert hash_prompt("m", prompt) == expected and 0 not in expected

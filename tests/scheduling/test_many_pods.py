@@ -132,11 +132,11 @@ def test_1000_pods_scores_and_order_equal_the_plain_computation(
         sched.record(cycle, pod)
         if pod not in held:
             held[pod], order = set(), [*order, pod]
-        held[pod].update(cycle.block_hashes(64, 128))
+        held[pod].update(cycle.block_keys(64, 128).tolist())
     plugin = prefix_plugin(sched)
     for prompt in prompts[:3]:
         cycle = make_cycle(prompt)
-        hashes = list(cycle.block_hashes(64, 128))
+        hashes = cycle.block_keys(64, 128).tolist()
         ranked = sched.schedule(cycle, pods)
         ready = [p for p in pods if "m" in p.models and p.ready]
         kept = [p for p in ready if p.metrics.waiting < 10]
