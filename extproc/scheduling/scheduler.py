@@ -175,9 +175,10 @@ class Scheduler:
             filter_table = getattr(f, "filter_table", None)
             if filter_table is not None:
                 candidates = filter_table(cycle, table, candidates)
-            else:  # a plain Filter: it returns some of the pods it is given
+            else:  # a plain Filter: it returns some of the pods it is given (any order)
                 kept = f.filter(cycle, table.take(candidates))
-                candidates = np.fromiter((table.position[p.id] for p in kept), np.int64, len(kept))
+                rows = np.fromiter((table.position[p.id] for p in kept), np.int64, len(kept))
+                candidates = np.sort(rows)  # candidates ascend, as score_table may rely on
             if self.timer is not None:
                 self.timer.observe(f.type_name, "filter", time.perf_counter() - started)
             if not len(candidates):

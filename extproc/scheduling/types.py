@@ -140,7 +140,7 @@ class TableFilter(Protocol):
 
 class TableScorer(Protocol):
     def score_table(self, cycle: Cycle, table: PodTable, positions: Positions) -> Scores:
-        """0..100 per row of ``positions``, equal to ``score`` on those pods."""
+        """0..100 per row of ``positions`` (ascending), equal to ``score`` on those pods."""
         ...
 
 

@@ -95,6 +95,26 @@ def test_prefix_cache_end_to_end_second_request_goes_to_the_first_pod() -> None:
         assert sched.schedule(make_cycle("system prompt " * 50 + "question 2"), pods)[0] == first
 
 
+class ReversingFilter:
+    """A plain filter that hands its pods back in another order."""
+
+    type_name: ClassVar[str] = "reverse"
+
+    def filter(self, cycle: Cycle, pods: Sequence[Pod]) -> Sequence[Pod]:
+        return list(reversed(pods))
+
+
+def test_a_plain_filter_returning_pods_in_any_order_leaves_scores_on_their_pods() -> None:
+    sched = make_scheduler(PREFIX_ONLY)
+    sched.filters = (ReversingFilter(),)
+    pods = [make_pod(n) for n in "abcdef"]
+    prompt = "system prompt " * 50
+    for name, length in (("e", 400), ("b", 200)):  # e holds more of the prompt than b
+        sched.record(make_cycle(prompt[:length]), PodId("default", name))
+    ranked = sched.schedule(make_cycle(prompt), pods)
+    assert names(ranked)[:2] == ["e", "b"]
+
+
 def test_verbose_logging_prints_kthena_lines(caplog: pytest.LogCaptureFixture) -> None:
     sched = make_scheduler(PREFIX_ONLY)
     pods = [make_pod("my-model-0"), make_pod("my-model-1")]

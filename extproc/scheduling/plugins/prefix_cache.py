@@ -59,6 +59,7 @@ class PrefixCacheScorer:
             registry=ctx.registry,
             buckets=MATCH_RATIO_BUCKETS,
         )
+        self._match_ratio_by_model: dict[str, Any] = {}  # its children, made once
         self._evictions = Counter(
             "kthena_router_prefix_cache_evictions",
             "Prefix-cache entries dropped because a pod's list was full.",
@@ -101,8 +102,10 @@ class PrefixCacheScorer:
                 lambda: PodSet(table.ids[i] for i in positions.tolist()),
                 rows_only=True,
             )
-        for pod, score in self._score(cycle, pod_set, exclude).items():
-            out[positions == table.position[pod]] = score
+        scores = self._score(cycle, pod_set, exclude)
+        if scores:  # positions ascend, so each pod's row is found by bisection
+            rows = np.fromiter(map(table.position.__getitem__, scores), np.int64, len(scores))
+            out[np.searchsorted(positions, rows)] = list(scores.values())
         return out
 
     def _score(
@@ -114,7 +117,11 @@ class PrefixCacheScorer:
         matches = self.index.match(keys, candidates, self.args.topKMatches, exclude)
         num_hashed = len(keys)
         best = max(matches.values(), default=0)
-        self._match_ratio.labels(cycle.request.model).observe(best / num_hashed)
+        model = cycle.request.model
+        ratio = self._match_ratio_by_model.get(model)
+        if ratio is None:
+            ratio = self._match_ratio_by_model[model] = self._match_ratio.labels(model)
+        ratio.observe(best / num_hashed)
         return {pod: matched * 100 // num_hashed for pod, matched in matches.items()}
 
     def matched_bytes(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
