@@ -138,6 +138,8 @@ def _load_json(body: bytes) -> dict[str, Any]:
 
 def _check_encodable(prompt: str) -> None:
     """JSON escapes can smuggle lone surrogates, which have no UTF-8 form."""
+    if prompt.isascii():  # a flag CPython keeps on every str: no scan
+        return
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError:
