@@ -142,7 +142,8 @@ def _wait_or_stop(check: object, proc: Proc, what: str) -> None:
         raise
 
 
-def _port_open(port: int) -> bool:
+def port_open(port: int) -> bool:
+    """Something accepts connections on 127.0.0.1:``port``."""
     with socket.socket() as s:
         s.settimeout(0.2)
         return s.connect_ex(("127.0.0.1", port)) == 0
@@ -221,7 +222,7 @@ def start_extproc(
         *extra_args,
     ]  # fmt: skip
     proc = spawn("extproc", argv, log_dir)
-    _wait_or_stop(lambda: _port_open(grpc_port) and _port_open(metrics_port), proc, "extproc")
+    _wait_or_stop(lambda: port_open(grpc_port) and port_open(metrics_port), proc, "extproc")
     return proc
 
 
