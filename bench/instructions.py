@@ -84,6 +84,17 @@ class Variant:
         return [] if self.config == "default" else ["--config", str(Path(self.config).resolve())]
 
 
+def checkout_commit(directory: Path) -> str:
+    """The short commit ``directory``'s checkout is at (its path if it is none)."""
+    found = subprocess.run(
+        ["git", "-C", str(directory), "rev-parse", "--short", "HEAD"],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    return found.stdout.strip() if found.returncode == 0 else str(directory)
+
+
 def callgrind_control(*args: str) -> None:
     subprocess.run(["callgrind_control", *args], check=True, capture_output=True, timeout=120)
 
@@ -172,7 +183,7 @@ def measure(
     return {
         "variant": variant.name,
         "config": variant.config,
-        "checkout": str(variant.checkout or "."),
+        "checkout": checkout_commit(variant.checkout or Path.cwd()),
         "requests": requests,
         "rps_under_callgrind": result["rps"],
         "instructions_per_request": round(sum(totals.values()) / requests),
@@ -197,7 +208,7 @@ def markdown(results: list[dict[str, Any]], args: argparse.Namespace, info: dict
         ),
         "",
         (
-            "| variant | config | checkout | requests | instructions/request | x "
+            "| variant | config | commit | requests | instructions/request | x "
             f"{base['variant']} | busiest thread/request | x {base['variant']} |"
         ),
         "|---|---|---|---|---|---|---|---|",

@@ -89,13 +89,14 @@ class PrefixCacheScorer:
         # The candidates' slot masks, kept while the snapshots list the same pods (PodSet):
         # every pod's, less the few rows left out (the filters change with each snapshot's
         # metrics), else those of exactly these rows.
-        excluded = np.ones(len(table), dtype=np.bool_)
-        excluded[positions] = False
         num_excluded = len(table) - len(positions)
         exclude: list[PodId] = []
         if num_excluded <= max(MAX_EXCLUDED, len(positions) // 8):
             pod_set = table.memo((self, "all"), lambda: PodSet(table.ids), rows_only=True)
-            exclude = [table.ids[row] for row in np.flatnonzero(excluded).tolist()]
+            if num_excluded:
+                excluded = np.ones(len(table), dtype=np.bool_)
+                excluded[positions] = False
+                exclude = [table.ids[row] for row in np.flatnonzero(excluded).tolist()]
         else:
             pod_set = table.memo(
                 (self, positions.tobytes()),
