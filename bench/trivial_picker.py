@@ -1,0 +1,41 @@
+"""``python -m bench.trivial_picker serve ...``: ``extproc serve`` that does no routing work.
+
+Every ``Process`` body gets the same route (the first three pods, serialized once), and
+access-log messages are read but not acted on. The gRPC loop, the protobuf parsing of
+each message, Envoy's config and the process are the ones that ship, so this measures
+the floor under any picker built on them (``bench.floor``). Benchmark-only: nothing in
+extproc knows about it; this wrapper patches two methods and runs the ordinary command
+line.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from envoy.service.accesslog.v3 import als_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+from extproc.cli import main
+from extproc.server import ExtProcHandlers, route_response
+
+NUM_DESTINATIONS = 3
+
+
+def fixed_route(
+    self: ExtProcHandlers, message: ep.ProcessingRequest
+) -> tuple[ep.ProcessingResponse | bytes, str | None]:
+    destination = ",".join(p.address for p in self.router.pods[:NUM_DESTINATIONS])
+    reply = self._replies.get(
+        (destination, None), lambda: route_response(destination).SerializeToString()
+    )
+    return reply, None
+
+
+def ignore_log(self: ExtProcHandlers, message: als_pb2.StreamAccessLogsMessage) -> None:
+    return None
+
+
+if __name__ == "__main__":
+    ExtProcHandlers.process = fixed_route  # type: ignore[method-assign]
+    ExtProcHandlers.complete = ignore_log  # type: ignore[method-assign]
+    sys.exit(main())

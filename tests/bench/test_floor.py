@@ -1,0 +1,53 @@
+"""bench.floor's table and bench.trivial_picker's fixed answers."""
+
+from __future__ import annotations
+
+import argparse
+
+from envoy.service.accesslog.v3 import als_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from prometheus_client import CollectorRegistry
+
+from bench.floor import TRIVIAL, markdown
+from bench.picker_report import ENVOY, EXTPROC
+from bench.trivial_picker import fixed_route, ignore_log
+from extproc.epp import DESTINATION_KEY, DESTINATION_NAMESPACE
+from extproc.routing import Router
+from extproc.server import ExtProcHandlers
+from tests.factories import PREFIX_ONLY, make_pod, make_scheduler
+
+
+def run(rps: float, p50: float, envoy_us: float, extproc_us: float | None = None) -> dict:
+    loaded = {"rps": rps, "envoy_cpu_us_per_request": envoy_us}
+    if extproc_us is not None:
+        loaded["extproc_cpu_us_per_request"] = extproc_us
+    return {"loaded": loaded, "low": {"p50_ms": p50}}
+
+
+def test_the_table_gives_each_router_as_a_ratio_to_envoy_alone_at_its_prompt_size() -> None:
+    rows = [
+        {"prompt_kb": 8, "router": ENVOY, **run(4000, 0.5, 250)},
+        {"prompt_kb": 8, "router": TRIVIAL, **run(2000, 1.2, 500, 180)},
+        {"prompt_kb": 8, "router": EXTPROC, **run(1000, 2.0, 600, 600)},
+    ]
+    args = argparse.Namespace(pods=16, seconds=4, low_seconds=3, rounds=3)
+    info = {"cpu_model": "cpu", "cores": 2, "git_sha": "abc"}
+    lines = markdown(rows, args, info).splitlines()
+    assert "| 8 KB | envoy+trivial-picker | 2000 | 0.50 | 1.20 | +0.70 | 500 | 180 |" in lines
+    assert "| 8 KB | envoy+extproc | 1000 | 0.25 | 2.00 | +1.50 | 600 | 600 |" in lines
+    assert "| 8 KB | envoy | 4000 | 1.00 | 0.50 | +0.00 | 250 |  |" in lines
+
+
+def test_the_trivial_picker_answers_the_first_pods_and_records_nothing() -> None:
+    pods = [make_pod(n) for n in "abcd"]
+    router = Router(make_scheduler(PREFIX_ONLY), pods, registry=CollectorRegistry())
+    handlers = ExtProcHandlers(router)
+    message = ep.ProcessingRequest()
+    message.request_body.body = b"not even json"
+    reply, routed = fixed_route(handlers, message)
+    assert routed is None and isinstance(reply, bytes)
+    metadata = ep.ProcessingResponse.FromString(reply).dynamic_metadata
+    destination = metadata.fields[DESTINATION_NAMESPACE].struct_value.fields[DESTINATION_KEY]
+    assert destination.string_value == ",".join(p.address for p in pods[:3])
+    assert ignore_log(handlers, als_pb2.StreamAccessLogsMessage()) is None
+    assert len(router.pending) == 0
