@@ -37,11 +37,16 @@ test: $(STAMP) system-deps vllm
 	$(PY) -m pytest -q
 
 # bench.picker: 1/8/220 KB prompts x 16/1,000 pods, Envoy alone, Envoy + extproc and
-# sglang-router (installed into ~/.cache/extproc-e2e on first use): about 7 minutes.
+# sglang-router (installed into ~/.cache/extproc-e2e on first use): about 7 minutes; then
+# bench.floor (the do-nothing picker beside them, ~2.5 minutes) and bench.instructions
+# (callgrind: valgrind must be installed, ~1.5 minutes).
 bench: $(STAMP)
 	$(PY) -m bench.prefix
 	$(PY) -m bench.picker --json bench/results/picker.json --markdown bench/results/picker.md \
 	  --profile bench/results/picker-profile.md
+	$(PY) -m bench.floor --json bench/results/floor.json --markdown bench/results/floor.md
+	$(PY) -m bench.instructions --json bench/results/instructions.json \
+	  --markdown bench/results/instructions.md
 
 bench-routing: peers
 	$(PY) -m bench.routing_quality
