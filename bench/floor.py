@@ -15,7 +15,6 @@ runs, alternating, medians of ``--rounds``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -26,7 +25,7 @@ from typing import Any
 from bench.contenders import start_envoy_alone
 from bench.loadgen import Load, make_workload
 from bench.picker import Target, measure, warm_up
-from bench.picker_report import ENVOY, EXTPROC, machine, medians
+from bench.picker_report import ENVOY, EXTPROC, machine, medians, publish
 from bench.upstreams import start_upstreams
 from extproc.launch import run_stack
 
@@ -119,14 +118,8 @@ def main() -> None:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="extproc-floor-") as tmp:
         rows = run(args, Path(tmp))
-    info = machine()
-    text = markdown(rows, args, info)
-    print(text)
+    publish(markdown(rows, args, machine()), {"rows": rows}, args.json, args.markdown)
     print(f"{time.monotonic() - started:.0f} s")
-    if args.json:
-        args.json.write_text(json.dumps({"machine": info, "rows": rows}, indent=2) + "\n")
-    if args.markdown:
-        args.markdown.write_text(text)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.loadgen import Load, make_workload, run_wrk
-from bench.picker_report import machine
+from bench.picker_report import machine, publish
 from bench.upstreams import start_upstreams
 from extproc.envoyconf.build import EnvoyOptions
 from extproc.launch import free_port, port_open, spawn, start_envoy, wait_until, write_pods_file
@@ -259,14 +259,8 @@ def main() -> None:
                 print(json.dumps({k: v for k, v in results[-1].items() if k != "top_functions"}))
         finally:
             upstreams.stop()
-    info = machine()
-    text = markdown(results, args, info)
-    print(text)
+    publish(markdown(results, args, machine()), {"results": results}, args.json, args.markdown)
     print(f"{time.monotonic() - started:.0f} s")
-    if args.json:
-        args.json.write_text(json.dumps({"machine": info, "results": results}, indent=2) + "\n")
-    if args.markdown:
-        args.markdown.write_text(text)
 
 
 if __name__ == "__main__":

@@ -171,6 +171,17 @@ def markdown(result: dict[str, Any]) -> str:
     ])  # fmt: skip
 
 
+def publish(
+    text: str, data: dict[str, Any], json_path: Path | None, markdown_path: Path | None
+) -> None:
+    """Print a benchmark's tables; write its data (with the machine) and tables if asked."""
+    print(text)
+    if json_path:
+        json_path.write_text(json.dumps({"machine": machine(), **data}, indent=2) + "\n")
+    if markdown_path:
+        markdown_path.write_text(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="The tables of a bench.picker JSON result.")
     parser.add_argument("result", type=Path, help="the JSON of bench.picker --json")
