@@ -18,7 +18,7 @@ first variant, and the functions with the most instructions of their own.
 Pod metrics are scraped once an hour here (``--scrape-interval-s``), so the counts are
 the request path's only; ``bench.scrape`` measures scraping.
 
-    python -m bench.instructions                                  # default vs least-request
+    python -m bench.instructions              # default, least-request alone, no routing
     python -m bench.instructions --variant base=default@/tmp/old --variant now=default
 """
 
@@ -44,14 +44,23 @@ from extproc.types import Pod
 
 SCRAPE_INTERVAL_S = 3600
 START_TIMEOUT_S = 240.0  # importing extproc under valgrind is slow
-DEFAULT_VARIANTS = ("default=default", "least-request=bench/configs/least-request.yaml")
+# Under callgrind extproc runs ~50x slower, more still just after instrumentation is
+# switched on: Envoy's 1 s default for the body reply would answer some requests 504.
+MESSAGE_TIMEOUT_S = 30.0
+TRIVIAL = "trivial"  # the config name that runs bench.trivial_picker: the server, no routing
+DEFAULT_VARIANTS = (
+    "default=default",
+    "least-request=bench/configs/least-request.yaml",
+    f"no-routing={TRIVIAL}",
+)
 TOP_FUNCTIONS = 12
 
 
 @dataclass(frozen=True, slots=True)
 class Variant:
-    """``NAME=CONFIG[@CHECKOUT]``: a scheduler config ("default": the shipped one), and the
-    directory of the extproc checkout to run (default: this one)."""
+    """``NAME=CONFIG[@CHECKOUT]``: a scheduler config ("default": the shipped one;
+    "trivial": ``bench.trivial_picker``, the server doing no routing), and the directory
+    of the extproc checkout to run (default: this one)."""
 
     name: str
     config: str
@@ -67,7 +76,9 @@ class Variant:
 
     def command(self, out_file: Path) -> list[str]:
         """extproc ``serve`` under callgrind, instrumentation off until switched on."""
-        if self.checkout is None:
+        if self.config == TRIVIAL:
+            python = [sys.executable, "-m", "bench.trivial_picker"]
+        elif self.checkout is None:
             python = [sys.executable, "-m", "extproc"]
         else:  # the other checkout first on the path, its own command line
             boot = (
@@ -81,7 +92,9 @@ class Variant:
         ]  # fmt: skip
 
     def config_args(self) -> list[str]:
-        return [] if self.config == "default" else ["--config", str(Path(self.config).resolve())]
+        if self.config in ("default", TRIVIAL):
+            return []
+        return ["--config", str(Path(self.config).resolve())]
 
 
 def checkout_commit(directory: Path) -> str:
@@ -159,6 +172,7 @@ def measure(
             extproc_address=f"127.0.0.1:{grpc_port}",
             listen_port=free_port(),
             admin_port=free_port(),
+            message_timeout_s=MESSAGE_TIMEOUT_S,
         )
         envoy = start_envoy(pods, options, log_dir)
         url = f"http://127.0.0.1:{options.listen_port}"
@@ -237,7 +251,7 @@ def main() -> None:
         action="append",
         type=Variant.parse,
         help="NAME=CONFIG[@CHECKOUT], repeatable; the first is the baseline "
-        "(default: default=default and least-request=bench/configs/least-request.yaml)",
+        f"(default: {', '.join(DEFAULT_VARIANTS)})",
     )
     parser.add_argument("--pods", type=int, default=16)
     parser.add_argument("--prompt-kb", type=int, default=8)

@@ -31,6 +31,9 @@ def test_a_variant_names_its_config_and_optionally_a_checkout(tmp_path: Path) ->
     assert other.checkout == tmp_path
     assert other.config_args()[0] == "--config"
     assert str(tmp_path) in other.command(tmp_path / "out")[-1]
+    floor = Variant.parse("no-routing=trivial")
+    assert floor.command(tmp_path / "out")[-2:] == ["-m", "bench.trivial_picker"]
+    assert floor.config_args() == []
     with pytest.raises(argparse.ArgumentTypeError, match="NAME=CONFIG"):
         Variant.parse("no-config")
 
