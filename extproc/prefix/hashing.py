@@ -23,6 +23,7 @@ XXH3-128 digest of the hashed bytes (0.5 us for 8 KB), as the read-only int64 ar
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NewType
 
 import numpy as np
@@ -32,6 +33,7 @@ import xxhash
 from extproc.memo import FifoMemo
 
 BlockHash = NewType("BlockHash", int)  # an unsigned 64-bit XXH64 digest
+Keys = npt.NDArray[np.int64]  # block hashes as int64 with the same bits (``PrefixIndex``)
 
 # Seed for the salted chain start only; any value but 0 (the chain's seed) would do.
 SALT_SEED = 0x5A17_CAC4E_5A17 & 0xFFFF_FFFF_FFFF_FFFF
@@ -93,7 +95,7 @@ def prompt_keys(
     block_size: int = 64,
     max_blocks: int = 128,
     salt: str | None = None,
-) -> npt.NDArray[np.int64]:
+) -> Keys:
     """``hash_prompt`` as an int64 array with the same bits (chains memoized)."""
     if block_size <= 0 or max_blocks <= 0:
         raise ValueError(f"block_size and max_blocks must be > 0, got {block_size}, {max_blocks}")
@@ -101,18 +103,23 @@ def prompt_keys(
     data = prompt[:limit].encode()[:limit]  # a character is at least a byte: no more needed
     key = (model, salt, block_size, max_blocks, _digest(data))
     chain = _CHAINS.get(
-        key, lambda: _as_keys(hash_blocks(chain_start(model, salt), data, block_size, max_blocks))
+        key, lambda: _memo_keys(hash_blocks(chain_start(model, salt), data, block_size, max_blocks))
     )
     return chain.copy()  # the memo's own array stays as computed, whatever the caller does
 
 
-def _as_keys(hashes: list[BlockHash]) -> npt.NDArray[np.int64]:
-    keys = np.array(hashes, dtype=np.uint64).view(np.int64)
+def as_keys(hashes: Sequence[int] | Keys) -> Keys:
+    """Unsigned 64-bit hashes as the int64 array the index works on (same bits)."""
+    if isinstance(hashes, np.ndarray):
+        return hashes
+    return np.fromiter(hashes, dtype=np.uint64, count=len(hashes)).view(np.int64)
+
+
+def _memo_keys(hashes: list[BlockHash]) -> Keys:
+    keys = as_keys(hashes)
     keys.flags.writeable = False  # shared by every request with this prompt start
     return keys
 
 
 # (model, salt, block size, max blocks, digest of the hashed bytes) -> the chain
-_CHAINS: FifoMemo[tuple[str, str | None, int, int, int], npt.NDArray[np.int64]] = FifoMemo(
-    MEMO_SIZE
-)
+_CHAINS: FifoMemo[tuple[str, str | None, int, int, int], Keys] = FifoMemo(MEMO_SIZE)

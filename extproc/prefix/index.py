@@ -51,20 +51,12 @@ from cykhash import (
     update_int64toint64map,
 )
 
+from extproc.prefix.hashing import Keys, as_keys
 from extproc.types import PodId
 
 SLOTS_PER_PAGE = 63  # bit 63 would make a mask negative
 MAX_PAGES = 63
 MAX_PODS = SLOTS_PER_PAGE * MAX_PAGES
-
-Keys = npt.NDArray[np.int64]
-
-
-def as_keys(hashes: Sequence[int] | Keys) -> Keys:
-    """Unsigned 64-bit hashes as the int64 array the index works on (same bits)."""
-    if isinstance(hashes, np.ndarray):
-        return hashes
-    return np.fromiter(hashes, dtype=np.uint64, count=len(hashes)).view(np.int64)
 
 
 def _mix_key(kind: bytes, number: int) -> int:

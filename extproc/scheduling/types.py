@@ -27,8 +27,7 @@ import numpy as np
 import numpy.typing as npt
 from prometheus_client import CollectorRegistry
 
-from extproc.prefix.hashing import prompt_keys
-from extproc.prefix.index import Keys
+from extproc.prefix.hashing import Keys, prompt_keys
 from extproc.request import InferenceRequest
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.podtable import PodTable, Positions

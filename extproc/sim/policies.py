@@ -47,7 +47,8 @@ from typing import ClassVar, Protocol
 from prometheus_client import CollectorRegistry
 
 from extproc.config import SchedulerConfig, build_scheduler
-from extproc.prefix.index import Keys, PrefixIndex
+from extproc.prefix.hashing import Keys
+from extproc.prefix.index import PrefixIndex
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.types import Cycle
 from extproc.sim.engine import EngineConfig

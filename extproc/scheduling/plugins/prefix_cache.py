@@ -24,7 +24,8 @@ from typing import Any, ClassVar
 import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
-from extproc.prefix.index import Keys, PodSet, PrefixIndex
+from extproc.prefix.hashing import Keys
+from extproc.prefix.index import PodSet, PrefixIndex
 from extproc.scheduling.args import load_args
 from extproc.scheduling.podtable import PodTable, Positions
 from extproc.scheduling.types import Cycle, PluginContext, Scores
