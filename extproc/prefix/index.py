@@ -260,15 +260,24 @@ class PrefixIndex:
         ends[:-1] ^= held_from[1:]  # the candidates holding this block but no later one
         at = np.flatnonzero(ends)[::-1]
         found: dict[PodId, int] = {}
-        first_slot = page * SLOTS_PER_PAGE
         for idx, bits in zip(at.tolist(), ends[at].tolist(), strict=True):
-            while bits:
-                low = bits & -bits
-                bits ^= low
-                found[self._pod_by_slot[first_slot + low.bit_length() - 1]] = idx + 1
-                if len(found) == top_k:
-                    return found
+            if self._add_found(found, page, bits, idx + 1, top_k):
+                break
         return found
+
+    def _add_found(
+        self, found: dict[PodId, int], page: int, bits: int, length: int, top_k: int
+    ) -> bool:
+        """Add the pods of ``page`` whose slot bits are set, matched ``length`` blocks, in
+        slot order, until ``found`` holds ``top_k``; returns whether it does."""
+        first_slot = page * SLOTS_PER_PAGE
+        while bits:
+            low = bits & -bits
+            bits ^= low
+            found[self._pod_by_slot[first_slot + low.bit_length() - 1]] = length
+            if len(found) == top_k:
+                return True
+        return False
 
     def _walk(
         self,
@@ -311,13 +320,8 @@ class PrefixIndex:
             new &= ~np.array([seen.get(page, 0) for page in pages], dtype=np.int64)[:, np.newaxis]
         for idx in np.flatnonzero(new.any(axis=0))[::-1].tolist():
             for page, bits in zip(pages, new[:, idx].tolist(), strict=True):
-                while bits:
-                    low = bits & -bits
-                    bits ^= low
-                    slot = page * SLOTS_PER_PAGE + low.bit_length() - 1
-                    found[self._pod_by_slot[slot]] = start + idx + 1
-                    if len(found) == top_k:
-                        return True
+                if self._add_found(found, page, bits, start + idx + 1, top_k):
+                    return True
         for page, bits in zip(pages, held_from[:, 0].tolist(), strict=True):
             seen[page] = seen.get(page, 0) | bits
         return False
