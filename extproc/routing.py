@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import cache
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
@@ -150,13 +150,10 @@ class RouterMetrics:
             o: self.completions.labels(o)
             for o in ("recorded", "failed", "unknown_request", "unknown_pod", "abandoned")
         }
-        self._decisions_by_model: dict[str, Any] = {}
+        self._decisions_of = cache(self.decisions.labels)
 
     def decided(self, model: str) -> None:
-        child = self._decisions_by_model.get(model)
-        if child is None:
-            child = self._decisions_by_model[model] = self.decisions.labels(model)
-        child.inc()
+        self._decisions_of(model).inc()
 
 
 class Router:

@@ -29,7 +29,7 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from functools import cache
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Histogram
@@ -58,20 +58,17 @@ class PluginTimer:
     """``extproc_plugin_duration_seconds{plugin, extension_point}``, children made once."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self._histogram = Histogram(
+        histogram = Histogram(
             "extproc_plugin_duration_seconds",
             "Time one plugin took for one request, by plugin and extension point (filter, score).",
             ["plugin", "extension_point"],
             registry=registry,
             buckets=PLUGIN_BUCKETS,
         )
-        self._children: dict[tuple[str, str], Any] = {}
+        self._child = cache(histogram.labels)
 
     def observe(self, plugin: str, point: str, seconds: float) -> None:
-        child = self._children.get((plugin, point))
-        if child is None:
-            child = self._children[(plugin, point)] = self._histogram.labels(plugin, point)
-        child.observe(seconds)
+        self._child(plugin, point).observe(seconds)
 
 
 @dataclass(frozen=True, slots=True)

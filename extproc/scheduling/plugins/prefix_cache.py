@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cache
 from operator import attrgetter
 from typing import Any, ClassVar
 
@@ -52,7 +53,7 @@ class PrefixCacheScorer:
     def __init__(self, args: PrefixCacheArgs, ctx: PluginContext) -> None:
         self.args = args
         self.index = PrefixIndex(args.maxHashCacheSize)
-        self._match_ratio = Histogram(
+        match_ratio = Histogram(
             "kthena_router_prefix_cache_match_ratio",
             "Fraction of the prompt's blocks matched by the best pod, each time the "
             "prefix-cache plugin scores pods (0 is a miss).",
@@ -60,7 +61,7 @@ class PrefixCacheScorer:
             registry=ctx.registry,
             buckets=MATCH_RATIO_BUCKETS,
         )
-        self._match_ratio_by_model: dict[str, Any] = {}  # its children, made once
+        self._match_ratio = cache(match_ratio.labels)  # a model's child, made once
         self._evictions = Counter(
             "kthena_router_prefix_cache_evictions",
             "Prefix-cache entries dropped because a pod's list was full.",
@@ -119,11 +120,7 @@ class PrefixCacheScorer:
         matches = self.index.match(keys, candidates, self.args.topKMatches, exclude)
         num_hashed = len(keys)
         best = max(matches.values(), default=0)
-        model = cycle.request.model
-        ratio = self._match_ratio_by_model.get(model)
-        if ratio is None:
-            ratio = self._match_ratio_by_model[model] = self._match_ratio.labels(model)
-        ratio.observe(best / num_hashed)
+        self._match_ratio(cycle.request.model).observe(best / num_hashed)
         return {pod: matched * 100 // num_hashed for pod, matched in matches.items()}
 
     def matched_bytes(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
