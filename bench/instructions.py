@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.loadgen import Load, make_workload, run_wrk
+from bench.picker import Target, warm_up
 from bench.picker_report import machine, publish
 from bench.upstreams import start_upstreams
-from extproc.envoyconf.build import EnvoyOptions
-from extproc.launch import free_port, port_open, spawn, start_envoy, wait_until, write_pods_file
+from extproc.launch import run_stack
 from extproc.types import Pod
 
 SCRAPE_INTERVAL_S = 3600
@@ -91,10 +91,9 @@ class Variant:
             f"--callgrind-out-file={out_file}", *python,
         ]  # fmt: skip
 
-    def config_args(self) -> list[str]:
-        if self.config in ("default", TRIVIAL):
-            return []
-        return ["--config", str(Path(self.config).resolve())]
+    def config_path(self) -> Path | None:
+        """The ``--config`` to pass (None: the shipped one)."""
+        return None if self.config in ("default", TRIVIAL) else Path(self.config).resolve()
 
 
 def checkout_commit(directory: Path) -> str:
@@ -150,45 +149,22 @@ def measure(
     """One variant: start, warm up, count one loaded run; the counts per request."""
     log_dir = work_dir / variant.name
     log_dir.mkdir()
-    pods_file = write_pods_file(pods, log_dir / "pods.yaml")
-    grpc_port, metrics_port = free_port(), free_port()
     out_file = log_dir / "callgrind.out"
-    argv = [
-        *variant.command(out_file), "serve", "--pods", str(pods_file),
-        "--grpc-port", str(grpc_port), "--health-port", str(free_port()),
-        "--metrics-port", str(metrics_port), "--scrape-interval-s", str(SCRAPE_INTERVAL_S),
-        *variant.config_args(),
-    ]  # fmt: skip
-    extproc = spawn("extproc", argv, log_dir)
-    envoy = None
-    try:
-        wait_until(
-            lambda: port_open(grpc_port) and port_open(metrics_port),
-            extproc,
-            "extproc under callgrind",
-            START_TIMEOUT_S,
-        )
-        options = EnvoyOptions(
-            extproc_address=f"127.0.0.1:{grpc_port}",
-            listen_port=free_port(),
-            admin_port=free_port(),
-            message_timeout_s=MESSAGE_TIMEOUT_S,
-        )
-        envoy = start_envoy(pods, options, log_dir)
-        url = f"http://127.0.0.1:{options.listen_port}"
+    with run_stack(
+        pods,
+        config=variant.config_path(),
+        extproc_args=["--scrape-interval-s", str(SCRAPE_INTERVAL_S)],
+        extproc_command=variant.command(out_file),
+        extproc_start_timeout_s=START_TIMEOUT_S,
+        message_timeout_s=MESSAGE_TIMEOUT_S,
+    ) as stack:
         workload = make_workload(prompt_kb * 1024, 2 * len(pods), log_dir)
-        warm = 0
-        while warm < workload.num_prefixes:
-            ran = run_wrk(url, workload, Load(1, 2, 2), mode="warm", offset=warm)
-            warm += int(ran["requests"])
-        callgrind_control("--instr=on", str(extproc.pid))
-        result = run_wrk(url, workload, load)
-        callgrind_control("--dump=measured", str(extproc.pid))
-        callgrind_control("--instr=off", str(extproc.pid))
-    finally:
-        if envoy is not None:
-            envoy.stop()
-        extproc.stop()
+        warm_up(Target(variant.name, stack.url, {}), workload, Load(1, 2, 2))
+        pid = str(stack.extproc.pid)  # valgrind's: the tool runs in the same process
+        callgrind_control("--instr=on", pid)
+        result = run_wrk(stack.url, workload, load)
+        callgrind_control("--dump=measured", pid)
+        callgrind_control("--instr=off", pid)
     totals = thread_totals(out_file, "measured")
     requests = int(result["requests"])
     if not totals or requests == 0 or result["non_2xx"]:

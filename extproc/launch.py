@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from extproc.envoyconf.build import EnvoyOptions, make_bootstrap
+from extproc.envoyconf.build import DEFAULT_MESSAGE_TIMEOUT_S, EnvoyOptions, make_bootstrap
 from extproc.envoyconf.render import to_dict
 from extproc.types import Pod
 
@@ -133,10 +133,10 @@ def wait_until(check: object, proc: Proc, what: str, timeout_s: float = START_TI
     raise TimeoutError(f"{what} not ready after {timeout_s} s:\n{proc.log_tail()}")
 
 
-def _wait_or_stop(check: object, proc: Proc, what: str) -> None:
+def _wait_or_stop(check: object, proc: Proc, what: str, timeout_s: float = START_TIMEOUT_S) -> None:
     """``wait_until``; a process that did not get ready is stopped, not left running."""
     try:
-        wait_until(check, proc, what)
+        wait_until(check, proc, what, timeout_s)
     except BaseException:
         proc.stop()
         raise
@@ -210,6 +210,7 @@ def start_extproc(
     config: Path | None = None,
     extra_args: Sequence[str] = (),
     command: Sequence[str] = EXTPROC_COMMAND,
+    start_timeout_s: float = START_TIMEOUT_S,
 ) -> Proc:
     argv = [
         *command, "serve",
@@ -222,7 +223,9 @@ def start_extproc(
         *extra_args,
     ]  # fmt: skip
     proc = spawn("extproc", argv, log_dir)
-    _wait_or_stop(lambda: port_open(grpc_port) and port_open(metrics_port), proc, "extproc")
+    _wait_or_stop(
+        lambda: port_open(grpc_port) and port_open(metrics_port), proc, "extproc", start_timeout_s
+    )
     return proc
 
 
@@ -270,11 +273,14 @@ def run_stack(
     extproc_args: Sequence[str] = (),
     envoy_transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     extproc_command: Sequence[str] = EXTPROC_COMMAND,
+    extproc_start_timeout_s: float = START_TIMEOUT_S,
+    message_timeout_s: float = DEFAULT_MESSAGE_TIMEOUT_S,
 ) -> Iterator[Stack]:
     """extproc (on a pods file of ``pods``) and Envoy in front of it, both stopped after.
 
     ``extproc_command`` runs another entry point with extproc's ``serve`` flags (a test
-    wrapper such as ``e2e.slow_scheduler``).
+    wrapper such as ``e2e.slow_scheduler``, or extproc under a profiler, which may need a
+    longer ``extproc_start_timeout_s`` and Envoy's ``message_timeout_s``).
     """
     with tempfile.TemporaryDirectory(prefix="extproc-stack-") as tmp:
         log_dir = Path(tmp)
@@ -286,6 +292,7 @@ def run_stack(
             admin_port=free_port(),
             num_fallbacks=num_fallbacks,
             failure_mode_allow=failure_mode_allow,
+            message_timeout_s=message_timeout_s,
         )
 
         def start_picker() -> Proc:
@@ -297,6 +304,7 @@ def run_stack(
                 config=config,
                 extra_args=["--num-fallbacks", str(num_fallbacks), *extproc_args],
                 command=extproc_command,
+                start_timeout_s=extproc_start_timeout_s,
             )
 
         stack: Stack | None = None

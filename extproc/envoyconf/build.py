@@ -85,6 +85,7 @@ HOST_SELECTION_RETRY_MAX_ATTEMPTS = 5
 # The access log's entries go out in batches: at this size or this age, whichever first.
 ACCESS_LOG_BUFFER_BYTES = 16384
 ACCESS_LOG_FLUSH_MS = 10
+DEFAULT_MESSAGE_TIMEOUT_S = 1.0  # how long Envoy waits for the body reply
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +119,7 @@ class EnvoyOptions:
     admin_port: int = 9901
     num_fallbacks: int = 2
     failure_mode_allow: bool = False
-    message_timeout_s: float = 1.0
+    message_timeout_s: float = DEFAULT_MESSAGE_TIMEOUT_S
     max_body_bytes: int = 16 * 1024 * 1024  # 8 MB prompts with room to spare
     connect_timeout_s: float = 1.0
     attribute_headers: tuple[str, ...] = ("x-session-id",)

@@ -25,15 +25,15 @@ Ir                   file:function
 def test_a_variant_names_its_config_and_optionally_a_checkout(tmp_path: Path) -> None:
     plain = Variant.parse("now=default")
     assert (plain.name, plain.config, plain.checkout) == ("now", "default", None)
-    assert plain.config_args() == []
+    assert plain.config_path() is None
     assert plain.command(tmp_path / "out")[-2:] == ["-m", "extproc"]
     other = Variant.parse(f"old=bench/configs/least-request.yaml@{tmp_path}")
     assert other.checkout == tmp_path
-    assert other.config_args()[0] == "--config"
+    assert other.config_path() == Path("bench/configs/least-request.yaml").resolve()
     assert str(tmp_path) in other.command(tmp_path / "out")[-1]
     floor = Variant.parse("no-routing=trivial")
     assert floor.command(tmp_path / "out")[-2:] == ["-m", "bench.trivial_picker"]
-    assert floor.config_args() == []
+    assert floor.config_path() is None
     with pytest.raises(argparse.ArgumentTypeError, match="NAME=CONFIG"):
         Variant.parse("no-config")
 
