@@ -206,7 +206,7 @@ class PrefixIndex:
                 ((page, mask),) = page_masks.items()
                 return self._match_page(keys, page, mask, top_k)
             pages_by_block = self._pages_by_block(keys, page_masks)
-            split = _first_split(pages_by_block, top_k) if len(page_masks) > 1 else 0
+            split = _first_split(pages_by_block, top_k)
             found: dict[PodId, int] = {}
             seen: dict[int, int] = {}  # page -> candidates found so far
             for start, stop in ((split, len(keys)), (0, split)):
@@ -239,12 +239,11 @@ class PrefixIndex:
 
     def _pages_by_block(self, keys: Keys, page_masks: dict[int, int]) -> Keys:
         """Per block, the candidate pages that may hold it: the upper pages
-        ``_upper_pages`` says hold it, and page 0 (not tracked there) at every block."""
+        ``_upper_pages`` says hold it, and page 0 (not tracked there) at every block.
+        (Called with two pages or more: a single page is ``_match_page``'s.)"""
         upper = 0
         for page in page_masks:
             upper |= (1 << page) if page else 0
-        if not upper:
-            return np.ones(len(keys), dtype=np.int64)
         pages_by_block = _lookup(self._upper_pages, keys, 0) & upper
         if 0 in page_masks:
             pages_by_block |= 1
