@@ -22,7 +22,7 @@ import extproc as extproc_package
 from e2e.real_vllm.prepare import peer_binary
 from extproc.envoyconf.build import EnvoyOptions, make_bootstrap
 from extproc.envoyconf.render import to_dict
-from extproc.launch import Proc, free_port, run_stack, spawn, start_envoy_config, wait_until
+from extproc.sim.launch import Proc, free_port, run_stack, spawn, start_envoy_config, wait_until
 from extproc.types import Pod
 
 PEER_START_TIMEOUT_S = 60.0

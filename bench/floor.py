@@ -27,7 +27,7 @@ from bench.loadgen import Load, make_workload
 from bench.picker import Target, measure, warm_up
 from bench.picker_report import ENVOY, EXTPROC, machine, medians, publish
 from bench.upstreams import start_upstreams
-from extproc.launch import run_stack
+from extproc.sim.launch import run_stack
 
 TRIVIAL = "envoy+trivial-picker"
 TRIVIAL_COMMAND = (sys.executable, "-m", "bench.trivial_picker")

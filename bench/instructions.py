@@ -39,7 +39,7 @@ from bench.loadgen import Load, make_workload, run_wrk
 from bench.picker import Target, warm_up
 from bench.picker_report import machine, publish
 from bench.upstreams import start_upstreams
-from extproc.launch import run_stack
+from extproc.sim.launch import run_stack
 from extproc.types import Pod
 
 SCRAPE_INTERVAL_S = 3600

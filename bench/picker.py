@@ -48,7 +48,7 @@ from bench.loadgen import Load, Workload, make_workload, run_wrk
 from bench.picker_report import ENVOY, EXTPROC, SGLANG, machine, markdown, medians, ratios
 from bench.upstreams import start_upstreams
 from e2e.real_vllm.prepare import peer_binary, prepare_peer
-from extproc.launch import Stack, free_port, run_stack
+from extproc.sim.launch import Stack, free_port, run_stack
 from extproc.types import Pod
 
 WARM_RUN_S = 2  # one warm-up wrk run; runs repeat until every prefix was sent

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from e2e.real_vllm.prepare import PEERS
-from extproc.launch import envoy_binary
+from extproc.sim.launch import envoy_binary
 
 ENVOY = "envoy"
 EXTPROC = "envoy+extproc"

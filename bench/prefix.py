@@ -26,7 +26,7 @@ import orjson
 from prometheus_client import CollectorRegistry
 
 from extproc.prefix import PrefixIndex, hash_prompt
-from extproc.request import parse_request
+from extproc.request.parse import parse_request
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheScorer
 from extproc.scheduling.types import Cycle, PluginContext
 from extproc.types import PodId

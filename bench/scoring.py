@@ -37,8 +37,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from bench.prefix import BLOCKS, chat_body_8kb
-from extproc.config import build_scheduler, default_config_text, parse_config
-from extproc.routing import Router
+from extproc.routing.router import Router
+from extproc.scheduling.config import build_scheduler, default_config_text, parse_config
 from extproc.scheduling.inflight import InFlight
 from extproc.types import Pod, PodId, PodMetrics
 

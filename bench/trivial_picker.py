@@ -16,13 +16,15 @@ from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc.cli import main
-from extproc.server import ExtProcHandlers, route_response
+from extproc.wire.access_log import AccessLogHandler
+from extproc.wire.ext_proc import route_response
+from extproc.wire.one_round import RouteHandler
 
 NUM_DESTINATIONS = 3
 
 
 def fixed_route(
-    self: ExtProcHandlers, message: ep.ProcessingRequest
+    self: RouteHandler, message: ep.ProcessingRequest
 ) -> tuple[ep.ProcessingResponse | bytes, str | None]:
     destination = ",".join(p.address for p in self.router.pods[:NUM_DESTINATIONS])
     reply = self._replies.get(
@@ -31,11 +33,11 @@ def fixed_route(
     return reply, None
 
 
-def ignore_log(self: ExtProcHandlers, message: als_pb2.StreamAccessLogsMessage) -> None:
+def ignore_log(self: AccessLogHandler, message: als_pb2.StreamAccessLogsMessage) -> None:
     return None
 
 
 if __name__ == "__main__":
-    ExtProcHandlers.process = fixed_route  # type: ignore[method-assign]
-    ExtProcHandlers.complete = ignore_log  # type: ignore[method-assign]
+    RouteHandler.process = fixed_route  # type: ignore[method-assign]
+    AccessLogHandler.complete = ignore_log  # type: ignore[method-assign]
     sys.exit(main())

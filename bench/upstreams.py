@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from extproc.launch import Proc, start_envoy_config
+from extproc.sim.launch import Proc, start_envoy_config
 from extproc.types import Pod, PodId
 
 MODEL = "bench"

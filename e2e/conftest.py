@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from extproc.launch import Stack, run_stack
 from extproc.sim.harness import SimPods, spawn_sim_pods
+from extproc.sim.launch import Stack, run_stack
 
 MODEL = "sim-llm"
 RECORDED = ("extproc_completions_total", 'outcome="recorded"')

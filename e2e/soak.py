@@ -36,8 +36,8 @@ import httpx
 
 from e2e.conftest import MODEL, metric, wait_for
 from e2e.test_routing import body_for
-from extproc.launch import Stack, Usage, run_stack
 from extproc.sim.harness import spawn_sim_pods
+from extproc.sim.launch import Stack, Usage, run_stack
 
 MB = 1024 * 1024
 APIS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")

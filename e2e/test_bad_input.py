@@ -19,7 +19,7 @@ import pytest
 
 from e2e.conftest import MODEL, metric
 from e2e.test_routing import RECORDED
-from extproc.launch import Stack
+from extproc.sim.launch import Stack
 
 C, CHAT, R = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 MB = 1024 * 1024

@@ -25,8 +25,8 @@ from e2e.conftest import (
 )
 from e2e.slow_scheduler import marker
 from e2e.test_routing import RECORDED
-from extproc.launch import Stack, run_stack
 from extproc.sim.harness import SimPods
+from extproc.sim.launch import Stack, run_stack
 
 API = "/v1/completions"
 ABANDONED = ("extproc_completions_total", 'outcome="abandoned"')

@@ -12,9 +12,9 @@ import pytest
 
 from e2e.conftest import MODEL, PREFIX_CONFIG, RECORDED, metric, unique_prefix, wait_for
 from e2e.test_security import client_routing_headers
-from extproc.epp import INTERNAL_HEADERS
-from extproc.launch import Stack, run_stack
 from extproc.sim.harness import SimPods
+from extproc.sim.launch import Stack, run_stack
+from extproc.wire.protocol import INTERNAL_HEADERS
 
 
 def gateway_style(body_mode: str) -> Callable[[dict[str, Any]], dict[str, Any]]:

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from e2e.conftest import MODEL, wait_for
-from extproc.launch import Stack, run_stack
 from extproc.sim.harness import SimPods, spawn_sim_pods
+from extproc.sim.launch import Stack, run_stack
 
 # One request at a time, about 0.6 s each (60 decode steps of 10 ms): a queue builds fast.
 SLOW_POD_ARGS = ["--model", MODEL, "--max-num-seqs", "1"]

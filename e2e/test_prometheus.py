@@ -23,8 +23,8 @@ import pytest
 import yaml
 
 from e2e.conftest import MODEL, NUM_PODS, unique_prefix
-from extproc.launch import Proc, Stack, free_port, run_stack, spawn, wait_until
 from extproc.sim.harness import SimPods
+from extproc.sim.launch import Proc, Stack, free_port, run_stack, spawn, wait_until
 from extproc.types import Pod, PodId
 from tests.charts.conftest import find, render
 from tests.charts.dashboard import queries, require_binary

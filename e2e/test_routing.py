@@ -7,8 +7,8 @@ import openai
 import pytest
 
 from e2e.conftest import MODEL, RECORDED, metric, unique_prefix, wait_for
-from extproc.launch import Stack
 from extproc.sim.harness import SimPods
+from extproc.sim.launch import Stack
 
 
 def body_for(api: str, prefix: str, question: str, **extra: object) -> dict[str, object]:

@@ -15,9 +15,9 @@ import httpx
 
 from e2e.conftest import metric, unique_prefix, wait_for
 from e2e.test_routing import RECORDED, body_for, send_and_wait_recorded, served_by
-from extproc.epp import INTERNAL_HEADERS
-from extproc.launch import Stack
 from extproc.sim.harness import SimPods
+from extproc.sim.launch import Stack
+from extproc.wire.protocol import INTERNAL_HEADERS
 
 API = "/v1/completions"
 MISSES = ("kthena_router_prefix_cache_match_ratio_bucket", 'le="0.0",model="sim-llm"')

@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from e2e.conftest import MODEL, RECORDED, metric, wait_for
-from extproc.launch import Stack, run_stack
 from extproc.sim.harness import SimPods
+from extproc.sim.launch import Stack, run_stack
 from extproc.types import PodRole
 
 

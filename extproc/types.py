@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
+DEFAULT_NAMESPACE = "default"  # a pod's namespace when its source names none, as Kubernetes'
+
 
 class PodId(NamedTuple):
     namespace: str

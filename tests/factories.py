@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from extproc.config import build_scheduler, parse_config
-from extproc.request import Api, InferenceRequest
+from extproc.request.parse import Api, InferenceRequest
+from extproc.scheduling.config import build_scheduler, parse_config
 from extproc.scheduling.scheduler import Scheduler
 from extproc.scheduling.types import Cycle
 from extproc.types import Pod, PodId, PodMetrics

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from extproc.config import build_scheduler, load_config, parse_config
 from extproc.errors import ConfigError
+from extproc.scheduling.config import build_scheduler, load_config, parse_config
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.plugins.cost_aware import CostAware
 from extproc.scheduling.plugins.gpu_usage import GPUCacheUsage

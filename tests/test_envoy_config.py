@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from extproc.datalayer.pods_file import DEFAULT_PODS_FILE, load_pods
-from extproc.envoyconf import cli
+from extproc.cli import envoy_config as cli
 from extproc.envoyconf.build import (
     DESTINATION_KEY,
     DESTINATION_NAMESPACE,

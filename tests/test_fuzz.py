@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extproc.request import Api, InferenceRequest, parse_request
+from extproc.request.parse import Api, InferenceRequest, parse_request
 from tests.fuzz.oracle import FIELDS, PATHS, check_body
 
 FUZZ_DIR = Path(__file__).with_name("fuzz")

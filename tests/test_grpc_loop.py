@@ -12,8 +12,8 @@ from typing import Any, ClassVar
 import grpc
 import pytest
 
-from extproc import grpc_loop
-from extproc.grpc_loop import Answer, LoopServer, Method, run_off_loop
+from extproc.wire import grpc_loop
+from extproc.wire.grpc_loop import Answer, LoopServer, Method, run_off_loop
 from tests.test_server_sequences import eventually
 
 ECHO = "/test.Loop/Echo"

@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from extproc.errors import BadRequest, BodyTooLarge
-from extproc.request import Api, api_for_path, parse_request
+from extproc.request.parse import Api, api_for_path, parse_request
 
 
 def parse(api: Api, body: object, **kw: object) -> object:

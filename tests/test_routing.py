@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from extproc.routing import PendingRecords, Router
+from extproc.routing.pending import PendingRecords
+from extproc.routing.router import Router
 from tests.factories import PREFIX_ONLY, make_pod, make_scheduler
 
 BODY = b'{"model": "m", "prompt": "hello there"}'

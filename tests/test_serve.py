@@ -17,8 +17,8 @@ import grpc
 import pytest
 
 from extproc.datalayer.pods_file import DEFAULT_PODS_FILE
-from extproc.launch import free_port, start_extproc
-from extproc.server import EXT_PROC_SERVICE
+from extproc.sim.launch import free_port, start_extproc
+from extproc.wire.protocol import EXT_PROC_SERVICE
 
 
 def test_serve_starts_and_drains_on_sigterm(tmp_path: Path) -> None:

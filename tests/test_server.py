@@ -15,16 +15,16 @@ from google.protobuf import duration_pb2, struct_pb2, wrappers_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from extproc.epp import ATTRIBUTES_KEY, SUBSET_HINT_KEY, SUBSET_HINT_NAMESPACE
-from extproc.routing import Router
-from extproc.server import (
+from extproc.routing.router import Router
+from extproc.wire.ext_proc import route_response
+from extproc.wire.protocol import (
     ACCESS_LOG_SERVICE,
+    ATTRIBUTES_KEY,
     EXT_PROC_SERVICE,
-    ExtProcHandlers,
-    make_grpc_server,
-    make_health_server,
-    route_response,
+    SUBSET_HINT_KEY,
+    SUBSET_HINT_NAMESPACE,
 )
+from extproc.wire.server import make_grpc_server, make_health_server
 from tests.factories import PREFIX_ONLY, make_pod, make_scheduler
 
 PODS = [make_pod(f"p{i}", port=8100 + i) for i in range(4)]
@@ -105,7 +105,7 @@ def router() -> Router:
 
 @pytest.fixture
 def client(router: Router) -> Iterator[Client]:
-    server, port = make_grpc_server(ExtProcHandlers(router), "127.0.0.1:0")
+    server, port = make_grpc_server(router, "127.0.0.1:0")
     server.start()
     c = Client(port)
     yield c

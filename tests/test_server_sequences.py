@@ -25,15 +25,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from extproc.gateway import GatewayHandler, epp_process
-from extproc.grpc_loop import Answer
-from extproc.routing import Router
-from extproc.server import (
-    EXT_PROC_SERVICE,
-    OFF_LOOP_BODY_BYTES,
-    ExtProcHandlers,
-    make_grpc_server,
-)
+from extproc.routing.router import Router
+from extproc.wire.epp import GatewayHandler, epp_process
+from extproc.wire.grpc_loop import Answer
+from extproc.wire.ext_proc import OFF_LOOP_BODY_BYTES
+from extproc.wire.protocol import EXT_PROC_SERVICE
+from extproc.wire.server import make_grpc_server
 from tests.factories import PREFIX_ONLY, make_scheduler
 from tests.test_server import PODS, Client, destination, error_of, log_entry
 
@@ -103,7 +100,7 @@ class Server:
         self.protocol = protocol
         self.router = router
         self.server, self.port = make_grpc_server(
-            ExtProcHandlers(router),
+            router,
             "127.0.0.1:0",
             process=epp_process(router) if protocol == "epp" else None,
             max_streams=max_streams,

@@ -21,7 +21,7 @@ import pytest
 from e2e.conftest import PREFIX_CONFIG
 from e2e.real_vllm.pods import VllmPod, start_vllm_pods
 from e2e.real_vllm.prepare import prepare
-from extproc.launch import Stack, run_stack
+from extproc.sim.launch import Stack, run_stack
 
 NUM_PODS = 3
 

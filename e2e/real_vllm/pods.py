@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from e2e.real_vllm.prepare import model_dir, vllm_python
-from extproc.launch import Proc, free_port, spawn
+from extproc.sim.launch import Proc, free_port, spawn
 from extproc.types import Pod, PodId
 
 MODEL = "qwen3-tiny"

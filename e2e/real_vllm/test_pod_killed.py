@@ -24,7 +24,7 @@ from e2e.real_vllm.test_routing import (
     send_recorded,
     snapshot,
 )
-from extproc.launch import Stack
+from extproc.sim.launch import Stack
 
 pytestmark = [
     pytest.mark.e2e,

@@ -20,7 +20,7 @@ from e2e.conftest import RECORDED, metric, wait_for
 from e2e.real_vllm.pods import MODEL, VllmPod, metric_sum
 from extproc.datalayer.scrape import MetricsScraper
 from extproc.datalayer.store import PodStore
-from extproc.launch import Stack
+from extproc.sim.launch import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_vllm, pytest.mark.timeout(900)]
 

@@ -21,8 +21,8 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.real_vllm.pods import MODEL, VllmPod
-from extproc.launch import free_port
 from extproc.sim.harness import SimPods, run_sim_pods
+from extproc.sim.launch import free_port
 from extproc.sim.pods import GroupSettings, KvEventsSettings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_vllm, pytest.mark.timeout(900)]

@@ -32,12 +32,11 @@ from typing import Any
 import yaml
 
 from extproc.errors import ConfigError
-from extproc.types import Pod, PodId, PodRole
+from extproc.types import DEFAULT_NAMESPACE, Pod, PodId, PodRole
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PODS_FILE = Path(__file__).resolve().parent.parent / "data" / "pods.yaml"
-DEFAULT_NAMESPACE = "default"
 
 _POD_KEYS = frozenset({"name", "namespace", "address", "models", "labels", "role", "ready"})
 _ROLES = ", ".join(r.value for r in PodRole)

@@ -51,7 +51,9 @@ from envoy.type.metadata.v3 import metadata_pb2
 from google.protobuf import any_pb2, duration_pb2, message, wrappers_pb2
 
 from extproc.datalayer.pods_file import parse_address
-from extproc.epp import (
+from extproc.request.parse import DEFAULT_MAX_BODY_BYTES
+from extproc.types import Pod
+from extproc.wire.protocol import (
     ACCESS_LOG_NAME,
     DESTINATION_KEY,
     DESTINATION_NAMESPACE,
@@ -62,7 +64,6 @@ from extproc.epp import (
     SUBSET_HINT_NAMESPACE,
     header_attribute,
 )
-from extproc.types import Pod
 
 PODS_CLUSTER = "extproc_pods"
 EXTPROC_CLUSTER = "extproc"
@@ -120,7 +121,7 @@ class EnvoyOptions:
     num_fallbacks: int = 2
     failure_mode_allow: bool = False
     message_timeout_s: float = DEFAULT_MESSAGE_TIMEOUT_S
-    max_body_bytes: int = 16 * 1024 * 1024  # 8 MB prompts with room to spare
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     connect_timeout_s: float = 1.0
     attribute_headers: tuple[str, ...] = ("x-session-id",)
     pods_dns: str | None = None

@@ -75,7 +75,7 @@ def hash_prompt(
 
     Args:
         model: the model name; the chain starts at its hash, so models never share.
-        prompt: the rendered prompt (``extproc.request``).
+        prompt: the rendered prompt (``extproc.request.parse``).
         block_size: bytes per block (``blockSizeToHash``).
         max_blocks: blocks hashed at most (``maxBlocksToMatch``); later text is ignored.
         salt: the request's ``cache_salt``, if any.

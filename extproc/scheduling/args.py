@@ -18,7 +18,7 @@ import logging
 import math
 from typing import Any, TypeVar
 
-log = logging.getLogger("extproc.config")
+log = logging.getLogger("extproc.scheduling.config")
 
 T = TypeVar("T")
 

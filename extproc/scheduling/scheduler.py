@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -37,16 +37,56 @@ from prometheus_client import CollectorRegistry, Histogram
 from extproc.errors import NoCapacity, NoReadyPods
 from extproc.scheduling.podtable import PodTable, Positions
 from extproc.scheduling.sessions import Binding, SessionStore
-from extproc.scheduling.types import Cycle, Filter, PodsListener, Recorder, Scorer, Scores
+from extproc.scheduling.types import (
+    Cycle,
+    Filter,
+    PodsListener,
+    Recorder,
+    Scorer,
+    Scores,
+    TableFilter,
+    TableScorer,
+)
 from extproc.types import Pod, PodId
 
 log = logging.getLogger("extproc.scheduling")
+
+
+FilterStep = Callable[[Cycle, PodTable, Positions], Positions]
+ScoreStep = Callable[[Cycle, PodTable, Positions], Scores]
 
 
 @dataclass(frozen=True, slots=True)
 class WeightedScorer:
     scorer: Scorer
     weight: int
+
+
+def table_filter(f: Filter) -> FilterStep:
+    """``f`` over a snapshot's rows: its ``filter_table``, or ``filter`` on ``Pod``s."""
+    if isinstance(f, TableFilter):
+        return f.filter_table
+
+    def by_pods(cycle: Cycle, table: PodTable, candidates: Positions) -> Positions:
+        # A plain Filter returns some of the pods it is given, in any order.
+        kept = f.filter(cycle, table.take(candidates))
+        rows = np.fromiter((table.position[p.id] for p in kept), np.int64, len(kept))
+        return np.sort(rows)  # candidates ascend, as score_table may rely on
+
+    return by_pods
+
+
+def table_scorer(scorer: Scorer) -> ScoreStep:
+    """``scorer`` over a snapshot's rows: its ``score_table``, or ``score`` on ``Pod``s."""
+    if isinstance(scorer, TableScorer):
+        return scorer.score_table
+
+    def by_pods(cycle: Cycle, table: PodTable, candidates: Positions) -> Scores:
+        by_id = scorer.score(cycle, table.take(candidates))  # pods left out score 0
+        ids = (table.ids[i] for i in candidates.tolist())
+        return np.fromiter((by_id.get(i, 0) for i in ids), np.int64, len(candidates))
+
+    return by_pods
 
 
 SMALL_RANK = 64  # candidates up to which ties are broken by ``rng`` directly (``_order``)
@@ -92,6 +132,13 @@ class Scheduler:
     sessions: SessionStore | None = None
     timer: PluginTimer | None = None
     _table: PodTable | None = field(default=None, init=False, repr=False)
+    # Each plugin's table step, resolved once per ``filters``/``scorers`` tuple.
+    _filter_steps: tuple[tuple[Filter, ...], tuple[FilterStep, ...]] = field(
+        default=((), ()), init=False, repr=False
+    )
+    _score_steps: tuple[tuple[WeightedScorer, ...], tuple[ScoreStep, ...]] = field(
+        default=((), ()), init=False, repr=False
+    )
     _np_rng: tuple[random.Random, np.random.Generator] | None = field(
         default=None, init=False, repr=False
     )
@@ -167,15 +214,11 @@ class Scheduler:
         return self.sessions.get(key) if key and self.sessions is not None else None
 
     def _filter(self, cycle: Cycle, table: PodTable, candidates: Positions) -> Positions:
-        for f in self.filters:
+        if self._filter_steps[0] is not self.filters:
+            self._filter_steps = (self.filters, tuple(map(table_filter, self.filters)))
+        for f, step in zip(self.filters, self._filter_steps[1], strict=True):
             started = time.perf_counter()
-            filter_table = getattr(f, "filter_table", None)
-            if filter_table is not None:
-                candidates = filter_table(cycle, table, candidates)
-            else:  # a plain Filter: it returns some of the pods it is given (any order)
-                kept = f.filter(cycle, table.take(candidates))
-                rows = np.fromiter((table.position[p.id] for p in kept), np.int64, len(kept))
-                candidates = np.sort(rows)  # candidates ascend, as score_table may rely on
+            candidates = step(cycle, table, candidates)
             if self.timer is not None:
                 self.timer.observe(f.type_name, "filter", time.perf_counter() - started)
             if not len(candidates):
@@ -189,15 +232,14 @@ class Scheduler:
         """``candidates`` by total score, best first; equal totals in random order."""
         totals = np.zeros(len(candidates), dtype=np.int64)
         verbose = log.isEnabledFor(logging.DEBUG)
-        for ws in self.scorers:
+        if self._score_steps[0] is not self.scorers:
+            self._score_steps = (
+                self.scorers,
+                tuple(table_scorer(ws.scorer) for ws in self.scorers),
+            )
+        for ws, step in zip(self.scorers, self._score_steps[1], strict=True):
             started = time.perf_counter()
-            score_table = getattr(ws.scorer, "score_table", None)
-            if score_table is not None:
-                scores = score_table(cycle, table, candidates)
-            else:  # a plain Scorer: a mapping, pods left out score 0
-                by_id = ws.scorer.score(cycle, table.take(candidates))
-                ids = (table.ids[i] for i in candidates.tolist())
-                scores = np.fromiter((by_id.get(i, 0) for i in ids), np.int64, len(candidates))
+            scores = step(cycle, table, candidates)
             if self.timer is not None:
                 self.timer.observe(ws.scorer.type_name, "score", time.perf_counter() - started)
             totals += ws.weight * scores

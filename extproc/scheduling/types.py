@@ -12,9 +12,9 @@ Filters and scorers may also work on a whole snapshot at once (``TableFilter``,
 ``TableScorer``: NumPy columns of a ``PodTable`` instead of ``Pod`` objects); the scheduler
 uses those when a plugin has them, so a request's cost hardly grows with the pods.
 
-Plugins read shared services from ``PluginContext``: the router's ``InFlight`` counters,
-and ``SharedReaders``, where a plugin offers a read-only view to the others (the
-prefix-cache plugin registers itself as the ``PrefixMatcher`` that ``cost-aware`` reads).
+Plugins get what they share when they are built, in ``PluginContext``: the router's
+``InFlight`` counters and the configured ``PrefixMatcher`` (the prefix-cache plugin,
+built first, which ``cost-aware`` reads).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import numpy.typing as npt
 from prometheus_client import CollectorRegistry
 
 from extproc.prefix.hashing import Keys, prompt_keys
-from extproc.request import InferenceRequest
+from extproc.request.parse import InferenceRequest
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.podtable import PodTable, Positions
 from extproc.types import Pod, PodId
@@ -81,31 +81,22 @@ class Cycle:
         return keys
 
 
+@runtime_checkable
 class PrefixMatcher(Protocol):
     def matched_bytes(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
         """Bytes of the prompt's start each pod is believed to hold; pods left out: 0."""
         ...
 
 
-@dataclass(slots=True)
-class SharedReaders:
-    """Read-only views plugins offer each other, registered as they are built.
-
-    Readers look them up when they score, not when they are built, so the order in
-    which plugins are configured does not matter.
-    """
-
-    prefix: PrefixMatcher | None = None
-
-
 @dataclass(frozen=True, slots=True)
 class PluginContext:
     """What a plugin may use when it is built: where to register its metrics, the
-    router's in-flight counters and the views other plugins share."""
+    router's in-flight counters and the prefix view, if a configured plugin offers one
+    (plugins that offer it are built before the others)."""
 
     registry: CollectorRegistry
     in_flight: InFlight = field(default_factory=InFlight)
-    shared: SharedReaders = field(default_factory=SharedReaders)
+    prefix: PrefixMatcher | None = None
 
 
 class Plugin(Protocol):
@@ -131,12 +122,14 @@ class Scorer(Protocol):
         ...
 
 
+@runtime_checkable
 class TableFilter(Protocol):
     def filter_table(self, cycle: Cycle, table: PodTable, positions: Positions) -> Positions:
         """The rows of ``positions`` that pass, in the same order; same rule as ``filter``."""
         ...
 
 
+@runtime_checkable
 class TableScorer(Protocol):
     def score_table(self, cycle: Cycle, table: PodTable, positions: Positions) -> Scores:
         """0..100 per row of ``positions`` (ascending), equal to ``score`` on those pods."""

@@ -33,11 +33,10 @@ from typing import IO, Any
 import orjson
 
 import extproc
+from extproc.sim.launch import START_TIMEOUT_S, STOP_TIMEOUT_S
 from extproc.sim.pods import GroupSettings, PodGroup
 from extproc.types import Pod, PodId
 
-START_TIMEOUT_S = 30.0
-STOP_TIMEOUT_S = 10.0
 ADMIN_TIMEOUT_S = 10.0
 
 

@@ -32,8 +32,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from extproc.config import SchedulerConfig
 from extproc.errors import ExtProcError
+from extproc.scheduling.config import SchedulerConfig
 from extproc.sim.engine import Engine, EngineConfig, FinishedRequest, RequestRejected
 from extproc.sim.policies import Policy, make_policy
 from extproc.sim.workloads import WorkItem, Workload

@@ -32,6 +32,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from extproc.errors import ConfigError
+from extproc.request.parse import DEFAULT_MAX_BODY_BYTES
 from extproc.sim.api import (
     ApiError,
     GenerationRequest,
@@ -64,7 +65,7 @@ GARBAGE_METRICS = (
     b'vllm:num_requests_waiting{model_name="x"} many\n\x00\xff\xfe<html>\n'
     b'vllm:kv_cache_usage_perc{model_name="x" 0.5\n# TYPE\n'
 )
-MAX_BODY_BYTES = 16 * 1024 * 1024  # 4M tokens of text, far over any max_model_len
+MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES  # 4M tokens of text, far over any max_model_len
 MAX_PODS = 256
 RECENT_REQUESTS = 256  # per pod, for /admin/stats
 SHUTDOWN_TIMEOUT_S = 2.0

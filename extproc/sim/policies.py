@@ -46,16 +46,15 @@ from typing import ClassVar, Protocol
 
 from prometheus_client import CollectorRegistry
 
-from extproc.config import SchedulerConfig, build_scheduler
 from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PrefixIndex
+from extproc.scheduling.config import SchedulerConfig, build_scheduler
 from extproc.scheduling.inflight import InFlight
-from extproc.scheduling.types import Cycle
+from extproc.scheduling.types import BYTES_PER_TOKEN, Cycle
 from extproc.sim.engine import EngineConfig
 from extproc.sim.workloads import WorkItem
 from extproc.types import Pod, PodId
 
-BYTES_PER_TOKEN = 4  # the router's estimate; exact for the simulator's 4-byte words
 VIEW_BLOCK_BYTES = 64  # Kthena's default blockSizeToHash
 VIEW_MAX_BLOCKS = 4096  # 256 KB of prompt, past any prompt the engines accept by default
 

@@ -22,8 +22,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from extproc.config import DEFAULT_CONFIG_NAME, default_config_text, parse_config
 from extproc.errors import ConfigError
+from extproc.scheduling.config import DEFAULT_CONFIG_NAME, default_config_text, parse_config
 from extproc.sim.engine import EngineConfig
 from extproc.sim.engine_flags import add_engine_flags, engine_config_from_args
 from extproc.sim.offline import SimSettings, compare

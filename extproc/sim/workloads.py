@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-from extproc.request import Api, InferenceRequest, parse_request
+from extproc.request.parse import Api, InferenceRequest, parse_request
 from extproc.sim.engine import SimRequest
 from extproc.sim.tokenizer import WORDS, ChatMessage, generate_words, render_chat, word_token
 

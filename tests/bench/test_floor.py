@@ -11,9 +11,10 @@ from prometheus_client import CollectorRegistry
 from bench.floor import TRIVIAL, markdown
 from bench.picker_report import ENVOY, EXTPROC
 from bench.trivial_picker import fixed_route, ignore_log
-from extproc.epp import DESTINATION_KEY, DESTINATION_NAMESPACE
-from extproc.routing import Router
-from extproc.server import ExtProcHandlers
+from extproc.routing.router import Router
+from extproc.wire.access_log import AccessLogHandler
+from extproc.wire.one_round import RouteHandler
+from extproc.wire.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE
 from tests.factories import PREFIX_ONLY, make_pod, make_scheduler
 
 
@@ -41,13 +42,12 @@ def test_the_table_gives_each_router_as_a_ratio_to_envoy_alone_at_its_prompt_siz
 def test_the_trivial_picker_answers_the_first_pods_and_records_nothing() -> None:
     pods = [make_pod(n) for n in "abcd"]
     router = Router(make_scheduler(PREFIX_ONLY), pods, registry=CollectorRegistry())
-    handlers = ExtProcHandlers(router)
     message = ep.ProcessingRequest()
     message.request_body.body = b"not even json"
-    reply, routed = fixed_route(handlers, message)
+    reply, routed = fixed_route(RouteHandler(router), message)
     assert routed is None and isinstance(reply, bytes)
     metadata = ep.ProcessingResponse.FromString(reply).dynamic_metadata
     destination = metadata.fields[DESTINATION_NAMESPACE].struct_value.fields[DESTINATION_KEY]
     assert destination.string_value == ",".join(p.address for p in pods[:3])
-    assert ignore_log(handlers, als_pb2.StreamAccessLogsMessage()) is None
+    assert ignore_log(AccessLogHandler(router), als_pb2.StreamAccessLogsMessage()) is None
     assert len(router.pending) == 0

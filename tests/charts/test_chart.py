@@ -16,8 +16,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from extproc import serve
-from extproc.config import build_scheduler, default_config_text, parse_config
+from extproc.cli import serve
+from extproc.scheduling.config import build_scheduler, default_config_text, parse_config
 from tests.charts.conftest import CHART_DIR, GATEWAY_PEERS, MODES, NAMESPACE, find, render
 
 KUBERNETES_VERSION = "1.33"

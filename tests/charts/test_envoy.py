@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from extproc.envoyconf import helm
-from extproc.launch import envoy_binary
+from extproc.sim.launch import envoy_binary
 from tests.charts.conftest import NAMESPACE, find, render
 
 FULLNAME = "rel-extproc"

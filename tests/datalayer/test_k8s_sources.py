@@ -11,7 +11,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from extproc import serve
+from extproc.cli import app
 from extproc.cli import build_parser
 from extproc.datalayer.k8s import KubePodSource
 from extproc.datalayer.pods_file import DEFAULT_PODS_FILE, PodsFileWatcher
@@ -101,7 +101,7 @@ def test_serve_from_a_label_selector(kube: FakeKube, kubeconfig: Path) -> None:
         "--k8s-role-label", "role", "--k8s-model-label", "model",
     )  # fmt: skip
     assert describe_source(args) == "Kubernetes pods matching app=vllm"
-    running = serve.start(args, CollectorRegistry())
+    running = app.start(args, CollectorRegistry())
     try:
         assert [(p.address, p.models) for p in running.router.pods] == [
             ("10.0.0.1:8000", frozenset())
@@ -125,7 +125,7 @@ def test_serve_from_an_inference_pool(kube: FakeKube, kubeconfig: Path) -> None:
         "--grpc-port", "0", "--health-port", "0", "--metrics-port", "0",
         "--kubeconfig", str(kubeconfig), "--inference-pool", "pool", "--k8s-default-model", "base",
     )  # fmt: skip
-    running = serve.start(args, CollectorRegistry())
+    running = app.start(args, CollectorRegistry())
     try:
         assert [(p.address, p.models) for p in running.router.pods] == [
             ("10.0.0.1:8200", frozenset({"base"}))

@@ -12,7 +12,7 @@ import orjson
 
 from extproc.errors import ExtProcError
 from extproc.prefix.hashing import hash_prompt
-from extproc.request import Api, InferenceRequest, parse_request
+from extproc.request.parse import Api, InferenceRequest, parse_request
 
 PATHS = tuple(api.value for api in Api)
 MAX_BODY_BYTES = 64 * 1024  # small, so the 413 path is reachable too

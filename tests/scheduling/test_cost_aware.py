@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -21,8 +23,9 @@ class Rig:
     """cost-aware with a real prefix-cache plugin and in-flight counters."""
 
     def __init__(self, *, with_prefix: bool = True, raw_args: object = None) -> None:
-        self.ctx = PluginContext(CollectorRegistry(), in_flight=InFlight())
-        self.prefix = PrefixCacheScorer.from_args(None, self.ctx) if with_prefix else None
+        ctx = PluginContext(CollectorRegistry(), in_flight=InFlight())
+        self.prefix = PrefixCacheScorer.from_args(None, ctx) if with_prefix else None
+        self.ctx = replace(ctx, prefix=self.prefix)
         self.plugin = CostAware.from_args(raw_args, self.ctx)
 
 
@@ -123,9 +126,9 @@ def test_leaves_uncached_tokens_for_in_flight_accounting() -> None:
 
 
 def test_works_without_prefix_plugin_and_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
-    rig = Rig(with_prefix=False)
     pods = [make_pod("a", port=1), make_pod("b", port=2)]
     with caplog.at_level("INFO", logger="extproc.scheduling"):
+        rig = Rig(with_prefix=False)
         rig.plugin.score(make_cycle(PROMPT), pods)
         rig.plugin.score(make_cycle(PROMPT), pods)
     assert caplog.text.count("no prefix-cache plugin configured") == 1
@@ -158,6 +161,6 @@ def test_args(raw: object, expected: CostAwareArgs) -> None:
 
 
 def test_unparseable_args_fall_back_and_log(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("WARNING", logger="extproc.config"):
+    with caplog.at_level("WARNING", logger="extproc.scheduling.config"):
         assert Rig(raw_args={"prefillMsPerToken": "fast"}).plugin.args == CostAwareArgs()
     assert "Failed to unmarshal CostAwareArgs, using default values" in caplog.text

@@ -8,7 +8,7 @@ import threading
 import pytest
 from prometheus_client import CollectorRegistry
 
-from extproc.config import build_scheduler, parse_config
+from extproc.scheduling.config import build_scheduler, parse_config
 from extproc.scheduling.inflight import InFlight, InFlightCount
 from extproc.types import PodId
 from tests.factories import make_cycle, make_pod

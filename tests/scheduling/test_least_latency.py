@@ -64,7 +64,7 @@ def test_args(raw: object, expected: float) -> None:
 def test_out_of_range_factor_uses_default_and_logs(
     value: float, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level("WARNING", logger="extproc.config"):
+    with caplog.at_level("WARNING", logger="extproc.scheduling.config"):
         assert make_plugin({"TTFTTPOTWeightFactor": value}).args == LeastLatencyArgs()
     assert (
         "Invalid TTFTTPOTWeightFactor" in caplog.text and "using default value 0.5" in caplog.text
@@ -72,6 +72,6 @@ def test_out_of_range_factor_uses_default_and_logs(
 
 
 def test_unparseable_args_fall_back_and_log(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("WARNING", logger="extproc.config"):
+    with caplog.at_level("WARNING", logger="extproc.scheduling.config"):
         assert make_plugin({"TTFTTPOTWeightFactor": "half"}).args == LeastLatencyArgs()
     assert "Failed to unmarshal LeastLatencyArgs, using default values" in caplog.text

@@ -82,6 +82,6 @@ def test_args(raw: object, expected: LeastRequestArgs) -> None:
 def test_unparseable_args_fall_back_to_defaults_and_log(
     raw: object, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level("WARNING", logger="extproc.config"):
+    with caplog.at_level("WARNING", logger="extproc.scheduling.config"):
         assert make_plugin(raw).args == LeastRequestArgs()
     assert "Failed to unmarshal LeastRequestArgs, using default values" in caplog.text

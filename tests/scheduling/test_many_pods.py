@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 from prometheus_client import CollectorRegistry
 
-from extproc.config import build_scheduler, default_config_text, parse_config
-from extproc.routing import Router
+from extproc.routing.router import Router
+from extproc.scheduling.config import build_scheduler, default_config_text, parse_config
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheScorer
 from extproc.scheduling.scheduler import Scheduler

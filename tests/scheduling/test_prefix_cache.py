@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
+from extproc.scheduling.config import build_scheduler, parse_config
+from extproc.scheduling.plugins.cost_aware import CostAware
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheArgs, PrefixCacheScorer
 from extproc.scheduling.types import PluginContext
 from tests.factories import make_cycle, make_pod
@@ -132,7 +134,7 @@ def test_args_semantics(raw: object, expected: PrefixCacheArgs) -> None:
 def test_unparseable_args_fall_back_to_all_defaults_and_log(
     raw: object, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level("WARNING", logger="extproc.config"):
+    with caplog.at_level("WARNING", logger="extproc.scheduling.config"):
         assert make_plugin_from(raw).args == PrefixCacheArgs()
     assert "Failed to unmarshal PrefixCacheArgs, using default values" in caplog.text
 
@@ -160,7 +162,13 @@ def test_matched_bytes_covers_every_pod_and_caps_at_the_prompt() -> None:
     assert plugin.matched_bytes(make_cycle(""), pods) == {}
 
 
-def test_registers_as_the_shared_prefix_matcher() -> None:
-    ctx = PluginContext(CollectorRegistry())
-    plugin = PrefixCacheScorer.from_args(None, ctx)
-    assert ctx.shared.prefix is plugin
+def test_is_the_prefix_matcher_the_configuration_hands_to_cost_aware() -> None:
+    config = parse_config(
+        "scheduler: {plugins: {Score: {enabled: [{name: cost-aware, weight: 1}, "
+        "{name: prefix-cache, weight: 1}]}}}",
+        "test",
+    )
+    scheduler = build_scheduler(config, CollectorRegistry())
+    cost_aware, prefix_cache = (ws.scorer for ws in scheduler.scorers)
+    assert isinstance(cost_aware, CostAware) and isinstance(prefix_cache, PrefixCacheScorer)
+    assert cost_aware.prefix is prefix_cache

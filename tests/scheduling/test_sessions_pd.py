@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.errors import NoReadyPods
-from extproc.request import Api, InferenceRequest
+from extproc.request.parse import Api, InferenceRequest
 from extproc.scheduling.scheduler import Scheduler
 from extproc.scheduling.sessions import Binding, SessionStore
 from extproc.scheduling.types import Cycle

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from extproc.config import SchedulerConfig, load_config
+from extproc.scheduling.config import SchedulerConfig, load_config
 from extproc.sim.engine import EngineConfig
 from extproc.sim.offline import SimSettings
 from extproc.sim.workloads import NUM_WORDS, WorkItem, Workload, completion_item, words_text

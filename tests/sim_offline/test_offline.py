@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
-from extproc.config import parse_config
 from extproc.prefix.index import PrefixIndex
+from extproc.scheduling.config import parse_config
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheScorer
 from extproc.sim.engine import Engine, EngineConfig
 from extproc.sim.offline import SimSettings, compare, simulate

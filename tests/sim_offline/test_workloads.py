@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from extproc.request import Api
+from extproc.request.parse import Api
 from extproc.sim.engine import Engine, EngineConfig
 from extproc.sim.tokenizer import tokenize
 from extproc.sim.workloads import (

@@ -8,8 +8,8 @@ token is its queued prefill work plus the prefill of the prompt tokens it does n
            + decodeMsPerToken * (running + queued)
 
 * ``uncached_tokens = ceil((prompt_bytes - held_bytes) / 4)``; ``held_bytes`` is the
-  prefix the prefix-cache plugin matched for the pod (its ``PrefixMatcher``, found in
-  ``PluginContext.shared``; 0 without that plugin, and at most its hashed window, so
+  prefix the prefix-cache plugin matched for the pod (its ``PrefixMatcher``, handed over in
+  ``PluginContext.prefix``; 0 without that plugin, and at most its hashed window, so
   the tail of a longer prompt counts as uncached).
 * ``queued = waiting + unseen``: requests the pod has not started, where ``unseen =
   max(0, in_flight - waiting - running)`` are the router's requests the last scrape
@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 
 from extproc.scheduling.args import load_args
 from extproc.scheduling.inflight import InFlight
-from extproc.scheduling.types import BYTES_PER_TOKEN, Cycle, PluginContext, SharedReaders
+from extproc.scheduling.types import BYTES_PER_TOKEN, Cycle, PluginContext, PrefixMatcher
 from extproc.types import Pod, PodId
 
 log = logging.getLogger("extproc.scheduling")
@@ -55,15 +55,18 @@ class CostAware:
 
     type_name: ClassVar[str] = "cost-aware"
 
-    def __init__(self, args: CostAwareArgs, in_flight: InFlight, shared: SharedReaders) -> None:
+    def __init__(
+        self, args: CostAwareArgs, in_flight: InFlight, prefix: PrefixMatcher | None
+    ) -> None:
         self.args = args
         self.in_flight = in_flight
-        self.shared = shared
-        self._told_no_prefix = False
+        self.prefix = prefix
+        if prefix is None:
+            log.info("cost-aware: no prefix-cache plugin configured; no pod holds a prefix")
 
     @classmethod
     def from_args(cls, args: Any, ctx: PluginContext) -> CostAware:
-        return cls(load_args(CostAwareArgs, args), ctx.in_flight, ctx.shared)
+        return cls(load_args(CostAwareArgs, args), ctx.in_flight, ctx.prefix)
 
     def score(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
         estimates = self.estimate_ms(cycle, pods)
@@ -91,10 +94,6 @@ class CostAware:
         return estimates
 
     def _held_bytes(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
-        matcher = self.shared.prefix
-        if matcher is None:
-            if not self._told_no_prefix:
-                self._told_no_prefix = True
-                log.info("cost-aware: no prefix-cache plugin configured; no pod holds a prefix")
+        if self.prefix is None:
             return {}
-        return matcher.matched_bytes(cycle, pods)
+        return self.prefix.matched_bytes(cycle, pods)

@@ -8,8 +8,8 @@ Kthena's prefix-cache plugin, to the letter (``kthena-prefix-cache-plugin.txt``)
   found from the longest match down; every other candidate scores 0; an empty prompt
   is not scored;
 * record: after a response ended successfully, the prompt's blocks for the serving pod;
-* shared: registers itself as ``PluginContext.shared.prefix``, the ``PrefixMatcher``
-  that tells other plugins (cost-aware) how much of the prompt each pod holds;
+* shared: it is a ``PrefixMatcher``, which the configuration hands to the plugins that
+  ask how much of the prompt each pod holds (cost-aware);
 * metrics: ``kthena_router_prefix_cache_match_ratio{model}`` (best pod's fraction, each
   time the plugin scores), ``..._evictions_total{model}``, ``..._entries``.
 """
@@ -74,7 +74,6 @@ class PrefixCacheScorer:
             registry=ctx.registry,
         )
         entries.set_function(lambda: self.index.num_entries)
-        ctx.shared.prefix = self
 
     @classmethod
     def from_args(cls, args: Any, ctx: PluginContext) -> PrefixCacheScorer:

@@ -14,7 +14,7 @@ from typing import Any
 
 from extproc.errors import BadRequest
 from extproc.prefix.hashing import hash_prompt
-from extproc.request import Api, parse_request
+from extproc.request.parse import Api, parse_request
 
 
 def register(sub: Any) -> None:

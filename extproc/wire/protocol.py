@@ -46,3 +46,10 @@ INTERNAL_HEADERS: tuple[str, ...] = (
 def header_attribute(header: str) -> str:
     """The attribute name (a CEL expression) under which a request header arrives."""
     return f"request.headers['{header}']"
+
+
+# The gRPC services extproc serves on its one port.
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+PROCESS_PATH = f"/{EXT_PROC_SERVICE}/Process"
+ACCESS_LOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
+ACCESS_LOG_PATH = f"/{ACCESS_LOG_SERVICE}/StreamAccessLogs"

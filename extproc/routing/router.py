@@ -14,25 +14,22 @@ pod it was routed to; a retry that lands elsewhere is still counted on the pick.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from extproc.errors import ExtProcError, NoReadyPods
-from extproc.request import DEFAULT_MAX_BODY_BYTES, parse_request
+from extproc.request.parse import DEFAULT_MAX_BODY_BYTES, parse_request
+from extproc.routing.metrics import RouterMetrics
+from extproc.routing.pending import Pending, PendingRecords
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.scheduler import Scheduler
 from extproc.scheduling.types import Cycle
-from extproc.types import Pod, PodId
+from extproc.types import Pod
 
 log = logging.getLogger("extproc.routing")
-
-SCHEDULING_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,116 +41,6 @@ class RouteDecision:
     def destination(self) -> str:
         """The Endpoint Picker Protocol's value: ``ip:port,ip:port,...``."""
         return ",".join(p.address for p in self.pods)
-
-
-@dataclass(frozen=True, slots=True)
-class _Pending:
-    cycle: Cycle
-    pod_by_address: dict[str, PodId]
-    created_s: float
-    pick: PodId  # counted in flight from routing to the end, whatever pod served
-    prefill_tokens: int
-    prefill: PodId | None
-
-
-class PendingRecords:
-    """Routed requests awaiting their completion: at most ``max_size``, none older than
-    ``ttl_s`` (the oldest go first). Thread-safe."""
-
-    def __init__(
-        self,
-        max_size: int = 100_000,
-        ttl_s: float = 3600.0,
-        on_drop: Callable[[_Pending], object] = lambda _p: None,
-    ) -> None:
-        self.max_size = max_size
-        self.ttl_s = ttl_s
-        self.on_drop = on_drop  # called for entries expired or pushed out, never completed
-        self._items: OrderedDict[str, _Pending] = OrderedDict()
-        self._lock = threading.Lock()
-        self.num_dropped = 0
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def add(self, request_id: str, pending: _Pending) -> None:
-        with self._lock:
-            replaced = self._items.pop(request_id, None)
-            if replaced is not None:  # the id came again before its end: drop the first
-                self.num_dropped += 1
-                self.on_drop(replaced)
-            self._items[request_id] = pending
-            self._expire(pending.created_s)
-
-    def pop(self, request_id: str) -> _Pending | None:
-        with self._lock:
-            return self._items.pop(request_id, None)
-
-    def _expire(self, now_s: float) -> None:
-        items = self._items
-        while items and (
-            len(items) > self.max_size or next(iter(items.values())).created_s < now_s - self.ttl_s
-        ):
-            _, dropped = items.popitem(last=False)
-            self.num_dropped += 1
-            self.on_drop(dropped)
-
-
-class RouterMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.decisions = Counter(
-            "extproc_route_decisions",
-            "Requests routed (a destination list was returned), by model.",
-            ["model"],
-            registry=registry,
-        )
-        self.errors = Counter(
-            "extproc_route_errors",
-            "Requests answered with an error instead of a route, by HTTP status and code.",
-            ["status", "code"],
-            registry=registry,
-        )
-        self.scheduling = Histogram(
-            "extproc_scheduling_duration_seconds",
-            "Time to parse, render, hash and schedule one request.",
-            registry=registry,
-            buckets=SCHEDULING_BUCKETS,
-        )
-        self.completions = Counter(
-            "extproc_completions",
-            "Routed requests whose end Envoy reported, by outcome (recorded, failed, "
-            "unknown_request, unknown_pod; abandoned: Envoy stopped waiting for the route).",
-            ["outcome"],
-            registry=registry,
-        )
-        self.retries = Counter(
-            "extproc_retries_observed",
-            "Upstream attempts beyond the first, as reported by Envoy's access log.",
-            registry=registry,
-        )
-        self.pinned = Counter(
-            "extproc_session_pinned",
-            "Requests sent to their session's bound pod without scoring (session sticky).",
-            registry=registry,
-        )
-        self.pods_ready = Gauge(
-            "extproc_pods_ready", "Known pods that are ready to take requests.", registry=registry
-        )
-        self.pods_known = Gauge("extproc_pods_known", "Known pods.", registry=registry)
-        self.pending = Gauge(
-            "extproc_pending_completions",
-            "Routed requests awaiting their end (bounded in size and age).",
-            registry=registry,
-        )
-        # Children looked up once: ``labels()`` costs microseconds on every request.
-        self.outcome = {
-            o: self.completions.labels(o)
-            for o in ("recorded", "failed", "unknown_request", "unknown_pod", "abandoned")
-        }
-        self._decisions_of = cache(self.decisions.labels)
-
-    def decided(self, model: str) -> None:
-        self._decisions_of(model).inc()
 
 
 class Router:
@@ -244,7 +131,7 @@ class Router:
             pick = chosen[0].id
             tokens = cycle.num_prefill_tokens(pick)
             self.in_flight.start(pick, tokens)
-            pending = _Pending(
+            pending = Pending(
                 cycle,
                 {p.address: p.id for p in chosen},
                 time.monotonic(),
@@ -296,5 +183,5 @@ class Router:
             self._end_in_flight(pending)
             self.metrics.outcome["abandoned"].inc()
 
-    def _end_in_flight(self, pending: _Pending) -> None:
+    def _end_in_flight(self, pending: Pending) -> None:
         self.in_flight.end(pending.pick, pending.prefill_tokens)

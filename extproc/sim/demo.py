@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 
-from extproc.launch import run_stack
 from extproc.sim.harness import SimPods, spawn_sim_pods
+from extproc.sim.launch import run_stack
 
 TENANTS = ("acme", "globex", "initech", "umbrella", "hooli", "wonka", "stark", "wayne")
 # Each pod holds 192 blocks of 16 tokens, about four tenants' system prompts: round robin

@@ -18,7 +18,7 @@ bidirectional stream:
   served (``x-gateway-destination-endpoint-served`` in ``envoy.lb`` metadata) or else the
   pick. A stream that ends otherwise records nothing.
 
-The one-round handler in ``server.py`` stays the default for extproc's own Envoy config;
+The one-round handler in ``one_round.py`` stays the default for extproc's own Envoy config;
 this one costs a message round per phase.
 """
 
@@ -35,11 +35,9 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-from extproc.epp import DESTINATION_KEY, DESTINATION_NAMESPACE, INTERNAL_HEADERS
 from extproc.errors import BadRequest, BodyTooLarge, ExtProcError
-from extproc.grpc_loop import Answer, Method, run_off_loop
-from extproc.routing import RouteDecision, Router
-from extproc.server import (
+from extproc.routing.router import RouteDecision, Router
+from extproc.wire.ext_proc import (
     OFF_LOOP_BODY_BYTES,
     error_response,
     internal_error_response,
@@ -47,8 +45,10 @@ from extproc.server import (
     route_metadata,
     subset_hint,
 )
+from extproc.wire.grpc_loop import Answer, Method, run_off_loop
+from extproc.wire.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE, INTERNAL_HEADERS
 
-log = logging.getLogger("extproc.gateway")
+log = logging.getLogger("extproc.wire")
 
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 SERVED_KEY = f"{DESTINATION_KEY}-served"

@@ -24,7 +24,7 @@ unreadable YAML or a missing file stops start-up with a ``ConfigError`` naming t
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -36,16 +36,18 @@ from extproc.errors import ConfigError
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.registry import BUILTIN
 from extproc.scheduling.scheduler import PluginTimer, Scheduler, WeightedScorer
+from extproc.scheduling.sessions import SessionStore
 from extproc.scheduling.types import (
     Filter,
     Plugin,
     PluginContext,
     PodsListener,
+    PrefixMatcher,
     Recorder,
     Scorer,
 )
 
-log = logging.getLogger("extproc.config")
+log = logging.getLogger("extproc.scheduling.config")
 
 DEFAULT_CONFIG_NAME = "<embedded default config.yaml>"
 
@@ -120,18 +122,25 @@ def build_scheduler(
     config: SchedulerConfig,
     registry: CollectorRegistry = REGISTRY,
     in_flight: InFlight | None = None,
+    sessions: SessionStore | None = None,
 ) -> Scheduler:
     """Instantiate each named plugin once and wire it into every role it was given.
 
-    ``in_flight`` is the router's counters, shared with the plugins that read them.
+    ``in_flight`` is the router's counters, shared with the plugins that read them;
+    ``sessions`` turns session sticky on. A plugin that offers the prefix view
+    (``PrefixMatcher``) is built first and handed to the others in their context.
     """
     ctx = PluginContext(
         registry=registry, in_flight=in_flight if in_flight is not None else InFlight()
     )
+    names = list(dict.fromkeys((*config.filters, *(s.name for s in config.scores))))
+    names.sort(key=lambda name: not issubclass(BUILTIN[name], PrefixMatcher))
     instances: dict[str, Plugin] = {}
-    for name in (*config.filters, *(s.name for s in config.scores)):
-        if name not in instances:
-            instances[name] = BUILTIN[name].from_args(config.plugin_args.get(name), ctx)
+    for name in names:
+        plugin = BUILTIN[name].from_args(config.plugin_args.get(name), ctx)
+        instances[name] = plugin
+        if ctx.prefix is None and isinstance(plugin, PrefixMatcher):
+            ctx = replace(ctx, prefix=plugin)
     filters: list[Filter] = []
     for name in config.filters:
         plugin = instances[name]
@@ -158,6 +167,7 @@ def build_scheduler(
         scorers=tuple(scorers),
         recorders=tuple(p for p in instances.values() if isinstance(p, Recorder)),
         listeners=tuple(p for p in instances.values() if isinstance(p, PodsListener)),
+        sessions=sessions,
         timer=PluginTimer(registry),
     )
 

@@ -1,0 +1,145 @@
+"""``extproc serve``: the endpoint picker process's flags, and its life until a signal.
+
+Every flag has an environment variable (``EXTPROC_<FLAG>``) and an embedded default, so
+``extproc serve`` alone serves the shipped pods file with the shipped configuration.
+``app.start`` wires the pieces; SIGTERM/SIGINT drain (``Running.stop``) and exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Any
+
+from extproc.cli.app import check_args, start
+from extproc.datalayer.sources import add_source_arguments
+from extproc.errors import ConfigError
+from extproc.request.parse import DEFAULT_MAX_BODY_BYTES
+
+log = logging.getLogger("extproc.serve")
+
+
+def _env(name: str, default: Any) -> Any:
+    return os.environ.get(f"EXTPROC_{name.upper().replace('-', '_')}", default)
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "serve", help="run the ext_proc endpoint picker", description=__doc__
+    )
+    p.add_argument("--config", default=_env("config", None), help="scheduler config YAML")
+    p.add_argument("--address", default=_env("address", "127.0.0.1"), help="bind address")
+    p.add_argument("--grpc-port", type=int, default=_env("grpc-port", "9002"))
+    p.add_argument("--health-port", type=int, default=_env("health-port", "9003"))
+    p.add_argument("--metrics-port", type=int, default=_env("metrics-port", "9090"))
+    p.add_argument(
+        "--num-fallbacks",
+        type=int,
+        default=_env("num-fallbacks", "2"),
+        help="pods listed after the pick, for Envoy's retries (default %(default)s)",
+    )
+    p.add_argument(
+        "--session-header",
+        default=_env("session-header", "x-session-id"),
+        help="request header carrying the session key ('' to ignore sessions)",
+    )
+    p.add_argument(
+        "--session-ttl-s",
+        type=float,
+        default=_env("session-ttl-s", "600"),
+        help="session sticky: a session's binding lasts this long after its last use; "
+        "0 turns session sticky off (default %(default)s)",
+    )
+    p.add_argument(
+        "--protocol",
+        choices=("one-round", "epp"),
+        default=_env("protocol", "one-round"),
+        help="one-round: extproc's own Envoy config (envoy/, envoy-config); epp: gateways "
+        "speaking the Endpoint Picker Protocol (headers first, body buffered or "
+        "full-duplex streamed, destination header + metadata) (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-streams",
+        type=int,
+        default=_env("max-streams", "4096"),
+        help="gRPC streams open at once: one per request being routed (EPP: for the "
+        "request's whole life) and one access log per Envoy worker; streams beyond are "
+        "refused at once (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-body-bytes", type=int, default=_env("max-body-bytes", str(DEFAULT_MAX_BODY_BYTES))
+    )
+    p.add_argument(
+        "--scrape-interval-s",
+        type=float,
+        default=_env("scrape-interval-s", "0.2"),
+        help="how often each pod's /metrics is scraped (default %(default)s)",
+    )
+    p.add_argument("--scrape-timeout-s", type=float, default=_env("scrape-timeout-s", "1.0"))
+    p.add_argument(
+        "--scrape-cpu-budget",
+        type=float,
+        default=_env("scrape-cpu-budget", "0.1"),
+        help="the share of one core scraping may take; with many pods the sweeps are "
+        "spaced out to fit, and pods stay fresh for 3 sweeps (default %(default)s)",
+    )
+    p.add_argument(
+        "--stale-after-s",
+        type=float,
+        default=_env("stale-after-s", "2.0"),
+        help="a pod without a fresh scrape this long is not ready; 0: no scraping, "
+        "readiness from the pods source only (default %(default)s)",
+    )
+    p.add_argument("--drain-s", type=float, default=_env("drain-s", "10.0"))
+    p.add_argument("--log-level", default=_env("log-level", "info"))
+    p.add_argument(
+        "-v",
+        type=int,
+        default=_env("v", "0"),
+        help="verbosity; 4 logs every score plugin's per-pod scores",
+    )
+    add_source_arguments(p, _env)
+    p.set_defaults(func=run)
+
+
+def configure_logging(level: str, verbosity: int) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if verbosity >= 4:
+        logging.getLogger("extproc.scheduling").setLevel(logging.DEBUG)
+    if verbosity >= 5:
+        logging.getLogger("extproc").setLevel(logging.DEBUG)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        check_args(args)
+    except ConfigError as exc:
+        print(f"extproc serve: cannot start: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level, args.v)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        stop.set()  # nothing else here: the handler may interrupt any code, logging included
+
+    # Installed before anything listens, so a SIGTERM right after start-up still drains.
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        running = start(args)
+    except (ConfigError, OSError) as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    while not stop.wait(1.0):
+        pass
+    log.info("signal received: draining for up to %.1f s", args.drain_s)
+    running.stop(args.drain_s)
+    log.info("stopped")
+    return 0

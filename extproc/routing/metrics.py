@@ -1,0 +1,66 @@
+"""The router's Prometheus metrics: decisions, errors, completions, pods, pending."""
+
+from __future__ import annotations
+
+from functools import cache
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+SCHEDULING_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.decisions = Counter(
+            "extproc_route_decisions",
+            "Requests routed (a destination list was returned), by model.",
+            ["model"],
+            registry=registry,
+        )
+        self.errors = Counter(
+            "extproc_route_errors",
+            "Requests answered with an error instead of a route, by HTTP status and code.",
+            ["status", "code"],
+            registry=registry,
+        )
+        self.scheduling = Histogram(
+            "extproc_scheduling_duration_seconds",
+            "Time to parse, render, hash and schedule one request.",
+            registry=registry,
+            buckets=SCHEDULING_BUCKETS,
+        )
+        self.completions = Counter(
+            "extproc_completions",
+            "Routed requests whose end Envoy reported, by outcome (recorded, failed, "
+            "unknown_request, unknown_pod; abandoned: Envoy stopped waiting for the route).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.retries = Counter(
+            "extproc_retries_observed",
+            "Upstream attempts beyond the first, as reported by Envoy's access log.",
+            registry=registry,
+        )
+        self.pinned = Counter(
+            "extproc_session_pinned",
+            "Requests sent to their session's bound pod without scoring (session sticky).",
+            registry=registry,
+        )
+        self.pods_ready = Gauge(
+            "extproc_pods_ready", "Known pods that are ready to take requests.", registry=registry
+        )
+        self.pods_known = Gauge("extproc_pods_known", "Known pods.", registry=registry)
+        self.pending = Gauge(
+            "extproc_pending_completions",
+            "Routed requests awaiting their end (bounded in size and age).",
+            registry=registry,
+        )
+        # Children looked up once: ``labels()`` costs microseconds on every request.
+        self.outcome = {
+            o: self.completions.labels(o)
+            for o in ("recorded", "failed", "unknown_request", "unknown_pod", "abandoned")
+        }
+        self._decisions_of = cache(self.decisions.labels)
+
+    def decided(self, model: str) -> None:
+        self._decisions_of(model).inc()

@@ -1,0 +1,69 @@
+"""Routed requests awaiting Envoy's report of their end, bounded in size and age.
+
+Requests whose end never arrives (extproc restarted, a log entry lost) cannot grow
+memory: the oldest go first, and every dropped entry is handed to ``on_drop`` so that
+whatever it holds (its in-flight count) is released.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from extproc.scheduling.types import Cycle
+from extproc.types import PodId
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    cycle: Cycle
+    pod_by_address: dict[str, PodId]
+    created_s: float
+    pick: PodId  # counted in flight from routing to the end, whatever pod served
+    prefill_tokens: int
+    prefill: PodId | None
+
+
+class PendingRecords:
+    """Routed requests awaiting their completion: at most ``max_size``, none older than
+    ``ttl_s`` (the oldest go first). Thread-safe."""
+
+    def __init__(
+        self,
+        max_size: int = 100_000,
+        ttl_s: float = 3600.0,
+        on_drop: Callable[[Pending], object] = lambda _p: None,
+    ) -> None:
+        self.max_size = max_size
+        self.ttl_s = ttl_s
+        self.on_drop = on_drop  # called for entries expired or pushed out, never completed
+        self._items: OrderedDict[str, Pending] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_dropped = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, request_id: str, pending: Pending) -> None:
+        with self._lock:
+            replaced = self._items.pop(request_id, None)
+            if replaced is not None:  # the id came again before its end: drop the first
+                self.num_dropped += 1
+                self.on_drop(replaced)
+            self._items[request_id] = pending
+            self._expire(pending.created_s)
+
+    def pop(self, request_id: str) -> Pending | None:
+        with self._lock:
+            return self._items.pop(request_id, None)
+
+    def _expire(self, now_s: float) -> None:
+        items = self._items
+        while items and (
+            len(items) > self.max_size or next(iter(items.values())).created_s < now_s - self.ttl_s
+        ):
+            _, dropped = items.popitem(last=False)
+            self.num_dropped += 1
+            self.on_drop(dropped)

@@ -1,0 +1,109 @@
+"""ext_proc messages shared by the one-round and EPP handlers: the ``Process`` method,
+what they read from a request (the gateway's subset hint) and the replies they build
+(a route in ``envoy.lb`` metadata, an OpenAI-style error, a plain continue)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from extproc.errors import ExtProcError
+from extproc.wire.grpc_loop import Method, Stream
+from extproc.wire.protocol import (
+    DESTINATION_KEY,
+    DESTINATION_NAMESPACE,
+    PREFILL_HEADER,
+    SUBSET_HINT_KEY,
+    SUBSET_HINT_NAMESPACE,
+)
+
+# Bodies this big take tens of milliseconds and more to parse and render (a quarter of a
+# million chat messages: about 0.7 s); they are routed off the loop so that the requests
+# behind them are not held up.
+OFF_LOOP_BODY_BYTES = 1 << 20
+
+_JSON_CONTENT_TYPE = base_pb2.HeaderValueOption(
+    header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json")
+)
+
+
+def process_method(open_stream: Callable[[], Stream]) -> Method:
+    """ext_proc's ``Process``, its streams opened by ``open_stream``."""
+    return Method(
+        parse=ep.ProcessingRequest.FromString,
+        serialize=ep.ProcessingResponse.SerializeToString,
+        open=open_stream,
+        name="ProcessingRequest",
+    )
+
+
+def subset_hint(message: ep.ProcessingRequest) -> list[str] | None:
+    """The gateway's subset hint: a list of ``ip:port`` (or one comma-separated string)."""
+    namespaces = message.metadata_context.filter_metadata
+    if SUBSET_HINT_NAMESPACE not in namespaces:
+        return None
+    fields = namespaces[SUBSET_HINT_NAMESPACE].fields
+    if SUBSET_HINT_KEY not in fields:
+        return None
+    value = fields[SUBSET_HINT_KEY]
+    if value.WhichOneof("kind") == "list_value":
+        return [v.string_value for v in value.list_value.values if v.string_value]
+    return [a.strip() for a in value.string_value.split(",") if a.strip()]
+
+
+def internal_error_response(request_id: str) -> ep.ProcessingResponse:
+    """A 500 for a bug while routing: names the request, never the trace."""
+    return error_response(
+        ExtProcError(f"internal error in the endpoint picker (request id {request_id})")
+    )
+
+
+def error_response(error: ExtProcError) -> ep.ProcessingResponse:
+    """An ImmediateResponse: the error's status and its OpenAI-style JSON body."""
+    return ep.ProcessingResponse(
+        immediate_response=ep.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=error.http_status),
+            headers=ep.HeaderMutation(set_headers=[_JSON_CONTENT_TYPE]),
+            body=error.to_body(),
+            details=f"extproc_{error.code}",
+        )
+    )
+
+
+def route_metadata(destination: str, prefill: str | None = None) -> struct_pb2.Struct:
+    """``envoy.lb``: the destination list, best first (and the prefill pod, if any)."""
+    metadata = struct_pb2.Struct()
+    fields = metadata.fields[DESTINATION_NAMESPACE].struct_value.fields
+    fields[DESTINATION_KEY].string_value = destination
+    if prefill:
+        fields[PREFILL_HEADER].string_value = prefill
+    return metadata
+
+
+def route_response(destination: str, prefill: str | None = None) -> ep.ProcessingResponse:
+    """The body reply: continue, with the destination list (and prefill pod) as metadata."""
+    metadata = route_metadata(destination, prefill)
+    return ep.ProcessingResponse(
+        request_body=ep.BodyResponse(response=ep.CommonResponse()),
+        dynamic_metadata=metadata,
+    )
+
+
+def continue_response(kind: str | None) -> ep.ProcessingResponse:
+    """Let a message of ``kind`` through unchanged."""
+    common = ep.CommonResponse()
+    if kind == "request_headers":
+        return ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common))
+    if kind == "response_headers":
+        return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=common))
+    if kind == "response_body":
+        return ep.ProcessingResponse(response_body=ep.BodyResponse(response=common))
+    if kind == "request_trailers":
+        return ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+    if kind == "response_trailers":
+        return ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+    return ep.ProcessingResponse()
