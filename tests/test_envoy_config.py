@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.datalayer.pods_file import DEFAULT_PODS_FILE, load_pods
 from extproc.cli import envoy_config as cli
+from extproc.datalayer.pods_file import DEFAULT_PODS_FILE, load_pods
 from extproc.envoyconf.build import (
     DESTINATION_KEY,
     DESTINATION_NAMESPACE,

@@ -27,8 +27,8 @@ from prometheus_client import CollectorRegistry
 
 from extproc.routing.router import Router
 from extproc.wire.epp import GatewayHandler, epp_process
-from extproc.wire.grpc_loop import Answer
 from extproc.wire.ext_proc import OFF_LOOP_BODY_BYTES
+from extproc.wire.grpc_loop import Answer
 from extproc.wire.protocol import EXT_PROC_SERVICE
 from extproc.wire.server import make_grpc_server
 from tests.factories import PREFIX_ONLY, make_scheduler

@@ -11,8 +11,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from extproc.cli import app
-from extproc.cli import build_parser
+from extproc.cli import app, build_parser
 from extproc.datalayer.k8s import KubePodSource
 from extproc.datalayer.pods_file import DEFAULT_PODS_FILE, PodsFileWatcher
 from extproc.datalayer.sources import describe_source, make_pods_source
