@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -12,6 +13,7 @@ from lightkube.config.kubeconfig import KubeConfig, SingleConfig
 from lightkube.config.models import Cluster, User
 from lightkube.resources.core_v1 import Pod as K8sPod
 
+from extproc.datalayer import reflector as reflector_module
 from extproc.datalayer.kubeconfig import make_client
 from extproc.datalayer.reflector import KubeApiError, Reflector
 from tests.datalayer.fake_kube import FakeKube, k8s_pod
@@ -151,3 +153,24 @@ def test_token_is_sent() -> None:
         names, _ = asyncio.run(with_reflector(kube.url, list_pods, token="s3cret"))
         assert names == ["p0"]
         assert kube.requests_of("list")[-1].authorization == "Bearer s3cret"
+
+
+def test_a_silent_watch_is_resumed(
+    kube: FakeKube, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """lightkube sets no read timeout on watches: one silent past its timeout is dead."""
+    monkeypatch.setattr(reflector_module, "WATCH_READ_SLACK_S", 0.2)
+    kube.hold_watches = True
+    rv = kube.put(PODS, k8s_pod("p0"))
+
+    async def watch(reflector: Reflector[K8sPod, bool], _: object) -> None:
+        reflector.resource_version = str(rv)
+        task = asyncio.create_task(reflector.run())
+        while len(kube.requests_of("watch")) < 2:
+            await asyncio.sleep(0.01)
+        task.cancel()
+
+    with caplog.at_level(logging.WARNING, "extproc.datalayer"):
+        asyncio.run(asyncio.wait_for(with_reflector(kube.url, watch, watch_timeout_s=1), timeout=5))
+    assert f"from resourceVersion {rv}: timed out; retrying in" in caplog.text
+    assert [r.query["resourceVersion"] for r in kube.requests_of("watch")] == [str(rv)] * 2
