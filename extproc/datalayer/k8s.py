@@ -9,12 +9,12 @@ tuple (so the prefix index purges it); an unready or terminating pod stays with
 
 Two modes:
 
-* selector: ``target=PodTarget("app=vllm", 8000)`` watches
-  ``/api/v1/namespaces/NS/pods?labelSelector=app=vllm``, sending to port 8000;
+* selector: ``target=PodTarget("app=vllm", 8000)`` watches the pods of namespace NS
+  matching ``app=vllm`` (``parse_selector``), sending to port 8000;
 * pool: ``pool="NAME"`` watches the InferencePool ``NS/NAME``
   (``/apis/inference.networking.k8s.io/v1/...``, or ``pool_api`` such as
   ``inference.networking.x-k8s.io/v1alpha2``) and watches the pods its
-  ``spec.selector`` selects, on its target port. When the selector or port changes the
+  ``spec.selector`` selects, on its target port (the pool is a lightkube generic resource). When the selector or port changes the
   pod watch restarts with them (the previous pods stay published until the new list
   arrives); an invalid edit keeps the previous target; a missing or deleted pool
   publishes no pods until it exists again.
@@ -24,6 +24,7 @@ their models from the annotation/label, and ``--k8s-default-model`` names the po
 model for pods that carry neither; a pod with no model is listed but gets no requests
 (logged once), since the scheduler sends a request only to pods serving its model.
 
+The lightkube client (``kubeconfig.make_client``) lives in the watch thread's loop.
 ``start()`` lists synchronously (retrying for up to ``start_timeout_s``), so the first
 ``on_change`` has happened when it returns, and raises ``ConfigError`` naming the API
 server if that fails; the watch then runs in a daemon thread with its own asyncio loop
@@ -56,17 +57,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lightkube import AsyncClient
+from lightkube.config.kubeconfig import SingleConfig
+from lightkube.generic_resource import GenericNamespacedResource, create_namespaced_resource
+from lightkube.resources.core_v1 import Pod as K8sPod
+
 from extproc.datalayer.k8s_objects import (
     PodMapping,
     PodTarget,
     make_pod,
     make_snapshot,
     parse_pool,
+    parse_selector,
     pod_warnings,
 )
-from extproc.datalayer.kubeapi import KubeApi, KubeApiError
-from extproc.datalayer.kubeconfig import KubeConfig
-from extproc.datalayer.reflector import DEFAULT_WATCH_TIMEOUT_S, Backoff, Reflector
+from extproc.datalayer.kubeconfig import describe, make_client
+from extproc.datalayer.reflector import DEFAULT_WATCH_TIMEOUT_S, Backoff, KubeApiError, Reflector
 from extproc.errors import ConfigError
 from extproc.types import Pod, PodId
 
@@ -102,7 +108,7 @@ class KubePodSource:
 
     def __init__(
         self,
-        config: KubeConfig,
+        config: SingleConfig,
         on_change: Callable[[tuple[Pod, ...]], Any],
         *,
         namespace: str,
@@ -114,6 +120,11 @@ class KubePodSource:
     ) -> None:
         if (target is None) == (pool is None):
             raise ValueError("give exactly one of target (selector mode) and pool")
+        if target is not None:
+            try:
+                parse_selector(target.selector)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         self.config = config
         self.namespace = namespace
         self.mapping = mapping or PodMapping()
@@ -128,9 +139,9 @@ class KubePodSource:
         self.pods: tuple[Pod, ...] = ()
         self._on_change = on_change
         self._target = target
-        self._pods: Reflector[Pod | None] | None = None
+        self._pods: Reflector[K8sPod, Pod | None] | None = None
         self._pods_task: asyncio.Task[None] | None = None
-        self._pool: Reflector[PodTarget | None] | None = None
+        self._pool: Reflector[GenericNamespacedResource, PodTarget | None] | None = None
         self._watching = False
         self._problems: set[tuple[PodId, str]] = set()
         self._last_error: KubeApiError | None = None
@@ -176,7 +187,11 @@ class KubePodSource:
     async def _main(self, started: concurrent.futures.Future[None]) -> None:
         self._loop = asyncio.get_running_loop()
         self._main_task = asyncio.current_task()
-        api = KubeApi(self.config, request_timeout_s=self.timing.request_timeout_s)
+        try:
+            api = make_client(self.config, request_timeout_s=self.timing.request_timeout_s)
+        except ConfigError as exc:
+            started.set_exception(exc)
+            return
         try:
             try:
                 await asyncio.wait_for(self._initial_sync(api), self.timing.start_timeout_s)
@@ -200,7 +215,7 @@ class KubePodSource:
                     await self._pods_task
             await api.close()
 
-    async def _initial_sync(self, api: KubeApi) -> None:
+    async def _initial_sync(self, api: AsyncClient) -> None:
         """List the pool (pool mode) and the pods, retrying until the caller's timeout."""
         backoff = self._backoff()
         while True:
@@ -230,14 +245,15 @@ class KubePodSource:
             assert self._pods is not None
             await self._pods.run()
 
-    def _pods_reflector(self, api: KubeApi, target: PodTarget) -> Reflector[Pod | None]:
-        def convert(obj: dict[str, Any]) -> Pod | None:
+    def _pods_reflector(self, api: AsyncClient, target: PodTarget) -> Reflector[K8sPod, Pod | None]:
+        def convert(obj: K8sPod) -> Pod | None:
             return make_pod(obj, self.mapping, target.target_port)
 
         return Reflector(
             api,
-            f"/api/v1/namespaces/{self.namespace}/pods",
-            params={"labelSelector": target.selector},
+            K8sPod,
+            namespace=self.namespace,
+            labels=parse_selector(target.selector),
             convert=convert,
             on_change=self._publish,
             what=f"pods in {self.namespace} matching {target.selector} (port {target.target_port})",
@@ -245,11 +261,19 @@ class KubePodSource:
             watch_timeout_s=self.timing.watch_timeout_s,
         )
 
-    def _pool_reflector(self, api: KubeApi) -> Reflector[PodTarget | None]:
+    def _pool_reflector(
+        self, api: AsyncClient
+    ) -> Reflector[GenericNamespacedResource, PodTarget | None]:
+        group, _, version = self.pool_api.rpartition("/")
+        pool_resource = create_namespaced_resource(
+            group, version, "InferencePool", "inferencepools", verbs=["list", "watch"]
+        )
+        assert self.pool is not None
         return Reflector(
             api,
-            f"/apis/{self.pool_api}/namespaces/{self.namespace}/inferencepools",
-            params={"fieldSelector": f"metadata.name={self.pool}"},
+            pool_resource,
+            namespace=self.namespace,
+            fields={"metadata.name": self.pool},
             convert=self._convert_pool,
             on_change=self._pool_changed,
             what=self.name,
@@ -257,7 +281,7 @@ class KubePodSource:
             watch_timeout_s=self.timing.watch_timeout_s,
         )
 
-    def _convert_pool(self, obj: dict[str, Any]) -> PodTarget | None:
+    def _convert_pool(self, obj: GenericNamespacedResource) -> PodTarget | None:
         try:
             return parse_pool(obj)
         except ValueError as exc:
@@ -285,7 +309,7 @@ class KubePodSource:
         if self._pods_task is not None:
             self._pods_task.cancel()
             self._pods_task = None
-        self._pods = self._pods_reflector(self._pool.api, target) if target else None
+        self._pods = self._pods_reflector(self._pool.client, target) if target else None
         if self._pods is None:
             self._publish()
         elif self._watching:
@@ -309,7 +333,8 @@ class KubePodSource:
 
     def _start_error(self) -> ConfigError:
         return ConfigError(
-            f"{self.name}: could not list from the Kubernetes API server {self.config.server} "
-            f"({self.config.source}) within {self.timing.start_timeout_s:g} s: "
+            f"{self.name}: could not list from the Kubernetes API server "
+            f"{self.config.cluster.server} ({describe(self.config)}) within "
+            f"{self.timing.start_timeout_s:g} s: "
             f"{self._last_error or 'no answer'}"
         )

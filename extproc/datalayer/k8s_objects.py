@@ -1,4 +1,4 @@
-"""Kubernetes objects as extproc values: a Pod's JSON -> ``Pod``; an InferencePool -> ``PodTarget``.
+"""Kubernetes objects as extproc values: a lightkube Pod -> ``Pod``; an InferencePool -> ``PodTarget``.
 
 Pod rules (``make_pod``):
 
@@ -23,13 +23,22 @@ InferencePool (``parse_pool``): ``inference.networking.k8s.io/v1`` has
 ``spec.selector.matchLabels`` and ``spec.targetPorts[0].number``; the older
 ``inference.networking.x-k8s.io/v1alpha2`` has ``spec.selector`` (the map itself) and
 ``spec.targetPortNumber``. Both shapes are read, whichever version was asked for.
+
+A label selector (``--k8s-selector`` or a pool's) goes to lightkube as a map of operators
+(``parse_selector``): ``k=v``, ``k==v``, ``k!=v``, ``k in (a,b)``, ``k notin (a,b)``,
+``k``, ``!k``, comma-separated, one term per key.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
+
+from lightkube import operators
+from lightkube.core.client import LabelSelector
+from lightkube.resources.core_v1 import Pod as K8sPod
 
 from extproc.datalayer.pods_file import parse_address
 from extproc.types import Pod, PodId, PodRole
@@ -59,32 +68,30 @@ class PodTarget(NamedTuple):
     target_port: int
 
 
-def make_pod(obj: Mapping[str, Any], mapping: PodMapping, target_port: int) -> Pod | None:
+def make_pod(obj: K8sPod, mapping: PodMapping, target_port: int) -> Pod | None:
     """The ``Pod`` for a pod object, or None if it cannot take traffic at any address."""
-    metadata = obj.get("metadata") or {}
-    status = obj.get("status") or {}
-    pod_ip = status.get("podIP")
-    if not pod_ip or status.get("phase") in _FINISHED_PHASES:
+    metadata, status = obj.metadata, obj.status
+    pod_ip = status.podIP if status else None
+    if metadata is None or status is None or not pod_ip or status.phase in _FINISHED_PHASES:
         return None
     host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
     try:
         address = parse_address(f"{host}:{target_port}")
     except ValueError:
         return None
-    labels: Mapping[str, str] = metadata.get("labels") or {}
-    annotations: Mapping[str, str] = metadata.get("annotations") or {}
+    labels = metadata.labels or {}
+    annotations = metadata.annotations or {}
     if models_text := annotations.get(mapping.model_annotation):
         models = frozenset(m.strip() for m in models_text.split(",") if m.strip())
     elif model := labels.get(mapping.model_label) or mapping.default_model:
         models = frozenset({model})
     else:
         models = frozenset()
-    ready = not metadata.get("deletionTimestamp") and any(
-        c.get("type") == "Ready" and c.get("status") == "True"
-        for c in status.get("conditions") or ()
+    ready = metadata.deletionTimestamp is None and any(
+        c.type == "Ready" and c.status == "True" for c in status.conditions or ()
     )
     return Pod(
-        id=PodId(str(metadata.get("namespace", "")), str(metadata.get("name", ""))),
+        id=PodId(metadata.namespace or "", metadata.name or ""),
         address=address,
         models=models,
         labels=tuple(sorted((str(k), str(v)) for k, v in labels.items())),
@@ -141,3 +148,34 @@ def parse_pool(obj: Mapping[str, Any]) -> PodTarget:
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
         raise ValueError(f"no target port 1-65535 (targetPorts[0].number), got {port!r}")
     return PodTarget(",".join(f"{k}={v}" for k, v in sorted(selector.items())), port)
+
+
+_TERM = re.compile(
+    r"(?P<not>!)?\s*(?P<key>[\w./-]+)\s*"
+    r"(?:(?P<op>==|=|!=)\s*(?P<value>[\w.-]*)|(?P<set>in|notin)\s*\((?P<values>[^()]*)\))?"
+)
+
+
+def parse_selector(text: str) -> LabelSelector:
+    """A label selector string as lightkube's map of operators (see the module docstring).
+
+    Raises:
+        ValueError: a term is malformed, a key repeats, or nothing is selected.
+    """
+    selector: LabelSelector = {}
+    for term in (t.strip() for t in re.split(r",(?![^()]*\))", text)):
+        if not (match := _TERM.fullmatch(term)) or (match["not"] and (match["op"] or match["set"])):
+            raise ValueError(f"label selector {text!r}: cannot parse {term!r}")
+        key = match["key"]
+        if key in selector:
+            raise ValueError(f"label selector {text!r}: {key} appears twice")
+        if match["set"]:
+            values = [v.strip() for v in match["values"].split(",") if v.strip()]
+            in_set = match["set"] == "in"
+            selector[key] = operators.in_(values) if in_set else operators.not_in(values)
+        elif match["op"]:
+            value = match["value"]
+            selector[key] = operators.not_equal(value) if match["op"] == "!=" else value
+        else:
+            selector[key] = operators.not_exists() if match["not"] else None
+    return selector

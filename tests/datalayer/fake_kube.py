@@ -11,6 +11,7 @@ It runs aiohttp on 127.0.0.1:0 in its own thread. Any namespaced collection work
   A watch from before ``compact()`` gets 410 Gone: an HTTP 410, or with
   ``gone_as_event`` a 200 stream with one ERROR event.
 
+``hold_watches`` keeps streams open past ``timeoutSeconds``, as a dead peer would look.
 The test drives it from its own thread: ``put``/``delete`` objects, ``bookmark()``,
 ``error_event()``, ``drop_watches()`` (clean end or abrupt close), ``fail_next()``, and
 reads ``requests`` to see what the client asked.
@@ -68,6 +69,7 @@ class FakeKube:
         self.ssl_context = ssl_context
         self.token = token  # when set, requests must carry "Bearer <token>"
         self.gone_as_event = False
+        self.hold_watches = False  # ignore timeoutSeconds: a stream that stays silently open
         self.requests: list[Request] = []
         self._resource_version = 100
         self._compacted_rv = 0
@@ -277,7 +279,8 @@ class FakeKube:
             if change.resource_version > since and (line := _event_line(watch, change)):
                 watch.queue.put_nowait(line)
         self._watches.add(watch)
-        deadline = asyncio.get_running_loop().time() + float(query.get("timeoutSeconds") or 300)
+        timeout_s = 3600.0 if self.hold_watches else float(query.get("timeoutSeconds") or 300)
+        deadline = asyncio.get_running_loop().time() + timeout_s
         try:
             await resp.prepare(request)
             if since < self._compacted_rv:

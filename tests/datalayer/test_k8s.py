@@ -11,10 +11,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from lightkube.config.kubeconfig import KubeConfig, SingleConfig
+from lightkube.config.models import Cluster
 
 from extproc.datalayer.k8s import KubePodSource, WatchTiming
 from extproc.datalayer.k8s_objects import PodTarget
-from extproc.datalayer.kubeconfig import KubeConfig
 from extproc.errors import ConfigError
 from extproc.types import Pod
 from tests.datalayer.fake_kube import FakeKube, inference_pool, k8s_pod
@@ -29,6 +30,15 @@ FAST = WatchTiming(
     backoff_max_s=0.05,
 )
 SELECTOR = PodTarget("app=vllm", 8000)
+
+
+def server_config(url: str, context: str = "test") -> SingleConfig:
+    """A config for the fake API server: no credentials, namespace ns."""
+    config = KubeConfig.from_one(
+        cluster=Cluster(server=url), context_name=context, namespace="ns"
+    ).get()
+    assert config is not None
+    return config
 
 
 class Published:
@@ -79,7 +89,7 @@ def running(
 ) -> Iterator[tuple[KubePodSource, Published]]:
     published = Published()
     source = KubePodSource(
-        KubeConfig(kube.url, namespace="ns"),
+        server_config(kube.url),
         on_change or published,
         namespace="ns",
         timing=FAST,
@@ -242,12 +252,12 @@ def test_start_fails_clearly_without_api_server() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     timing = WatchTiming(start_timeout_s=0.3, backoff_initial_s=0.01, backoff_max_s=0.05)
     source = KubePodSource(
-        KubeConfig(url, source="test"), Published(), namespace="ns", target=SELECTOR, timing=timing
+        server_config(url, "test"), Published(), namespace="ns", target=SELECTOR, timing=timing
     )
     started_s = time.monotonic()
     with pytest.raises(
         ConfigError,
-        match=rf"could not list from the Kubernetes API server {url} \(test\) within 0.3 s: list",
+        match=rf"could not list from the Kubernetes API server {url} \(test\) within 0.3 s: list pods",
     ):
         source.start()
     assert time.monotonic() - started_s < 2.0
@@ -258,7 +268,7 @@ def test_start_fails_clearly_when_forbidden(kube: FakeKube) -> None:
     kube.fail_next(*[403] * 200)
     timing = WatchTiming(start_timeout_s=0.3, backoff_initial_s=0.01, backoff_max_s=0.05)
     source = KubePodSource(
-        KubeConfig(kube.url), Published(), namespace="ns", target=SELECTOR, timing=timing
+        server_config(kube.url), Published(), namespace="ns", target=SELECTOR, timing=timing
     )
     with pytest.raises(ConfigError, match="403 Forbidden: injected failure .*RBAC"):
         source.start()
@@ -331,11 +341,21 @@ def test_pod_problems_are_logged_once(kube: FakeKube, caplog: pytest.LogCaptureF
 
 
 def test_exactly_one_mode() -> None:
-    config = KubeConfig("http://127.0.0.1:1")
+    config = server_config("http://127.0.0.1:1")
     with pytest.raises(ValueError, match="exactly one"):
         KubePodSource(config, Published(), namespace="ns")
     with pytest.raises(ValueError, match="exactly one"):
         KubePodSource(config, Published(), namespace="ns", target=SELECTOR, pool="p")
+
+
+def test_a_bad_selector_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="label selector 'app=vllm,,x y': cannot parse ''"):
+        KubePodSource(
+            server_config("http://127.0.0.1:1"),
+            Published(),
+            namespace="ns",
+            target=PodTarget("app=vllm,,x y", 8000),
+        )
 
 
 def test_start_fails_when_on_change_raises(kube: FakeKube) -> None:
@@ -344,7 +364,7 @@ def test_start_fails_when_on_change_raises(kube: FakeKube) -> None:
 
     kube.put(PODS, k8s_pod("p0"))
     source = KubePodSource(
-        KubeConfig(kube.url), broken, namespace="ns", target=SELECTOR, timing=FAST
+        server_config(kube.url), broken, namespace="ns", target=SELECTOR, timing=FAST
     )
     with pytest.raises(ConfigError, match="start-up failed: RuntimeError\\('consumer bug'\\)"):
         source.start()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
+from lightkube.core.selector import build_selector
+from lightkube.resources.core_v1 import Pod as K8sPod
 
 from extproc.datalayer.k8s_objects import (
     PodMapping,
@@ -12,6 +14,7 @@ from extproc.datalayer.k8s_objects import (
     make_pod,
     make_snapshot,
     parse_pool,
+    parse_selector,
     pod_warnings,
 )
 from extproc.types import Pod, PodId, PodRole
@@ -21,7 +24,7 @@ MAPPING = PodMapping()
 
 
 def convert(obj: dict[str, Any], mapping: PodMapping = MAPPING) -> Pod | None:
-    return make_pod(obj, mapping, 8000)
+    return make_pod(cast(K8sPod, K8sPod.from_dict(obj)), mapping, 8000)
 
 
 def test_ready_pod() -> None:
@@ -193,3 +196,31 @@ def test_parse_pool(obj: dict[str, Any], target: PodTarget) -> None:
 def test_parse_pool_errors(spec: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_pool({"spec": spec})
+
+
+@pytest.mark.parametrize(
+    ("text", "encoded"),
+    [
+        pytest.param("app=vllm", "app=vllm", id="equal"),
+        pytest.param("a==x, b!=y", "a=x,b!=y", id="double-equal-and-not-equal"),
+        pytest.param("tier in (a, b),zone notin (c)", "tier in (a,b),zone notin (c)", id="sets"),
+        pytest.param("gpu,!spot", "gpu,!spot", id="exists"),
+        pytest.param("example.com/role=prefill", "example.com/role=prefill", id="prefixed-key"),
+    ],
+)
+def test_parse_selector(text: str, encoded: str) -> None:
+    assert build_selector(parse_selector(text)) == encoded
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        pytest.param("a=b,a=c", "a appears twice", id="repeated"),
+        pytest.param("a=b c", "cannot parse 'a=b c'", id="junk"),
+        pytest.param("!a=b", "cannot parse", id="not-with-value"),
+        pytest.param("", "cannot parse ''", id="empty"),
+    ],
+)
+def test_parse_selector_errors(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_selector(text)

@@ -1,4 +1,5 @@
-"""Finding the API server: in-cluster and kubeconfig, over real TLS to the fake server."""
+"""Finding the API server: in-cluster and kubeconfig, through lightkube over real TLS to the fake
+server; a token, a token file, a client certificate and an exec plugin each authenticate."""
 
 from __future__ import annotations
 
@@ -7,20 +8,23 @@ import base64
 import shutil
 import ssl
 import subprocess
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from lightkube.config.kubeconfig import SingleConfig
+from lightkube.resources.core_v1 import Pod as K8sPod
 
-from extproc.datalayer.kubeapi import KubeApi, KubeApiError
 from extproc.datalayer.kubeconfig import (
-    KubeConfig,
     in_cluster_config,
     kube_config_from_file,
     load_kube_config,
+    make_client,
 )
+from extproc.datalayer.reflector import KubeApiError, Reflector
 from extproc.errors import ConfigError
 from tests.datalayer.fake_kube import FakeKube, k8s_pod
 
@@ -53,13 +57,22 @@ def tls_kube(cert: tuple[Path, Path]) -> Iterator[FakeKube]:
         yield fake
 
 
-def list_names(config: KubeConfig) -> list[str]:
+def list_names(config: SingleConfig, between: Callable[[], object] | None = None) -> list[str]:
+    """List the pods in ns; with ``between``, list, call it, and list again on the same client."""
+
     async def go() -> list[str]:
-        api = KubeApi(config, request_timeout_s=5)
+        client = make_client(config, request_timeout_s=5)
+        reflector: Reflector[K8sPod, None] = Reflector(
+            client, K8sPod, namespace="ns", convert=lambda _: None, on_change=list, what="pods"
+        )
         try:
-            return [i["metadata"]["name"] for i in (await api.list(PODS, {})).items]
+            await reflector.list()
+            if between is not None:
+                between()
+                await reflector.list()
+            return sorted(reflector.items)
         finally:
-            await api.close()
+            await client.close()
 
     return asyncio.run(go())
 
@@ -96,14 +109,26 @@ def test_in_cluster_over_tls_rereads_the_token(
     port = tls_kube.url.rsplit(":", 1)[1]
     env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": port}
     config = load_kube_config(environ=env, service_account_dir=tmp_path)
-    assert (config.server, config.namespace) == (f"https://127.0.0.1:{port}", "llm")
-    assert list_names(config) == ["p0"]
-    (tmp_path / "token").write_text("rotated")  # projected tokens rotate
-    tls_kube.token = "rotated"
-    assert list_names(config) == ["p0"]
-    (tmp_path / "token").unlink()
-    with pytest.raises(KubeApiError, match="cannot read token"):
-        list_names(config)
+    assert (config.cluster.server, config.namespace) == (f"https://127.0.0.1:{port}", "llm")
+
+    def rotate(token: str) -> Callable[[], None]:
+        def go() -> None:  # projected tokens rotate: the next 401 re-reads the file
+            if token:
+                (tmp_path / "token").write_text(token)
+            else:
+                (tmp_path / "token").unlink()
+            tls_kube.token = token or "unknown"
+
+        return go
+
+    assert list_names(config, rotate("rotated")) == ["p0"]
+    assert [r.authorization for r in tls_kube.requests_of("list")] == [
+        "Bearer tok",
+        "Bearer tok",  # answered 401
+        "Bearer rotated",
+    ]
+    with pytest.raises(KubeApiError, match="token not found"):
+        list_names(config, rotate(""))
 
 
 def test_in_cluster_ipv6_host_and_missing_files(cert: tuple[Path, Path], tmp_path: Path) -> None:
@@ -113,7 +138,7 @@ def test_in_cluster_ipv6_host_and_missing_files(cert: tuple[Path, Path], tmp_pat
     (tmp_path / "token").write_text("tok")
     (tmp_path / "ca.crt").write_bytes(cert[0].read_bytes())
     config = in_cluster_config(env, tmp_path)
-    assert (config.server, config.namespace) == ("https://[fd00::1]:6443", "default")
+    assert (config.cluster.server, config.namespace) == ("https://[fd00::1]:6443", "default")
 
 
 def test_kubeconfig_with_inline_ca_and_client_certificate(
@@ -145,7 +170,7 @@ def test_kubeconfig_with_relative_files(
 
 def test_tls_is_verified(tls_kube: FakeKube, tmp_path: Path) -> None:
     path = write_kubeconfig(tmp_path / "config", {"server": tls_kube.url}, {"token": "tok"})
-    with pytest.raises(KubeApiError, match="certificate verify failed"):
+    with pytest.raises(KubeApiError, match="CERTIFICATE_VERIFY_FAILED"):
         list_names(kube_config_from_file(path))
     insecure = {"server": tls_kube.url, "insecure-skip-tls-verify": True}
     path = write_kubeconfig(tmp_path / "config", insecure, {"token": "tok"})
@@ -155,23 +180,27 @@ def test_tls_is_verified(tls_kube: FakeKube, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("cluster", "user", "extra", "message"),
     [
-        pytest.param({}, {"exec": {"command": "aws"}}, {}, r"\['exec'\] is not supported", id="exec"),
-        pytest.param({}, {"auth-provider": {}}, {}, "auth-provider", id="auth-provider"),
+        pytest.param({}, {"auth-provider": {"name": "oidc"}}, {}, "auth-provider not supported",
+                     id="auth-provider"),
         pytest.param({"server": "127.0.0.1:6443"}, {}, {}, "not an http", id="server-no-scheme"),
         pytest.param({}, {}, {"current-context": "nope"}, "no context named 'nope'", id="no-context"),
         pytest.param({}, {}, {"current-context": ""}, "no current-context", id="no-current"),
+        pytest.param({}, {}, {"clusters": []}, "no cluster named 'c'", id="no-cluster"),
+        pytest.param({}, {}, {"users": []}, "no user named 'u'", id="no-user"),
+        pytest.param({}, {}, {"users": [{"name": "u"}]}, "not a valid kubeconfig", id="no-user-body"),
         pytest.param(
-            {"certificate-authority-data": "!!"}, {}, {}, "not base64", id="bad-ca-data"
+            {"certificate-authority-data": "!!"}, {}, {}, "cannot set up the client", id="bad-ca-data"
         ),
         pytest.param(
-            {"certificate-authority-data": "aGVsbG8="}, {}, {}, "certificate authority", id="bad-ca"
+            {"certificate-authority-data": "aGVsbG8="}, {}, {}, "cannot set up the client", id="bad-ca"
         ),
         pytest.param(
-            {"certificate-authority": "missing.pem"}, {}, {}, "certificate authority", id="no-ca-file"
+            {"certificate-authority": "missing.pem"}, {}, {}, "cannot set up the client: .*No such file",
+            id="no-ca-file",
         ),
         pytest.param(
             {}, {"client-certificate-data": "aGVsbG8=", "client-key-data": "aGVsbG8="}, {},
-            "client certificate", id="bad-client-cert",
+            "cannot set up the client", id="bad-client-cert",
         ),
     ],
 )  # fmt: skip
@@ -215,7 +244,7 @@ def test_resolution_order(
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
 
     def server(path: str | None, env: dict[str, str]) -> str:
-        return load_kube_config(path, environ=env, service_account_dir=sa).server
+        return load_kube_config(path, environ=env, service_account_dir=sa).cluster.server
 
     kubeconfig_env = {"KUBECONFIG": f"{tmp_path / 'absent'}:{from_env}"} | in_cluster
     assert server(str(explicit), kubeconfig_env) == "http://127.0.0.1:1"
@@ -225,3 +254,53 @@ def test_resolution_order(
     monkeypatch.setenv("HOME", str(tmp_path / "nowhere"))
     with pytest.raises(ConfigError, match="no Kubernetes API server"):
         server(None, {})
+
+
+EXEC_PLUGIN = """\
+import json, os, pathlib, sys
+with open(os.environ["CALLS_FILE"], "a") as calls:
+    calls.write("run\\n")
+token = pathlib.Path(sys.argv[1]).read_text()
+if token == "fail":
+    sys.exit("no credentials: log in first")
+print(json.dumps({
+    "apiVersion": "client.authentication.k8s.io/v1beta1",
+    "kind": "ExecCredential",
+    "status": {"token": token},
+}))
+"""
+
+
+def test_exec_plugin_token_authenticates(
+    tls_kube: FakeKube, cert: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """As EKS's ``aws eks get-token`` or kubelogin (OIDC): the plugin's token is sent, and
+    the plugin runs again when the server refuses the token it gave before."""
+    (tmp_path / "plugin.py").write_text(EXEC_PLUGIN)
+    (tmp_path / "issued").write_text("tok")
+    calls = tmp_path / "calls"
+    user = {
+        "exec": {
+            "apiVersion": "client.authentication.k8s.io/v1beta1",
+            "command": sys.executable,
+            "args": [str(tmp_path / "plugin.py"), str(tmp_path / "issued")],
+            "env": [{"name": "CALLS_FILE", "value": str(calls)}],
+        }
+    }
+    cluster = {"server": tls_kube.url, "certificate-authority-data": b64(cert[0])}
+    config = kube_config_from_file(write_kubeconfig(tmp_path / "config", cluster, user))
+
+    def expire() -> None:
+        (tmp_path / "issued").write_text("new")
+        tls_kube.token = "new"
+
+    assert list_names(config, expire) == ["p0"]
+    assert [r.authorization for r in tls_kube.requests_of("list")] == [
+        "Bearer tok",
+        "Bearer tok",  # answered 401
+        "Bearer new",
+    ]
+    assert calls.read_text() == "run\n" * 2
+    (tmp_path / "issued").write_text("fail")
+    with pytest.raises(KubeApiError, match="returned 1: no credentials: log in first"):
+        list_names(config)
