@@ -41,12 +41,13 @@ from lightkube.config.kubeconfig import KubeConfig, SingleConfig
 from lightkube.config.models import Cluster, User
 
 from extproc.errors import ConfigError
+from extproc.types import DEFAULT_NAMESPACE
 
 log = logging.getLogger(__name__)
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 DEFAULT_KUBECONFIG = Path("~/.kube/config")
-DEFAULT_NAMESPACE = "default"
+
 IN_CLUSTER = "in-cluster"  # the context name of an in-cluster config
 
 
