@@ -10,8 +10,10 @@ from PyPI or its cache once, for the whole module.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
+import sys
 import tomllib
 import zipfile
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ pytestmark = [pytest.mark.packaging, pytest.mark.timeout(600)]
 
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 RUN_TIMEOUT_S = 60
+BUILD_TIMEOUT_S = 300
 
 
 @dataclass
@@ -77,15 +80,52 @@ def _name(requirement: str) -> str:
     return requirement.split(";")[0].split("[")[0].split("<")[0].split(">")[0].strip().lower()
 
 
-def test_the_wheel_holds_the_package_only(image: Image) -> None:
-    [wheel] = image.wheels.glob("extproc-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
+@pytest.fixture(scope="module")
+def repo_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel ``pip wheel .`` makes from the repository: a copy of the files git does
+    not ignore, so the build leaves nothing in the work tree."""
+    tmp = tmp_path_factory.mktemp("repo")
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+        timeout=RUN_TIMEOUT_S,
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        source, target = REPO / name, tmp / "src" / name
+        if source.is_file():  # a tracked file deleted in the work tree is still listed
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    wheel_dir = tmp / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(wheel_dir)]
+        + [str(tmp / "src")],
+        check=True,
+        capture_output=True,
+        timeout=BUILD_TIMEOUT_S,
+    )
+    [wheel] = wheel_dir.glob("extproc-*.whl")
+    return wheel
+
+
+def _files(wheel: Path) -> set[str]:
+    return {n for n in zipfile.ZipFile(wheel).namelist() if not n.endswith("dist-info/RECORD")}
+
+
+def test_the_wheel_holds_the_package_only(repo_wheel: Path) -> None:
+    names = _files(repo_wheel)
     dist_info = f"extproc-{PROJECT['version']}.dist-info/"
     assert all(n.startswith(("extproc/", dist_info)) for n in names), sorted(
         {n.split("/")[0] for n in names}
     )
-    assert "extproc/data/pods.yaml" in names and "extproc/data/config.yaml" in names
-    assert "extproc/cli/serve.py" in names
+    assert {"extproc/data/pods.yaml", "extproc/data/config.yaml", "extproc/cli/serve.py"} <= names
+
+
+def test_the_image_builds_the_same_wheel(image: Image, repo_wheel: Path) -> None:
+    """The Dockerfile copies everything the package is made of."""
+    [wheel] = image.wheels.glob("extproc-*.whl")
+    assert _files(wheel) == _files(repo_wheel)
 
 
 def test_the_base_install_has_no_extra(image: Image) -> None:
