@@ -104,8 +104,8 @@ def router() -> Router:
 
 
 @pytest.fixture
-def client(router: Router) -> Iterator[Client]:
-    server, port = make_grpc_server(router, "127.0.0.1:0")
+def client(router: Router, server_kind: str) -> Iterator[Client]:
+    server, port = make_grpc_server(router, "127.0.0.1:0", server_kind=server_kind)
     server.start()
     c = Client(port)
     yield c

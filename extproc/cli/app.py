@@ -28,10 +28,10 @@ from extproc.scheduling.config import build_scheduler, load_config
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.sessions import SessionStore
 from extproc.wire.epp import epp_process
-from extproc.wire.grpc_loop import LoopServer
 from extproc.wire.protocol import ACCESS_LOG_PATH
 from extproc.wire.server import (
     GRPC_MESSAGE_HEADROOM_BYTES,
+    GrpcServer,
     make_grpc_server,
     make_health_server,
     set_serving,
@@ -47,7 +47,7 @@ class Running:
     """A started picker; ``stop()`` drains and shuts everything down."""
 
     router: Router
-    grpc_server: LoopServer
+    grpc_server: GrpcServer
     grpc_port: int
     health_server: grpc.Server
     health_servicer: health.HealthServicer
@@ -163,6 +163,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         process=epp_process(router) if args.protocol == "epp" else None,
         max_streams=args.max_streams,
         max_message_bytes=args.max_body_bytes + GRPC_MESSAGE_HEADROOM_BYTES,
+        server_kind=args.grpc_server,
     )
     health_server, servicer, health_port = make_health_server(f"{args.address}:{args.health_port}")
     metrics_server = None

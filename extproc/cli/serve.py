@@ -20,6 +20,7 @@ from extproc.cli.app import check_args, start
 from extproc.datalayer.sources import add_source_arguments
 from extproc.errors import ConfigError
 from extproc.request.parse import DEFAULT_MAX_BODY_BYTES
+from extproc.wire.server import GRPC_SERVERS
 
 log = logging.getLogger("extproc.serve")
 
@@ -70,6 +71,15 @@ def register(sub: Any) -> None:
         help="gRPC streams open at once: one per request being routed (EPP: for the "
         "request's whole life) and one access log per Envoy worker; streams beyond are "
         "refused at once (default %(default)s)",
+    )
+    p.add_argument(
+        "--grpc-server",
+        choices=GRPC_SERVERS,
+        default=_env("grpc-server", "auto"),
+        help="loop: the one-thread server on grpcio's private core binding (the fastest); "
+        "public: grpcio's public grpc.server (a thread per open stream); auto: loop when "
+        "the installed grpcio passes its self-check at start-up, else public (the log says "
+        "which and why) (default %(default)s)",
     )
     p.add_argument(
         "--max-body-bytes", type=int, default=_env("max-body-bytes", str(DEFAULT_MAX_BODY_BYTES))
