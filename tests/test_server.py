@@ -31,8 +31,8 @@ PODS = [make_pod(f"p{i}", port=8100 + i) for i in range(4)]
 
 
 class Client:
-    def __init__(self, port: int) -> None:
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    def __init__(self, port: int, channel: grpc.Channel | None = None) -> None:
+        self.channel = channel or grpc.insecure_channel(f"127.0.0.1:{port}")
         self.process = self.channel.stream_unary(
             f"/{EXT_PROC_SERVICE}/Process",
             request_serializer=ep.ProcessingRequest.SerializeToString,

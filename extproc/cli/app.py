@@ -36,6 +36,7 @@ from extproc.wire.server import (
     make_health_server,
     set_serving,
 )
+from extproc.wire.tls import TlsSettings, server_credentials
 
 log = logging.getLogger("extproc.serve")
 
@@ -118,10 +119,22 @@ def check_args(args: argparse.Namespace) -> None:
     for name, ok, rule in rules:
         if not ok:
             raise ConfigError(f"--{name.replace('_', '-')} {rule}, got {getattr(args, name)}")
+    tls_settings(args)
     if str(args.log_level).lower() not in _LOG_LEVELS:
         raise ConfigError(
             f"--log-level must be one of {', '.join(_LOG_LEVELS)}, got {args.log_level!r}"
         )
+
+
+def tls_settings(args: argparse.Namespace) -> TlsSettings:
+    """``--grpc-tls`` and its files.
+
+    Raises:
+        ConfigError: a mode without the files it needs, or files it does not use.
+    """
+    return TlsSettings(
+        args.grpc_tls, args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file
+    )
 
 
 def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> Running:
@@ -164,6 +177,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         max_streams=args.max_streams,
         max_message_bytes=args.max_body_bytes + GRPC_MESSAGE_HEADROOM_BYTES,
         server_kind=args.grpc_server,
+        credentials=server_credentials(tls_settings(args), names=(args.address,)),
     )
     health_server, servicer, health_port = make_health_server(f"{args.address}:{args.health_port}")
     metrics_server = None
