@@ -22,6 +22,7 @@ from extproc.datalayer.pods_file import DEFAULT_PODS_FILE, load_pods
 from extproc.envoyconf.build import (
     DESTINATION_KEY,
     DESTINATION_NAMESPACE,
+    EXTPROC_CLUSTER,
     EnvoyOptions,
     header_attribute,
     make_bootstrap,
@@ -30,6 +31,7 @@ from extproc.envoyconf.build import (
 )
 from extproc.envoyconf.render import render_bootstrap, render_snippet, to_dict, to_yaml
 from extproc.types import Pod, PodId
+from tests.tls_certs import CertAuthority
 
 REPO = Path(__file__).resolve().parents[1]
 ENVOY_DIR = REPO / "envoy"
@@ -198,12 +200,37 @@ def test_every_shipped_yaml_validates(path: Path, tmp_path: Path) -> None:
             make_pods(3), {"attribute_headers": ("x-session-id", "x-tenant")}, id="two-headers"
         ),
         pytest.param((), {"pods_dns": "vllm.llm.svc.cluster.local:8000"}, id="pods-from-dns"),
+        pytest.param(make_pods(2), {"extproc_tls": True}, id="tls-unverified"),
+        pytest.param(
+            make_pods(2),
+            {
+                "extproc_tls": True,
+                "extproc_ca_file": "{ca}",
+                "extproc_address": "extproc.llm.svc.cluster.local:9002",
+            },
+            id="tls-verified-dns",
+        ),
+        pytest.param(
+            make_pods(2),
+            {
+                "extproc_tls": True,
+                "extproc_ca_file": "{ca}",
+                "extproc_client_cert_file": "{cert}",
+                "extproc_client_key_file": "{key}",
+            },
+            id="mtls",
+        ),
     ],
 )
 def test_generated_configs_validate(
     pods: tuple[Pod, ...], options: dict[str, Any], tmp_path: Path
 ) -> None:
-    opts = EnvoyOptions(**options)
+    ca = CertAuthority(tmp_path)
+    envoy = ca.issue("envoy", client=True)
+    files = {"{ca}": str(ca.path), "{cert}": str(envoy.cert), "{key}": str(envoy.key)}
+    opts = EnvoyOptions(
+        **{k: files.get(v, v) if isinstance(v, str) else v for k, v in options.items()}
+    )
     path = tmp_path / "envoy.yaml"
     path.write_text(render_bootstrap(make_bootstrap(pods, opts), summary="test"))
     validate(path)
@@ -213,6 +240,69 @@ def test_generated_configs_validate(
 
 
 # --- what the generator builds --------------------------------------------------------------
+
+
+def extproc_tls_context(**options: Any) -> dict[str, Any] | None:
+    socket = cluster(bootstrap(**options), EXTPROC_CLUSTER).get("transport_socket")
+    if socket is None:
+        return None
+    assert socket["name"] == "envoy.transport_sockets.tls"
+    context: dict[str, Any] = socket["typed_config"]
+    assert context["@type"].endswith("UpstreamTlsContext")
+    assert context["common_tls_context"]["alpn_protocols"] == ["h2"]  # gRPC over TLS
+    return context
+
+
+def test_extproc_cluster_tls_matches_the_serve_modes() -> None:
+    assert extproc_tls_context() is None  # plaintext
+    assert extproc_tls_context(extproc_tls=True) == {  # self-signed: encrypted, not verified
+        "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+        "common_tls_context": {"alpn_protocols": ["h2"]},
+    }
+    verified = extproc_tls_context(
+        extproc_tls=True,
+        extproc_ca_file="/etc/extproc-ca/ca.crt",
+        extproc_address="extproc.llm.svc:9002",
+    )
+    assert verified is not None and verified["sni"] == "extproc.llm.svc"
+    assert verified["common_tls_context"]["validation_context"] == {
+        "trusted_ca": {"filename": "/etc/extproc-ca/ca.crt"},
+        "match_typed_subject_alt_names": [
+            {"san_type": "DNS", "matcher": {"exact": "extproc.llm.svc"}}
+        ],
+    }
+    mtls = extproc_tls_context(
+        extproc_tls=True,
+        extproc_ca_file="/ca.crt",
+        extproc_client_cert_file="/tls.crt",
+        extproc_client_key_file="/tls.key",
+    )
+    assert mtls is not None and "sni" not in mtls  # an IP: no SNI, the IP SAN is checked
+    common = mtls["common_tls_context"]
+    assert common["validation_context"]["match_typed_subject_alt_names"][0]["san_type"] == (
+        "IP_ADDRESS"
+    )
+    assert common["tls_certificates"] == [
+        {"certificate_chain": {"filename": "/tls.crt"}, "private_key": {"filename": "/tls.key"}}
+    ]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        pytest.param({"extproc_ca_file": "/ca.crt"}, "need extproc_tls", id="ca-without-tls"),
+        pytest.param(
+            {"extproc_tls": True, "extproc_client_cert_file": "/tls.crt"},
+            "both its cert and key",
+            id="cert-without-key",
+        ),
+    ],
+)
+def test_extproc_tls_options_that_cannot_work_are_refused(
+    options: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        EnvoyOptions(**options)
 
 
 def test_one_round_processing_mode() -> None:

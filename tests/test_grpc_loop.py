@@ -1,19 +1,29 @@
-"""The one-thread gRPC server on its own: streams, errors, limits, slow answers, stop."""
+"""The gRPC servers on their own: streams, errors, limits, slow answers, stop (the loop
+server and its public fallback alike); and the guard choosing between them."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
+from importlib.metadata import requires, version
 from typing import Any, ClassVar
 
 import grpc
 import pytest
+from packaging.requirements import Requirement
+from prometheus_client import CollectorRegistry
 
-from extproc.wire import grpc_loop
-from extproc.wire.grpc_loop import Answer, LoopServer, Method, run_off_loop
+from extproc.errors import ConfigError
+from extproc.routing.router import Router
+from extproc.wire import grpc_loop, server
+from extproc.wire.grpc_loop import Answer, LoopServer, Method, run_off_loop, self_check
+from extproc.wire.grpc_public import PublicServer
+from extproc.wire.server import choose_server, make_grpc_server
+from tests.factories import PREFIX_ONLY, make_scheduler
 from tests.test_server_sequences import eventually
 
 ECHO = "/test.Loop/Echo"
@@ -44,10 +54,13 @@ def slow_answer() -> Answer:
     return Answer((b"slow done",))
 
 
-@pytest.fixture
-def served() -> Iterator[tuple[LoopServer, grpc.Channel]]:
+Served = tuple[LoopServer | PublicServer, grpc.Channel]
+
+
+@pytest.fixture(params=[LoopServer, PublicServer], ids=["loop", "public"])
+def served(request: pytest.FixtureRequest) -> Iterator[Served]:
     Echo.closed = []
-    server = LoopServer(
+    server = request.param(
         {ECHO: Method(bytes, bytes, Echo, "bytes")},
         max_streams=8,
         options=[("grpc.so_reuseport", 0)],
@@ -65,7 +78,7 @@ def call(channel: grpc.Channel, *messages: bytes, method: str = ECHO) -> list[by
 
 
 def test_replies_in_order_and_the_stream_closes_when_input_ends(
-    served: tuple[LoopServer, grpc.Channel],
+    served: Served,
 ) -> None:
     server, channel = served
     assert call(channel, b"a", b"b") == [b"a", b"b", b"bye"]
@@ -74,7 +87,7 @@ def test_replies_in_order_and_the_stream_closes_when_input_ends(
 
 
 def test_a_handler_that_raises_gets_internal_without_a_trace_and_the_server_goes_on(
-    served: tuple[LoopServer, grpc.Channel], caplog: pytest.LogCaptureFixture
+    served: Served, caplog: pytest.LogCaptureFixture
 ) -> None:
     _, channel = served
     with pytest.raises(grpc.RpcError) as info:
@@ -85,7 +98,7 @@ def test_a_handler_that_raises_gets_internal_without_a_trace_and_the_server_goes
     assert call(channel, b"x") == [b"x", b"bye"]
 
 
-def test_an_unknown_method_is_unimplemented(served: tuple[LoopServer, grpc.Channel]) -> None:
+def test_an_unknown_method_is_unimplemented(served: Served) -> None:
     _, channel = served
     with pytest.raises(grpc.RpcError) as info:
         call(channel, b"x", method="/test.Loop/Nope")
@@ -93,7 +106,7 @@ def test_an_unknown_method_is_unimplemented(served: tuple[LoopServer, grpc.Chann
 
 
 def test_a_slow_answer_off_the_loop_does_not_hold_up_other_streams(
-    served: tuple[LoopServer, grpc.Channel],
+    served: Served,
 ) -> None:
     _, channel = served
     slow: list[list[bytes]] = []
@@ -124,7 +137,7 @@ def stalled_stream(channel: grpc.Channel) -> Iterator[Any]:
 
 
 def test_a_client_that_cancels_is_closed_as_not_delivered(
-    served: tuple[LoopServer, grpc.Channel],
+    served: Served,
 ) -> None:
     server, channel = served
     with stalled_stream(channel) as responses:
@@ -133,7 +146,7 @@ def test_a_client_that_cancels_is_closed_as_not_delivered(
 
 
 def test_stop_cancels_open_streams_after_the_grace(
-    served: tuple[LoopServer, grpc.Channel],
+    served: Served,
 ) -> None:
     server, channel = served
     with stalled_stream(channel):
@@ -144,8 +157,9 @@ def test_stop_cancels_open_streams_after_the_grace(
     assert Echo.closed == [False]
 
 
+@pytest.mark.parametrize("served", [LoopServer], ids=["loop"], indirect=True)
 def test_a_bug_in_the_loop_is_logged_and_the_loop_goes_on(
-    served: tuple[LoopServer, grpc.Channel],
+    served: Served,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -163,3 +177,65 @@ def test_a_bug_in_the_loop_is_logged_and_the_loop_goes_on(
     assert call(channel, b"a") == [b"a", b"bye"]  # the status went out before the bug
     assert eventually(lambda: "a loop bug" in caplog.text)
     assert call(channel, b"b") == [b"b", b"bye"]
+
+
+# -- the guard: loop server or public server ---------------------------------------------
+
+
+def test_the_installed_grpcio_is_in_the_pinned_range_and_carries_the_loop() -> None:
+    """CI runs on the grpcio pyproject.toml allows; the loop is tested on that range."""
+    (pin,) = [Requirement(r) for r in requires("extproc") or [] if r.startswith("grpcio")
+              and Requirement(r).name == "grpcio"]  # fmt: skip
+    assert version("grpcio") in pin.specifier, (version("grpcio"), str(pin.specifier))
+    assert self_check() is None
+    assert choose_server("auto")[0] is LoopServer
+
+
+class _ServerWithoutCancel:
+    """cygrpc.Server as a grpcio without ``cancel_all_calls`` would have it."""
+
+    register_completion_queue = add_http2_port = start = request_call = shutdown = None
+    destroy = None
+
+
+@pytest.mark.parametrize(
+    ("owner", "name", "said"),
+    [
+        pytest.param(grpc_loop, "cygrpc", "no grpc._cython.cygrpc", id="no-cygrpc"),
+        pytest.param(
+            grpc_loop.cygrpc, "SendMessageOperation", "SendMessageOperation", id="an-operation"
+        ),
+        pytest.param(grpc_loop.cygrpc, "Server", "Server.cancel_all_calls", id="a-method"),
+    ],
+)
+def test_a_grpcio_without_what_the_loop_uses_fails_the_self_check(
+    owner: Any, name: str, said: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if name == "Server":
+        monkeypatch.setattr(owner, name, _ServerWithoutCancel)
+    elif owner is grpc_loop:
+        monkeypatch.setattr(owner, name, None)
+    else:
+        monkeypatch.delattr(owner, name)
+    problem = self_check.__wrapped__()
+    assert problem is not None and said in problem
+
+
+def test_a_loop_that_does_not_serve_fails_the_self_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(grpc_loop, "_SelfCheckEcho", lambda: None)  # opens no stream
+    problem = self_check.__wrapped__()
+    assert problem is not None and "self-check" in problem
+
+
+def test_auto_falls_back_to_the_public_server_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(server, "self_check", lambda: "cygrpc lacks Server.start")
+    router = Router(make_scheduler(PREFIX_ONLY), [], registry=CollectorRegistry())
+    with caplog.at_level(logging.INFO, "extproc.grpc"):
+        grpc_server, _ = make_grpc_server(router, "127.0.0.1:0", server_kind="auto")
+    assert isinstance(grpc_server, PublicServer)
+    assert "public server, because cygrpc lacks Server.start" in caplog.text
+    with pytest.raises(ConfigError, match="--grpc-server loop cannot run: cygrpc lacks"):
+        choose_server("loop")
+    assert choose_server("public")[0] is PublicServer

@@ -31,8 +31,8 @@ PODS = [make_pod(f"p{i}", port=8100 + i) for i in range(4)]
 
 
 class Client:
-    def __init__(self, port: int) -> None:
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    def __init__(self, port: int, channel: grpc.Channel | None = None) -> None:
+        self.channel = channel or grpc.insecure_channel(f"127.0.0.1:{port}")
         self.process = self.channel.stream_unary(
             f"/{EXT_PROC_SERVICE}/Process",
             request_serializer=ep.ProcessingRequest.SerializeToString,
@@ -104,8 +104,8 @@ def router() -> Router:
 
 
 @pytest.fixture
-def client(router: Router) -> Iterator[Client]:
-    server, port = make_grpc_server(router, "127.0.0.1:0")
+def client(router: Router, server_kind: str) -> Iterator[Client]:
+    server, port = make_grpc_server(router, "127.0.0.1:0", server_kind=server_kind)
     server.start()
     c = Client(port)
     yield c

@@ -96,7 +96,7 @@ def settled(router: Router) -> bool:
 class Server:
     """A real gRPC server for one protocol, with a stream-stream and a raw client."""
 
-    def __init__(self, protocol: str, router: Router, max_streams: int = 32) -> None:
+    def __init__(self, protocol: str, router: Router, kind: str, max_streams: int = 32) -> None:
         self.protocol = protocol
         self.router = router
         self.server, self.port = make_grpc_server(
@@ -105,6 +105,7 @@ class Server:
             process=epp_process(router) if protocol == "epp" else None,
             max_streams=max_streams,
             max_message_bytes=4 * 1024 * 1024,
+            server_kind=kind,
         )
         self.server.start()
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
@@ -132,8 +133,8 @@ class Server:
 
 
 @pytest.fixture(params=["one-round", "epp"])
-def server(request: pytest.FixtureRequest) -> Iterator[Server]:
-    with Server(request.param, new_router()) as s:
+def server(request: pytest.FixtureRequest, server_kind: str) -> Iterator[Server]:
+    with Server(request.param, new_router(), server_kind) as s:
         yield s
 
 
@@ -176,8 +177,8 @@ ONE_ROUND = {
 
 
 @pytest.mark.parametrize("case", list(ONE_ROUND))
-def test_one_round_malformed_sequences_get_an_answer(case: str) -> None:
-    with Server("one-round", new_router()) as s:
+def test_one_round_malformed_sequences_get_an_answer(case: str, server_kind: str) -> None:
+    with Server("one-round", new_router(), server_kind) as s:
         messages, expected = ONE_ROUND[case]
         reply = s.one_round.process(iter(messages), timeout=5)
         assert [reply.WhichOneof("response")] == expected
@@ -188,8 +189,8 @@ def test_one_round_malformed_sequences_get_an_answer(case: str) -> None:
         still_routes(s)
 
 
-def test_one_round_reads_one_message_and_ignores_the_rest() -> None:
-    with Server("one-round", new_router()) as s:
+def test_one_round_reads_one_message_and_ignores_the_rest(server_kind: str) -> None:
+    with Server("one-round", new_router(), server_kind) as s:
         reply = s.one_round.process(
             iter([routed_body("two"), body(b"{junk"), response_headers()]), timeout=5
         )
@@ -240,8 +241,10 @@ EPP = {
 
 
 @pytest.mark.parametrize("case", list(EPP))
-def test_epp_malformed_sequences_get_an_answer_and_leave_nothing_behind(case: str) -> None:
-    with Server("epp", new_router()) as s:
+def test_epp_malformed_sequences_get_an_answer_and_leave_nothing_behind(
+    case: str, server_kind: str
+) -> None:
+    with Server("epp", new_router(), server_kind) as s:
         messages, expected, status = EPP[case]
         replies = s.exchange(messages)
         assert kinds(replies) == expected
@@ -251,9 +254,9 @@ def test_epp_malformed_sequences_get_an_answer_and_leave_nothing_behind(case: st
         still_routes(s)
 
 
-def test_epp_records_only_a_2xx_response_that_ended() -> None:
+def test_epp_records_only_a_2xx_response_that_ended(server_kind: str) -> None:
     router = new_router()
-    with Server("epp", router) as s:
+    with Server("epp", router, server_kind) as s:
         s.exchange([headers(rid="fail"), body(), response_headers("503"), response_body()])
         s.exchange([headers(rid="cut"), body(), response_headers(), response_body(eos=False)])
         assert router.metrics.completions.labels("recorded")._value.get() == 0
@@ -412,19 +415,19 @@ def test_a_body_over_a_mebibyte_is_routed_off_the_loop(
     assert settled(server.router)
 
 
-def test_a_repeated_request_id_does_not_leak_in_flight() -> None:
+def test_a_repeated_request_id_does_not_leak_in_flight(server_kind: str) -> None:
     """Envoy generates request ids, but a gateway may keep the client's: the same id
     routed twice before its end must not leave the first counted in flight for ever."""
-    with Server("one-round", new_router()) as s:
+    with Server("one-round", new_router(), server_kind) as s:
         for _ in range(2):
             assert destination(s.one_round.process(iter([routed_body("dup")]), timeout=5))
         s.router.complete("dup", None, False)
         assert settled(s.router), s.router.in_flight.snapshot()
 
 
-def test_epp_streams_with_the_same_request_id_record_each_their_own() -> None:
+def test_epp_streams_with_the_same_request_id_record_each_their_own(server_kind: str) -> None:
     router = new_router()
-    with Server("epp", router) as s:
+    with Server("epp", router, server_kind) as s:
         gate = threading.Event()
 
         def first() -> Iterator[ep.ProcessingRequest]:
@@ -451,12 +454,14 @@ def test_epp_streams_with_the_same_request_id_record_each_their_own() -> None:
         assert settled(router)
 
 
-def test_epp_full_duplex_body_over_the_limit_is_refused_while_it_streams() -> None:
+def test_epp_full_duplex_body_over_the_limit_is_refused_while_it_streams(
+    server_kind: str,
+) -> None:
     """FULL_DUPLEX_STREAMED has no Envoy buffer limit: extproc must not buffer without one."""
     router = Router(
         make_scheduler(PREFIX_ONLY), PODS, registry=CollectorRegistry(), max_body_bytes=1000
     )
-    with Server("epp", router) as s:
+    with Server("epp", router, server_kind) as s:
 
         def chunks() -> Iterator[ep.ProcessingRequest]:
             yield headers(duplex=True)
@@ -491,11 +496,11 @@ def held_streams(channel: grpc.Channel, count: int, method: str) -> Iterator[lis
 ACCESS_LOG = "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs"
 
 
-def test_open_access_log_streams_do_not_hold_up_routing() -> None:
+def test_open_access_log_streams_do_not_hold_up_routing(server_kind: str) -> None:
     """Envoy keeps one access-log stream per worker thread, for ever: a stream holds no
     thread in the loop server, so however many are open, routing goes on."""
     with (
-        Server("one-round", new_router(), max_streams=64) as s,
+        Server("one-round", new_router(), server_kind, max_streams=64) as s,
         held_streams(s.channel, 48, ACCESS_LOG) as held,
     ):
         time.sleep(0.5)
@@ -507,10 +512,12 @@ def test_open_access_log_streams_do_not_hold_up_routing() -> None:
 
 
 @pytest.mark.parametrize("protocol", ["one-round", "epp"])
-def test_streams_beyond_the_limit_are_refused_at_once_not_queued(protocol: str) -> None:
+def test_streams_beyond_the_limit_are_refused_at_once_not_queued(
+    protocol: str, server_kind: str
+) -> None:
     """Past --max-streams a new stream fails fast (Envoy answers or fails open) instead
     of waiting out the message timeout; the held ones still finish."""
-    with Server(protocol, new_router(), max_streams=4) as s:
+    with Server(protocol, new_router(), server_kind, max_streams=4) as s:
         with held_streams(s.channel, 4, f"/{EXT_PROC_SERVICE}/Process") as held:
             time.sleep(0.5)
             assert not any(f.done() for f in held)
@@ -525,10 +532,10 @@ def test_streams_beyond_the_limit_are_refused_at_once_not_queued(protocol: str) 
         still_routes(s)
 
 
-def test_a_draining_server_refuses_new_routes_but_takes_access_logs() -> None:
+def test_a_draining_server_refuses_new_routes_but_takes_access_logs(server_kind: str) -> None:
     """During the drain Envoy must fail the new requests fast (500, or fail open) while
     the access logs of those in flight still arrive and are recorded."""
-    with Server("one-round", new_router()) as s:
+    with Server("one-round", new_router(), server_kind) as s:
         served = destination(s.one_round.process(iter([routed_body("in-flight")]), timeout=5))[0]
         s.server.drain(keep=[ACCESS_LOG])
         with pytest.raises(grpc.RpcError) as info:

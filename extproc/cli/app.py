@@ -28,14 +28,15 @@ from extproc.scheduling.config import build_scheduler, load_config
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.sessions import SessionStore
 from extproc.wire.epp import epp_process
-from extproc.wire.grpc_loop import LoopServer
 from extproc.wire.protocol import ACCESS_LOG_PATH
 from extproc.wire.server import (
     GRPC_MESSAGE_HEADROOM_BYTES,
+    GrpcServer,
     make_grpc_server,
     make_health_server,
     set_serving,
 )
+from extproc.wire.tls import TlsSettings, server_credentials
 
 log = logging.getLogger("extproc.serve")
 
@@ -47,7 +48,7 @@ class Running:
     """A started picker; ``stop()`` drains and shuts everything down."""
 
     router: Router
-    grpc_server: LoopServer
+    grpc_server: GrpcServer
     grpc_port: int
     health_server: grpc.Server
     health_servicer: health.HealthServicer
@@ -118,10 +119,22 @@ def check_args(args: argparse.Namespace) -> None:
     for name, ok, rule in rules:
         if not ok:
             raise ConfigError(f"--{name.replace('_', '-')} {rule}, got {getattr(args, name)}")
+    tls_settings(args)
     if str(args.log_level).lower() not in _LOG_LEVELS:
         raise ConfigError(
             f"--log-level must be one of {', '.join(_LOG_LEVELS)}, got {args.log_level!r}"
         )
+
+
+def tls_settings(args: argparse.Namespace) -> TlsSettings:
+    """``--grpc-tls`` and its files.
+
+    Raises:
+        ConfigError: a mode without the files it needs, or files it does not use.
+    """
+    return TlsSettings(
+        args.grpc_tls, args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file
+    )
 
 
 def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> Running:
@@ -163,6 +176,8 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         process=epp_process(router) if args.protocol == "epp" else None,
         max_streams=args.max_streams,
         max_message_bytes=args.max_body_bytes + GRPC_MESSAGE_HEADROOM_BYTES,
+        server_kind=args.grpc_server,
+        credentials=server_credentials(tls_settings(args), names=(args.address,)),
     )
     health_server, servicer, health_port = make_health_server(f"{args.address}:{args.health_port}")
     metrics_server = None

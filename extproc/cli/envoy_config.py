@@ -70,6 +70,19 @@ def register(subparsers: Any) -> None:
         help=f"request header sent to extproc (repeatable; default {_DEFAULTS.attribute_headers})",
     )
     parser.add_argument(
+        "--extproc-tls",
+        action="store_true",
+        help="TLS towards extproc (extproc serve --grpc-tls self-signed, files or mtls)",
+    )
+    parser.add_argument(
+        "--extproc-ca-file",
+        help="CA that verifies extproc's certificate (without it: not verified, for "
+        "--grpc-tls self-signed)",
+    )
+    parser.add_argument("--extproc-sni", help="server name (default: the extproc host)")
+    parser.add_argument("--extproc-client-cert-file", help="Envoy's certificate (mTLS)")
+    parser.add_argument("--extproc-client-key-file", help="Envoy's key (mTLS)")
+    parser.add_argument(
         "--output", "-o", type=Path, help="write the bootstrap here (default: stdout)"
     )
     parser.add_argument("--snippet", type=Path, help="also write the snippet for an existing Envoy")
@@ -91,6 +104,11 @@ def run(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             attribute_headers=tuple(args.attribute_headers or _DEFAULTS.attribute_headers),
             pods_dns=args.pods_dns,
+            extproc_tls=args.extproc_tls,
+            extproc_ca_file=args.extproc_ca_file,
+            extproc_sni=args.extproc_sni,
+            extproc_client_cert_file=args.extproc_client_cert_file,
+            extproc_client_key_file=args.extproc_client_key_file,
         )
     except (ConfigError, ValueError) as exc:
         print(f"extproc envoy-config: {exc}", file=sys.stderr)

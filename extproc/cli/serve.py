@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -20,6 +21,8 @@ from extproc.cli.app import check_args, start
 from extproc.datalayer.sources import add_source_arguments
 from extproc.errors import ConfigError
 from extproc.request.parse import DEFAULT_MAX_BODY_BYTES
+from extproc.wire.server import GRPC_SERVERS
+from extproc.wire.tls import TLS_MODES
 
 log = logging.getLogger("extproc.serve")
 
@@ -70,6 +73,33 @@ def register(sub: Any) -> None:
         help="gRPC streams open at once: one per request being routed (EPP: for the "
         "request's whole life) and one access log per Envoy worker; streams beyond are "
         "refused at once (default %(default)s)",
+    )
+    p.add_argument(
+        "--grpc-server",
+        choices=GRPC_SERVERS,
+        default=_env("grpc-server", "auto"),
+        help="loop: the one-thread server on grpcio's private core binding (the fastest); "
+        "public: grpcio's public grpc.server (a thread per open stream); auto: loop when "
+        "the installed grpcio passes its self-check at start-up, else public (the log says "
+        "which and why) (default %(default)s)",
+    )
+    p.add_argument(
+        "--grpc-tls",
+        choices=TLS_MODES,
+        default=_env("grpc-tls", "off"),
+        help="the gRPC port's transport: off (plaintext); self-signed (TLS, a certificate "
+        "made at start-up, for gateways that do not verify it); files (TLS with "
+        "--tls-cert-file/--tls-key-file, re-read when they change); mtls (files, and "
+        "every client must present a certificate from --tls-client-ca-file) "
+        "(default %(default)s)",
+    )
+    p.add_argument("--tls-cert-file", type=Path, default=_env("tls-cert-file", None))
+    p.add_argument("--tls-key-file", type=Path, default=_env("tls-key-file", None))
+    p.add_argument(
+        "--tls-client-ca-file",
+        type=Path,
+        default=_env("tls-client-ca-file", None),
+        help="CA bundle that signs the clients' certificates (--grpc-tls mtls)",
     )
     p.add_argument(
         "--max-body-bytes", type=int, default=_env("max-body-bytes", str(DEFAULT_MAX_BODY_BYTES))

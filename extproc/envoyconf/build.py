@@ -16,6 +16,7 @@ service, on the same extproc cluster, reports how each request ended.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,8 +45,11 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
 from envoy.extensions.load_balancing_policies.round_robin.v3 import round_robin_pb2
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
+from envoy.extensions.transport_sockets.tls.v3 import common_pb2 as tls_common_pb2
+from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.matcher.v3 import metadata_pb2 as metadata_matcher_pb2
+from envoy.type.matcher.v3 import string_pb2 as string_matcher_pb2
 from envoy.type.matcher.v3 import value_pb2
 from envoy.type.metadata.v3 import metadata_pb2
 from google.protobuf import any_pb2, duration_pb2, message, wrappers_pb2
@@ -112,6 +116,13 @@ class EnvoyOptions:
         pods_dns: ``dns-name:port`` whose addresses are the pods (in Kubernetes a
             headless Service); replaces the static pod list with a STRICT_DNS cluster
             that follows the pods as DNS does.
+        extproc_tls: TLS towards extproc (``extproc serve --grpc-tls`` not off).
+        extproc_ca_file: CA bundle that verifies extproc's certificate; None with TLS:
+            not verified (extproc's ``self-signed`` mode: private, not authenticated).
+        extproc_sni: the server name sent and (with a CA) verified; default: the host
+            of ``extproc_address``.
+        extproc_client_cert_file, extproc_client_key_file: Envoy's client certificate
+            (extproc's ``mtls`` mode).
     """
 
     extproc_address: str = "127.0.0.1:9002"
@@ -125,9 +136,24 @@ class EnvoyOptions:
     connect_timeout_s: float = 1.0
     attribute_headers: tuple[str, ...] = ("x-session-id",)
     pods_dns: str | None = None
+    extproc_tls: bool = False
+    extproc_ca_file: str | None = None
+    extproc_sni: str | None = None
+    extproc_client_cert_file: str | None = None
+    extproc_client_key_file: str | None = None
 
     def __post_init__(self) -> None:
         split_host_port(self.extproc_address)
+        tls_files = (
+            self.extproc_ca_file,
+            self.extproc_sni,
+            self.extproc_client_cert_file,
+            self.extproc_client_key_file,
+        )
+        if not self.extproc_tls and any(tls_files):
+            raise ValueError("extproc TLS files and SNI need extproc_tls")
+        if (self.extproc_client_cert_file is None) != (self.extproc_client_key_file is None):
+            raise ValueError("the client certificate for extproc needs both its cert and key")
         if self.pods_dns is not None and split_host_port(self.pods_dns)[2]:
             raise ValueError(f"pods_dns must be dns-name:port, got {self.pods_dns!r}")
         for name in ("listen_port", "admin_port"):
@@ -442,7 +468,43 @@ def make_extproc_cluster(options: EnvoyOptions) -> cluster_pb2.Cluster:
                 endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[_lb_endpoint(host, port)])
             ],
         ),
+        transport_socket=make_extproc_tls(options, host) if options.extproc_tls else None,
     )
+
+
+def make_extproc_tls(options: EnvoyOptions, host: str) -> base_pb2.TransportSocket:
+    """TLS towards extproc: ALPN h2 (gRPC), SNI, extproc's CA when it verifies, and its
+    own certificate for mTLS."""
+    common = tls_pb2.CommonTlsContext(alpn_protocols=["h2"])
+    sni = options.extproc_sni or host
+    if options.extproc_ca_file:
+        validation = common.validation_context
+        validation.trusted_ca.filename = options.extproc_ca_file
+        validation.match_typed_subject_alt_names.append(
+            tls_common_pb2.SubjectAltNameMatcher(
+                san_type=tls_common_pb2.SubjectAltNameMatcher.IP_ADDRESS
+                if _is_ip(sni)
+                else tls_common_pb2.SubjectAltNameMatcher.DNS,
+                matcher=string_matcher_pb2.StringMatcher(exact=sni),
+            )
+        )
+    if options.extproc_client_cert_file and options.extproc_client_key_file:
+        common.tls_certificates.append(
+            tls_common_pb2.TlsCertificate(
+                certificate_chain=base_pb2.DataSource(filename=options.extproc_client_cert_file),
+                private_key=base_pb2.DataSource(filename=options.extproc_client_key_file),
+            )
+        )
+    context = tls_pb2.UpstreamTlsContext(common_tls_context=common, sni="" if _is_ip(sni) else sni)
+    return base_pb2.TransportSocket(name="envoy.transport_sockets.tls", typed_config=_any(context))
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _grpc_service() -> grpc_service_pb2.GrpcService:

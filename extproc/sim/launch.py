@@ -16,7 +16,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -275,12 +275,14 @@ def run_stack(
     extproc_command: Sequence[str] = EXTPROC_COMMAND,
     extproc_start_timeout_s: float = START_TIMEOUT_S,
     message_timeout_s: float = DEFAULT_MESSAGE_TIMEOUT_S,
+    envoy_options: Mapping[str, Any] | None = None,
 ) -> Iterator[Stack]:
     """extproc (on a pods file of ``pods``) and Envoy in front of it, both stopped after.
 
     ``extproc_command`` runs another entry point with extproc's ``serve`` flags (a test
     wrapper such as ``e2e.slow_scheduler``, or extproc under a profiler, which may need a
     longer ``extproc_start_timeout_s`` and Envoy's ``message_timeout_s``).
+    ``envoy_options``: more ``EnvoyOptions`` fields (e.g. TLS towards extproc).
     """
     with tempfile.TemporaryDirectory(prefix="extproc-stack-") as tmp:
         log_dir = Path(tmp)
@@ -293,6 +295,7 @@ def run_stack(
             num_fallbacks=num_fallbacks,
             failure_mode_allow=failure_mode_allow,
             message_timeout_s=message_timeout_s,
+            **(envoy_options or {}),
         )
 
         def start_picker() -> Proc:

@@ -14,7 +14,10 @@ how to open a ``Stream``), and a stream answers each message with an ``Answer``.
 handlers run on the loop thread, so they must be quick; one that has slow work (routing
 a body of megabytes) returns a ``Future`` of its answer instead, computed elsewhere,
 and the stream reads nothing more until it is ready. grpcio's ``_cython.cygrpc`` layer
-is the one ``grpc.server`` and ``grpc.aio`` are built on.
+is the one ``grpc.server`` and ``grpc.aio`` are built on, but it is private: it may
+change in any grpcio release. ``self_check`` says whether the installed one has what this
+loop uses (and serves one call through it); ``wire.server`` falls back to the public
+``grpc.server`` (``grpc_public``) when it has not.
 """
 
 from __future__ import annotations
@@ -26,9 +29,16 @@ from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cache
 from typing import Any, NamedTuple, Protocol
 
-from grpc._cython import cygrpc  # grpcio's own core binding (see the module docstring)
+import grpc
+
+try:  # grpcio's own core binding (see the module docstring)
+    from grpc._cython import cygrpc as _cygrpc
+except ImportError:  # self_check says so; the public server is used instead
+    _cygrpc = None
+cygrpc: Any = _cygrpc
 
 log = logging.getLogger("extproc.grpc")
 
@@ -135,6 +145,11 @@ class LoopServer:
 
     def add_insecure_port(self, address: str) -> int:
         return int(self._server.add_http2_port(address.encode()))
+
+    def add_secure_port(self, address: str, credentials: grpc.ServerCredentials) -> int:
+        """As ``grpc.Server.add_secure_port``: its core credentials, which grpcio keeps
+        in ``_credentials`` (``self_check`` checks that it does)."""
+        return int(self._server.add_http2_port(address.encode(), credentials._credentials))
 
     @property
     def open_streams(self) -> int:
@@ -355,3 +370,90 @@ class _Call:
             self._stream.on_close(delivered)
         except Exception:
             log.exception("unexpected error closing a stream")
+
+
+# What the loop uses of cygrpc: its classes, the server's methods, the status codes.
+_NEEDED_NAMES = (
+    "CompletionQueue",
+    "Server",
+    "ServerCredentials",
+    "StatusCode",
+    "SendInitialMetadataOperation",
+    "SendMessageOperation",
+    "SendStatusFromServerOperation",
+    "ReceiveMessageOperation",
+    "ReceiveCloseOnServerOperation",
+)
+_NEEDED_SERVER_METHODS = (
+    "register_completion_queue",
+    "add_http2_port",
+    "start",
+    "request_call",
+    "shutdown",
+    "cancel_all_calls",
+    "destroy",
+)
+_NEEDED_CODES = ("ok", "unimplemented", "unavailable", "resource_exhausted", "internal")
+_SELF_CHECK_PATH = "/extproc.SelfCheck/Echo"
+SELF_CHECK_TIMEOUT_S = 5.0
+
+
+class _SelfCheckEcho:
+    """Echoes each message, ends when the input ends."""
+
+    def on_message(self, message: bytes) -> Answer:
+        return Answer((message,))
+
+    def on_input_end(self) -> Answer:
+        return Answer((b"end",), end=True)
+
+    def on_close(self, delivered: bool) -> None:
+        pass
+
+
+@cache
+def self_check() -> str | None:
+    """Why the installed grpcio cannot carry the loop server, or None when it can: the
+    cygrpc names it uses exist, the credentials wrapper holds core credentials, and one
+    echo call goes through a loop server on 127.0.0.1 (a few milliseconds, once)."""
+    if cygrpc is None:
+        return "grpcio has no grpc._cython.cygrpc"
+    missing = [n for n in _NEEDED_NAMES if not hasattr(cygrpc, n)]
+    missing += [f"Server.{n}" for n in _NEEDED_SERVER_METHODS if not hasattr(cygrpc.Server, n)]
+    if hasattr(cygrpc, "StatusCode"):
+        missing += [f"StatusCode.{c}" for c in _NEEDED_CODES if not hasattr(cygrpc.StatusCode, c)]
+    if missing:
+        return f"grpcio {grpc.__version__}'s cygrpc lacks {', '.join(missing)}"
+    credentials = grpc.local_server_credentials()
+    if not isinstance(getattr(credentials, "_credentials", None), cygrpc.ServerCredentials):
+        return f"grpcio {grpc.__version__}'s ServerCredentials no longer wrap cygrpc's"
+    try:
+        return _echo_once()
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not use the loop
+        return f"the loop server failed its self-check on grpcio {grpc.__version__}: {exc!r}"
+
+
+def _echo_once() -> str | None:
+    server = LoopServer(
+        {_SELF_CHECK_PATH: Method(bytes, bytes, _SelfCheckEcho, "bytes")},
+        max_streams=1,
+        options=[("grpc.so_reuseport", 0)],
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    if not port:
+        return "the loop server's self-check could not bind 127.0.0.1"
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            replies = list(
+                channel.stream_stream(_SELF_CHECK_PATH)(
+                    iter([b"ping"]), timeout=SELF_CHECK_TIMEOUT_S
+                )
+            )
+    finally:
+        stopped = server.stop(0).wait(SELF_CHECK_TIMEOUT_S)
+    if replies != [b"ping", b"end"]:
+        return f"the loop server's self-check echoed {replies!r}"
+    if not stopped:
+        return "the loop server did not stop in its self-check"
+    return None
