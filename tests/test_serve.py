@@ -3,6 +3,7 @@ refuses every bad configuration at start-up with a message naming what to fix.""
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from extproc.cli import serve
 from extproc.datalayer.pods_file import DEFAULT_PODS_FILE
 from extproc.sim.launch import free_port, start_extproc
 from extproc.wire.protocol import EXT_PROC_SERVICE
@@ -49,6 +51,43 @@ def test_sigterm_ends_the_process_after_bytes_that_are_not_a_message(tmp_path: P
     started = time.monotonic()
     assert proc.stop(signal.SIGTERM, timeout_s=8) == 0, proc.log_tail()
     assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        pytest.param(["--v=4"], id="klog-equals"),
+        pytest.param(["--v", "4"], id="klog-space"),
+        pytest.param(["-v", "4"], id="short"),
+        pytest.param(["-v4"], id="short-joined"),
+    ],
+)
+def test_verbosity_is_accepted_as_kthena_spells_it(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    assert parser.parse_args(["serve", *argv]).v == 4
+
+
+def test_an_unknown_plugin_is_logged_and_start_up_goes_on(tmp_path: Path) -> None:
+    """Kthena's factory.go logs "Failed to get plugin NAME." and builds the rest."""
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "scheduler:\n  plugins:\n    Filter:\n      enabled: [lora-affinity]\n"
+        "    Score:\n      enabled:\n        - {name: random, weight: 1}\n"
+        "        - {name: prefix-cache, weight: 1}\n"
+    )
+    proc = start_extproc(
+        DEFAULT_PODS_FILE,
+        tmp_path,
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+        extra_args=["--config", str(config), "--stale-after-s", "0"],
+    )
+    assert proc.stop(signal.SIGTERM) == 0
+    log = proc.log_tail()
+    assert "Failed to get plugin lora-affinity." in log
+    assert "Failed to get plugin random." in log
+    assert "scores ['prefix-cache*1']" in log
 
 
 def _score(weight: str) -> str:
@@ -92,10 +131,21 @@ REFUSALS: dict[str, Refusal] = {
         "weight must be an integer, got 'high'",
         (("c.yaml", _score("          weight: high\n")),),
     ),
-    "unknown-plugin": Refusal(
+    "least-latency-factor-out-of-range": Refusal(
         ("--config", "{dir}/c.yaml"),
-        "{dir}/c.yaml: unknown plugin 'nope'",
-        (("c.yaml", "scheduler:\n  plugins:\n    Filter:\n      enabled: [nope]\n"),),
+        "{dir}/c.yaml: failed to Load Scheduler: failed to Unmarshal PluginsConfig: invalid "
+        "least-latency plugin configuration: TTFTTPOTWeightFactor must be a finite value "
+        "between 0 and 1, got 1.5",
+        (
+            (
+                "c.yaml",
+                "scheduler: {pluginConfig: [{name: least-latency, "
+                + "args: {TTFTTPOTWeightFactor: 1.5}}]}\n",
+            ),
+        ),
+    ),
+    "unknown-prompt-rendering": Refusal(
+        ("--prompt-rendering", "openai"), "argument --prompt-rendering: invalid choice: 'openai'"
     ),
     "config-invalid-yaml": Refusal(
         ("--config", "{dir}/c.yaml"),

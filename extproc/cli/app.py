@@ -23,6 +23,7 @@ from extproc.datalayer.scrape import MetricsScraper
 from extproc.datalayer.sources import PodsSource, describe_source, make_pods_source
 from extproc.datalayer.store import PodStore
 from extproc.errors import ConfigError
+from extproc.request.render import Rendering
 from extproc.routing.router import Router
 from extproc.scheduling.config import build_scheduler, load_config
 from extproc.scheduling.inflight import InFlight
@@ -154,6 +155,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         num_fallbacks=args.num_fallbacks,
         session_header=args.session_header or None,
         max_body_bytes=args.max_body_bytes,
+        rendering=Rendering(args.prompt_rendering),
         in_flight=in_flight,
         registry=registry,
     )

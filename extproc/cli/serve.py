@@ -21,6 +21,7 @@ from extproc.cli.app import check_args, start
 from extproc.datalayer.sources import add_source_arguments
 from extproc.errors import ConfigError
 from extproc.request.parse import DEFAULT_MAX_BODY_BYTES
+from extproc.request.render import Rendering
 from extproc.wire.server import GRPC_SERVERS
 from extproc.wire.tls import TLS_MODES
 
@@ -129,9 +130,19 @@ def register(sub: Any) -> None:
     p.add_argument("--log-level", default=_env("log-level", "info"))
     p.add_argument(
         "-v",
+        "--v",  # klog's spelling, as Kthena's router is started: --v=4
+        dest="v",
         type=int,
         default=_env("v", "0"),
-        help="verbosity; 4 logs every score plugin's per-pod scores",
+        help="verbosity; 4 logs every score plugin's per-pod scores and the final scores",
+    )
+    p.add_argument(
+        "--prompt-rendering",
+        choices=[r.value for r in Rendering],
+        default=_env("prompt-rendering", Rendering.EXTENDED.value),
+        help="where the prompt is read from: extended: the path's own field (list and "
+        "token-id completions prompts routed); kthena: Kthena's prompt/messages/input "
+        "order for every path, to the letter (default %(default)s)",
     )
     add_source_arguments(p, _env)
     p.set_defaults(func=run)

@@ -1,7 +1,8 @@
 """Request body -> ``InferenceRequest``: the model, the rendered prompt and routing keys.
 
 The path selects the API; the body must be a JSON object with a ``model``; the prompt is
-rendered by ``request.render`` as Kthena renders it. Anything that cannot be routed
+rendered by ``request.render`` as Kthena renders it (``Rendering`` chooses whether the
+path or Kthena's fixed field order says where the prompt is). Anything that cannot be routed
 raises ``BadRequest`` (or ``BodyTooLarge``) with a message naming the field.
 """
 
@@ -15,7 +16,14 @@ from typing import Any
 import orjson
 
 from extproc.errors import BadRequest, BodyTooLarge
-from extproc.request.render import json_type, render_chat, render_completions, render_responses
+from extproc.request.render import (
+    Rendering,
+    json_type,
+    render_chat,
+    render_completions,
+    render_kthena,
+    render_responses,
+)
 
 
 class Api(str, Enum):
@@ -61,6 +69,7 @@ def parse_request(
     *,
     session_header: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    rendering: Rendering = Rendering.EXTENDED,
 ) -> InferenceRequest:
     """Parse and render one OpenAI-style request.
 
@@ -70,6 +79,7 @@ def parse_request(
         headers: request headers with lower-case names (only ``session_header`` is read).
         session_header: the header carrying the session key, if sessions are used.
         max_body_bytes: larger bodies are refused with 413.
+        rendering: where the prompt is read from (``request.render.Rendering``).
 
     Raises:
         BadRequest: the body cannot be routed as sent; the message says why.
@@ -95,7 +105,7 @@ def parse_request(
         stream = False
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", code="invalid_type", param="stream")
-    prompt = _RENDERERS[api](data)
+    prompt = render_kthena(data) if rendering is Rendering.KTHENA else _RENDERERS[api](data)
     _check_encodable(prompt)
     session_key = None
     if session_header and headers:

@@ -22,6 +22,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from extproc.errors import ExtProcError, NoReadyPods
 from extproc.request.parse import DEFAULT_MAX_BODY_BYTES, parse_request
+from extproc.request.render import Rendering
 from extproc.routing.metrics import RouterMetrics
 from extproc.routing.pending import Pending, PendingRecords
 from extproc.scheduling.inflight import InFlight
@@ -54,6 +55,7 @@ class Router:
         num_fallbacks: int = 2,
         session_header: str | None = "x-session-id",
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        rendering: Rendering = Rendering.EXTENDED,
         pending: PendingRecords | None = None,
         in_flight: InFlight | None = None,
         registry: CollectorRegistry = REGISTRY,
@@ -64,6 +66,7 @@ class Router:
         self.num_fallbacks = num_fallbacks
         self.session_header = session_header
         self.max_body_bytes = max_body_bytes
+        self.rendering = rendering
         self.in_flight = in_flight if in_flight is not None else InFlight()
         self.pending = pending if pending is not None else PendingRecords()
         self.pending.on_drop = self._end_in_flight
@@ -108,6 +111,7 @@ class Router:
                 headers,
                 session_header=self.session_header,
                 max_body_bytes=self.max_body_bytes,
+                rendering=self.rendering,
             )
             pods: Sequence[Pod] = self.pods
             if subset is not None:

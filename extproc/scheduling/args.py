@@ -1,6 +1,8 @@
 """Plugin arguments from the configuration's ``pluginConfig[].args``, Kthena's way.
 
-* A misspelled (unknown) key is ignored, so its default is used.
+* A misspelled (unknown) key is ignored, so its default is used. Keys match
+  case-insensitively (Go decodes the args as JSON, whose field matching folds case),
+  and of two keys naming one field the later wins.
 * An omitted, zero, negative or infinite number uses the default, unless the field declares a
   closed range (``field(metadata={"range": (lo, hi)})``, as Kthena's
   ``TTFTTPOTWeightFactor`` in [0, 1]): then any value in the range is used, and one
@@ -42,13 +44,15 @@ def _parse(args_type: type[Any], raw: Any) -> dict[str, Any]:
         return {}
     if not isinstance(raw, dict):
         raise _Unparseable
+    fields = {f.name.lower(): f for f in dataclasses.fields(args_type)}
     values: dict[str, Any] = {}
-    for f in dataclasses.fields(args_type):
-        if f.name not in raw:
+    for key, value in raw.items():
+        f = fields.get(key.lower()) if isinstance(key, str) else None
+        if f is None:
             continue
-        value = raw[f.name]
         if value is None:
-            continue  # a YAML null is Go's zero value: the default
+            continue  # JSON null leaves a Go field as it was: the default, or an earlier key
+        values.pop(f.name, None)  # a later key for the same field replaces the earlier
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _Unparseable
         if f.type in ("int", int) and not isinstance(value, int):

@@ -15,15 +15,22 @@ Format::
         - name: prefix-cache
           args: {blockSizeToHash: 64, maxBlocksToMatch: 128, ...}
 
-Semantics follow Kthena: a score weight that is missing, 0 or negative stops start-up
-with ``score plugin "NAME" must set a weight greater than 0, got N``; ``Score.disabled``
-has no effect; plugin args use ``extproc.scheduling.args`` rules. An unknown plugin,
-unreadable YAML or a missing file stops start-up with a ``ConfigError`` naming the file.
+Semantics follow Kthena's ``conf.go`` and ``factory.go``: a score weight that is missing,
+0 or negative stops start-up with ``score plugin "NAME" must set a weight greater than
+0, got N`` (the spec); a plugin listed twice in ``Score.enabled`` is configured once,
+with its last entry's weight (Kthena keeps them in a map), and likewise a filter listed
+twice runs once and a ``pluginConfig`` entry listed twice gives its last args;
+``Score.disabled`` has no effect; a name no built-in plugin answers to (for that
+extension point) is logged as ``Failed to get plugin NAME.`` and skipped; plugin args
+use ``extproc.scheduling.args`` rules, except that an invalid least-latency
+``TTFTTPOTWeightFactor`` stops start-up, as in Kthena. Unreadable YAML or a missing file
+stops start-up with a ``ConfigError`` naming the file.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
@@ -34,6 +41,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from extproc.errors import ConfigError
 from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.plugins.least_latency import LeastLatency, check_least_latency_args
 from extproc.scheduling.registry import BUILTIN
 from extproc.scheduling.scheduler import PluginTimer, Scheduler, WeightedScorer
 from extproc.scheduling.sessions import SessionStore
@@ -100,22 +108,45 @@ def parse_config(text: str, source: str) -> SchedulerConfig:
         _plugin_name(item, f"{source}: scheduler.plugins.Filter.enabled[{i}]")
         for i, item in enumerate(_list(filter_section.get("enabled"), source, "Filter.enabled"))
     )
-    scores = tuple(
-        _score_entry(item, source, i)
-        for i, item in enumerate(_list(score_section.get("enabled"), source, "Score.enabled"))
-    )
-    for name in (*filters, *(s.name for s in scores)):
-        if name not in BUILTIN:
-            raise ConfigError(
-                f"{source}: unknown plugin {name!r}; known plugins: {', '.join(sorted(BUILTIN))}"
-            )
+    weights: dict[str, int] = {}  # Kthena's map: the last entry of a name wins
+    for i, item in enumerate(_list(score_section.get("enabled"), source, "Score.enabled")):
+        entry = _score_entry(item, source, i)
+        weights.pop(entry.name, None)
+        weights[entry.name] = entry.weight
     plugin_args: dict[str, Any] = {}
     for i, entry in enumerate(_list(scheduler.get("pluginConfig"), source, "pluginConfig")):
         where = f"{source}: scheduler.pluginConfig[{i}]"
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
             raise ConfigError(f"{where}: each entry needs a 'name' string and optional 'args'")
+        if entry["name"] == LeastLatency.type_name and "args" in entry:
+            problem = check_least_latency_args(entry["args"])
+            if problem:
+                raise ConfigError(
+                    f"{source}: failed to Load Scheduler: failed to Unmarshal PluginsConfig: "
+                    f"invalid {entry['name']} plugin configuration: {problem}"
+                )
         plugin_args[entry["name"]] = entry.get("args")
+    filters = tuple(dict.fromkeys(_known(filters, Filter)))
+    scores = tuple(ScoreEntry(name, weights[name]) for name in _known(weights, Scorer))
     return SchedulerConfig(source, filters, scores, plugin_args)
+
+
+def _known(names: Iterable[str], point: type) -> list[str]:
+    """The names a built-in plugin answers to at ``point`` (Filter, Scorer); Kthena's
+    registry lookup: any other is logged and skipped."""
+    known = []
+    for name in names:
+        plugin = BUILTIN.get(name)
+        if plugin is None or not _implements(plugin, point):
+            log.error("Failed to get plugin %s.", name)
+        else:
+            known.append(name)
+    return known
+
+
+def _implements(plugin: type, point: type) -> bool:
+    method = "filter" if point is Filter else "score"
+    return callable(getattr(plugin, method, None))
 
 
 def build_scheduler(
@@ -141,18 +172,12 @@ def build_scheduler(
         instances[name] = plugin
         if ctx.prefix is None and isinstance(plugin, PrefixMatcher):
             ctx = replace(ctx, prefix=plugin)
-    filters: list[Filter] = []
-    for name in config.filters:
-        plugin = instances[name]
-        if not isinstance(plugin, Filter):
-            raise ConfigError(f"{config.source}: plugin {name!r} is not a Filter plugin")
-        filters.append(plugin)
-    scorers: list[WeightedScorer] = []
-    for entry in config.scores:
-        plugin = instances[entry.name]
-        if not isinstance(plugin, Scorer):
-            raise ConfigError(f"{config.source}: plugin {entry.name!r} is not a Score plugin")
-        scorers.append(WeightedScorer(plugin, entry.weight))
+    filters = [p for p in map(instances.__getitem__, config.filters) if isinstance(p, Filter)]
+    scorers = [
+        WeightedScorer(plugin, entry.weight)
+        for entry in config.scores
+        if isinstance(plugin := instances[entry.name], Scorer)
+    ]
     unused = sorted(set(config.plugin_args) - set(instances))
     if unused:
         log.warning("%s: pluginConfig for plugins that are not enabled: %s", config.source, unused)

@@ -245,6 +245,8 @@ class Scheduler:
             totals += ws.weight * scores
             if verbose:
                 _log_scores(ws.scorer.type_name, table, candidates, scores)
+        if verbose:
+            _log_totals(table, candidates, totals)
         return candidates[self._order(totals)]
 
     def _order(self, totals: Scores) -> Positions:
@@ -303,3 +305,10 @@ def _log_scores(name: str, table: PodTable, candidates: Positions, scores: Score
     log.debug("ScorePlugin: %s", name)
     for row, score in zip(candidates.tolist(), scores.tolist(), strict=True):
         log.debug("Pod: %s, Score: %d", table.ids[row], score)
+
+
+def _log_totals(table: PodTable, candidates: Positions, totals: Scores) -> None:
+    """Kthena's ``--v=4`` summary after the plugins: each pod's weighted total."""
+    log.debug("Final Pod Scores:")
+    for row, total in zip(candidates.tolist(), totals.tolist(), strict=True):
+        log.debug("  Pod: %s, Final Score: %d", table.ids[row], total)

@@ -20,9 +20,11 @@ import atheris
 with atheris.instrument_imports(include=["extproc"]):
     import orjson
 
+    from extproc.request.render import Rendering
     from tests.fuzz.oracle import FIELDS, PATHS, check_body
 
 MAX_DEPTH = 5
+RENDERINGS = tuple(Rendering)
 
 
 def _value(fdp: atheris.FuzzedDataProvider, depth: int) -> Any:
@@ -67,10 +69,11 @@ def test_one_input(data: bytes) -> None:
     if len(data) < 2:
         return
     path = PATHS[data[0] % len(PATHS)]
+    rendering = RENDERINGS[data[1] // 2 % len(RENDERINGS)]
     if data[1] % 2 == 0:
-        check_body(path, data[2:])
+        check_body(path, data[2:], rendering)
     else:
-        check_body(path, structured_body(atheris.FuzzedDataProvider(data[2:])))
+        check_body(path, structured_body(atheris.FuzzedDataProvider(data[2:])), rendering)
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ import orjson
 from extproc.errors import ExtProcError
 from extproc.prefix.hashing import hash_prompt
 from extproc.request.parse import Api, InferenceRequest, parse_request
+from extproc.request.render import Rendering
 
 PATHS = tuple(api.value for api in Api)
 MAX_BODY_BYTES = 64 * 1024  # small, so the 413 path is reachable too
@@ -24,7 +25,9 @@ FIELDS = (
 )  # fmt: skip
 
 
-def check_body(path: str, body: bytes) -> InferenceRequest | ExtProcError:
+def check_body(
+    path: str, body: bytes, rendering: Rendering = Rendering.EXTENDED
+) -> InferenceRequest | ExtProcError:
     """Parse ``body`` for ``path``; assert the outcome is a route or a clean JSON error."""
     try:
         request = parse_request(
@@ -33,6 +36,7 @@ def check_body(path: str, body: bytes) -> InferenceRequest | ExtProcError:
             {"x-session-id": "s"},
             session_header="x-session-id",
             max_body_bytes=MAX_BODY_BYTES,
+            rendering=rendering,
         )
     except ExtProcError as exc:
         assert exc.http_status in (400, 413), exc.http_status

@@ -1,4 +1,4 @@
-"""least-request: the waiting-queue filter and the load score, in-flight included."""
+"""least-request: the waiting-queue filter and Kthena's on-flight score."""
 
 from __future__ import annotations
 
@@ -31,31 +31,36 @@ def test_filter_removes_full_queues(waiting: list[int], limit: int | None, kept:
     assert [p.metrics.waiting for p in plugin.filter(make_cycle("x"), pods)] == kept
 
 
+# Kthena's least_request_test.go cases (on-flight, running) and edges of its formula
+# base = on_flight + 100 * max(on_flight - running, 0), int((max - base) / max * 100).
 @pytest.mark.parametrize(
-    ("loads", "in_flight", "expected"),
+    ("running", "in_flight", "expected"),
     [
-        pytest.param([(0, 0), (0, 0)], [0, 0], [100, 100], id="idle-is-neutral"),
-        pytest.param([(0, 4), (0, 2), (0, 0)], [0, 0, 0], [0, 50, 100], id="running"),
-        pytest.param([(1, 0), (0, 50)], [0, 0], [0, 50], id="waiting-weighs-100"),
-        pytest.param([(0, 3), (0, 3)], [0, 0], [0, 0], id="equal-load-all-0-as-kthena"),
-        pytest.param([(0, 0), (0, 0)], [2, 0], [0, 100], id="in-flight-before-any-scrape"),
-        pytest.param([(0, 2), (0, 0)], [2, 0], [0, 100], id="in-flight-already-visible"),
-        pytest.param([(1, 2), (0, 0)], [5, 0], [0, 100], id="unseen-beyond-scrape"),
-        pytest.param([(0, 1), (0, 4)], [3, 0], [25, 0], id="unseen-counts-as-running"),
-        pytest.param([(0, 3), (0, 1), (0, 2)], [0, 0, 0], [0, 66, 33], id="floored"),
+        pytest.param([0, 0, 0], [0, 0, 0], [100, 100, 100], id="kthena-all-idle"),
+        pytest.param([0], [0], [100], id="kthena-single-idle"),
+        pytest.param([0, 0, 0], [0, 10, 5], [100, 0, 50], id="kthena-mixed-on-flight"),
+        pytest.param([0, 0, 0], [1, 2, 3], [66, 33, 0], id="kthena-normal-truncated"),
+        pytest.param([5, 0, 0], [5, 5, 0], [99, 0, 100], id="kthena-estimated-waiting"),
+        pytest.param([4, 0], [0, 0], [100, 100], id="scraped-running-alone-is-neutral"),
+        pytest.param([0, 9], [3, 3], [0, 99], id="running-covers-on-flight"),
+        pytest.param([2, 2], [3, 3], [0, 0], id="equal-non-zero-all-0-as-kthena"),
     ],
 )
-def test_score(loads: list[tuple[int, int]], in_flight: list[int], expected: list[int]) -> None:
+def test_score(running: list[int], in_flight: list[int], expected: list[int]) -> None:
     counters = InFlight()
-    pods = [
-        make_pod(f"p{i}", metrics=PodMetrics(waiting=w, running=r))
-        for i, (w, r) in enumerate(loads)
-    ]
+    pods = [make_pod(f"p{i}", metrics=PodMetrics(running=r)) for i, r in enumerate(running)]
     for pod, n in zip(pods, in_flight, strict=True):
         for _ in range(n):
             counters.start(pod.id)
     scores = make_plugin(in_flight=counters).score(make_cycle("x"), pods)
     assert [scores[p.id] for p in pods] == expected
+
+
+def test_waiting_only_filters_and_does_not_score() -> None:
+    """Kthena's score reads on-flight and running only; the queue is the filter's."""
+    pods = [make_pod("a", metrics=PodMetrics(waiting=9)), make_pod("b")]
+    scores = make_plugin().score(make_cycle("x"), pods)
+    assert scores == {pods[0].id: 100, pods[1].id: 100}
 
 
 @pytest.mark.parametrize(

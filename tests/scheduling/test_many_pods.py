@@ -53,13 +53,12 @@ def random_pods(rng: random.Random, num_pods: int, waiting: Sequence[int] = BUSY
 
 
 def plain_least_request(pods: Sequence[Pod], in_flight: InFlight) -> dict[PodId, int]:
-    loads = {}
+    bases = {}
     for p in pods:
-        waiting, running = p.metrics.waiting, p.metrics.running
-        unseen = max(0, in_flight.get(p.id) - waiting - running)
-        loads[p.id] = running + unseen + 100 * waiting
-    top = max(loads.values())
-    return {i: 100 if top == 0 else 100 * (top - load) // top for i, load in loads.items()}
+        on_flight = in_flight.get(p.id)
+        bases[p.id] = float(on_flight + 100 * max(on_flight - p.metrics.running, 0))
+    top = max(bases.values())
+    return {i: 100 if top == 0 else int((top - b) / top * 100) for i, b in bases.items()}
 
 
 def plain_gpu_usage(pods: Sequence[Pod]) -> dict[PodId, int]:
@@ -67,20 +66,27 @@ def plain_gpu_usage(pods: Sequence[Pod]) -> dict[PodId, int]:
 
 
 def plain_least_latency(pods: Sequence[Pod], f: float) -> dict[PodId, int]:
-    def normalised(values: dict[PodId, float | None]) -> dict[PodId, float]:
-        known = [v for v in values.values() if v is not None]
-        lo, hi = min(known, default=0.0), max(known, default=0.0)
-        out = {}
-        for pod_id, v in values.items():
-            if v is None:
-                out[pod_id] = 50.0
-            else:
-                out[pod_id] = 100.0 if hi == lo else 100.0 * (hi - v) / (hi - lo)
-        return out
+    def has_both(p: Pod) -> bool:
+        ttft, itl = p.metrics.ttft_s, p.metrics.itl_s
+        return ttft is not None and itl is not None and ttft > 0 and itl > 0
 
-    ttft = normalised({p.id: p.metrics.ttft_s for p in pods})
-    itl = normalised({p.id: p.metrics.itl_s for p in pods})
-    return {p.id: int(f * ttft[p.id] + (1 - f) * itl[p.id]) for p in pods}
+    known = [p for p in pods if has_both(p)]
+
+    def normalised(v: float, values: list[float]) -> float:
+        lo, hi = min(values), max(values)
+        return 100.0 if hi == lo else 100.0 * (hi - v) / (hi - lo)
+
+    ttfts = [p.metrics.ttft_s or 0.0 for p in known]
+    itls = [p.metrics.itl_s or 0.0 for p in known]
+    return {
+        p.id: int(
+            f * normalised(p.metrics.ttft_s or 0.0, ttfts)
+            + (1 - f) * normalised(p.metrics.itl_s or 0.0, itls)
+        )
+        if has_both(p)
+        else 50
+        for p in pods
+    }
 
 
 def plain_prefix(

@@ -116,7 +116,8 @@ def test_a_plain_filter_returning_pods_in_any_order_leaves_scores_on_their_pods(
 
 
 def test_verbose_logging_prints_kthena_lines(caplog: pytest.LogCaptureFixture) -> None:
-    sched = make_scheduler(PREFIX_ONLY)
+    """Kthena's RunScorePlugins at --v=4: each plugin's scores, then the weighted totals."""
+    sched = make_scheduler(PREFIX_ONLY.replace("weight: 1", "weight: 2"))
     pods = [make_pod("my-model-0"), make_pod("my-model-1")]
     sched.record(make_cycle("hello " * 30), pods[0].id)
     with caplog.at_level(logging.DEBUG, logger="extproc.scheduling"):
@@ -125,6 +126,9 @@ def test_verbose_logging_prints_kthena_lines(caplog: pytest.LogCaptureFixture) -
         "ScorePlugin: prefix-cache",
         "Pod: default/my-model-0, Score: 100",
         "Pod: default/my-model-1, Score: 0",
+        "Final Pod Scores:",
+        "  Pod: default/my-model-0, Final Score: 200",
+        "  Pod: default/my-model-1, Final Score: 0",
     ]
 
 

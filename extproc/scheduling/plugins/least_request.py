@@ -1,19 +1,19 @@
 """least-request (Filter, Score): keep pods with room in their queue, favour idle ones.
 
-Kthena's least-request plugin, plus the router's own in-flight requests:
+Kthena's least-request plugin (``least_request.go``, the on-flight formula of May 2026):
 
 * Filter: removes pods whose scraped waiting queue reached ``maxWaitingRequests``
   (``waiting >= maxWaitingRequests``; default 10).
-* Score: ``load = running + unseen + 100 * waiting``, where ``unseen = max(0, in_flight
-  - waiting - running)`` counts the requests this router sent that the last scrape
-  cannot show yet (a burst routed between two scrapes), as running ones (whether they
-  will queue is not known yet). Waiting requests weigh 100, as in Kthena, so that any
-  queue ranks a pod below every pod without one.
-  ``score = floor(100 * (max_load - load) / max_load)`` over the candidates; when every
-  load is 0 all score 100 (equal non-zero loads all score 0, as in Kthena: either way a
-  constant, so neutral).
+* Score: ``base = on_flight + 100 * max(on_flight - running, 0)``, where ``on_flight``
+  is the requests this router has sent the pod that have not ended (``InFlight``, the
+  counterpart of Kthena's per-pod on-flight counter) and ``running`` the pod's scraped
+  running requests: the router's requests the engine is not running yet are taken to
+  be queued and weigh 100 each. ``score = int((max_base - base) / max_base * 100)`` in
+  float64 over the candidates, as Go computes it; when every base is 0 all score 100.
 
-Inputs: ``Pod.metrics.waiting`` and ``.running`` (scraped), ``InFlight`` (the router).
+Inputs: ``Pod.metrics.running`` (scraped; ``waiting`` for the filter), ``InFlight``.
+Kthena syncs its counters across router replicas through Redis; extproc's count only
+its own requests.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from extproc.scheduling.podtable import PodTable, Positions
 from extproc.scheduling.types import Cycle, PluginContext, Scores
 from extproc.types import Pod, PodId
 
-WAITING_WEIGHT = 100
+QUEUED_WEIGHT = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,18 +64,12 @@ class LeastRequest:
         return dict(zip(table.ids, scores.tolist(), strict=True))
 
     def score_table(self, cycle: Cycle, table: PodTable, positions: Positions) -> Scores:
-        waiting, running = table.waiting[positions], table.running[positions]
-        in_flight = self.in_flight.requests_at(table.position, len(table))[positions]
-        unseen = np.maximum(0, in_flight - waiting - running)
-        loads = running + unseen + WAITING_WEIGHT * waiting
-        max_load = int(loads.max()) if len(loads) else 0
-        if max_load == 0:
+        on_flight = self.in_flight.requests_at(table.position, len(table))[positions]
+        queued = np.maximum(on_flight - table.running[positions], 0)
+        bases = (on_flight + QUEUED_WEIGHT * queued).astype(np.float64)
+        max_base = float(bases.max()) if len(bases) else 0.0
+        if max_base <= 0:
             return np.full(len(positions), 100, dtype=np.int64)
-        scores: Scores = 100 * (max_load - loads) // max_load
+        # Go: int(((maxScore - base) / maxScore) * 100), float64, truncated
+        scores: Scores = ((max_base - bases) / max_base * 100).astype(np.int64)
         return scores
-
-    def load(self, pod: Pod) -> int:
-        """``running + unseen + 100 * waiting`` (see the module docstring)."""
-        waiting, running = pod.metrics.waiting, pod.metrics.running
-        unseen = max(0, self.in_flight.get(pod.id) - waiting - running)
-        return running + unseen + WAITING_WEIGHT * waiting
