@@ -56,8 +56,16 @@ def unique_prefix() -> str:
     return f"[{uuid.uuid4()}] " + "You are a meticulous assistant for the routing team. " * 22
 
 
-def metric(stack: Stack, name: str, labels: str = "") -> float:
-    """One sample of extproc's /metrics (0 when absent)."""
+class MissingSeries(AssertionError):
+    """The series is not on the page: renamed, mislabelled, or not made yet."""
+
+
+def metric(stack: Stack, name: str, labels: str = "", *, absent: float | None = None) -> float:
+    """One sample of extproc's /metrics.
+
+    A missing series fails (``MissingSeries``): a renamed metric must not read as 0 and
+    pass an equality check. ``absent`` is the value for a labelled child that Prometheus
+    only shows after its first increment (e.g. a per-pod error count)."""
     pattern = re.compile(rf"^{re.escape(name)}(\{{{re.escape(labels)}\}})? (\S+)$", re.MULTILINE)
     deadline = time.monotonic() + 5.0
     while True:  # a loaded machine can be slow to accept: retry briefly, then fail
@@ -69,7 +77,11 @@ def metric(stack: Stack, name: str, labels: str = "") -> float:
                 raise
             time.sleep(0.05)
     match = pattern.search(text)
-    return float(match.group(2)) if match else 0.0
+    if match:
+        return float(match.group(2))
+    if absent is None:
+        raise MissingSeries(f"no series {name}{{{labels}}} on extproc's /metrics")
+    return absent
 
 
 def wait_for(predicate: object, timeout_s: float = 5.0) -> bool:

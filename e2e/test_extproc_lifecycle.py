@@ -73,13 +73,19 @@ def test_extproc_killed_and_restarted_under_load(lifecycle_stack: Stack) -> None
     assert 0 not in everything  # no connection errors either way
     print(f"extproc killed under load ({'fail-open' if fail_open(stack) else 'fail-closed'}): "
           f"{everything.total()} requests, statuses {dict(everything)}; while down {dict(down)}")  # fmt: skip
-    # the restarted extproc routes with affinity again
+    # the restarted extproc records and routes with affinity again
     with httpx.Client(base_url=stack.url, timeout=30) as client:
         prefix = unique_prefix()
-        first = client.post(API, json={"model": MODEL, "prompt": prefix + "a", "max_tokens": 1})
         before = metric(stack, *RECORDED)
+        first = client.post(API, json={"model": MODEL, "prompt": prefix + "a", "max_tokens": 1})
         assert first.status_code == 200
-        assert wait_for(lambda: metric(stack, *RECORDED) >= before)
+        assert wait_for(lambda: metric(stack, *RECORDED) == before + 1)
+        for question in "bcd":
+            again = client.post(
+                API, json={"model": MODEL, "prompt": prefix + question, "max_tokens": 1}
+            )
+            assert again.status_code == 200
+            assert again.headers["x-sim-pod"] == first.headers["x-sim-pod"]
 
 
 def stream_to_the_end(url: str, prompt: str) -> tuple[int, list[str]]:

@@ -17,8 +17,6 @@ FAILED = ("extproc_completions_total", 'outcome="failed"')
 def test_streaming_records_only_after_the_stream_ends(stack: Stack, sim: SimPods) -> None:
     prefix = unique_prefix()
     body = body_for(API, prefix, "stream please", stream=True, max_tokens=30)
-    for pod in sim.pods:
-        sim.set_faults(pod.name, delay_s=0.0)
     before = metric(stack, *RECORDED)
     with (
         httpx.Client(base_url=stack.url, timeout=30) as client,

@@ -1,6 +1,7 @@
 """``--protocol epp`` behind an Envoy configured the way Gateway API implementations do:
 request headers first, the body BUFFERED or FULL_DUPLEX_STREAMED, the response sent back
-through ext_proc, no access log. Routing, affinity, errors and recording must all hold."""
+through ext_proc, no access log. Routing, affinity, errors and recording must all hold,
+and a retried request is recorded for the pod the gateway reports as served."""
 
 from __future__ import annotations
 
@@ -11,10 +12,20 @@ import httpx
 import pytest
 
 from e2e.conftest import MODEL, PREFIX_CONFIG, RECORDED, metric, unique_prefix, wait_for
+from e2e.test_retry_order import (
+    API,
+    LIST_HEADER,
+    MAX_REQUESTS,
+    TRIES_HEADER,
+    answer_says_list_and_tries,
+    names_by_address,
+)
+from e2e.test_routing import body_for
 from e2e.test_security import client_routing_headers
 from extproc.sim.harness import SimPods
 from extproc.sim.launch import Stack, run_stack
-from extproc.wire.protocol import INTERNAL_HEADERS
+from extproc.wire.epp import SERVED_KEY
+from extproc.wire.protocol import DESTINATION_NAMESPACE, INTERNAL_HEADERS
 
 
 def gateway_style(body_mode: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
@@ -103,3 +114,67 @@ def test_epp_client_routing_headers_never_steer_and_never_reach_a_pod(
             # the pod sees extproc's pick (this protocol sends it as a header), nothing else
             assert seen["x-gateway-destination-endpoint"].split(",")[0] == address[owner]
             assert not set(seen) & (set(INTERNAL_HEADERS) - {"x-gateway-destination-endpoint"})
+
+
+def reports_served(config: dict[str, Any]) -> dict[str, Any]:
+    """What a gateway that reports the served endpoint does: the override_host load
+    balancer writes the host it picked, try after try, to ``envoy.lb`` metadata
+    (``selected_host_key``), which ext_proc forwards to extproc with the response."""
+    for cluster in config["static_resources"]["clusters"]:
+        for policy in cluster.get("load_balancing_policy", {}).get("policies", []):
+            typed = policy["typed_extension_config"]["typed_config"]
+            if "override_host_sources" in typed:
+                typed["selected_host_key"] = {
+                    "key": DESTINATION_NAMESPACE,
+                    "path": [{"key": SERVED_KEY}],
+                }
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    for f in hcm["typed_config"]["http_filters"]:
+        if f["name"] == "envoy.filters.http.ext_proc":
+            forwarding = f["typed_config"]["metadata_options"]["forwarding_namespaces"]
+            forwarding["untyped"] = [*forwarding["untyped"], DESTINATION_NAMESPACE]
+    return config
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["served-reported", "not-reported"])
+def served_stack(request: pytest.FixtureRequest, sim: SimPods) -> Iterator[Stack]:
+    def edit(config: dict[str, Any]) -> dict[str, Any]:
+        config = answer_says_list_and_tries(gateway_style("BUFFERED")(config))
+        return reports_served(config) if request.param else config
+
+    with run_stack(
+        sim.as_pods(),
+        config=PREFIX_CONFIG,
+        extproc_args=["--protocol", "epp"],
+        envoy_transform=edit,
+    ) as stack:
+        stack.reports_served = request.param  # type: ignore[attr-defined]
+        yield stack
+
+
+def test_epp_a_retried_request_is_recorded_for_the_pod_the_gateway_says_served(
+    served_stack: Stack, sim: SimPods
+) -> None:
+    """The pick answers 503, the next listed pod serves. Reported: the prefix is recorded
+    for the pod that served, so the next request goes there. Not reported: extproc can only
+    record it for its pick, the pod that failed, and the next request goes back to it."""
+    failing = sim.pods[0].name
+    sim.set_faults(failing, error_rate=1.0, error_status=503)
+    by_address = names_by_address(sim)
+    with httpx.Client(base_url=served_stack.url, timeout=30) as client:
+        for _ in range(MAX_REQUESTS):
+            prefix = unique_prefix()
+            before = metric(served_stack, *RECORDED)
+            resp = client.post("/v1/completions", json=body_for(API, prefix, "q"))
+            assert resp.status_code == 200, resp.text
+            assert wait_for(lambda: metric(served_stack, *RECORDED) == before + 1)  # noqa: B023
+            listed = [by_address[a] for a in resp.headers[LIST_HEADER].split(",")]
+            if listed[0] == failing:
+                break
+        else:
+            pytest.fail(f"{failing} was never the pick in {MAX_REQUESTS} fresh prefixes")
+        assert resp.headers["x-sim-pod"] == listed[1] and resp.headers[TRIES_HEADER] == "2"
+        sim.clear_faults(failing)
+        again = client.post("/v1/completions", json=body_for(API, prefix, "again"))
+    reported = bool(served_stack.reports_served)  # type: ignore[attr-defined]
+    assert again.headers["x-sim-pod"] == (listed[1] if reported else failing)

@@ -105,7 +105,6 @@ def test_non_integer_weight_is_refused() -> None:
 
 def test_score_disabled_has_no_effect() -> None:
     text = weight_config("          weight: 1") + "      disabled:\n        - name: prefix-cache\n"
-    text = text.replace("      enabled:", "      enabled:", 1)
     config = parse_config(text, "cm.yaml")
     assert [s.name for s in config.scores] == ["prefix-cache"]
 

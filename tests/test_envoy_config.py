@@ -316,7 +316,7 @@ def test_one_round_processing_mode() -> None:
     }  # response_body_mode NONE is the proto default
     assert ext_proc["grpc_service"] == {"envoy_grpc": {"cluster_name": "extproc"}}
     assert ext_proc.get("failure_mode_allow", False) is False
-    assert ext_proc["message_timeout"] == "1s"
+    assert ext_proc["message_timeout"] == "10s"
 
 
 def test_metadata_namespaces() -> None:
@@ -414,11 +414,19 @@ def test_route_has_no_deadline_and_strips_routing_headers() -> None:
     vhost = hcm(config)["route_config"]["virtual_hosts"][0]
     assert DESTINATION_KEY in vhost["request_headers_to_remove"]
     assert "x-prefiller-host-port" in vhost["request_headers_to_remove"]
-    (added,) = vhost["request_headers_to_add"]
-    assert added["header"] == {
-        "key": "x-prefiller-host-port",
-        "value": "%DYNAMIC_METADATA(envoy.lb:x-prefiller-host-port)%",
-    }
+    assert "x-envoy-max-retries" in vhost["request_headers_to_remove"]
+    # each from the reply's metadata, the client's copy removed first; the retry count
+    # keeps retries inside extproc's list (e2e/test_retry_order.py)
+    assert [added["header"] for added in vhost["request_headers_to_add"]] == [
+        {
+            "key": "x-prefiller-host-port",
+            "value": "%DYNAMIC_METADATA(envoy.lb:x-prefiller-host-port)%",
+        },
+        {
+            "key": "x-envoy-max-retries",
+            "value": "%DYNAMIC_METADATA(envoy.lb:x-envoy-max-retries)%",
+        },
+    ]
 
 
 def test_request_id_generated_by_envoy() -> None:

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from extproc.routing.router import Router
+from extproc.wire import one_round
 from extproc.wire.ext_proc import route_response
 from extproc.wire.protocol import (
     ACCESS_LOG_SERVICE,
@@ -133,6 +134,9 @@ def test_routes_with_pick_and_fallbacks(client: Client) -> None:
     dest = destination(resp)
     assert len(dest) == 3 and len(set(dest)) == 3
     assert set(dest) <= {p.address for p in PODS}
+    # one retry per fallback listed: Envoy's route adds it as x-envoy-max-retries
+    fields = resp.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    assert fields["x-envoy-max-retries"].string_value == "2"
 
 
 def test_success_log_records_the_served_pod_and_next_request_follows(
@@ -282,11 +286,21 @@ def test_health_service_reports_serving() -> None:
         server.stop(0).wait()
 
 
-def test_route_replies_come_serialized_once_per_destination_list(client: Client) -> None:
-    """The reply bytes are remembered per destination list; they are exactly the reply
-    built afresh, also when a later request brings the same list."""
+def test_route_replies_come_serialized_once_per_destination_list(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reply bytes are remembered per destination list: built once per list, and
+    exactly the reply built afresh, also when a later request brings the same list."""
+    built: list[str] = []
+
+    def counted(destination: str, prefill: str | None = None) -> ep.ProcessingResponse:
+        built.append(destination)
+        return route_response(destination, prefill)
+
+    monkeypatch.setattr(one_round, "route_response", counted)
     body = {"model": "m", "prompt": "a prompt no pod has recorded " * 8}
     replies = [client.send_body(body, request_id=f"r{i}") for i in range(40)]
     lists = [",".join(destination(r)) for r in replies]
     assert len(set(lists)) < len(lists)  # some lists came again: remembered replies
+    assert sorted(built) == sorted(set(lists))  # one build per distinct list
     assert all(r == route_response(dest) for r, dest in zip(replies, lists, strict=True))

@@ -62,6 +62,7 @@ from extproc.wire.protocol import (
     DESTINATION_KEY,
     DESTINATION_NAMESPACE,
     INTERNAL_HEADERS,
+    MAX_RETRIES_HEADER,
     PATH_ATTRIBUTE,
     PREFILL_HEADER,
     REQUEST_ID_ATTRIBUTE,
@@ -84,13 +85,20 @@ CIRCUIT_BREAKER_LIMIT = 1 << 20
 # some interval, 5-50 ms keeps a fail-over well under a token's time.
 RETRY_BACK_OFF_BASE_S = 0.005
 RETRY_BACK_OFF_MAX_S = 0.05
-# With the list exhausted, the round-robin fallback may pick a pod that already failed;
-# previous_hosts rejects it and Envoy picks again, at most this many times.
+# A request gets one retry per pod listed after the first (x-envoy-max-retries), so the
+# list is never exhausted; were it (a listed pod missing from the cluster), the
+# round-robin fallback may pick a pod that already failed: previous_hosts rejects it
+# and Envoy picks again, at most this many times.
 HOST_SELECTION_RETRY_MAX_ATTEMPTS = 5
 # The access log's entries go out in batches: at this size or this age, whichever first.
 ACCESS_LOG_BUFFER_BYTES = 16384
 ACCESS_LOG_FLUSH_MS = 10
-DEFAULT_MESSAGE_TIMEOUT_S = 1.0  # how long Envoy waits for the body reply
+# How long Envoy waits for the body reply. It covers sending the body to extproc and
+# routing it, and concurrent large bodies queue for the one Python process: 4 bodies of
+# 16 MiB of tiny chat messages at once took up to 4.9 s on a loaded 2-core machine
+# (README, Reliability). A hung extproc holds each request this long before the 504 or
+# the round-robin fallback; a dead one is answered at once.
+DEFAULT_MESSAGE_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,8 +293,8 @@ def make_snippet(pods: Sequence[Pod], options: EnvoyOptions) -> Snippet:
         access_log=make_access_log(),
         clusters=[make_extproc_cluster(options), make_pods_cluster(pods, options)],
         route_action=make_route_action(options),
-        request_headers_to_remove=list(INTERNAL_HEADERS),
-        request_headers_to_add=[make_prefill_header()],
+        request_headers_to_remove=[*INTERNAL_HEADERS, MAX_RETRIES_HEADER],
+        request_headers_to_add=[make_prefill_header(), make_max_retries_header()],
         per_connection_buffer_limit_bytes=options.max_body_bytes,
     )
 
@@ -297,6 +305,19 @@ def make_prefill_header() -> base_pb2.HeaderValueOption:
         header=base_pb2.HeaderValue(
             key=PREFILL_HEADER,
             value=f"%DYNAMIC_METADATA({DESTINATION_NAMESPACE}:{PREFILL_HEADER})%",
+        ),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+        keep_empty_value=False,
+    )
+
+
+def make_max_retries_header() -> base_pb2.HeaderValueOption:
+    """``x-envoy-max-retries``: the fallbacks extproc listed (one retry each), from the
+    reply's metadata; not added without a list (failing open: the route's num_retries)."""
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(
+            key=MAX_RETRIES_HEADER,
+            value=f"%DYNAMIC_METADATA({DESTINATION_NAMESPACE}:{MAX_RETRIES_HEADER})%",
         ),
         append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
         keep_empty_value=False,

@@ -140,16 +140,19 @@ _ROUTE: dict[str, str] = {
 No overall deadline, generations run for minutes; the connection manager's stream
 idle timeout (5 min by default) still ends stalled streams.""",
     "retry_policy:": """\
-Each retry takes the next pod of extproc's list (num_retries = fallbacks listed);
-previous_hosts keeps the round-robin fallback off pods that already failed. A
-response whose headers reached the client is never retried.""",
+Each retry takes the next pod of extproc's list; a request gets one retry per pod
+listed after the first (x-envoy-max-retries, added below), so no retry goes past the
+list; num_retries applies without a list (failing open). previous_hosts keeps the
+round-robin fallback off pods that already failed. A response whose headers reached
+the client is never retried.""",
     "request_headers_to_remove:": """\
 Clients must not reach pods with routing headers. ext_proc cannot strip them here:
 with request headers skipped, Envoy ignores header mutations in the body reply
 (measured), so the route does it.""",
-    "request_headers_to_add:": """The prefill pod extproc chose (prefill/decode disaggregation), from the reply's
-envoy.lb metadata; absent when there is none. Same virtual host as the removal, which
-runs first, so a client's copy never survives.""",
+    "request_headers_to_add:": """The prefill pod extproc chose (prefill/decode disaggregation) and the request's
+retry count (the fallbacks it listed), from the reply's envoy.lb metadata; each absent
+when there is none. Same virtual host as the removal, which runs first, so a client's
+copy never survives.""",
 }
 
 

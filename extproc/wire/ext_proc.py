@@ -16,6 +16,7 @@ from extproc.wire.grpc_loop import Method, Stream
 from extproc.wire.protocol import (
     DESTINATION_KEY,
     DESTINATION_NAMESPACE,
+    MAX_RETRIES_HEADER,
     PREFILL_HEADER,
     SUBSET_HINT_KEY,
     SUBSET_HINT_NAMESPACE,
@@ -75,10 +76,12 @@ def error_response(error: ExtProcError) -> ep.ProcessingResponse:
 
 
 def route_metadata(destination: str, prefill: str | None = None) -> struct_pb2.Struct:
-    """``envoy.lb``: the destination list, best first (and the prefill pod, if any)."""
+    """``envoy.lb``: the destination list, best first, its retry count (and the prefill
+    pod, if any)."""
     metadata = struct_pb2.Struct()
     fields = metadata.fields[DESTINATION_NAMESPACE].struct_value.fields
     fields[DESTINATION_KEY].string_value = destination
+    fields[MAX_RETRIES_HEADER].string_value = str(destination.count(","))
     if prefill:
         fields[PREFILL_HEADER].string_value = prefill
     return metadata

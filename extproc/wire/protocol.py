@@ -17,6 +17,13 @@ DESTINATION_KEY = "x-gateway-destination-endpoint"
 # metadata under the same name and the route adds the header from there.
 PREFILL_HEADER = "x-prefiller-host-port"
 
+# How many retries this request gets: one per fallback extproc listed, so that a retry
+# never goes past the list to the cluster's round-robin fallback (a pod extproc left out:
+# not ready, not serving the model, or filtered). Envoy's router reads this request
+# header; like the prefill pod it travels in the reply's envoy.lb metadata under the same
+# name and the route adds the header, which overrides the route's num_retries.
+MAX_RETRIES_HEADER = "x-envoy-max-retries"
+
 # The Endpoint Picker Protocol's subset hint: a gateway may restrict the candidates by
 # setting this filter metadata before ext_proc; Envoy forwards it in
 # ProcessingRequest.metadata_context.filter_metadata[SUBSET_HINT_NAMESPACE].

@@ -87,7 +87,7 @@ def test_rendered_bootstrap_validates_and_follows_values(
     }
     ext_proc = hcm(config)["http_filters"][0]["typed_config"]
     assert ext_proc["failure_mode_allow"] is envoy.get("failureModeAllow", False)
-    assert ext_proc["message_timeout"] == f"{envoy.get('messageTimeoutSeconds', 1)}s"
+    assert ext_proc["message_timeout"] == f"{envoy.get('messageTimeoutSeconds', 10)}s"
     header = picker.get("sessionHeader", "x-session-id")
     assert ext_proc["request_attributes"][-1] == f"request.headers['{header}']"
     route = hcm(config)["route_config"]["virtual_hosts"][0]["routes"][0]["route"]

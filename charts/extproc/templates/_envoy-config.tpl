@@ -35,9 +35,11 @@ static_resources:
                   # No overall deadline, generations run for minutes; the connection manager's
                   # stream idle timeout (5 min by default) still ends stalled streams.
                   timeout: 0s
-                  # Each retry takes the next pod of extproc's list (num_retries = fallbacks
-                  # listed); previous_hosts keeps the round-robin fallback off pods that already
-                  # failed. A response whose headers reached the client is never retried.
+                  # Each retry takes the next pod of extproc's list; a request gets one retry per
+                  # pod listed after the first (x-envoy-max-retries, added below), so no retry goes
+                  # past the list; num_retries applies without a list (failing open). previous_hosts
+                  # keeps the round-robin fallback off pods that already failed. A response whose
+                  # headers reached the client is never retried.
                   retry_policy:
                     retry_on: 5xx,reset,connect-failure,refused-stream
                     num_retries: {{ .Values.picker.numFallbacks }}
@@ -49,13 +51,18 @@ static_resources:
                     retry_back_off:
                       base_interval: 0.005s
                       max_interval: 0.050s
-              # The prefill pod extproc chose (prefill/decode disaggregation), from the reply's
-              # envoy.lb metadata; absent when there is none. Same virtual host as the removal,
-              # which runs first, so a client's copy never survives.
+              # The prefill pod extproc chose (prefill/decode disaggregation) and the request's
+              # retry count (the fallbacks it listed), from the reply's envoy.lb metadata; each
+              # absent when there is none. Same virtual host as the removal, which runs first, so a
+              # client's copy never survives.
               request_headers_to_add:
               - header:
                   key: x-prefiller-host-port
                   value: '%DYNAMIC_METADATA(envoy.lb:x-prefiller-host-port)%'
+                append_action: OVERWRITE_IF_EXISTS_OR_ADD
+              - header:
+                  key: x-envoy-max-retries
+                  value: '%DYNAMIC_METADATA(envoy.lb:x-envoy-max-retries)%'
                 append_action: OVERWRITE_IF_EXISTS_OR_ADD
               # Clients must not reach pods with routing headers. ext_proc cannot strip them here:
               # with request headers skipped, Envoy ignores header mutations in the body reply
@@ -64,6 +71,7 @@ static_resources:
               - x-gateway-destination-endpoint
               - x-gateway-destination-endpoint-served
               - x-prefiller-host-port
+              - x-envoy-max-retries
           http_filters:
           # extproc picks the pod. One gRPC message round per request: Envoy skips the request
           # headers and sends the whole body (BUFFERED); response headers are skipped and

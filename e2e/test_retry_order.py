@@ -1,0 +1,127 @@
+"""Through real Envoy: a failed try goes to the next pod of extproc's list, in its order,
+and never past it.
+
+extproc lists the pick and two fallbacks out of four pods. The test's Envoy is the
+generated one plus two response headers, so each answer says which list extproc gave
+(the ``envoy.lb`` metadata) and how many tries Envoy made; the pods' own request counters
+say which pods were tried. With every pod but one answering 503, a request must be served
+by that pod after exactly the listed pods before it failed once each, or, when extproc did
+not list it, end with the third listed pod's 503 and no try anywhere else. With a list
+shorter than the route's retry count (pods extproc leaves out), the retries stop at its end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from e2e.conftest import PREFIX_CONFIG, metric, unique_prefix, wait_for
+from e2e.test_routing import body_for
+from extproc.sim.harness import SimPods
+from extproc.sim.launch import Stack, run_stack, write_pods_file
+from extproc.types import Pod
+from extproc.wire.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE
+
+API = "/v1/completions"
+LIST_HEADER = "x-test-destination"
+TRIES_HEADER = "x-test-tries"
+MAX_REQUESTS = 80  # fresh prefixes tie: the lists are random, every case comes up well before
+
+
+def answer_says_list_and_tries(config: dict[str, Any]) -> dict[str, Any]:
+    """The generated bootstrap, with extproc's list and Envoy's try count on every answer."""
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    for host in hcm["typed_config"]["route_config"]["virtual_hosts"]:
+        host["response_headers_to_add"] = [
+            {"header": {"key": key, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+            for key, value in (
+                (LIST_HEADER, f"%DYNAMIC_METADATA({DESTINATION_NAMESPACE}:{DESTINATION_KEY})%"),
+                (TRIES_HEADER, "%UPSTREAM_REQUEST_ATTEMPT_COUNT%"),
+            )
+        ]
+    return config
+
+
+@pytest.fixture(scope="module")
+def order_stack(sim: SimPods) -> Iterator[Stack]:
+    with run_stack(
+        sim.as_pods(), config=PREFIX_CONFIG, envoy_transform=answer_says_list_and_tries
+    ) as stack:
+        yield stack
+
+
+def names_by_address(sim: SimPods) -> dict[str, str]:
+    return {f"127.0.0.1:{p.port}": p.name for p in sim.pods}
+
+
+def tries_per_pod(sim: SimPods) -> dict[str, int]:
+    return {p.name: sim.stats(p.name)["num_requests"] for p in sim.pods}
+
+
+def send(stack: Stack, client: httpx.Client, sim: SimPods) -> tuple[httpx.Response, list[str]]:
+    """A fresh prefix's answer and extproc's list for it, as pod names."""
+    resp = client.post(API, json=body_for(API, unique_prefix(), "q"))
+    by_address = names_by_address(sim)
+    return resp, [by_address[a] for a in resp.headers[LIST_HEADER].split(",")]
+
+
+def test_retries_walk_extprocs_list_in_order_and_stop_at_its_end(
+    order_stack: Stack, sim: SimPods
+) -> None:
+    names = [p.name for p in sim.pods]
+    seen: set[int | None] = set()  # where the working pod was listed; None: not listed
+    with httpx.Client(base_url=order_stack.url, timeout=30) as client:
+        for i in range(MAX_REQUESTS):
+            working = names[i % len(names)]
+            for name in names:
+                sim.set_faults(name, error_rate=0.0 if name == working else 1.0, error_status=503)
+            before = tries_per_pod(sim)
+            resp, listed = send(order_stack, client, sim)
+            tried = {n: c - before[n] for n, c in tries_per_pod(sim).items()}
+            assert len(listed) == 3 and len(set(listed)) == 3, listed
+            position = listed.index(working) if working in listed else None
+            if position is None:  # the whole list failed: its last pod's 503, nothing else
+                assert resp.status_code == 503, resp.text
+                assert resp.headers["x-sim-pod"] == listed[-1]
+                assert resp.headers[TRIES_HEADER] == "3"
+                assert tried == {n: int(n in listed) for n in names}, (listed, tried)
+            else:  # served by the working pod after the listed pods before it, once each
+                assert resp.status_code == 200 and resp.headers["x-sim-pod"] == working
+                assert resp.headers[TRIES_HEADER] == str(position + 1)
+                expected = {n: int(n in listed[: position + 1]) for n in names}
+                assert tried == expected, (listed, tried)
+            seen.add(position)
+            if seen == {0, 1, 2, None}:
+                return
+    pytest.fail(f"in {MAX_REQUESTS} requests the working pod was only listed at {seen}")
+
+
+def test_a_list_shorter_than_the_retries_is_not_walked_past(
+    order_stack: Stack, sim: SimPods
+) -> None:
+    """Two of four pods not ready: extproc lists two, Envoy's route would retry twice; the
+    second retry must not reach an unlisted pod (which would answer 200 here)."""
+    pods = sim.as_pods()
+    short: list[Pod] = [*pods[:2], *(dataclasses.replace(p, ready=False) for p in pods[2:])]
+    write_pods_file(short, order_stack.pods_file)
+    try:
+        assert wait_for(lambda: metric(order_stack, "extproc_pods_ready") == 2, timeout_s=10)
+        listed_pods = {p.id.name for p in pods[:2]}
+        for name in listed_pods:
+            sim.set_faults(name, error_rate=1.0, error_status=503)
+        with httpx.Client(base_url=order_stack.url, timeout=30) as client:
+            for _ in range(4):
+                before = tries_per_pod(sim)
+                resp, listed = send(order_stack, client, sim)
+                tried = {n: c - before[n] for n, c in tries_per_pod(sim).items()}
+                assert set(listed) == listed_pods
+                assert resp.status_code == 503 and resp.headers["x-sim-pod"] == listed[-1]
+                assert resp.headers[TRIES_HEADER] == "2"
+                assert tried == {p.name: int(p.name in listed_pods) for p in sim.pods}, tried
+    finally:
+        write_pods_file(pods, order_stack.pods_file)
+        assert wait_for(lambda: metric(order_stack, "extproc_pods_ready") == 4, timeout_s=10)
