@@ -156,14 +156,16 @@ def test_refusing_through_the_pods_own_port_still_answers(pods: SimPods) -> None
 
 
 def test_a_full_queue_answers_503() -> None:
-    slow = EngineConfig(step_base_s=0.1, max_num_seqs=1, max_num_waiting=1)
+    # The running request lasts 4 s, so it is still running (and the second still
+    # waiting) when the third arrives, even on a loaded machine.
+    slow = EngineConfig(step_base_s=0.5, max_num_seqs=1, max_num_waiting=1)
     with run_sim_pods(GroupSettings(num_pods=1, engine=slow)) as one:
         url = one.pods[0].url + "/v1/completions"
-        body = {"prompt": "queue", "max_tokens": 3}
+        body = {"prompt": "queue", "max_tokens": 8}
         with ThreadPoolExecutor(2) as pool:
-            running = pool.submit(httpx.post, url, json=body)
+            running = pool.submit(httpx.post, url, json=body, timeout=30)
             wait_for(lambda: one.stats(0)["engine"]["num_running"] == 1)
-            waiting = pool.submit(httpx.post, url, json=body)
+            waiting = pool.submit(httpx.post, url, json=body, timeout=30)
             wait_for(lambda: one.stats(0)["engine"]["num_waiting"] == 1)
             refused = httpx.post(url, json=body)
             assert refused.status_code == 503
