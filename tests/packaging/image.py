@@ -88,6 +88,9 @@ class Replay:
         workdir = "/"
         env = {**os.environ, "PATH": f"{venv_bin}{os.pathsep}{os.environ['PATH']}"}
         env.pop("PYTHONPATH", None)
+        # No .pyc for what pip installs here: the slowest part, and a test venv's imports
+        # compile what they use anyway.
+        env["PIP_COMPILE"] = "0"  # pip --compile off (PIP_NO_COMPILE reads inverted)
         for command in stage.commands:
             if command.cmd == "WORKDIR":
                 workdir = os.path.join(workdir, command.value[0])
