@@ -20,6 +20,7 @@ mutual TLS, in the same run.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -112,7 +113,9 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, info: dict[st
         (
             f"{info['cpu_model']}, {info['cores']} cores; commit {info['git_sha'][:12]}; "
             f"{args.pods} pods; loaded wrk -t2 -c16 -d{args.seconds}s, low load wrk -t1 -c1 "
-            f"-d{args.low_seconds}s; medians of {args.rounds} alternating rounds."
+            f"-d{args.low_seconds}s; medians of {args.rounds} alternating rounds; "
+            f"load average {info.get('load_average', 'not taken')} at the end (anything "
+            "above 2 on these 2 cores shares them with other work)."
         ),
         "",
         "| prompt | router | req/s | x envoy | p50 low load ms | added ms | "
@@ -158,7 +161,8 @@ def main() -> None:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="extproc-floor-") as tmp:
         rows = run(args, Path(tmp))
-    publish(markdown(rows, args, machine()), {"rows": rows}, args.json, args.markdown)
+    info = {**machine(), "load_average": f"{os.getloadavg()[0]:.1f}"}
+    publish(markdown(rows, args, info), {"rows": rows}, args.json, args.markdown)
     print(f"{time.monotonic() - started:.0f} s")
 
 
