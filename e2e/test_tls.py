@@ -50,6 +50,8 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
 
 def serve_args(mode: str, certs: Certs) -> list[str]:
     args = ["--grpc-tls", mode]
+    if mode == "self-signed":
+        return args
     args += ["--tls-cert-file", str(certs.server.cert), "--tls-key-file", str(certs.server.key)]
     if mode == "mtls":
         args += ["--tls-client-ca-file", str(certs.ca.path)]
@@ -57,6 +59,8 @@ def serve_args(mode: str, certs: Certs) -> list[str]:
 
 
 def envoy_tls(mode: str, certs: Certs) -> dict[str, object]:
+    if mode == "self-signed":  # encrypted, not verified: as gateways treat a picker
+        return {"extproc_tls": True}
     options: dict[str, object] = {"extproc_tls": True, "extproc_ca_file": str(certs.ca.path)}
     if mode == "mtls":
         options["extproc_client_cert_file"] = str(certs.envoy.cert)
@@ -76,6 +80,12 @@ def tls_stack(mode: str, sim: SimPods, certs: Certs) -> Iterator[Stack]:
 
 
 @pytest.fixture(scope="module")
+def self_signed_stack(sim: SimPods, certs: Certs) -> Iterator[Stack]:
+    with tls_stack("self-signed", sim, certs) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
 def files_stack(sim: SimPods, certs: Certs) -> Iterator[Stack]:
     with tls_stack("files", sim, certs) as running:
         yield running
@@ -88,10 +98,11 @@ def mtls_stack(sim: SimPods, certs: Certs) -> Iterator[Stack]:
 
 
 TLS_MODES = [pytest.param("files", id="tls"), pytest.param("mtls", id="mtls")]
+ALL_TLS_MODES = [pytest.param("self-signed", id="self-signed"), *TLS_MODES]
 
 
 def stack_for(request: pytest.FixtureRequest, mode: str) -> Stack:
-    stack: Stack = request.getfixturevalue(f"{mode}_stack")
+    stack: Stack = request.getfixturevalue(f"{mode.replace('-', '_')}_stack")
     return stack
 
 
@@ -100,7 +111,7 @@ def post(stack: Stack, body: dict[str, object]) -> httpx.Response:
         return client.post("/v1/completions", json=body)
 
 
-@pytest.mark.parametrize("mode", TLS_MODES)
+@pytest.mark.parametrize("mode", ALL_TLS_MODES)
 def test_routes_retries_and_records_over_tls(
     request: pytest.FixtureRequest, mode: str, sim: SimPods
 ) -> None:
@@ -131,7 +142,7 @@ def tls_client(stack: Stack, certs: Certs, identity: Issued | None) -> Client:
     return Client(port, grpc.secure_channel(f"127.0.0.1:{port}", credentials))
 
 
-@pytest.mark.parametrize("mode", TLS_MODES)
+@pytest.mark.parametrize("mode", ALL_TLS_MODES)
 def test_a_plaintext_client_is_refused(request: pytest.FixtureRequest, mode: str) -> None:
     tls_stack = stack_for(request, mode)
     client = Client(tls_stack.grpc_port)

@@ -235,7 +235,9 @@ def test_auto_falls_back_to_the_public_server_and_says_why(
     with caplog.at_level(logging.INFO, "extproc.grpc"):
         grpc_server, _ = make_grpc_server(router, "127.0.0.1:0", server_kind="auto")
     assert isinstance(grpc_server, PublicServer)
-    assert "public server, because cygrpc lacks Server.start" in caplog.text
+    [record] = [r for r in caplog.records if "gRPC port served by" in r.getMessage()]
+    assert record.levelno == logging.WARNING
+    assert "public server, because cygrpc lacks Server.start" in record.getMessage()
     with pytest.raises(ConfigError, match="--grpc-server loop cannot run: cygrpc lacks"):
         choose_server("loop")
     assert choose_server("public")[0] is PublicServer

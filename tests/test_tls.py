@@ -158,3 +158,14 @@ def test_bad_files_stop_the_start_with_a_clear_message(
         server.key.write_bytes(ca.issue("else", to=server.cert.parent / "else").key.read_bytes())
     with pytest.raises(ConfigError, match=message):
         server_credentials(TlsSettings("files", server.cert, server.key))
+
+
+def test_an_expired_serving_certificate_is_logged_at_start(
+    ca: CertAuthority, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Clients will refuse it; the picker's log says why before they do."""
+    server = ca.issue("extproc", expired=True)
+    with caplog.at_level(logging.INFO, "extproc.tls"):
+        server_credentials(TlsSettings("files", server.cert, server.key))
+    [record] = [r for r in caplog.records if "expired at" in r.getMessage()]
+    assert record.levelno == logging.ERROR and str(server.cert) in record.getMessage()

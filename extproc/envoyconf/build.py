@@ -159,7 +159,7 @@ class EnvoyOptions:
             self.extproc_client_key_file,
         )
         if not self.extproc_tls and any(tls_files):
-            raise ValueError("extproc TLS files and SNI need extproc_tls")
+            raise ValueError("extproc TLS files and SNI need extproc_tls (--extproc-tls)")
         if (self.extproc_client_cert_file is None) != (self.extproc_client_key_file is None):
             raise ValueError("the client certificate for extproc needs both its cert and key")
         if self.pods_dns is not None and split_host_port(self.pods_dns)[2]:

@@ -22,6 +22,9 @@ TEMPLATE_NAME = "extproc.envoyConfig"
 LISTEN_PORT = 8080  # the Envoy container's port; the Service maps envoy.service.port to it
 EXTPROC_PORT = 9002  # the chart's extproc Service port (fixed, like the other two)
 
+ENVOY_EXTPROC_CA_DIR = "/etc/envoy/extproc-ca"  # ca.crt of extproc's Secret, alone
+ENVOY_CLIENT_TLS_DIR = "/etc/envoy/client-tls"  # Envoy's own certificate (mtls)
+
 _FULLNAME = '{{ include "extproc.fullname" . }}'
 _DOMAIN = "{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}"
 
@@ -43,9 +46,31 @@ _OPTIONS = EnvoyOptions(
     message_timeout_s=7.125,
     max_body_bytes=16777259,
     attribute_headers=("sentinel-session-header",),
+    # TLS towards extproc in full (mTLS); the parts a mode does not use are cut by
+    # conditions around them (_TLS_BLOCKS).
+    extproc_tls=True,
+    extproc_ca_file=f"{ENVOY_EXTPROC_CA_DIR}/ca.crt",
+    extproc_client_cert_file=f"{ENVOY_CLIENT_TLS_DIR}/tls.crt",
+    extproc_client_key_file=f"{ENVOY_CLIENT_TLS_DIR}/tls.key",
+)
+_TLS_MODE = '(include "extproc.tlsMode" .)'
+
+
+class Block(NamedTuple):
+    key: str  # the line opening the block, as the generated YAML writes it
+    condition: str  # the template condition it is kept under
+
+
+# Each block is its key's line and every more-indented line after it.
+_TLS_BLOCKS = (
+    Block("    transport_socket:", f'ne {_TLS_MODE} "off"'),
+    # extproc's certificate is verified unless it is self-signed.
+    Block("          validation_context:", f'ne {_TLS_MODE} "self-signed"'),
+    Block("          tls_certificates:", f'eq {_TLS_MODE} "mtls"'),
 )
 _SENTINELS = (
-    Sentinel("extproc-sentinel.invalid", f"{_FULLNAME}.{_DOMAIN}", 1),
+    # The cluster's address, the SNI and the name extproc's certificate must carry.
+    Sentinel("extproc-sentinel.invalid", f"{_FULLNAME}.{_DOMAIN}", 3),
     Sentinel("pods-sentinel.invalid", f"{_FULLNAME}-model-servers.{_DOMAIN}", 1),
     Sentinel("port_value: 59999", "port_value: {{ .Values.modelServers.targetPort }}", 1),
     Sentinel("num_retries: 37", "num_retries: {{ .Values.picker.numFallbacks }}", 1),
@@ -71,6 +96,8 @@ def render_template() -> str:
     )
     if "{{" in text or "}}" in text:
         raise ValueError("the generated bootstrap contains template delimiters")
+    for block in _TLS_BLOCKS:
+        text = _wrap(text, block)
     for sentinel in _SENTINELS:
         found = text.count(sentinel.text)
         if found != sentinel.num_occurrences:
@@ -85,6 +112,32 @@ def render_template() -> str:
         "\n{{/* The port the bootstrap's listener binds, for the container and Service. */}}\n"
         f'{{{{- define "extproc.envoyListenPort" -}}}}{LISTEN_PORT}{{{{- end }}}}\n'
     )
+
+
+def _wrap(text: str, block: Block) -> str:
+    """``text`` with ``block`` kept only under its condition.
+
+    Raises:
+        ValueError: the block's key is not one line of ``text``.
+    """
+    lines = text.split("\n")
+    starts = [i for i, line in enumerate(lines) if line == block.key]
+    if len(starts) != 1:
+        raise ValueError(f"block {block.key.strip()!r} occurs {len(starts)} times, expected 1")
+    start = end = starts[0]
+    indent = len(block.key) - len(block.key.lstrip())
+    while end + 1 < len(lines) and (
+        len(lines[end + 1]) - len(lines[end + 1].lstrip()) > indent
+        or lines[end + 1].lstrip().startswith("- ")
+        and len(lines[end + 1]) - len(lines[end + 1].lstrip()) >= indent
+    ):
+        end += 1
+    lines[start : end + 1] = [
+        f"{{{{- if {block.condition} }}}}",
+        *lines[start : end + 1],
+        "{{- end }}",
+    ]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,7 +94,8 @@ def make_grpc_server(
         OSError: the address cannot be bound.
     """
     server_class, why = choose_server(server_kind)
-    log.info("gRPC port served by %s", why)
+    fell_back = server_kind == "auto" and server_class is PublicServer
+    log.log(logging.WARNING if fell_back else logging.INFO, "gRPC port served by %s", why)
     server: GrpcServer = server_class(
         {
             PROCESS_PATH: process or one_round_process(RouteHandler(router)),

@@ -32,6 +32,14 @@ MODES: dict[str, dict[str, Any]] = {
         "picker": {"extraArgs": ["--k8s-default-model", "qwen3"]},
         "replicas": 3,
     },
+    "standalone-mtls-cert-manager": {
+        "tls": {"mode": "mtls", "certManager": {"enabled": True, "issuerRef": {"name": "ca"}}},
+    },
+    "gateway-tls-secret": {
+        "mode": "gateway",
+        "networkPolicy": {"gatewayFrom": GATEWAY_PEERS},
+        "tls": {"mode": "files", "secretName": "picker-cert"},
+    },
 }
 
 

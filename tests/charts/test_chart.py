@@ -22,7 +22,7 @@ from tests.charts.conftest import CHART_DIR, GATEWAY_PEERS, MODES, NAMESPACE, fi
 
 KUBERNETES_VERSION = "1.33"
 FULLNAME = "rel-extproc"
-CUSTOM_KINDS = {"InferencePool", "HTTPRoute", "ServiceMonitor"}
+CUSTOM_KINDS = {"InferencePool", "HTTPRoute", "ServiceMonitor", "Certificate"}
 
 
 def kinds(docs: list[dict[str, Any]]) -> set[tuple[str, str]]:

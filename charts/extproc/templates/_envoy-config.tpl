@@ -175,6 +175,32 @@ static_resources:
         max_pending_requests: 1048576
         max_requests: 1048576
         max_retries: 1048576
+{{- if ne (include "extproc.tlsMode" .) "off" }}
+    transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        '@type': type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+        common_tls_context:
+{{- if eq (include "extproc.tlsMode" .) "mtls" }}
+          tls_certificates:
+          - certificate_chain:
+              filename: /etc/envoy/client-tls/tls.crt
+            private_key:
+              filename: /etc/envoy/client-tls/tls.key
+{{- end }}
+{{- if ne (include "extproc.tlsMode" .) "self-signed" }}
+          validation_context:
+            trusted_ca:
+              filename: /etc/envoy/extproc-ca/ca.crt
+            match_typed_subject_alt_names:
+            - san_type: DNS
+              matcher:
+                exact: {{ include "extproc.fullname" . }}.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}
+{{- end }}
+          alpn_protocols:
+          - h2
+        sni: {{ include "extproc.fullname" . }}.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}
+{{- end }}
     load_assignment:
       cluster_name: extproc
       endpoints:

@@ -61,10 +61,33 @@ app.kubernetes.io/component: envoy
 {{ dict "scheduler" .Values.scheduler | toYaml }}
 {{- end }}
 
+{{/* TLS on extproc's gRPC port: tls.mode, or the chart mode's default (gateway:
+self-signed, what the Inference Extension's gateways expect of a picker; else off). */}}
+{{- define "extproc.tlsMode" -}}
+{{- .Values.tls.mode | default (ternary "self-signed" "off" (eq .Values.mode "gateway")) }}
+{{- end }}
+
+{{/* The Secret with extproc's tls.crt, tls.key and ca.crt. */}}
+{{- define "extproc.tlsSecretName" -}}
+{{- .Values.tls.secretName | default (printf "%s-tls" (include "extproc.fullname" .)) }}
+{{- end }}
+
+{{/* The Secret with the standalone Envoy's client tls.crt and tls.key (mtls). */}}
+{{- define "extproc.envoyClientSecretName" -}}
+{{- .Values.tls.envoyClientSecretName | default (printf "%s-envoy-client-tls" (include "extproc.fullname" .)) }}
+{{- end }}
+
 {{/* Values rules that the JSON schema cannot state; each fails with what to change. */}}
 {{- define "extproc.validate" -}}
 {{- if and .Values.networkPolicy.enabled (ne .Values.mode "standalone") (not .Values.networkPolicy.gatewayFrom) }}
 {{- fail (printf "networkPolicy.gatewayFrom is empty: in %s mode, list the NetworkPolicyPeers of your gateway's Envoy pods (the only clients allowed on ext_proc port 9002), or set networkPolicy.enabled=false" .Values.mode) }}
+{{- end }}
+{{- $tls := include "extproc.tlsMode" . }}
+{{- if and (has $tls (list "files" "mtls")) (not .Values.tls.secretName) (not .Values.tls.certManager.enabled) }}
+{{- fail (printf "tls.mode %s needs the certificate: set tls.secretName (a Secret with tls.crt, tls.key and ca.crt) or tls.certManager.enabled=true" $tls) }}
+{{- end }}
+{{- if and .Values.tls.certManager.enabled (not .Values.tls.certManager.issuerRef.name) }}
+{{- fail "tls.certManager.issuerRef.name is empty: name the cert-manager Issuer or ClusterIssuer that signs extproc's certificate" }}
 {{- end }}
 {{- if and .Values.inferencePool.httpRoute.enabled (eq .Values.mode "gateway") (not .Values.inferencePool.httpRoute.parentRefs) }}
 {{- fail "inferencePool.httpRoute.parentRefs is empty: name the Gateway the HTTPRoute attaches to, e.g. [{name: inference-gateway}]" }}
