@@ -7,8 +7,12 @@ Rules (Kthena's prefix-cache spec):
   entry (an eviction). Removing a pod drops all its entries (not evictions). Recording
   a block a pod already has refreshes it.
 * A record is one step: the prompt's blocks the pod already has are refreshed, the new
-  ones added, then the least recently used entries beyond the limit are dropped. An
-  evicted entry is one that is no longer in the list afterwards.
+  ones added, then the least recently used entries beyond the limit are dropped. The
+  list ends exactly as Kthena's, which adds the blocks one at a time (tail first),
+  evicting as it goes.
+* Evictions are counted as Kthena counts them, per evicted entry's tag (the plugin's
+  model): the entries no longer in the list afterwards, plus the prompt's own blocks
+  Kthena's one-at-a-time adds evict before reaching them and then add again.
 * A lookup walks the prompt's hashes from the last block backwards; because hashes are
   chained, the first hit for a pod is its longest match.
 
@@ -37,6 +41,7 @@ Chained hashes of one prompt are distinct, which the batch updates rely on.
 from __future__ import annotations
 
 import threading
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,6 +117,7 @@ class _PodLru:
     page: int  # slot // SLOTS_PER_PAGE
     bit: int  # this slot's bit in its page's owner masks
     ring: Keys = field(default_factory=lambda: np.empty(256, dtype=np.int64))
+    tags: Keys = field(default_factory=lambda: np.empty(256, dtype=np.int64))  # per position
     head: int = 0
     size: int = 0
     base: int = 0
@@ -327,30 +333,88 @@ class PrefixIndex:
 
     # -- updates -------------------------------------------------------------------
 
-    def record(self, hashes: Sequence[int] | Keys, pod: PodId) -> int:
-        """Record a prompt's blocks for ``pod``; returns the number of evictions.
+    def record(self, hashes: Sequence[int] | Keys, pod: PodId, tag: int = 0) -> int:
+        """Record a prompt's blocks for ``pod``; returns the evictions, as Kthena counts.
 
         Blocks are touched tail first, so the first block ends most recently used.
         """
+        return sum(self.record_tagged(hashes, pod, tag).values())
+
+    def record_tagged(self, hashes: Sequence[int] | Keys, pod: PodId, tag: int) -> dict[int, int]:
+        """``record``, the entries tagged ``tag`` (the plugin's model); returns the
+        evictions by the evicted entries' tags."""
         keys = np.ascontiguousarray(as_keys(hashes)[::-1])
         if not len(keys):
-            return 0
+            return {}
         with self._lock:
             lru = self._lru_by_pod.get(pod) or self._add_pod(pod)
             entry_keys = keys ^ lru.key
-            is_new = _lookup(self._entries, entry_keys, -1) < 0
-            start = self._append(lru, keys)
+            seqs = _lookup(self._entries, entry_keys, -1)
+            is_new = seqs < 0
+            evicted = max(0, lru.live + int(is_new.sum()) - self.max_entries_per_pod)
+            by_tag: dict[int, int] = {}
+            # A held block has at least live - (ring positions after it) entries older than
+            # it; Kthena cannot reach it before evicting `evicted` others (docstring below).
+            held_seqs = seqs[~is_new]
+            if (
+                evicted
+                and len(held_seqs)
+                and lru.live - (lru.base + lru.size - int(held_seqs.min()))
+                < evicted + len(held_seqs)
+            ):
+                readded = self._kthena_readds(lru, keys, is_new, evicted)
+                if len(readded):  # counted under the tags they had
+                    seqs = _lookup(self._entries, readded ^ lru.key, -1)
+                    for old_tag in lru.tags[seqs - lru.base].tolist():
+                        by_tag[old_tag] = by_tag.get(old_tag, 0) + 1
+            start = self._append(lru, keys, tag)
             _assign(self._entries, entry_keys, lru.seqs(start, start + len(keys)))
             new_keys = keys[is_new]
             if len(new_keys):
                 self._set_owner(lru, new_keys)
                 lru.live += len(new_keys)
                 self._num_entries += len(new_keys)
-            evicted = max(0, lru.live - self.max_entries_per_pod)
             if evicted:
-                self._evict_oldest(lru, evicted)
+                for victim_tag, count in self._evict_oldest(lru, evicted).items():
+                    by_tag[victim_tag] = by_tag.get(victim_tag, 0) + count
             self._compact(lru)
-            return evicted
+            return by_tag
+
+    def _kthena_readds(
+        self, lru: _PodLru, keys: Keys, is_new: npt.NDArray[np.bool_], evicted: int
+    ) -> Keys:
+        """The prompt's blocks ``lru`` holds that Kthena's tail-first adds evict before
+        reaching them (each then added again, evicting one more entry).
+
+        Kthena's victims are the oldest untouched entries. Until a held block is evicted,
+        at most ``evicted`` (the one-step count) are, so the first such block is among
+        the oldest ``evicted + held``: when none is, nothing is re-added. Otherwise the
+        adds are simulated over the oldest ``2 n`` entries (``n`` blocks; victims are
+        among them when ``n`` fits the list, and a list shorter than ``n`` is whole).
+        """
+        held = keys[~is_new]
+        first = self._oldest_live(lru, evicted + len(held))
+        if set(first.tolist()).isdisjoint(held.tolist()):  # (np.isin sorts: slower here)
+            return np.empty(0, dtype=np.int64)
+        window = self._oldest_live(lru, 2 * len(keys))
+        order = OrderedDict.fromkeys(window.tolist())  # oldest first
+        alive = set(held.tolist())
+        held_set = frozenset(alive)
+        size, readded = lru.live, []
+        for key in keys.tolist():  # tail first
+            if key in alive:
+                order[key] = None
+                order.move_to_end(key)
+                continue
+            if key in held_set:  # held before, evicted earlier in this record
+                readded.append(key)
+            order[key] = None
+            alive.add(key)
+            size += 1
+            if size > self.max_entries_per_pod:
+                alive.discard(order.popitem(last=False)[0])
+                size -= 1
+        return np.array(readded, dtype=np.int64)
 
     def remove_pod(self, pod: PodId) -> int:
         """Forget every entry of ``pod`` (not counted as evictions); returns how many."""
@@ -392,21 +456,27 @@ class PrefixIndex:
         self._slots_version += 1
         return lru
 
-    def _append(self, lru: _PodLru, keys: Keys) -> int:
+    def _append(self, lru: _PodLru, keys: Keys, tag: int) -> int:
         """Append to the ring, shifting or growing it; returns the first new position."""
         if lru.size + len(keys) > len(lru.ring):
             occupied = lru.size - lru.head
             if lru.head and occupied + len(keys) <= len(lru.ring) // 2:
                 lru.ring[:occupied] = lru.ring[lru.head : lru.size]
+                lru.tags[:occupied] = lru.tags[lru.head : lru.size]
             else:
-                grown = np.empty(max(2 * (occupied + len(keys)), 256), dtype=np.int64)
+                capacity = max(2 * (occupied + len(keys)), 256)
+                grown = np.empty(capacity, dtype=np.int64)
                 grown[:occupied] = lru.ring[lru.head : lru.size]
                 lru.ring = grown
+                grown_tags = np.empty(capacity, dtype=np.int64)
+                grown_tags[:occupied] = lru.tags[lru.head : lru.size]
+                lru.tags = grown_tags
             lru.base += lru.head
             lru.size = occupied
             lru.head = 0
         start = lru.size
         lru.ring[start : start + len(keys)] = keys
+        lru.tags[start : start + len(keys)] = tag
         lru.size += len(keys)
         return start
 
@@ -420,13 +490,29 @@ class PrefixIndex:
     def _live_keys(self, lru: _PodLru) -> Keys:
         return lru.ring[lru.head : lru.size][self._live_mask(lru, lru.head, lru.size)]
 
-    def _evict_oldest(self, lru: _PodLru, count: int) -> None:
+    def _oldest_live(self, lru: _PodLru, count: int) -> Keys:
+        """Up to ``count`` live entries' block hashes, oldest first."""
+        found: list[Keys] = []
+        start, wanted = lru.head, count
+        while wanted and start < lru.size:
+            stop = min(lru.size, start + max(2 * wanted, 256))
+            live = lru.ring[start:stop][self._live_mask(lru, start, stop)][:wanted]
+            found.append(live)
+            wanted -= len(live)
+            start = stop
+        return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+
+    def _evict_oldest(self, lru: _PodLru, count: int) -> dict[int, int]:
+        """Drop the ``count`` oldest live entries; returns how many had each tag."""
+        by_tag: Counter[int] = Counter()
         while count:
             stop = min(lru.size, lru.head + max(2 * count, 256))
             live_pos = np.flatnonzero(self._live_mask(lru, lru.head, stop))[:count]
             self._drop(lru, lru.ring[lru.head + live_pos])
+            by_tag.update(lru.tags[lru.head + live_pos].tolist())
             count -= len(live_pos)
             lru.head = lru.head + int(live_pos[-1]) + 1 if not count else stop
+        return by_tag
 
     def _set_owner(self, lru: _PodLru, keys: Keys) -> None:
         owner_keys = keys ^ self._page_keys[lru.page]
@@ -463,11 +549,15 @@ class PrefixIndex:
         """
         if lru.size - lru.head <= 2 * lru.live + 1024:
             return
-        kept = self._live_keys(lru)
+        live = self._live_mask(lru, lru.head, lru.size)
+        kept = lru.ring[lru.head : lru.size][live]
+        kept_tags = lru.tags[lru.head : lru.size][live]
         lru.base += lru.size
         ring = np.empty(max(2 * len(kept), 256), dtype=np.int64)
         ring[: len(kept)] = kept
-        lru.ring, lru.head, lru.size = ring, 0, len(kept)
+        tags = np.empty(len(ring), dtype=np.int64)
+        tags[: len(kept)] = kept_tags
+        lru.ring, lru.tags, lru.head, lru.size = ring, tags, 0, len(kept)
         _assign(self._entries, kept ^ lru.key, lru.seqs(0, len(kept)))
 
     # -- checking ----------------------------------------------------------------

@@ -17,24 +17,27 @@ A, B, C, D = (PodId("ns", n) for n in "abcd")
 
 
 class ModelIndex:
-    """The spec in the plainest Python: an OrderedDict per pod, tail recorded first."""
+    """Kthena's ModelPrefixStore.Add in the plainest Python: an OrderedDict per pod (the
+    golang-lru list), one Add per block, tail first, each overflow one counted eviction
+    of the oldest entry, labelled with that entry's model."""
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
-        self.pods: dict[PodId, OrderedDict[int, None]] = {}
+        self.pods: dict[PodId, OrderedDict[int, int]] = {}
 
-    def record(self, hashes: list[int], pod: PodId) -> int:
-        """Touch tail first; evictions = entries that are not in the list afterwards."""
+    def record(self, hashes: list[int], pod: PodId, tag: int = 0) -> dict[int, int]:
         lru = self.pods.setdefault(pod, OrderedDict())
-        touched = set(lru) | set(hashes)
+        evicted: dict[int, int] = {}
         for h in reversed(hashes):
             if h in lru:
                 lru.move_to_end(h)
+                lru[h] = tag
                 continue
-            lru[h] = None
+            lru[h] = tag
             if len(lru) > self.cap:
-                lru.popitem(last=False)
-        return len(touched) - len(lru)
+                victim_tag = lru.popitem(last=False)[1]
+                evicted[victim_tag] = evicted.get(victim_tag, 0) + 1
+        return evicted
 
     def longest(self, hashes: list[int], pod: PodId) -> int:
         lru = self.pods.get(pod, {})
@@ -79,12 +82,23 @@ def test_lru_drops_least_recently_used_and_counts_evictions() -> None:
     idx.verify()
 
 
-def test_a_record_is_atomic_and_never_evicts_its_own_refreshed_blocks() -> None:
+def test_a_block_evicted_and_re_added_within_one_record_counts_as_kthena_counts() -> None:
     idx = PrefixIndex(4)
     idx.record([1], A)
     idx.record([2, 3, 4], A)  # LRU order, oldest first: 1, 4, 3, 2
-    assert idx.record([1, 5], A) == 1  # 1 is refreshed, not evicted and re-added
+    # Kthena adds 5 (evicting 1), then 1 again (evicting 4): two evictions, while the
+    # list ends as a one-step record leaves it: 3, 2, 5, 1.
+    assert idx.record([1, 5], A) == 2
     assert idx.match([1], [A], 5) == {A: 1} and idx.match([4], [A], 5) == {}
+    assert idx.match([3], [A], 5) == {A: 1} and idx.num_pod_entries(A) == 4
+    idx.verify()
+
+
+def test_evictions_are_labelled_with_the_evicted_entrys_tag() -> None:
+    idx = PrefixIndex(3)
+    idx.record_tagged([1, 2], A, tag=7)
+    assert idx.record_tagged([3, 4], A, tag=9) == {7: 1}  # drops 2, recorded with tag 7
+    assert idx.record_tagged([5, 6, 8], A, tag=9) == {7: 1, 9: 2}
 
 
 def test_record_order_keeps_the_first_block_longest() -> None:
@@ -160,7 +174,8 @@ def test_index_agrees_with_the_plain_model(
     idx, model = PrefixIndex(cap), ModelIndex(cap)
     for op, hashes, p in operations:
         if op == "record":
-            assert idx.record(hashes, pods[p]) == model.record(hashes, pods[p])
+            tag = len(hashes) % 3
+            assert idx.record_tagged(hashes, pods[p], tag) == model.record(hashes, pods[p], tag)
         else:
             idx.remove_pod(pods[p])
             model.pods.pop(pods[p], None)
