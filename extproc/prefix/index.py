@@ -14,7 +14,9 @@ Rules (Kthena's prefix-cache spec):
   model): the entries no longer in the list afterwards, plus the prompt's own blocks
   Kthena's one-at-a-time adds evict before reaching them and then add again.
 * A lookup walks the prompt's hashes from the last block backwards; because hashes are
-  chained, the first hit for a pod is its longest match.
+  chained, the first hit for a pod is its longest match. At most ``top_k`` pods are
+  returned, longest first; among pods with the same match length where only some fit,
+  a random draw decides (Kthena's Go map order is arbitrary there).
 
 A record touches a prompt's blocks tail first, so the first block ends most recently
 used and the tail is evicted first: the order in which vLLM returns a finished request's
@@ -40,6 +42,7 @@ Chained hashes of one prompt are distinct, which the batch updates rely on.
 
 from __future__ import annotations
 
+import random
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
@@ -146,10 +149,12 @@ class PrefixIndex:
     Thread-safe: every public method holds the index's own lock.
     """
 
-    def __init__(self, max_entries_per_pod: int) -> None:
+    def __init__(self, max_entries_per_pod: int, rng: random.Random | None = None) -> None:
         if max_entries_per_pod <= 0:
             raise ValueError(f"max_entries_per_pod must be > 0, got {max_entries_per_pod}")
         self.max_entries_per_pod = max_entries_per_pod
+        # draws among equal matches beyond top-K; seeded, so a simulation replays exactly
+        self.rng = rng if rng is not None else random.Random(0)
         self._entries = Int64toInt64Map()
         self._owners = Int64toInt64Map()
         self._upper_pages = Int64toInt64Map()
@@ -186,8 +191,9 @@ class PrefixIndex:
     ) -> dict[PodId, int]:
         """Longest recorded match, in blocks, for up to ``top_k`` candidate pods.
 
-        Pods are found from the longest match down (among equal matches in slot order),
-        and pods with no match are left out. A ``PodSet`` keeps the candidates' slot
+        Pods are found from the longest match down; when more pods share the last
+        length that fits than there is room for, those that get in are drawn at random.
+        Pods with no match are left out. A ``PodSet`` keeps the candidates' slot
         masks between calls (until a pod is added to or removed from the index); pods
         in ``exclude`` are taken out of the candidates for this call.
         """
@@ -266,23 +272,33 @@ class PrefixIndex:
         at = np.flatnonzero(ends)[::-1]
         found: dict[PodId, int] = {}
         for idx, bits in zip(at.tolist(), ends[at].tolist(), strict=True):
-            if self._add_found(found, page, bits, idx + 1, top_k):
+            if self._add_found(found, self._slot_pods(page, bits), idx + 1, top_k):
                 break
         return found
 
-    def _add_found(
-        self, found: dict[PodId, int], page: int, bits: int, length: int, top_k: int
-    ) -> bool:
-        """Add the pods of ``page`` whose slot bits are set, matched ``length`` blocks, in
-        slot order, until ``found`` holds ``top_k``; returns whether it does."""
+    def _slot_pods(self, page: int, bits: int) -> list[PodId]:
+        """The pods of ``page`` whose slot bits are set, in slot order."""
         first_slot = page * SLOTS_PER_PAGE
+        pods = []
         while bits:
             low = bits & -bits
             bits ^= low
-            found[self._pod_by_slot[first_slot + low.bit_length() - 1]] = length
-            if len(found) == top_k:
-                return True
-        return False
+            pods.append(self._pod_by_slot[first_slot + low.bit_length() - 1])
+        return pods
+
+    def _add_found(
+        self, found: dict[PodId, int], pods: list[PodId], length: int, top_k: int
+    ) -> bool:
+        """Add ``pods``, matched ``length`` blocks, until ``found`` holds ``top_k``;
+        returns whether it does. When only some fit, they are drawn at random (Kthena
+        walks a Go map there, whose order is arbitrary), so pods holding the same prefix
+        share the top-K slots instead of the first recorded taking them for ever."""
+        room = top_k - len(found)
+        if len(pods) > room:
+            pods = self.rng.sample(pods, room)
+        for pod in pods:
+            found[pod] = length
+        return len(found) == top_k
 
     def _walk(
         self,
@@ -324,9 +340,14 @@ class PrefixIndex:
         if seen:
             new &= ~np.array([seen.get(page, 0) for page in pages], dtype=np.int64)[:, np.newaxis]
         for idx in np.flatnonzero(new.any(axis=0))[::-1].tolist():
-            for page, bits in zip(pages, new[:, idx].tolist(), strict=True):
-                if self._add_found(found, page, bits, start + idx + 1, top_k):
-                    return True
+            level = [
+                pod
+                for page, bits in zip(pages, new[:, idx].tolist(), strict=True)
+                if bits
+                for pod in self._slot_pods(page, bits)
+            ]
+            if self._add_found(found, level, start + idx + 1, top_k):
+                return True
         for page, bits in zip(pages, held_from[:, 0].tolist(), strict=True):
             seen[page] = seen.get(page, 0) | bits
         return False
