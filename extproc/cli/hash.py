@@ -15,6 +15,7 @@ from typing import Any
 from extproc.errors import BadRequest
 from extproc.prefix.hashing import hash_prompt
 from extproc.request.parse import Api, parse_request
+from extproc.request.render import Rendering
 
 
 def register(sub: Any) -> None:
@@ -28,6 +29,12 @@ def register(sub: Any) -> None:
         default=Api.CHAT_COMPLETIONS.value,
         help="the endpoint the body is for (default: %(default)s)",
     )
+    p.add_argument(
+        "--prompt-rendering",
+        choices=[r.value for r in Rendering],
+        default=Rendering.EXTENDED.value,
+        help="where the prompt is read from, as serve's flag (default: %(default)s)",
+    )
     p.add_argument("--block-size", type=int, default=64, help="blockSizeToHash (default 64)")
     p.add_argument("--max-blocks", type=int, default=128, help="maxBlocksToMatch (default 128)")
     p.set_defaults(func=run)
@@ -36,7 +43,7 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     body = sys.stdin.buffer.read() if args.body == "-" else Path(args.body).read_bytes()
     try:
-        req = parse_request(args.api, body)
+        req = parse_request(args.api, body, rendering=Rendering(args.prompt_rendering))
     except BadRequest as exc:
         print(f"extproc hash: {exc.message}", file=sys.stderr)
         return 2

@@ -7,10 +7,16 @@ Rules (Kthena's prefix-cache spec):
   entry (an eviction). Removing a pod drops all its entries (not evictions). Recording
   a block a pod already has refreshes it.
 * A record is one step: the prompt's blocks the pod already has are refreshed, the new
-  ones added, then the least recently used entries beyond the limit are dropped. An
-  evicted entry is one that is no longer in the list afterwards.
+  ones added, then the least recently used entries beyond the limit are dropped. The
+  list ends exactly as Kthena's, which adds the blocks one at a time (tail first),
+  evicting as it goes.
+* Evictions are counted as Kthena counts them, per evicted entry's tag (the plugin's
+  model): the entries no longer in the list afterwards, plus the prompt's own blocks
+  Kthena's one-at-a-time adds evict before reaching them and then add again.
 * A lookup walks the prompt's hashes from the last block backwards; because hashes are
-  chained, the first hit for a pod is its longest match.
+  chained, the first hit for a pod is its longest match. At most ``top_k`` pods are
+  returned, longest first; among pods with the same match length where only some fit,
+  a random draw decides (Kthena's Go map order is arbitrary there).
 
 A record touches a prompt's blocks tail first, so the first block ends most recently
 used and the tail is evicted first: the order in which vLLM returns a finished request's
@@ -36,7 +42,9 @@ Chained hashes of one prompt are distinct, which the batch updates rely on.
 
 from __future__ import annotations
 
+import random
 import threading
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,6 +120,7 @@ class _PodLru:
     page: int  # slot // SLOTS_PER_PAGE
     bit: int  # this slot's bit in its page's owner masks
     ring: Keys = field(default_factory=lambda: np.empty(256, dtype=np.int64))
+    tags: Keys = field(default_factory=lambda: np.empty(256, dtype=np.int64))  # per position
     head: int = 0
     size: int = 0
     base: int = 0
@@ -140,10 +149,12 @@ class PrefixIndex:
     Thread-safe: every public method holds the index's own lock.
     """
 
-    def __init__(self, max_entries_per_pod: int) -> None:
+    def __init__(self, max_entries_per_pod: int, rng: random.Random | None = None) -> None:
         if max_entries_per_pod <= 0:
             raise ValueError(f"max_entries_per_pod must be > 0, got {max_entries_per_pod}")
         self.max_entries_per_pod = max_entries_per_pod
+        # draws among equal matches beyond top-K; seeded, so a simulation replays exactly
+        self.rng = rng if rng is not None else random.Random(0)
         self._entries = Int64toInt64Map()
         self._owners = Int64toInt64Map()
         self._upper_pages = Int64toInt64Map()
@@ -180,8 +191,9 @@ class PrefixIndex:
     ) -> dict[PodId, int]:
         """Longest recorded match, in blocks, for up to ``top_k`` candidate pods.
 
-        Pods are found from the longest match down (among equal matches in slot order),
-        and pods with no match are left out. A ``PodSet`` keeps the candidates' slot
+        Pods are found from the longest match down; when more pods share the last
+        length that fits than there is room for, those that get in are drawn at random.
+        Pods with no match are left out. A ``PodSet`` keeps the candidates' slot
         masks between calls (until a pod is added to or removed from the index); pods
         in ``exclude`` are taken out of the candidates for this call.
         """
@@ -260,23 +272,33 @@ class PrefixIndex:
         at = np.flatnonzero(ends)[::-1]
         found: dict[PodId, int] = {}
         for idx, bits in zip(at.tolist(), ends[at].tolist(), strict=True):
-            if self._add_found(found, page, bits, idx + 1, top_k):
+            if self._add_found(found, self._slot_pods(page, bits), idx + 1, top_k):
                 break
         return found
 
-    def _add_found(
-        self, found: dict[PodId, int], page: int, bits: int, length: int, top_k: int
-    ) -> bool:
-        """Add the pods of ``page`` whose slot bits are set, matched ``length`` blocks, in
-        slot order, until ``found`` holds ``top_k``; returns whether it does."""
+    def _slot_pods(self, page: int, bits: int) -> list[PodId]:
+        """The pods of ``page`` whose slot bits are set, in slot order."""
         first_slot = page * SLOTS_PER_PAGE
+        pods = []
         while bits:
             low = bits & -bits
             bits ^= low
-            found[self._pod_by_slot[first_slot + low.bit_length() - 1]] = length
-            if len(found) == top_k:
-                return True
-        return False
+            pods.append(self._pod_by_slot[first_slot + low.bit_length() - 1])
+        return pods
+
+    def _add_found(
+        self, found: dict[PodId, int], pods: list[PodId], length: int, top_k: int
+    ) -> bool:
+        """Add ``pods``, matched ``length`` blocks, until ``found`` holds ``top_k``;
+        returns whether it does. When only some fit, they are drawn at random (Kthena
+        walks a Go map there, whose order is arbitrary), so pods holding the same prefix
+        share the top-K slots instead of the first recorded taking them for ever."""
+        room = top_k - len(found)
+        if len(pods) > room:
+            pods = self.rng.sample(pods, room)
+        for pod in pods:
+            found[pod] = length
+        return len(found) == top_k
 
     def _walk(
         self,
@@ -318,39 +340,102 @@ class PrefixIndex:
         if seen:
             new &= ~np.array([seen.get(page, 0) for page in pages], dtype=np.int64)[:, np.newaxis]
         for idx in np.flatnonzero(new.any(axis=0))[::-1].tolist():
-            for page, bits in zip(pages, new[:, idx].tolist(), strict=True):
-                if self._add_found(found, page, bits, start + idx + 1, top_k):
-                    return True
+            level = [
+                pod
+                for page, bits in zip(pages, new[:, idx].tolist(), strict=True)
+                if bits
+                for pod in self._slot_pods(page, bits)
+            ]
+            if self._add_found(found, level, start + idx + 1, top_k):
+                return True
         for page, bits in zip(pages, held_from[:, 0].tolist(), strict=True):
             seen[page] = seen.get(page, 0) | bits
         return False
 
     # -- updates -------------------------------------------------------------------
 
-    def record(self, hashes: Sequence[int] | Keys, pod: PodId) -> int:
-        """Record a prompt's blocks for ``pod``; returns the number of evictions.
+    def record(self, hashes: Sequence[int] | Keys, pod: PodId, tag: int = 0) -> int:
+        """Record a prompt's blocks for ``pod``; returns the evictions, as Kthena counts.
 
         Blocks are touched tail first, so the first block ends most recently used.
         """
+        return sum(self.record_tagged(hashes, pod, tag).values())
+
+    def record_tagged(self, hashes: Sequence[int] | Keys, pod: PodId, tag: int) -> dict[int, int]:
+        """``record``, the entries tagged ``tag`` (the plugin's model); returns the
+        evictions by the evicted entries' tags."""
         keys = np.ascontiguousarray(as_keys(hashes)[::-1])
         if not len(keys):
-            return 0
+            return {}
         with self._lock:
             lru = self._lru_by_pod.get(pod) or self._add_pod(pod)
             entry_keys = keys ^ lru.key
-            is_new = _lookup(self._entries, entry_keys, -1) < 0
-            start = self._append(lru, keys)
+            seqs = _lookup(self._entries, entry_keys, -1)
+            is_new = seqs < 0
+            evicted = max(0, lru.live + int(is_new.sum()) - self.max_entries_per_pod)
+            by_tag: dict[int, int] = {}
+            # A held block has at least live - (ring positions after it) entries older than
+            # it; Kthena cannot reach it before evicting `evicted` others (docstring below).
+            held_seqs = seqs[~is_new]
+            if (
+                evicted
+                and len(held_seqs)
+                and lru.live - (lru.base + lru.size - int(held_seqs.min()))
+                < evicted + len(held_seqs)
+            ):
+                readded = self._kthena_readds(lru, keys, is_new, evicted)
+                if len(readded):  # counted under the tags they had
+                    seqs = _lookup(self._entries, readded ^ lru.key, -1)
+                    for old_tag in lru.tags[seqs - lru.base].tolist():
+                        by_tag[old_tag] = by_tag.get(old_tag, 0) + 1
+            start = self._append(lru, keys, tag)
             _assign(self._entries, entry_keys, lru.seqs(start, start + len(keys)))
             new_keys = keys[is_new]
             if len(new_keys):
                 self._set_owner(lru, new_keys)
                 lru.live += len(new_keys)
                 self._num_entries += len(new_keys)
-            evicted = max(0, lru.live - self.max_entries_per_pod)
             if evicted:
-                self._evict_oldest(lru, evicted)
+                for victim_tag, count in self._evict_oldest(lru, evicted).items():
+                    by_tag[victim_tag] = by_tag.get(victim_tag, 0) + count
             self._compact(lru)
-            return evicted
+            return by_tag
+
+    def _kthena_readds(
+        self, lru: _PodLru, keys: Keys, is_new: npt.NDArray[np.bool_], evicted: int
+    ) -> Keys:
+        """The prompt's blocks ``lru`` holds that Kthena's tail-first adds evict before
+        reaching them (each then added again, evicting one more entry).
+
+        Kthena's victims are the oldest untouched entries. Until a held block is evicted,
+        at most ``evicted`` (the one-step count) are, so the first such block is among
+        the oldest ``evicted + held``: when none is, nothing is re-added. Otherwise the
+        adds are simulated over the oldest ``2 n`` entries (``n`` blocks; victims are
+        among them when ``n`` fits the list, and a list shorter than ``n`` is whole).
+        """
+        held = keys[~is_new]
+        first = self._oldest_live(lru, evicted + len(held))
+        if set(first.tolist()).isdisjoint(held.tolist()):  # (np.isin sorts: slower here)
+            return np.empty(0, dtype=np.int64)
+        window = self._oldest_live(lru, 2 * len(keys))
+        order = OrderedDict.fromkeys(window.tolist())  # oldest first
+        alive = set(held.tolist())
+        held_set = frozenset(alive)
+        size, readded = lru.live, []
+        for key in keys.tolist():  # tail first
+            if key in alive:
+                order[key] = None
+                order.move_to_end(key)
+                continue
+            if key in held_set:  # held before, evicted earlier in this record
+                readded.append(key)
+            order[key] = None
+            alive.add(key)
+            size += 1
+            if size > self.max_entries_per_pod:
+                alive.discard(order.popitem(last=False)[0])
+                size -= 1
+        return np.array(readded, dtype=np.int64)
 
     def remove_pod(self, pod: PodId) -> int:
         """Forget every entry of ``pod`` (not counted as evictions); returns how many."""
@@ -392,21 +477,27 @@ class PrefixIndex:
         self._slots_version += 1
         return lru
 
-    def _append(self, lru: _PodLru, keys: Keys) -> int:
+    def _append(self, lru: _PodLru, keys: Keys, tag: int) -> int:
         """Append to the ring, shifting or growing it; returns the first new position."""
         if lru.size + len(keys) > len(lru.ring):
             occupied = lru.size - lru.head
             if lru.head and occupied + len(keys) <= len(lru.ring) // 2:
                 lru.ring[:occupied] = lru.ring[lru.head : lru.size]
+                lru.tags[:occupied] = lru.tags[lru.head : lru.size]
             else:
-                grown = np.empty(max(2 * (occupied + len(keys)), 256), dtype=np.int64)
+                capacity = max(2 * (occupied + len(keys)), 256)
+                grown = np.empty(capacity, dtype=np.int64)
                 grown[:occupied] = lru.ring[lru.head : lru.size]
                 lru.ring = grown
+                grown_tags = np.empty(capacity, dtype=np.int64)
+                grown_tags[:occupied] = lru.tags[lru.head : lru.size]
+                lru.tags = grown_tags
             lru.base += lru.head
             lru.size = occupied
             lru.head = 0
         start = lru.size
         lru.ring[start : start + len(keys)] = keys
+        lru.tags[start : start + len(keys)] = tag
         lru.size += len(keys)
         return start
 
@@ -420,13 +511,29 @@ class PrefixIndex:
     def _live_keys(self, lru: _PodLru) -> Keys:
         return lru.ring[lru.head : lru.size][self._live_mask(lru, lru.head, lru.size)]
 
-    def _evict_oldest(self, lru: _PodLru, count: int) -> None:
+    def _oldest_live(self, lru: _PodLru, count: int) -> Keys:
+        """Up to ``count`` live entries' block hashes, oldest first."""
+        found: list[Keys] = []
+        start, wanted = lru.head, count
+        while wanted and start < lru.size:
+            stop = min(lru.size, start + max(2 * wanted, 256))
+            live = lru.ring[start:stop][self._live_mask(lru, start, stop)][:wanted]
+            found.append(live)
+            wanted -= len(live)
+            start = stop
+        return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+
+    def _evict_oldest(self, lru: _PodLru, count: int) -> dict[int, int]:
+        """Drop the ``count`` oldest live entries; returns how many had each tag."""
+        by_tag: Counter[int] = Counter()
         while count:
             stop = min(lru.size, lru.head + max(2 * count, 256))
             live_pos = np.flatnonzero(self._live_mask(lru, lru.head, stop))[:count]
             self._drop(lru, lru.ring[lru.head + live_pos])
+            by_tag.update(lru.tags[lru.head + live_pos].tolist())
             count -= len(live_pos)
             lru.head = lru.head + int(live_pos[-1]) + 1 if not count else stop
+        return by_tag
 
     def _set_owner(self, lru: _PodLru, keys: Keys) -> None:
         owner_keys = keys ^ self._page_keys[lru.page]
@@ -463,11 +570,15 @@ class PrefixIndex:
         """
         if lru.size - lru.head <= 2 * lru.live + 1024:
             return
-        kept = self._live_keys(lru)
+        live = self._live_mask(lru, lru.head, lru.size)
+        kept = lru.ring[lru.head : lru.size][live]
+        kept_tags = lru.tags[lru.head : lru.size][live]
         lru.base += lru.size
         ring = np.empty(max(2 * len(kept), 256), dtype=np.int64)
         ring[: len(kept)] = kept
-        lru.ring, lru.head, lru.size = ring, 0, len(kept)
+        tags = np.empty(len(ring), dtype=np.int64)
+        tags[: len(kept)] = kept_tags
+        lru.ring, lru.tags, lru.head, lru.size = ring, tags, 0, len(kept)
         _assign(self._entries, kept ^ lru.key, lru.seqs(0, len(kept)))
 
     # -- checking ----------------------------------------------------------------

@@ -24,6 +24,7 @@ class Pending:
     pick: PodId  # counted in flight from routing to the end, whatever pod served
     prefill_tokens: int
     prefill: PodId | None
+    prefill_pod_tokens: int = 0  # the prefill pod's in-flight tokens (PD)
 
 
 class PendingRecords:

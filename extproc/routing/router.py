@@ -8,7 +8,8 @@ really served it, only when the response ended successfully.
 Routed requests wait for their completion in ``PendingRecords``, bounded in size and
 age, so requests whose completion never arrives (extproc restarted, log lost) cannot
 grow memory. From routing to its end a request counts in flight (``InFlight``) on the
-pod it was routed to; a retry that lands elsewhere is still counted on the pick.
+pod it was routed to (and on its prefill pod, with prefill/decode disaggregation); a
+retry that lands elsewhere is still counted on the pick.
 """
 
 from __future__ import annotations
@@ -135,6 +136,10 @@ class Router:
             pick = chosen[0].id
             tokens = cycle.num_prefill_tokens(pick)
             self.in_flight.start(pick, tokens)
+            prefill_tokens = 0
+            if prefill is not None:  # on flight there too, as Kthena counts its prefill pods
+                prefill_tokens = cycle.num_prefill_tokens(prefill.id)
+                self.in_flight.start(prefill.id, prefill_tokens)
             pending = Pending(
                 cycle,
                 {p.address: p.id for p in chosen},
@@ -142,6 +147,7 @@ class Router:
                 pick,
                 tokens,
                 prefill.id if prefill else None,
+                prefill_tokens,
             )
             self.pending.add(request_id, pending)
         self.metrics.decided(request.model)
@@ -189,3 +195,5 @@ class Router:
 
     def _end_in_flight(self, pending: Pending) -> None:
         self.in_flight.end(pending.pick, pending.prefill_tokens)
+        if pending.prefill is not None:
+            self.in_flight.end(pending.prefill, pending.prefill_pod_tokens)

@@ -14,6 +14,10 @@ Format::
       pluginConfig:
         - name: prefix-cache
           args: {blockSizeToHash: 64, maxBlocksToMatch: 128, ...}
+    pdGroup:                                # optional: prefill/decode groups by labels
+      groupKey: modelserving.volcano.sh/group-name      # (``scheduling.pdgroup``)
+      prefillLabels: {modelserving.volcano.sh/role: prefill}
+      decodeLabels: {modelserving.volcano.sh/role: decode}
 
 Semantics follow Kthena's ``conf.go`` and ``factory.go``: a score weight that is missing,
 0 or negative stops start-up with ``score plugin "NAME" must set a weight greater than
@@ -41,6 +45,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from extproc.errors import ConfigError
 from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.pdgroup import PDGroup
 from extproc.scheduling.plugins.least_latency import LeastLatency, check_least_latency_args
 from extproc.scheduling.registry import BUILTIN
 from extproc.scheduling.scheduler import PluginTimer, Scheduler, WeightedScorer
@@ -74,6 +79,7 @@ class SchedulerConfig:
     filters: tuple[str, ...]
     scores: tuple[ScoreEntry, ...]
     plugin_args: dict[str, Any]
+    pd_group: PDGroup | None = None  # the optional top-level ``pdGroup`` section
 
 
 def default_config_text() -> str:
@@ -128,7 +134,10 @@ def parse_config(text: str, source: str) -> SchedulerConfig:
         plugin_args[entry["name"]] = entry.get("args")
     filters = tuple(dict.fromkeys(_known(filters, Filter)))
     scores = tuple(ScoreEntry(name, weights[name]) for name in _known(weights, Scorer))
-    return SchedulerConfig(source, filters, scores, plugin_args)
+    pd_group = None
+    if doc.get("pdGroup") is not None:
+        pd_group = PDGroup.parse(doc["pdGroup"], f"{source}: pdGroup")
+    return SchedulerConfig(source, filters, scores, plugin_args, pd_group)
 
 
 def _known(names: Iterable[str], point: type) -> list[str]:
@@ -194,6 +203,7 @@ def build_scheduler(
         listeners=tuple(p for p in instances.values() if isinstance(p, PodsListener)),
         sessions=sessions,
         timer=PluginTimer(registry),
+        pd_group=config.pd_group,
     )
 
 

@@ -15,6 +15,13 @@ with 1,000 pods costs little more than one with 16.
   decode pods (and ordinary ones) and the prefill pods are filtered and scored in
   separate passes; the request goes to the decode pods best first, and the best prefill
   pod is named in the result (the server sends it on as ``x-prefiller-host-port``).
+* PD groups (``pd_group``, Kthena's ``pdGroup``: roles and groups from labels): as
+  Kthena, the decode pods are ranked, and each is paired with the best prefill pod of
+  its own group (filtered and scored in a pass of their own; a decode pod whose group
+  has none left is skipped). Envoy sends one prefill header per request, whatever pod
+  a retry reaches, so the result lists the best pair's decode pod and, as fallbacks,
+  only the decode pods of the same group (their best prefill is that pod too); decode
+  pods of other groups, which would need another prefill pod, are left out.
 * Session sticky (``sessions``): a request whose session is bound to a pod (or pair)
   that passes the filters goes there without scoring; the other candidates follow in
   random order as fallbacks. The pod that serves a request successfully is (re)bound,
@@ -35,6 +42,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Histogram
 
 from extproc.errors import NoCapacity, NoReadyPods
+from extproc.scheduling.pdgroup import PDColumns, PDGroup
 from extproc.scheduling.podtable import PodTable, Positions
 from extproc.scheduling.sessions import Binding, SessionStore
 from extproc.scheduling.types import (
@@ -131,6 +139,7 @@ class Scheduler:
     rng: random.Random = field(default_factory=random.Random)
     sessions: SessionStore | None = None
     timer: PluginTimer | None = None
+    pd_group: PDGroup | None = None
     _table: PodTable | None = field(default=None, init=False, repr=False)
     # Each plugin's table step, resolved once per ``filters``/``scorers`` tuple.
     _filter_steps: tuple[tuple[Filter, ...], tuple[FilterStep, ...]] = field(
@@ -159,6 +168,8 @@ class Scheduler:
         """``schedule`` plus prefill/decode passes and session sticky (module doc)."""
         table = self.table(pods)
         candidates = table.candidates(cycle.request.model)
+        if self.pd_group is not None:
+            return self._schedule_groups(cycle, table, candidates.all, self.pd_group)
         if not len(candidates.serving):
             raise NoReadyPods(
                 f"model {cycle.request.model!r} has ready prefill pods but no ready decode pod"
@@ -182,6 +193,64 @@ class Scheduler:
         if len(prefill):
             best_prefill = table.pods[self._rank(cycle, table, prefill)[0]]
         return Schedule(table.take(self._rank(cycle, table, serving)), best_prefill)
+
+    def _schedule_groups(
+        self, cycle: Cycle, table: PodTable, ready: Positions, pd: PDGroup
+    ) -> Schedule:
+        """PD groups: decode pods ranked, each paired with its group's best prefill pod."""
+        cols = pd.columns(table)
+        model = cycle.request.model
+        decode = ready[cols.is_decode[ready]]
+        if not len(decode):
+            raise NoReadyPods(
+                f"model {model!r} has no ready decode pod in a PD group "
+                f"(label {pd.group_key!r} and the decodeLabels)"
+            )
+        decode = self._filter(cycle, table, decode)
+        prefill = ready[cols.is_prefill[ready]]
+        binding = self._binding(cycle)
+        if binding is not None and binding.prefill is not None:
+            bound = _find(table, decode, binding.pod)
+            if bound is not None:
+                group = cols.group[decode[bound]]
+                mates = self._group_prefill(cycle, table, prefill, cols, group)
+                at = None if mates is None else _find(table, mates, binding.prefill)
+                if mates is not None and at is not None:
+                    rest = decode[(cols.group[decode] == group) & (decode != decode[bound])]
+                    return Schedule(
+                        [table.pods[decode[bound]], *self._shuffled(table.take(rest))],
+                        table.pods[mates[at]],
+                        pinned=True,
+                    )
+        ranked = self._rank(cycle, table, decode)
+        best: dict[str, Pod | None] = {}
+        for row in ranked.tolist():
+            group = cols.group[row]
+            if group not in best:
+                mates = self._group_prefill(cycle, table, prefill, cols, group)
+                best[group] = (
+                    None if mates is None else table.pods[self._rank(cycle, table, mates)[0]]
+                )
+            pair = best[group]
+            if pair is not None:
+                return Schedule(table.take(ranked[cols.group[ranked] == group]), pair)
+        raise NoReadyPods(
+            f"no valid prefill-decode pod pairs found for model {model!r}: no ready prefill "
+            "pod left in the group of any decode pod"
+        )
+
+    def _group_prefill(
+        self, cycle: Cycle, table: PodTable, prefill: Positions, cols: PDColumns, group: str
+    ) -> Positions | None:
+        """The prefill pods of ``group`` that pass the filters, or None (Kthena skips the
+        decode pod then: "prefill pods were filtered out")."""
+        mates = prefill[cols.group[prefill] == group]
+        if not len(mates):
+            return None
+        try:
+            return self._filter(cycle, table, mates)
+        except NoCapacity:
+            return None
 
     def table(self, pods: Sequence[Pod]) -> PodTable:
         """``pods`` as a ``PodTable``: kept while the same tuple comes back (a snapshot:

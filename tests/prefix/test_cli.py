@@ -28,3 +28,18 @@ def test_hash_command_reports_bad_bodies(
     body.write_bytes(b"{}")
     assert main(["hash", str(body)]) == 2
     assert "no 'model' field" in capsys.readouterr().err
+
+
+def test_hash_command_renders_as_kthena_on_request(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A chat body with a stray ``prompt``: Kthena hashes the prompt, extproc the messages."""
+    body = tmp_path / "body.json"
+    body.write_bytes(
+        orjson.dumps({"model": "m", "prompt": "p", "messages": [{"role": "u", "content": "c"}]})
+    )
+    assert main(["hash", "--prompt-rendering", "kthena", str(body)]) == 0
+    assert [int(x) for x in capsys.readouterr().out.split()] == hash_prompt("m", "p")
+    assert main(["hash", str(body)]) == 0
+    chatml = "<|im_start|>u\nc<|im_end|>\n"
+    assert [int(x) for x in capsys.readouterr().out.split()] == hash_prompt("m", chatml)

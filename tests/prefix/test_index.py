@@ -17,24 +17,27 @@ A, B, C, D = (PodId("ns", n) for n in "abcd")
 
 
 class ModelIndex:
-    """The spec in the plainest Python: an OrderedDict per pod, tail recorded first."""
+    """Kthena's ModelPrefixStore.Add in the plainest Python: an OrderedDict per pod (the
+    golang-lru list), one Add per block, tail first, each overflow one counted eviction
+    of the oldest entry, labelled with that entry's model."""
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
-        self.pods: dict[PodId, OrderedDict[int, None]] = {}
+        self.pods: dict[PodId, OrderedDict[int, int]] = {}
 
-    def record(self, hashes: list[int], pod: PodId) -> int:
-        """Touch tail first; evictions = entries that are not in the list afterwards."""
+    def record(self, hashes: list[int], pod: PodId, tag: int = 0) -> dict[int, int]:
         lru = self.pods.setdefault(pod, OrderedDict())
-        touched = set(lru) | set(hashes)
+        evicted: dict[int, int] = {}
         for h in reversed(hashes):
             if h in lru:
                 lru.move_to_end(h)
+                lru[h] = tag
                 continue
-            lru[h] = None
+            lru[h] = tag
             if len(lru) > self.cap:
-                lru.popitem(last=False)
-        return len(touched) - len(lru)
+                victim_tag = lru.popitem(last=False)[1]
+                evicted[victim_tag] = evicted.get(victim_tag, 0) + 1
+        return evicted
 
     def longest(self, hashes: list[int], pod: PodId) -> int:
         lru = self.pods.get(pod, {})
@@ -79,12 +82,23 @@ def test_lru_drops_least_recently_used_and_counts_evictions() -> None:
     idx.verify()
 
 
-def test_a_record_is_atomic_and_never_evicts_its_own_refreshed_blocks() -> None:
+def test_a_block_evicted_and_re_added_within_one_record_counts_as_kthena_counts() -> None:
     idx = PrefixIndex(4)
     idx.record([1], A)
     idx.record([2, 3, 4], A)  # LRU order, oldest first: 1, 4, 3, 2
-    assert idx.record([1, 5], A) == 1  # 1 is refreshed, not evicted and re-added
+    # Kthena adds 5 (evicting 1), then 1 again (evicting 4): two evictions, while the
+    # list ends as a one-step record leaves it: 3, 2, 5, 1.
+    assert idx.record([1, 5], A) == 2
     assert idx.match([1], [A], 5) == {A: 1} and idx.match([4], [A], 5) == {}
+    assert idx.match([3], [A], 5) == {A: 1} and idx.num_pod_entries(A) == 4
+    idx.verify()
+
+
+def test_evictions_are_labelled_with_the_evicted_entrys_tag() -> None:
+    idx = PrefixIndex(3)
+    idx.record_tagged([1, 2], A, tag=7)
+    assert idx.record_tagged([3, 4], A, tag=9) == {7: 1}  # drops 2, recorded with tag 7
+    assert idx.record_tagged([5, 6, 8], A, tag=9) == {7: 1, 9: 2}
 
 
 def test_record_order_keeps_the_first_block_longest() -> None:
@@ -160,7 +174,8 @@ def test_index_agrees_with_the_plain_model(
     idx, model = PrefixIndex(cap), ModelIndex(cap)
     for op, hashes, p in operations:
         if op == "record":
-            assert idx.record(hashes, pods[p]) == model.record(hashes, pods[p])
+            tag = len(hashes) % 3
+            assert idx.record_tagged(hashes, pods[p], tag) == model.record(hashes, pods[p], tag)
         else:
             idx.remove_pod(pods[p])
             model.pods.pop(pods[p], None)
@@ -213,7 +228,7 @@ def test_a_pod_set_follows_pods_added_to_and_removed_from_the_index() -> None:
 @given(st.integers(0, 2**32), st.integers(1, 300))
 def test_many_pages_match_the_plain_model(seed: int, top_k: int) -> None:
     """Pods over many pages of slots, matched as a list and as a PodSet, agree with
-    the plain model: longest first, equal lengths in slot (first record) order."""
+    the plain model: longest first, equal lengths at the cut drawn arbitrarily."""
     rng = random.Random(seed)
     idx, model = PrefixIndex(1000), ModelIndex(1000)
     pods = [PodId("ns", f"p{i}") for i in range(rng.randrange(60, 400))]
@@ -227,10 +242,8 @@ def test_many_pages_match_the_plain_model(seed: int, top_k: int) -> None:
     candidates = rng.sample(pods, rng.randrange(1, len(pods) + 1))
     wanted = set(candidates)
     lengths = {p: model.longest(hashes, p) for p in recorded if p in wanted}
-    ranked = sorted((p for p in lengths if lengths[p]), key=lambda p: -lengths[p])  # stable
-    expected = {p: lengths[p] for p in ranked[:top_k]}
-    assert idx.match(hashes, candidates, top_k) == expected
-    assert list(idx.match(hashes, PodSet(candidates), top_k).items()) == list(expected.items())
+    assert_top_k(idx.match(hashes, candidates, top_k), lengths, top_k)
+    assert_top_k(idx.match(hashes, PodSet(candidates), top_k), lengths, top_k)
 
 
 def test_a_walk_past_blocks_held_only_by_other_pods_still_finds_the_candidates() -> None:
@@ -263,8 +276,8 @@ def test_excluded_pods_are_left_out_for_one_call_only() -> None:
 @given(st.integers(0, 2**32), st.integers(1, 70), st.sampled_from([0, 1, 2]))
 def test_candidates_on_one_page_match_the_plain_model(seed: int, top_k: int, page: int) -> None:
     """Every candidate's slot on one page (the single-probe path), on page 0 or above,
-    with pods of other pages holding the same prompt: the same pods, lengths and order
-    (longest first, equal lengths in slot order) as the plain model."""
+    with pods of other pages holding the same prompt: the same lengths and order
+    (longest first) as the plain model, equal lengths at the cut drawn arbitrarily."""
     rng = random.Random(seed)
     idx, model = PrefixIndex(1000), ModelIndex(1000)
     pods = [PodId("ns", f"p{i}") for i in range(3 * 63)]
@@ -276,7 +289,49 @@ def test_candidates_on_one_page_match_the_plain_model(seed: int, top_k: int, pag
     page_pods = pods[63 * page : 63 * (page + 1)]
     candidates = rng.sample(page_pods, rng.randrange(1, 64))
     lengths = {p: model.longest(hashes, p) for p in candidates}
-    ranked = sorted((p for p in page_pods if lengths.get(p)), key=lambda p: -lengths[p])
-    expected = list({p: lengths[p] for p in ranked[:top_k]}.items())
-    assert list(idx.match(hashes, candidates, top_k).items()) == expected
-    assert list(idx.match(hashes, PodSet(candidates), top_k).items()) == expected
+    assert_top_k(idx.match(hashes, candidates, top_k), lengths, top_k)
+    assert_top_k(idx.match(hashes, PodSet(candidates), top_k), lengths, top_k)
+
+
+def test_equal_matches_beyond_top_k_share_the_slots() -> None:
+    """Eight pods hold the whole prompt, top-K is 5: Kthena's Go map order lets any five
+    in; the first recorded must not take the slots for ever (p5-p7 never scoring)."""
+    idx = PrefixIndex(1000)
+    pods = [PodId("ns", f"p{i}") for i in range(8)]
+    for pod in pods:
+        idx.record([1, 2, 3], pod)
+    idx.record([1], PodId("ns", "short"))
+    times = dict.fromkeys(pods, 0)
+    for _ in range(400):
+        found = idx.match([1, 2, 3], [*pods, PodId("ns", "short")], 5)
+        assert len(found) == 5 and set(found.values()) == {3}
+        for pod in found:
+            times[pod] += 1
+    assert all(150 < n < 350 for n in times.values()), times  # 5/8 of 400 = 250 each
+
+
+def test_longer_matches_always_take_their_slots_first() -> None:
+    idx = PrefixIndex(1000)
+    long_ones = [PodId("ns", f"long{i}") for i in range(3)]
+    equal = [PodId("ns", f"eq{i}") for i in range(6)]
+    for pod in long_ones:
+        idx.record([1, 2, 3], pod)
+    for pod in equal:
+        idx.record([1, 2], pod)
+    for seed in range(20):
+        idx.rng = random.Random(seed)
+        found = idx.match([1, 2, 3], [*equal, *long_ones], 5)
+        assert list(found.values()) == [3, 3, 3, 2, 2]
+        assert set(long_ones) < set(found)
+
+
+def assert_top_k(found: dict[PodId, int], lengths: dict[PodId, int], top_k: int) -> None:
+    """``found`` is a top-K Kthena could return: its pods' true lengths, longest first,
+    every pod longer than the shortest kept, the rest of that length drawn arbitrarily."""
+    matched = {p: n for p, n in lengths.items() if n}
+    assert len(found) == min(top_k, len(matched))
+    assert all(matched.get(p) == n for p, n in found.items())
+    values = list(found.values())
+    assert values == sorted(values, reverse=True)
+    if values:
+        assert {p for p, n in matched.items() if n > values[-1]} <= set(found)

@@ -110,6 +110,12 @@ def test_unparseable_args_fall_back_and_log(caplog: pytest.LogCaptureFixture) ->
             "LeastLatencyArgs.TTFTTPOTWeightFactor of type float64",
             id="string",
         ),
+        pytest.param(  # YAML 1.1 (PyYAML): no dot, no float; Kthena's YAML 1.2 reads 1e+06
+            "1e6",
+            "json: cannot unmarshal string into Go struct field "
+            "LeastLatencyArgs.TTFTTPOTWeightFactor of type float64",
+            id="yaml-1.1-exponent-is-a-string",
+        ),
         pytest.param(
             "[0.5]",
             "json: cannot unmarshal array into Go struct field "

@@ -87,6 +87,34 @@ def test_metrics_match_ratio_evictions_entries() -> None:
     assert sample(registry, "kthena_router_prefix_cache_entries") == 4
 
 
+def test_match_ratio_buckets_are_kthenas() -> None:
+    registry = CollectorRegistry()
+    plugin = make_plugin(registry)
+    plugin.score(make_cycle("a" * 64), [make_pod("a")])
+    bounds = [
+        s.labels["le"]
+        for metric in registry.collect()
+        for s in metric.samples
+        if s.name == "kthena_router_prefix_cache_match_ratio_bucket"
+    ]
+    assert bounds == ["0.0", "0.1", "0.25", "0.5", "0.75", "0.9", "0.95", "0.99", "1.0", "+Inf"]
+
+
+def test_evictions_are_labelled_with_the_evicted_entrys_model() -> None:
+    """Kthena's eviction callback counts key.model: the model whose entry was dropped,
+    not the model of the request whose record made room."""
+    registry = CollectorRegistry()
+    plugin = make_plugin(registry, maxHashCacheSize=4)
+    pod = make_pod("a", model="m")
+    plugin.record(make_cycle("a" * 256, model="old"), pod.id)  # 4 entries of model old
+    plugin.record(make_cycle("b" * 128, model="new"), pod.id)  # drops 2 of them
+    assert sample(registry, "kthena_router_prefix_cache_evictions_total", {"model": "old"}) == 2
+    assert (
+        registry.get_sample_value("kthena_router_prefix_cache_evictions_total", {"model": "new"})
+        is None
+    )
+
+
 def test_pod_removal_purges_entries_not_counted_as_evictions() -> None:
     registry = CollectorRegistry()
     plugin = make_plugin(registry)

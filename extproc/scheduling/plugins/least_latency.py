@@ -64,7 +64,7 @@ def check_least_latency_args(raw: Any) -> str | None:
                 "LeastLatencyArgs.TTFTTPOTWeightFactor of type float64"
             )
         weight = float(value)
-    if not (math.isfinite(weight) and 0.0 <= weight <= 1.0):
+    if not 0.0 <= weight <= 1.0:  # False for NaN and infinities too
         return (
             f"TTFTTPOTWeightFactor must be a finite value between 0 and 1, got {go_float(weight)}"
         )

@@ -11,11 +11,13 @@ Kthena's prefix-cache plugin, to the letter (``kthena-prefix-cache-plugin.txt``)
 * shared: it is a ``PrefixMatcher``, which the configuration hands to the plugins that
   ask how much of the prompt each pod holds (cost-aware);
 * metrics: ``kthena_router_prefix_cache_match_ratio{model}`` (best pod's fraction, each
-  time the plugin scores), ``..._evictions_total{model}``, ``..._entries``.
+  time the plugin scores; Kthena's buckets), ``..._evictions_total{model}`` (counted as
+  Kthena counts them, labelled with the evicted entry's model), ``..._entries``.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -34,7 +36,7 @@ from extproc.types import Pod, PodId
 
 MAX_EXCLUDED = 64  # candidates scored as "every pod but these" up to this many left out
 
-MATCH_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+MATCH_RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)  # Kthena's
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +76,9 @@ class PrefixCacheScorer:
             registry=ctx.registry,
         )
         entries.set_function(lambda: self.index.num_entries)
+        self._model_tags: dict[str, int] = {}  # index entries are tagged with their model
+        self._tag_models: list[str] = []
+        self._tags_lock = threading.Lock()
 
     @classmethod
     def from_args(cls, args: Any, ctx: PluginContext) -> PrefixCacheScorer:
@@ -136,9 +141,20 @@ class PrefixCacheScorer:
         keys = self._keys(cycle)
         if not len(keys):
             return
-        evicted = self.index.record(keys, pod)
-        if evicted:
-            self._evictions.labels(cycle.request.model).inc(evicted)
+        evicted = self.index.record_tagged(keys, pod, self._tag(cycle.request.model))
+        for tag, count in evicted.items():
+            self._evictions.labels(self._tag_models[tag]).inc(count)
+
+    def _tag(self, model: str) -> int:
+        tag = self._model_tags.get(model)
+        if tag is None:
+            with self._tags_lock:
+                tag = self._model_tags.get(model)
+                if tag is None:
+                    tag = len(self._tag_models)
+                    self._tag_models.append(model)
+                    self._model_tags[model] = tag
+        return tag
 
     def pods_changed(self, pods: Sequence[Pod]) -> None:
         self.index.retain_pods(map(attrgetter("id"), pods))
