@@ -20,9 +20,11 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+from extproc.sim.traces import default_trace_dir
+
 BYTES_PER_TOKEN = 4
 MOONCAKE_BLOCK_TOKENS = 512
-TRACES_DIR = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACES_DIR = default_trace_dir()  # <repo>/../shared/traces, one definition
 _SYLLABLES = [c + v for c in "bcdfghjklmnprstvz" for v in "aeiou"]
 
 

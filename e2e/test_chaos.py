@@ -41,6 +41,9 @@ VICTIM = "victim-0"
 
 @pytest.fixture(scope="module")
 def victim_port() -> int:
+    """The victim's port, its address in the pods file and in Envoy's cluster, so it
+    comes back on it after each kill. ``free_port`` picks below the ephemeral range:
+    nothing binding port 0 (servers, clients' outgoing connections) can take it meanwhile."""
     return free_port()
 
 
@@ -212,7 +215,7 @@ def test_a_pod_whose_metrics_are_down_or_garbage_is_left_out_until_they_return(
     chaos_stack: Stack, victim: SimPods, mode: str, reason: str
 ) -> None:
     errors = ("extproc_scrape_errors_total", f'pod="default/{VICTIM}",reason="{reason}"')
-    before = metric(chaos_stack, *errors)
+    before = metric(chaos_stack, *errors, absent=0.0)  # the pod's first error makes it
     victim.set_faults(VICTIM, metrics=mode)
     assert wait_for(lambda: metric(chaos_stack, *READY) == 4, timeout_s=5)  # stale after 2 s
     assert metric(chaos_stack, *errors) > before

@@ -32,6 +32,10 @@ API = "/v1/completions"
 ABANDONED = ("extproc_completions_total", 'outcome="abandoned"')
 PENDING = ("extproc_pending_completions", "")
 DRAIN_S = 8.0  # ends as soon as nothing is pending; long enough for a loaded CI machine
+# Envoy's message timeout here, shorter than the default so the slow-scheduler case is quick,
+# and the scheduler's delay in that case, well past it.
+MESSAGE_TIMEOUT_S = 1.0
+SLOW_SCHEDULE_S = 2.5
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["fail-closed", "fail-open"])
@@ -42,6 +46,7 @@ def lifecycle_stack(request: pytest.FixtureRequest, sim: SimPods) -> Iterator[St
         failure_mode_allow=request.param,
         extproc_args=["--drain-s", str(DRAIN_S)],
         extproc_command=(sys.executable, "-m", "e2e.slow_scheduler"),
+        message_timeout_s=MESSAGE_TIMEOUT_S,
     ) as stack:
         stack.fail_open = request.param  # type: ignore[attr-defined]
         yield stack
@@ -103,7 +108,7 @@ def test_sigterm_lets_streams_in_flight_finish_and_be_recorded(lifecycle_stack: 
         streams = [pool.submit(stream_to_the_end, stack.url, f"drain {i} " * 30) for i in range(6)]
         assert wait_for(lambda: metric(stack, *PENDING) >= 6, timeout_s=10)
         stack.extproc.popen.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        assert wait_for(lambda: "new ext_proc streams are refused" in stack.extproc.log_tail(), 10)
         during = httpx.post(
             f"{stack.url}{API}",
             json={"model": MODEL, "prompt": "during the drain", "max_tokens": 1},
@@ -136,16 +141,16 @@ def test_sigterm_lets_streams_in_flight_finish_and_be_recorded(lifecycle_stack: 
 
 
 def test_a_scheduler_slower_than_the_message_timeout(lifecycle_stack: Stack) -> None:
-    """Envoy's message timeout (1 s) passes while extproc schedules: 504, or a
+    """Envoy's message timeout (1 s here) passes while extproc schedules: 504, or a
     round-robin pod when failing open; extproc abandons the late route and routes the
     next request as usual. (Routing runs on the loop thread: a request arriving during
     the slow one waits for it.)"""
     stack = lifecycle_stack
     abandoned = metric(stack, *ABANDONED)
     with httpx.Client(base_url=stack.url, timeout=30) as client:
-        slow = {"model": MODEL, "prompt": marker(1.5) + " slow", "max_tokens": 1}
+        slow = {"model": MODEL, "prompt": marker(SLOW_SCHEDULE_S) + " slow", "max_tokens": 1}
         resp = client.post(API, json=slow)
-        assert wait_for(lambda: metric(stack, *ABANDONED) == abandoned + 1, timeout_s=5)
+        assert wait_for(lambda: metric(stack, *ABANDONED) == abandoned + 1, timeout_s=15)
         quick = client.post(API, json={"model": MODEL, "prompt": "not slow", "max_tokens": 1})
         assert quick.status_code == 200
     if fail_open(stack):

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from e2e.conftest import MODEL, wait_for
+from e2e.conftest import MODEL, metric, wait_for
 from extproc.sim.harness import SimPods, spawn_sim_pods
 from extproc.sim.launch import Stack, run_stack
 
 # One request at a time, about 0.6 s each (60 decode steps of 10 ms): a queue builds fast.
 SLOW_POD_ARGS = ["--model", MODEL, "--max-num-seqs", "1"]
+SCRAPES = "extproc_scrape_duration_seconds_count"
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,10 @@ def test_a_pod_whose_queue_is_full_is_filtered_out(
         ]
         assert wait_for(lambda: waiting(busy.url) >= 10, timeout_s=10)
         assert "extproc_pods_ready 3.0" in default_stack.metrics_text()
-        time.sleep(0.6)  # three scrapes (every 200 ms): extproc has seen the full queue
+        # extproc has seen the full queue: two more sweeps over every pod's /metrics
+        scraped = metric(default_stack, SCRAPES)
+        sweeps = 2 * len(slow_pods.pods)
+        assert wait_for(lambda: metric(default_stack, SCRAPES) >= scraped + sweeps, 10)
         with httpx.Client(base_url=default_stack.url, timeout=30) as client:
             for i in range(12):
                 resp = client.post(

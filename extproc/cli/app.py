@@ -69,6 +69,7 @@ class Running:
         # pending or drain_s has passed.
         self.grpc_server.drain(keep=[ACCESS_LOG_PATH])
         in_flight, recorded = len(self.router.pending), self._recorded()
+        log.info("draining: new ext_proc streams are refused; %d routed in flight", in_flight)
         deadline = time.monotonic() + drain_s
         while len(self.router.pending) and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -7,6 +7,7 @@ ports, every wait is bounded, and leaving the ``with`` stops what it started.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -33,10 +34,34 @@ EXTPROC_COMMAND = (sys.executable, "-m", "extproc")
 STOP_TIMEOUT_S = 15.0
 
 
+LOWEST_PORT = 10000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port of 127.0.0.1 free now, below the kernel's ephemeral range.
+
+    For a process that must be told its port (Envoy's config names extproc's, a pods
+    file names a pod's) or must come back on it after a restart. A port the kernel hands
+    out for port 0 (a server asking for any port, a client's outgoing connection) comes
+    from the ephemeral range, so none of those can take this one between the check and
+    the bind, or while its process restarts; only another explicit pick could, at random
+    among some 20,000 ports. Where a program reports the port it bound, bind port 0.
+    """
+    try:
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    picks = random.SystemRandom()
+    for _ in range(200):
+        port = picks.randrange(LOWEST_PORT, max(low, LOWEST_PORT + 1000))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port between {LOWEST_PORT} and {low}")
 
 
 def envoy_binary() -> str:
@@ -216,7 +241,7 @@ def start_extproc(
         *command, "serve",
         "--pods", str(pods_file),
         "--grpc-port", str(grpc_port),
-        "--health-port", str(free_port()),
+        "--health-port", "0",  # a free port: nothing else needs to know it
         "--metrics-port", str(metrics_port),
         "--pods-poll-s", "0.2",
         *(["--config", str(config)] if config else []),

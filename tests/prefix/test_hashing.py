@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import xxhash
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.memo import FifoMemo
@@ -78,6 +78,7 @@ def test_no_unsalted_prompt_reproduces_a_salted_chain() -> None:
     assert not set(salted) & set(hash_prompt("m", crafted + "hello", block_size=len(crafted)))
 
 
+@settings(deadline=None)  # no per-example deadline on a loaded runner
 @given(st.text(max_size=600), st.text(max_size=300), st.sampled_from([1, 7, 64]))
 def test_hashes_of_a_prefix_are_a_prefix_of_the_longer_prompts_hashes(
     head: str, tail: str, block_size: int
@@ -88,6 +89,7 @@ def test_hashes_of_a_prefix_are_a_prefix_of_the_longer_prompts_hashes(
     assert long[:full_blocks] == short[:full_blocks]
 
 
+@settings(deadline=None)  # no per-example deadline on a loaded runner
 @given(st.binary(min_size=1, max_size=400), st.binary(min_size=1, max_size=400))
 def test_different_first_block_changes_every_hash(a: bytes, b: bytes) -> None:
     if a[:64] == b[:64]:
@@ -100,6 +102,7 @@ def test_different_first_block_changes_every_hash(a: bytes, b: bytes) -> None:
 # -- the memo of recent chains ---------------------------------------------------------
 
 
+@settings(deadline=None)  # no per-example deadline on a loaded runner
 @given(
     st.text(max_size=300),
     st.sampled_from(["m", "other-model"]),

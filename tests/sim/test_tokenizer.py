@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.sim.tokenizer import (
@@ -17,12 +17,14 @@ from extproc.sim.tokenizer import (
 )
 
 
+@settings(deadline=None)  # no per-example deadline on a loaded runner
 @given(st.text(), st.text())
 def test_extension_shares_every_full_chunk(a: str, b: str) -> None:
     k = len(a.encode()) // 4
     assert tokenize(a + b)[:k] == tokenize(a)[:k]
 
 
+@settings(deadline=None)  # no per-example deadline on a loaded runner
 @given(st.text(), st.text())
 def test_text_ending_on_a_4_byte_boundary_is_a_token_prefix(a: str, b: str) -> None:
     pad = "x" * (-len(a.encode()) % 4)
@@ -30,6 +32,7 @@ def test_text_ending_on_a_4_byte_boundary_is_a_token_prefix(a: str, b: str) -> N
     assert tokenize(a + b)[: len(tokenize(a))] == tokenize(a)
 
 
+@settings(deadline=None)  # no per-example deadline on a loaded runner
 @given(st.text())
 def test_about_4_bytes_per_token_and_ids_in_the_text_vocabulary(text: str) -> None:
     tokens = tokenize(text)
@@ -43,6 +46,7 @@ def test_a_partial_last_chunk_is_its_own_token() -> None:
     assert tokenize("abcdefgh")[1] != tokenize("abcdef")[1]
 
 
+@settings(deadline=None)  # no per-example deadline on a loaded runner
 @given(st.lists(st.text(), min_size=1, max_size=4), st.integers(0, 2**32), st.integers(1, 40))
 def test_answer_sent_back_extends_the_previous_prompt_and_answer(
     turns: list[str], seed: int, num_tokens: int

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from importlib import resources
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -23,7 +24,7 @@ from extproc.sim.policies import (
     make_policy,
 )
 from extproc.sim.report import summarize
-from extproc.sim.traces import TRACE_FILES, default_trace_dir, trace_workload
+from extproc.sim.traces import TRACE_FILES, trace_workload
 from extproc.sim.workloads import (
     BurstParams,
     ChatParams,
@@ -199,9 +200,10 @@ def test_prefix_cache_beats_round_robin_on_hit_ratio_in_chats() -> None:
     assert got["prefix-cache"]["hit_ratio"] > got["round-robin"]["hit_ratio"] + 0.05
 
 
-@pytest.mark.skipif(not default_trace_dir().is_dir(), reason="no ../shared/traces")
-def test_prefix_cache_beats_round_robin_on_hit_ratio_in_the_conversation_trace() -> None:
-    path = default_trace_dir() / TRACE_FILES["mooncake-conversation"]
+def test_prefix_cache_beats_round_robin_on_hit_ratio_in_the_conversation_trace(
+    trace_dir: Path,
+) -> None:
+    path = trace_dir / TRACE_FILES["mooncake-conversation"]
     workload = trace_workload(path, scale=16, limit=400, model="m")
     got = summaries(workload, 4, ["round-robin", "prefix-cache"])
     assert got["prefix-cache"]["hit_ratio"] > 1.5 * got["round-robin"]["hit_ratio"]

@@ -12,7 +12,6 @@ from extproc.sim.tokenizer import tokenize
 from extproc.sim.traces import (
     TRACE_FILES,
     block_words,
-    default_trace_dir,
     load_trace,
     trace_workload,
 )
@@ -102,12 +101,11 @@ def test_missing_file_and_bad_scale(tmp_path: Path, trace_file: Path) -> None:
         trace_workload(trace_file, speedup=0)
 
 
-@pytest.mark.skipif(not default_trace_dir().is_dir(), reason="no ../shared/traces")
 @pytest.mark.parametrize("name", list(TRACE_FILES))
-def test_shipped_traces_start_with_their_shared_block(name: str) -> None:
-    got = items(default_trace_dir() / TRACE_FILES[name], scale=16, limit=50)
+def test_shipped_traces_start_with_their_shared_block(trace_dir: Path, name: str) -> None:
+    got = items(trace_dir / TRACE_FILES[name], scale=16, limit=50)
     assert len(got) == 50
-    records = load_trace(default_trace_dir() / TRACE_FILES[name], limit=50)
+    records = load_trace(trace_dir / TRACE_FILES[name], limit=50)
     first_ids = {r.hash_ids[0] for r in records}
     first_blocks = {i.sim.prompt_token_ids[:32] for i in got}
     assert len(first_blocks) == len(first_ids)

@@ -1,0 +1,68 @@
+"""A real vLLM pod, the first of extproc's list, killed with requests in flight.
+
+Requests for a prefix the pod owns are generating on it when it is SIGKILLed, and more
+are sent right after, before extproc's scraper notices (so they are still routed to it).
+Envoy sees the resets and refused connections before any response header and retries
+each on the next pod of the list: every request succeeds, on the others, and every
+success is recorded for the pod that served it (the index gains the prefix's blocks on
+the pod that took over; recorded for the dead pick, it would gain one block a request).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from e2e.conftest import RECORDED, metric, wait_for
+from e2e.real_vllm.pods import VllmPod, metric_sum
+from e2e.real_vllm.test_routing import chat, delta, long_prefix, send_recorded, snapshot
+from extproc.sim.launch import Stack
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.real_vllm,
+    pytest.mark.kills_pod,
+    pytest.mark.timeout(900),
+]
+
+ENTRIES = ("kthena_router_prefix_cache_entries", "")
+IN_FLIGHT = 4  # generating on the pod when it dies
+AFTER = 4  # sent right after the kill
+
+
+def test_requests_in_flight_on_a_killed_pod_are_retried_and_recorded_where_served(
+    vllm_stack: Stack, vllm_pods: list[VllmPod], client: httpx.Client
+) -> None:
+    alive = [p for p in vllm_pods if p.proc.alive() and p.healthy()]  # another test kills one
+    assert len(alive) >= 2, "needs a pod to kill and one to take over"
+    prefix = long_prefix()
+    before = snapshot(alive)
+    send_recorded(vllm_stack, client, chat(prefix, "warm up"))
+    owner = alive[delta(before, snapshot(alive), "vllm:request_success_total").index(1.0)]
+    others = [p for p in alive if p is not owner]
+    others_before = snapshot(others)
+    recorded, entries = metric(vllm_stack, *RECORDED), metric(vllm_stack, *ENTRIES)
+
+    def ask(i: int) -> int:
+        body = chat(prefix, f"question {i}", max_tokens=120)
+        return client.post("/v1/chat/completions", json=body).status_code
+
+    with ThreadPoolExecutor(IN_FLIGHT + AFTER) as pool:
+        in_flight = [pool.submit(ask, i) for i in range(IN_FLIGHT)]
+        assert wait_for(
+            lambda: metric_sum(owner.metrics_text(), "vllm:num_requests_running") >= 1, 60
+        ), "nothing ran on the owner"
+        owner.kill()
+        after = [pool.submit(ask, IN_FLIGHT + i) for i in range(AFTER)]
+        statuses = [f.result(timeout=300) for f in in_flight + after]
+    assert statuses == [200] * (IN_FLIGHT + AFTER)
+    served_by_others = sum(delta(others_before, snapshot(others), "vllm:request_success_total"))
+    # at least the request running on the owner and those sent after the kill were retried
+    assert served_by_others >= AFTER + 1, served_by_others
+    assert wait_for(lambda: metric(vllm_stack, *RECORDED) == recorded + IN_FLIGHT + AFTER, 30)
+    # Recorded for the dead pick, each request would add only its own last block (the
+    # prefix's 21 are the pick's already): at most one entry a request. Recorded where
+    # served, the pod that took over gained the prefix's blocks.
+    assert metric(vllm_stack, *ENTRIES) - entries > IN_FLIGHT + AFTER
