@@ -10,7 +10,8 @@
   value <default>``.
 * An args block that cannot be parsed (not a mapping, or a value of the wrong type such
   as a string) falls back to all defaults and logs
-  ``Failed to unmarshal <ArgsType>, using default values``.
+  ``Failed to unmarshal <ArgsType>, using default values``, or the args type's own
+  ``UNPARSEABLE`` message (Kthena's plugins word it differently).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def load_args(args_type: type[T], raw: Any) -> T:
     try:
         values = _parse(args_type, raw)
     except _Unparseable:
-        log.warning("Failed to unmarshal %s, using default values", args_type.__name__)
+        default = f"Failed to unmarshal {args_type.__name__}, using default values"
+        log.warning("%s", getattr(args_type, "UNPARSEABLE", default))
         return args_type()
     return args_type(**values)
 

@@ -89,4 +89,4 @@ def test_unparseable_args_fall_back_to_defaults_and_log(
 ) -> None:
     with caplog.at_level("WARNING", logger="extproc.scheduling.config"):
         assert make_plugin(raw).args == LeastRequestArgs()
-    assert "Failed to unmarshal LeastRequestArgs, using default values" in caplog.text
+    assert "Unmarshal LeastRequestArgs error, setting default value" in caplog.text  # Kthena's

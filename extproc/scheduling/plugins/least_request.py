@@ -36,6 +36,7 @@ QUEUED_WEIGHT = 100
 @dataclass(frozen=True, slots=True)
 class LeastRequestArgs:
     maxWaitingRequests: int = 10
+    UNPARSEABLE: ClassVar[str] = "Unmarshal LeastRequestArgs error, setting default value"
 
 
 class LeastRequest:
