@@ -231,7 +231,7 @@ def test_one_round_processing_mode() -> None:
 
 def test_metadata_namespaces() -> None:
     options = http_filter(bootstrap(), "envoy.filters.http.ext_proc")["metadata_options"]
-    assert options["receiving_namespaces"] == {"untyped": ["envoy.lb"]}
+    assert options["receiving_namespaces"] == {"untyped": ["envoy.lb", "extproc.record"]}
     assert options["forwarding_namespaces"] == {"untyped": ["envoy.lb.subset_hint"]}
 
 

@@ -60,6 +60,7 @@ from extproc.wire.protocol import (
     INTERNAL_HEADERS,
     PATH_ATTRIBUTE,
     PREFILL_HEADER,
+    RECORD_NAMESPACE,
     REQUEST_ID_ATTRIBUTE,
     SUBSET_HINT_NAMESPACE,
     header_attribute,
@@ -95,7 +96,9 @@ class EnvoyOptions:
 
     Attributes:
         extproc_address: extproc's gRPC server (ext_proc and access log), ip:port or
-            dns-name:port (e.g. a Kubernetes Service; then the cluster is STRICT_DNS).
+            dns-name:port (e.g. a Kubernetes Service; then the cluster is STRICT_DNS);
+            several replicas comma-separated (``extproc_addresses``), balanced round
+            robin, a replica that refuses connections ejected for a while.
         listen_address: the listener's IP.
         listen_port: the listener's port.
         admin_port: admin interface port (always on 127.0.0.1).
@@ -127,7 +130,7 @@ class EnvoyOptions:
     pods_dns: str | None = None
 
     def __post_init__(self) -> None:
-        split_host_port(self.extproc_address)
+        _ = self.extproc_addresses  # raises on a bad address
         if self.pods_dns is not None and split_host_port(self.pods_dns)[2]:
             raise ValueError(f"pods_dns must be dns-name:port, got {self.pods_dns!r}")
         for name in ("listen_port", "admin_port"):
@@ -142,6 +145,14 @@ class EnvoyOptions:
         for name in self.attribute_headers:
             if not _HEADER_NAME.fullmatch(name):
                 raise ValueError(f"attribute header {name!r} must be a lowercase header name")
+
+    @property
+    def extproc_addresses(self) -> list[tuple[str, int, bool]]:
+        """``extproc_address`` split at commas, each as ``split_host_port`` returns it."""
+        parts = [a.strip() for a in self.extproc_address.split(",")]
+        if not all(parts):
+            raise ValueError(f"extproc address list {self.extproc_address!r} has an empty entry")
+        return [split_host_port(a) for a in parts]
 
 
 def split_host_port(address: str) -> tuple[str, int, bool]:
@@ -301,9 +312,10 @@ def make_ext_proc(options: EnvoyOptions) -> ext_proc_pb2.ExternalProcessor:
             forwarding_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(
                 untyped=[SUBSET_HINT_NAMESPACE]
             ),
-            # Without this the reply's envoy.lb metadata is silently dropped.
+            # Without this the reply's metadata is silently dropped: envoy.lb routes,
+            # extproc.record comes back in the access log (any replica can record).
             receiving_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(
-                untyped=[DESTINATION_NAMESPACE]
+                untyped=[DESTINATION_NAMESPACE, RECORD_NAMESPACE]
             ),
         ),
     )
@@ -427,10 +439,11 @@ def make_extproc_cluster(options: EnvoyOptions) -> cluster_pb2.Cluster:
             http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
         )
     )
-    host, port, is_ip = split_host_port(options.extproc_address)
-    return cluster_pb2.Cluster(
+    addresses = options.extproc_addresses
+    all_ips = all(is_ip for _, _, is_ip in addresses)
+    cluster = cluster_pb2.Cluster(
         name=EXTPROC_CLUSTER,
-        type=cluster_pb2.Cluster.STATIC if is_ip else cluster_pb2.Cluster.STRICT_DNS,
+        type=cluster_pb2.Cluster.STATIC if all_ips else cluster_pb2.Cluster.STRICT_DNS,
         connect_timeout=_duration(options.connect_timeout_s),
         typed_extension_protocol_options={
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _any(http2)
@@ -439,10 +452,22 @@ def make_extproc_cluster(options: EnvoyOptions) -> cluster_pb2.Cluster:
         load_assignment=endpoint_pb2.ClusterLoadAssignment(
             cluster_name=EXTPROC_CLUSTER,
             endpoints=[
-                endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[_lb_endpoint(host, port)])
+                endpoint_components_pb2.LocalityLbEndpoints(
+                    lb_endpoints=[_lb_endpoint(host, port) for host, port, _ in addresses]
+                )
             ],
         ),
     )
+    if len(addresses) > 1:
+        # A replica that refuses connections (killed, restarting) is ejected after one
+        # failure, so the next streams go to the others; it comes back after 1 s.
+        cluster.outlier_detection.split_external_local_origin_errors = True
+        cluster.outlier_detection.consecutive_local_origin_failure.value = 1
+        cluster.outlier_detection.enforcing_consecutive_local_origin_failure.value = 100
+        cluster.outlier_detection.interval.FromMilliseconds(500)
+        cluster.outlier_detection.base_ejection_time.FromMilliseconds(1000)
+        cluster.outlier_detection.max_ejection_percent.value = 50
+    return cluster
 
 
 def _grpc_service() -> grpc_service_pb2.GrpcService:

@@ -17,6 +17,11 @@ DESTINATION_KEY = "x-gateway-destination-endpoint"
 # metadata under the same name and the route adds the header from there.
 PREFILL_HEADER = "x-prefiller-host-port"
 
+# extproc's own namespace in the reply's dynamic metadata: the request's record (model,
+# session, block keys, the pods listed), which Envoy's gRPC access log carries back in
+# common_properties.metadata, so that any replica can record any request.
+RECORD_NAMESPACE = "extproc.record"
+
 # The Endpoint Picker Protocol's subset hint: a gateway may restrict the candidates by
 # setting this filter metadata before ext_proc; Envoy forwards it in
 # ProcessingRequest.metadata_context.filter_metadata[SUBSET_HINT_NAMESPACE].

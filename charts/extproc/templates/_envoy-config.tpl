@@ -105,6 +105,7 @@ static_resources:
                 receiving_namespaces:
                   untyped:
                   - envoy.lb
+                  - extproc.record
           # Must sit between ext_proc and the router: it holds the request until the whole body has
           # passed ext_proc, so the router picks the host after the reply's metadata arrived (with
           # request headers skipped it would otherwise route before the reply).
