@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+import orjson
 import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.data.accesslog.v3 import accesslog_pb2
@@ -28,6 +30,7 @@ from extproc.wire.protocol import (
     DESTINATION_KEY,
     DESTINATION_NAMESPACE,
     PATH_ATTRIBUTE,
+    RECORD_KEY,
     RECORD_NAMESPACE,
     REQUEST_ID_ATTRIBUTE,
     header_attribute,
@@ -88,13 +91,18 @@ def outcome(router: Router, name: str) -> float:
     return router.metrics.outcome[name]._value.get()
 
 
+def record_of(reply: ep.ProcessingResponse) -> dict[str, Any]:
+    namespace = reply.dynamic_metadata.fields[RECORD_NAMESPACE].struct_value
+    return orjson.loads(namespace.fields[RECORD_KEY].string_value)  # type: ignore[no-any-return]
+
+
 def test_the_reply_routes_and_carries_the_record_in_its_own_namespace() -> None:
     reply = process(make_router(), "r1")
     namespaces = reply.dynamic_metadata.fields
     assert namespaces[DESTINATION_NAMESPACE].struct_value.fields[DESTINATION_KEY].string_value
     assert reply.HasField("request_body")  # the route reply and the record, merged
-    record = namespaces[RECORD_NAMESPACE].struct_value.fields
-    assert record["m"].string_value == "m" and len(record["p"].struct_value.fields) == 3
+    record = record_of(reply)
+    assert record["m"] == "m" and len(record["p"]) == 3 and len(record["k"]) == 1
     assert process(make_router(carry=False), "r1").dynamic_metadata.fields.keys() == {
         DESTINATION_NAMESPACE
     }
@@ -125,61 +133,47 @@ def test_without_the_metadata_the_record_is_lost_as_before() -> None:
     assert outcome(other, "unknown_request") == 1
 
 
-def _mutated(mutate: Callable[[dict[str, struct_pb2.Value]], None]) -> struct_pb2.Struct:
+Mutation = Callable[[dict[str, Any]], object]
+
+
+def _mutated(mutate: Mutation) -> struct_pb2.Struct:
     reply = process(make_router(), "r1")
-    mutate(reply.dynamic_metadata.fields[RECORD_NAMESPACE].struct_value.fields)  # type: ignore[arg-type]
+    record = record_of(reply)
+    mutate(record)
+    namespace = reply.dynamic_metadata.fields[RECORD_NAMESPACE].struct_value
+    namespace.fields[RECORD_KEY].string_value = orjson.dumps(record).decode()
     return reply.dynamic_metadata
 
 
-def _set(name: str, value: object) -> Callable[[dict[str, struct_pb2.Value]], None]:
-    def mutate(fields: dict[str, struct_pb2.Value]) -> None:
-        if value is None:
-            del fields[name]
-        elif isinstance(value, float):
-            fields[name].number_value = value
-        else:
-            fields[name].string_value = str(value)
-
-    return mutate
-
-
-def _keys(text: str) -> Callable[[dict[str, struct_pb2.Value]], None]:
-    def mutate(fields: dict[str, struct_pb2.Value]) -> None:
-        del fields["k"].list_value.values[:]
-        fields["k"].list_value.values.add().string_value = text
-
-    return mutate
-
-
-def _pod_ids(value: str) -> Callable[[dict[str, struct_pb2.Value]], None]:
-    def mutate(fields: dict[str, struct_pb2.Value]) -> None:
-        for v in fields["p"].struct_value.fields.values():
-            v.string_value = value
-
-    return mutate
+def _pod_ids(value: str) -> Mutation:
+    return lambda record: record["p"].update(dict.fromkeys(record["p"], value))
 
 
 @pytest.mark.parametrize(
     ("mutate", "reason"),
     [
-        pytest.param(_set("m", None), "m", id="model-missing"),
-        pytest.param(_set("m", 3.0), "m", id="model-not-text"),
-        pytest.param(_set("m", ""), "model", id="model-empty"),
-        pytest.param(_set("p", "x"), "p", id="pods-not-a-struct"),
+        pytest.param(lambda r: r.pop("m"), "model", id="model-missing"),
+        pytest.param(lambda r: r.update(m=3), "model", id="model-not-text"),
+        pytest.param(lambda r: r.update(m=""), "model", id="model-empty"),
+        pytest.param(lambda r: r.update(p="x"), "pods", id="pods-not-an-object"),
+        pytest.param(lambda r: r.update(p={}), "pods", id="no-pods"),
         pytest.param(_pod_ids("no-slash"), "pod", id="pod-id-malformed"),
-        pytest.param(_keys("64:128:not base64!"), "keys", id="keys-not-base64"),
-        pytest.param(_keys("64:128:" + "A" * 12), "keys", id="keys-not-whole-int64"),
+        pytest.param(_pod_ids(7), "pod", id="pod-id-not-text"),  # type: ignore[arg-type]
+        pytest.param(lambda r: r.update(k="64:128:AAAA"), "keys", id="keys-not-a-list"),
+        pytest.param(lambda r: r.update(k=["64:128:not base64!"]), "keys", id="not-base64"),
+        pytest.param(lambda r: r.update(k=["64:128:" + "A" * 12]), "keys", id="not-whole-int64"),
         pytest.param(
-            _keys("64:128:" + base64.b64encode(bytes(8 * 129)).decode()), "keys", id="too-many"
+            lambda r: r.update(k=["64:128:" + base64.b64encode(bytes(8 * 129)).decode()]),
+            "keys",
+            id="too-many-keys",
         ),
-        pytest.param(_keys("sixty-four"), "keys", id="keys-no-geometry"),
-        pytest.param(_set("o", None), "o", id="origin-missing"),
-        pytest.param(_set("s", "x" * 5000), "session", id="session-too-long"),
+        pytest.param(lambda r: r.update(k=["sixty-four"]), "keys", id="keys-no-geometry"),
+        pytest.param(lambda r: r.pop("o"), "origin", id="origin-missing"),
+        pytest.param(lambda r: r.update(s="x" * 5000), "session", id="session-too-long"),
+        pytest.param(lambda r: r.update(f="x"), "pod", id="prefill-malformed"),
     ],
 )
-def test_bad_metadata_is_counted_and_logged_never_recorded(
-    mutate: Callable[[dict[str, struct_pb2.Value]], None], reason: str
-) -> None:
+def test_bad_metadata_is_counted_and_logged_never_recorded(mutate: Mutation, reason: str) -> None:
     metadata = _mutated(mutate)
     with pytest.raises(BadRecord) as caught:
         carried_record(_to_metadata(metadata), [GEOMETRY])
@@ -188,6 +182,20 @@ def test_bad_metadata_is_counted_and_logged_never_recorded(
     AccessLogHandler(other).complete(log_entry("r1", PODS[0].address, metadata))
     assert other.metrics.bad_records.labels(reason)._value.get() == 1
     assert outcome(other, "unknown_request") == 1  # not recorded, nothing raised
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [pytest.param("{not json", "record", id="not-json"), pytest.param("[1]", "record", id="array")],
+)
+def test_a_record_that_is_not_a_json_object_is_refused(text: str, reason: str) -> None:
+    reply = process(make_router(), "r1")
+    reply.dynamic_metadata.fields[RECORD_NAMESPACE].struct_value.fields[
+        RECORD_KEY
+    ].string_value = text
+    with pytest.raises(BadRecord) as caught:
+        carried_record(_to_metadata(reply.dynamic_metadata), [GEOMETRY])
+    assert caught.value.reason == reason
 
 
 def _to_metadata(struct: struct_pb2.Struct) -> base_pb2.Metadata:

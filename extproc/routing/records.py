@@ -113,7 +113,7 @@ def decode_keys(
         if len(encoded) > 4 * -(-8 * geometry[1] // 3):
             raise BadRecord("keys", f"more than {geometry[1]} keys")
         try:
-            raw = base64.b64decode(encoded, validate=True)
+            raw = binascii.a2b_base64(encoded, strict_mode=True)
         except (binascii.Error, ValueError):
             raise BadRecord("keys", "not base64") from None
         if not raw or len(raw) % 8:

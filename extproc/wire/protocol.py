@@ -21,6 +21,7 @@ PREFILL_HEADER = "x-prefiller-host-port"
 # session, block keys, the pods listed), which Envoy's gRPC access log carries back in
 # common_properties.metadata, so that any replica can record any request.
 RECORD_NAMESPACE = "extproc.record"
+RECORD_KEY = "r"  # its one field: the record as JSON text (wire.record_metadata)
 
 # The Endpoint Picker Protocol's subset hint: a gateway may restrict the candidates by
 # setting this filter metadata before ext_proc; Envoy forwards it in

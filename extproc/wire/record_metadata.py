@@ -6,18 +6,19 @@ metadata, appended to the route reply's bytes: protobuf merges a message field t
 appears twice, so Envoy reads one reply whose metadata has both namespaces, and the
 route reply itself stays serialized once per destination list (``RouteHandler``).
 
-Fields of the ``extproc.record`` Struct: ``m`` model, ``k`` key sets
-(``records.encode_keys``), ``p`` {address: namespace/name} of the pods listed, ``f``
-the prefill pod, ``s`` the session key, ``o`` the replica that routed.
+The namespace holds one field, ``r``: a JSON object (one string parses and builds in a
+few microseconds, a Struct of nested fields in tens) with ``m`` the model, ``k`` the key
+sets (``records.encode_keys``), ``p`` {address: namespace/name} of the pods listed,
+``f`` the prefill pod, ``s`` the session key, ``o`` the replica that routed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
+import orjson
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from google.protobuf import struct_pb2
 
 from extproc.routing.records import (
     MAX_PODS_LISTED,
@@ -31,23 +32,24 @@ from extproc.routing.records import (
     pod_text,
 )
 from extproc.routing.router import RouteDecision
-from extproc.wire.protocol import RECORD_NAMESPACE
+from extproc.wire.protocol import RECORD_KEY, RECORD_NAMESPACE
 
 
 def record_reply(decision: RouteDecision, record: Record, origin: str) -> bytes:
     """The bytes to append to the route reply: its record as dynamic metadata."""
-    reply = ep.ProcessingResponse()
-    fields = reply.dynamic_metadata.fields[RECORD_NAMESPACE].struct_value.fields
-    fields["m"].string_value = record.model
-    fields["k"].list_value.extend(encode_keys(record.keys))
-    pods = fields["p"].struct_value.fields
-    for pod in decision.pods:
-        pods[pod.address].string_value = pod_text(pod.id)
+    fields: dict[str, object] = {
+        "m": record.model,
+        "k": encode_keys(record.keys),
+        "p": {pod.address: pod_text(pod.id) for pod in decision.pods},
+        "o": origin,
+    }
     if decision.prefill is not None:
-        fields["f"].string_value = pod_text(decision.prefill.id)
+        fields["f"] = pod_text(decision.prefill.id)
     if record.session_key:
-        fields["s"].string_value = record.session_key
-    fields["o"].string_value = origin
+        fields["s"] = record.session_key
+    reply = ep.ProcessingResponse()
+    namespace = reply.dynamic_metadata.fields[RECORD_NAMESPACE].struct_value
+    namespace.fields[RECORD_KEY].string_value = orjson.dumps(fields).decode()
     return bytes(reply.SerializeToString())
 
 
@@ -61,34 +63,34 @@ def carried_record(
     """
     if RECORD_NAMESPACE not in metadata.filter_metadata:
         return None
-    fields = metadata.filter_metadata[RECORD_NAMESPACE].fields
-    pods = _get(fields, "p", "struct_value").struct_value.fields
-    if not pods or len(pods) > MAX_PODS_LISTED:
-        raise BadRecord("pods", f"{len(pods)} pods listed")
-    pod_by_address = {address: parse_pod(_text(value, "p")) for address, value in pods.items()}
-    key_texts = [_text(v, "k") for v in _get(fields, "k", "list_value").list_value.values]
-    session = _text(fields["s"], "s") if "s" in fields else None
+    namespace = metadata.filter_metadata[RECORD_NAMESPACE].fields
+    if RECORD_KEY not in namespace or namespace[RECORD_KEY].WhichOneof("kind") != "string_value":
+        raise BadRecord("record", f"no string {RECORD_KEY!r} in {RECORD_NAMESPACE}")
+    try:
+        fields = orjson.loads(namespace[RECORD_KEY].string_value)
+    except orjson.JSONDecodeError as exc:
+        raise BadRecord("record", f"not JSON: {exc}") from None
+    if not isinstance(fields, dict):
+        raise BadRecord("record", "not a JSON object")
+    pods = fields.get("p")
+    if not isinstance(pods, dict) or not 0 < len(pods) <= MAX_PODS_LISTED:
+        raise BadRecord("pods", f"expected 1 to {MAX_PODS_LISTED} address: pod pairs")
+    pod_by_address = {str(address): parse_pod(_text(pod, "pod")) for address, pod in pods.items()}
+    key_texts = fields.get("k")
+    if not isinstance(key_texts, list):
+        raise BadRecord("keys", "expected a list")
+    session = fields.get("s")
     record = Record(
-        check_text(_text(_get(fields, "m", "string_value"), "m"), "model"),
-        decode_keys(key_texts, geometries),
-        check_text(session, "session") if session is not None else None,
+        check_text(_text(fields.get("m"), "model"), "model"),
+        decode_keys([_text(t, "keys") for t in key_texts], geometries),
+        check_text(_text(session, "session"), "session") if session is not None else None,
     )
-    prefill = parse_pod(_text(fields["f"], "f")) if "f" in fields else None
-    origin = check_text(_text(_get(fields, "o", "string_value"), "o"), "origin")
+    prefill = parse_pod(_text(fields["f"], "prefill")) if "f" in fields else None
+    origin = check_text(_text(fields.get("o"), "origin"), "origin")
     return Carried(record, pod_by_address, prefill, origin)
 
 
-def _get(fields: Mapping[str, struct_pb2.Value], name: str, kind: str) -> struct_pb2.Value:
-    """``fields[name]``, holding a ``kind``; else ``BadRecord(name)``."""
-    if name not in fields:
-        raise BadRecord(name, "missing")
-    value = fields[name]
-    if value.WhichOneof("kind") != kind:
-        raise BadRecord(name, f"expected {kind}, got {value.WhichOneof('kind')}")
+def _text(value: object, name: str) -> str:
+    if not isinstance(value, str):
+        raise BadRecord(name, f"expected a string, got {type(value).__name__}")
     return value
-
-
-def _text(value: struct_pb2.Value, name: str) -> str:
-    if value.WhichOneof("kind") != "string_value":
-        raise BadRecord(name, f"expected a string, got {value.WhichOneof('kind')}")
-    return str(value.string_value)
