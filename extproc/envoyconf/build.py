@@ -458,9 +458,10 @@ def make_extproc_cluster(options: EnvoyOptions) -> cluster_pb2.Cluster:
             ],
         ),
     )
-    if len(addresses) > 1:
-        # A replica that refuses connections (killed, restarting) is ejected after one
-        # failure, so the next streams go to the others; it comes back after 1 s.
+    if len(addresses) > 1 or not all_ips:
+        # Several replicas (listed, or behind a DNS name): one that refuses connections
+        # (killed, restarting) is ejected after one failure, so the next streams go to
+        # the others; it comes back after 1 s.
         cluster.outlier_detection.split_external_local_origin_errors = True
         cluster.outlier_detection.consecutive_local_origin_failure.value = 1
         cluster.outlier_detection.enforcing_consecutive_local_origin_failure.value = 100

@@ -45,7 +45,8 @@ _OPTIONS = EnvoyOptions(
     attribute_headers=("sentinel-session-header",),
 )
 _SENTINELS = (
-    Sentinel("extproc-sentinel.invalid", f"{_FULLNAME}.{_DOMAIN}", 1),
+    # The headless Service: every replica's address, each ext_proc stream balanced.
+    Sentinel("extproc-sentinel.invalid", f"{_FULLNAME}-replicas.{_DOMAIN}", 1),
     Sentinel("pods-sentinel.invalid", f"{_FULLNAME}-model-servers.{_DOMAIN}", 1),
     Sentinel("port_value: 59999", "port_value: {{ .Values.modelServers.targetPort }}", 1),
     Sentinel("num_retries: 37", "num_retries: {{ .Values.picker.numFallbacks }}", 1),
@@ -67,7 +68,7 @@ def render_template() -> str:
     """
     text = render_bootstrap(
         make_bootstrap((), _OPTIONS),
-        summary="pods from the chart's headless Service, extproc at the chart's Service",
+        summary="pods from the chart's headless Service, extproc replicas from theirs",
     )
     if "{{" in text or "}}" in text:
         raise ValueError("the generated bootstrap contains template delimiters")
