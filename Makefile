@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-routing venv vllm peers system-deps clean
+.PHONY: demo test bench bench-routing bench-replicas venv vllm peers system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,11 +24,13 @@ peers: $(STAMP)
 	$(PY) -m e2e.real_vllm.prepare --peers
 
 # Debian packages the tests run (as root, as CI is): prometheus brings prometheus and
-# promtool for the Grafana dashboard's PromQL and e2e/test_prometheus.py.
+# promtool for the Grafana dashboard's PromQL and e2e/test_prometheus.py; redis-server the
+# Redis that replicas share their view through (tests/test_sharing.py, e2e/test_replicas.py).
 system-deps:
-	command -v prometheus >/dev/null && command -v promtool >/dev/null || \
+	command -v prometheus >/dev/null && command -v promtool >/dev/null && \
+	  command -v redis-server >/dev/null || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	    apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+	    apt-get install -y -qq --no-install-recommends prometheus redis-server >/dev/null; }
 
 demo: $(STAMP)
 	$(VENV)/bin/extproc demo
@@ -50,6 +52,11 @@ bench: $(STAMP)
 
 bench-routing: peers
 	$(PY) -m bench.routing_quality
+
+# Several replicas: lost records and hit ratio, today's behaviour beside metadata and Redis
+# (real Envoys, simulated pods, redis-server; about 3 minutes).
+bench-replicas: $(STAMP) system-deps
+	$(PY) -m bench.replicas --json bench/results/replicas.json --markdown bench/results/replicas.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
