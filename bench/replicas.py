@@ -65,6 +65,7 @@ CONTENDERS = (
 @dataclass
 class Result:
     contender: str
+    seed: int
     requests: int
     ok: int
     recorded: int
@@ -75,7 +76,9 @@ class Result:
     seconds: float
 
 
-def run_contender(sim: SimPods, c: Contender, workload: list[tuple[str, dict[str, Any]]]) -> Result:
+def run_contender(
+    sim: SimPods, c: Contender, seed: int, workload: list[tuple[str, dict[str, Any]]]
+) -> Result:
     for pod in sim.pods:
         sim.reset_cache(pod.name)
     with run_replicas(
@@ -98,7 +101,6 @@ def run_contender(sim: SimPods, c: Contender, workload: list[tuple[str, dict[str
             pods_of[tenant].add(resp.headers.get("x-sim-pod", "?"))
 
         with httpx.Client(timeout=30) as client, ThreadPoolExecutor(8) as pool:
-            # The first request of each tenant alone, as the demo does, then 8 at a time.
             for future in [pool.submit(send, i, client) for i in range(len(workload))]:
                 future.result()
         seconds = time.monotonic() - started
@@ -109,6 +111,7 @@ def run_contender(sim: SimPods, c: Contender, workload: list[tuple[str, dict[str
 
         return Result(
             c.name,
+            seed,
             len(workload),
             sum(s == 200 for s in statuses),
             total("recorded"),
@@ -195,6 +198,23 @@ def markdown(results: Sequence[Result], costs: Sequence[dict[str, float]]) -> st
             f"{r.recorded_from_metadata} | {r.unknown_request} | {r.hit_ratio:.3f} | "
             f"{r.pods_per_tenant} | {r.seconds} |"
         )
+    by_contender: dict[str, list[Result]] = defaultdict(list)
+    for r in results:
+        by_contender[r.contender].append(r)
+    lines += [
+        "",
+        "Over the seeds:",
+        "",
+        "| contender | unknown_request | hit ratio mean (min-max) | pods per tenant mean |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, rows in by_contender.items():
+        ratios = [r.hit_ratio for r in rows]
+        lines.append(
+            f"| {name} | {sum(r.unknown_request for r in rows)} | "
+            f"{statistics.mean(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) | "
+            f"{statistics.mean(r.pods_per_tenant for r in rows):.2f} |"
+        )
     lines += [
         "",
         "## What a record costs per request (extproc.record metadata)",
@@ -214,19 +234,21 @@ def markdown(results: Sequence[Result], costs: Sequence[dict[str, float]]) -> st
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=240)
-    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--seeds", default="7,8,9", help="one run of each contender per seed")
     parser.add_argument("--only", action="append", help="contender names to run (substring)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args(argv)
-    workload = make_workload(args.requests, args.seed)
+    seeds = [int(s) for s in args.seeds.split(",")]
     contenders = [c for c in CONTENDERS if not args.only or any(o in c.name for o in args.only)]
     results = []
     with spawn_sim_pods(4, args=SIM_ARGS) as sim:
-        for contender in contenders:
-            result = run_contender(sim, contender, workload)
-            print(result, flush=True)
-            results.append(result)
+        for seed in seeds:
+            workload = make_workload(args.requests, seed)
+            for contender in contenders:
+                result = run_contender(sim, contender, seed, workload)
+                print(result, flush=True)
+                results.append(result)
     costs = [record_cost(n) for n in (1_000, 8_000, 220_000)]
     text = markdown(results, costs)
     print(text)
