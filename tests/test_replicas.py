@@ -271,3 +271,21 @@ def test_a_shared_record_for_an_unknown_pod_is_skipped() -> None:
     record = Record("m", {GEOMETRY: np.array([1], np.int64)})
     assert router.apply_shared(Shared("x", "r9", record, PodId("default", "gone"))) is False
     assert router.metrics.shared_unknown_pod._value.get() == 1
+
+
+def test_a_failed_end_is_published_only_for_requests_routed_elsewhere() -> None:
+    a, b = make_router(), make_router()
+    published: list[Shared] = []
+    a.share = published.append
+    process(a, "mine")
+    reply = process(b, "theirs")
+    handler = AccessLogHandler(a)
+    handler.complete(log_entry("mine", PODS[0].address, None, code=503))
+    assert published == []  # routed here: nobody else counts it in flight
+    handler.complete(log_entry("theirs", PODS[0].address, reply.dynamic_metadata, code=503))
+    assert [(s.request_id, s.record) for s in published] == [("theirs", None)]
+    pick = b.pending.pop("theirs")
+    assert pick is not None
+    b.pending.add("theirs", pick)
+    b.apply_shared(published[0])
+    assert b.in_flight.get(pick.pick) == 0 and len(b.pending) == 0

@@ -191,7 +191,8 @@ class Router:
             self._end_in_flight(pending)
         if not succeeded:
             self.metrics.outcome["failed"].inc()
-            self._publish(Shared(self.replica_id, request_id))
+            if pending is None:  # routed by another replica: its in-flight count ends
+                self._publish(Shared(self.replica_id, request_id))
             return False
         pod_by_address: Mapping[str, PodId]
         if pending is not None:
@@ -208,7 +209,8 @@ class Router:
             log.warning(
                 "request %s was served by %s, which is no known pod", request_id, served_address
             )
-            self._publish(Shared(self.replica_id, request_id))
+            if pending is None:
+                self._publish(Shared(self.replica_id, request_id))
             return False
         if pending is not None:
             self.scheduler.record(pending.cycle, pod, prefill)
