@@ -113,3 +113,16 @@ def test_malformed_entries_are_counted_and_skipped(server: RedisServer) -> None:
         assert share_a.invalid.labels("origin")._value.get() == 1
     finally:
         share_a.stop()
+
+
+@pytest.mark.parametrize(
+    ("url", "logged"),
+    [
+        pytest.param("redis://:secret@r.infra:6379/0", "redis://r.infra:6379/0", id="password"),
+        pytest.param("rediss://user:pw@h:1/2?ssl_cert_reqs=none", "rediss://h:1/2", id="user"),
+        pytest.param("redis://h:6379", "redis://h:6379", id="plain"),
+    ],
+)
+def test_log_lines_name_redis_without_its_password(url: str, logged: str) -> None:
+    sharing = RedisSharing(make_router(), url, registry=CollectorRegistry())
+    assert sharing.where == logged

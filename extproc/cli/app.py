@@ -162,7 +162,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
                 registry=registry,
             )
         except ValueError as exc:
-            raise ConfigError(f"--redis-url {args.redis_url!r}: {exc}") from None
+            raise ConfigError(f"--redis-url: {exc}") from None  # the URL may hold a password
     scraping = args.stale_after_s > 0
     store = PodStore(router.set_pods, stale_after_s=args.stale_after_s if scraping else None)
     watcher = make_pods_source(args, store.set_pods)

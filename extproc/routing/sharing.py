@@ -28,6 +28,7 @@ import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
@@ -65,6 +66,13 @@ def _entries(reply: Any) -> list[Entry]:
         for entry_id, fields in cast(list[Any], reply or [])
         if isinstance(entry_id, bytes) and isinstance(fields, dict)
     ]
+
+
+def _without_password(url: str) -> str:
+    """``url`` with any user and password left out (it goes to logs)."""
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
 def encode_shared(shared: Shared) -> dict[str, str]:
@@ -115,7 +123,7 @@ class RedisSharing:
         if maxlen < 1:
             raise ValueError(f"maxlen must be >= 1, got {maxlen}")
         self.router = router
-        self.url = url
+        self.where = _without_password(url)  # for log lines
         self.stream = stream
         self.maxlen = maxlen
         # Separate connections: the reader blocks in XREAD up to READ_BLOCK_MS.
@@ -130,6 +138,7 @@ class RedisSharing:
         self._threads: list[threading.Thread] = []
         self._up = {"writer": True, "reader": False}  # the writer: nothing to write yet
         self._state: bool | None = None  # last logged: up, down, or not yet known
+        self._state_lock = threading.Lock()
         self.up = Gauge(
             "extproc_sharing_up",
             "1 while this replica reads and writes the shared Redis stream, else 0 "
@@ -275,17 +284,18 @@ class RedisSharing:
 
     def _set_up(self, side: str, up: bool, error: Exception | None = None) -> None:
         """Track both sides; one log line each time sharing stops or resumes."""
-        self._up[side] = up
-        now_up = all(self._up.values())
-        self.up.set(1 if now_up else 0)
-        if now_up == self._state or (not now_up and error is None):
-            return
-        self._state = now_up
+        with self._state_lock:  # the two threads report
+            self._up[side] = up
+            now_up = all(self._up.values())
+            self.up.set(1 if now_up else 0)
+            if now_up == self._state or (not now_up and error is None):
+                return
+            self._state = now_up
         if now_up:
-            log.info("sharing the view through redis %s stream %s", self.url, self.stream)
+            log.info("sharing the view through redis %s stream %s", self.where, self.stream)
         else:
             log.warning(
                 "redis %s unreachable (%s): routing goes on with the local view; retrying",
-                self.url,
+                self.where,
                 error,
             )
