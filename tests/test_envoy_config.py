@@ -393,6 +393,8 @@ def test_several_replicas_are_each_an_endpoint_ejected_when_refusing(
     detection = extproc["outlier_detection"]
     assert detection["consecutive_local_origin_failure"] == 1
     assert detection["split_external_local_origin_errors"] is True
+    [check] = extproc["health_checks"]
+    assert check["tcp_health_check"] == {} and check["unhealthy_threshold"] == 1
     assert "outlier_detection" not in cluster(bootstrap(), "extproc")  # one replica: none
 
 

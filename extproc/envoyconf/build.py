@@ -460,8 +460,15 @@ def make_extproc_cluster(options: EnvoyOptions) -> cluster_pb2.Cluster:
     )
     if len(addresses) > 1 or not all_ips:
         # Several replicas (listed, or behind a DNS name): one that refuses connections
-        # (killed, restarting) is ejected after one failure, so the next streams go to
-        # the others; it comes back after 1 s.
+        # (killed, restarting) is marked unhealthy by a TCP check every 0.5 s, and ejected
+        # at its first refused stream meanwhile, so the next streams go to the others.
+        check = cluster.health_checks.add()
+        check.tcp_health_check.SetInParent()
+        check.interval.FromMilliseconds(500)
+        check.timeout.FromMilliseconds(500)
+        check.unhealthy_threshold.value = 1
+        check.healthy_threshold.value = 1
+        check.no_traffic_interval.FromMilliseconds(500)
         cluster.outlier_detection.split_external_local_origin_errors = True
         cluster.outlier_detection.consecutive_local_origin_failure.value = 1
         cluster.outlier_detection.enforcing_consecutive_local_origin_failure.value = 100

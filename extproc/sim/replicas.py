@@ -17,7 +17,7 @@ import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from extproc.envoyconf.build import EnvoyOptions
@@ -140,7 +140,7 @@ class Replicas:
     listen_ports: list[int]
     redis: RedisServer | None
     log_dir: Path
-    extra: list[Proc] = field(default_factory=list)
+    failure_mode_allow: bool
 
     @property
     def urls(self) -> list[str]:
@@ -195,7 +195,7 @@ def run_replicas(
             stack.callback(envoy.stop)
             envoys.append(envoy)
             ports.append(options.listen_port)
-        yield Replicas(replicas, envoys, ports, server, log_dir)
+        yield Replicas(replicas, envoys, ports, server, log_dir, failure_mode_allow)
 
 
 def wait_until_true(check: object, timeout_s: float = 10.0) -> bool:

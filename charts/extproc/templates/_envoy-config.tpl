@@ -160,6 +160,13 @@ static_resources:
   - name: extproc
     type: STRICT_DNS
     connect_timeout: 1s
+    health_checks:
+    - timeout: 0.500s
+      interval: 0.500s
+      unhealthy_threshold: 1
+      healthy_threshold: 1
+      tcp_health_check: {}
+      no_traffic_interval: 0.500s
     # Envoy's defaults (1024 requests, 3 concurrent retries per cluster) would turn bursts of long
     # generations into local 503s and skipped fail-overs; the pods queue themselves.
     circuit_breakers:
