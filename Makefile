@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check bench bench-routing venv vllm peers system-deps bench-deps clean
+.PHONY: demo test check bench bench-routing bench-replicas venv vllm peers system-deps bench-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,11 +26,13 @@ peers: $(STAMP)
 	$(PY) -m e2e.real_vllm.prepare --peers
 
 # Debian packages the tests run (as root, as CI is): prometheus brings prometheus and
-# promtool for the Grafana dashboard's PromQL and e2e/test_prometheus.py.
+# promtool for the Grafana dashboard's PromQL and e2e/test_prometheus.py; redis-server the
+# Redis that replicas share their view through (tests/test_sharing.py, e2e/test_replicas.py).
 system-deps:
-	command -v prometheus >/dev/null && command -v promtool >/dev/null || \
+	command -v prometheus >/dev/null && command -v promtool >/dev/null && \
+	  command -v redis-server >/dev/null || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	    apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+	    apt-get install -y -qq --no-install-recommends prometheus redis-server >/dev/null; }
 
 # Debian packages the benchmarks run: wrk (bench.picker's load) and valgrind
 # (bench.instructions' callgrind).
@@ -69,6 +71,11 @@ bench: $(STAMP) bench-deps peers
 # Routing quality against Envoy round robin and the peers' routers (README: Routing quality).
 bench-routing: peers
 	$(PY) -m bench.routing_quality
+
+# Several replicas: lost records and hit ratio, today's behaviour beside metadata and Redis
+# (real Envoys, simulated pods, redis-server; about 3 minutes).
+bench-replicas: $(STAMP) system-deps
+	$(PY) -m bench.replicas --json bench/results/replicas.json --markdown bench/results/replicas.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -5,6 +5,9 @@
   ``prefix-cache`` alone (``bench/configs/``), ``default`` (the shipped one: least-request
   filter, least-request + gpu-usage + least-latency + prefix-cache scores) and
   ``cost-aware`` (``extproc/data/cost-aware.yaml``: the default plus cost-aware).
+- ``extproc-default-2-replicas``: the default configuration on two extproc replicas
+  behind one Envoy, records in the reply metadata, views shared through a redis-server
+  (``extproc.sim.replicas``).
 - ``sglang-router``, ``vllm-router``: the peers' Rust proxies with their ``cache_aware``
   policy and the thresholds of ``../shared/TOOLING.md``, each from its own venv
   (``python -m e2e.real_vllm.prepare --peers``).
@@ -23,6 +26,7 @@ from e2e.real_vllm.prepare import peer_binary
 from extproc.envoyconf.build import EnvoyOptions, make_bootstrap
 from extproc.envoyconf.render import to_dict
 from extproc.sim.launch import Proc, free_port, run_stack, spawn, start_envoy_config, wait_until
+from extproc.sim.replicas import run_replicas
 from extproc.types import Pod
 
 PEER_START_TIMEOUT_S = 60.0
@@ -83,6 +87,17 @@ def extproc_with(config: Path | None) -> Serve:
     def serve(pods: Sequence[Pod], log_dir: Path) -> Iterator[str]:
         with run_stack(pods, config=config) as stack:
             yield stack.url
+
+    return serve
+
+
+def extproc_replicas(num_replicas: int) -> Serve:
+    """Envoy + ``num_replicas`` extprocs (default configuration) sharing through Redis."""
+
+    @contextmanager
+    def serve(pods: Sequence[Pod], log_dir: Path) -> Iterator[str]:
+        with run_replicas(pods, num_replicas=num_replicas, redis=True) as stack:
+            yield stack.urls[0]
 
     return serve
 
@@ -149,6 +164,7 @@ CONTENDERS: dict[str, Serve] = {
     "extproc-prefix-cache": extproc_with(CONFIGS / "prefix-cache.yaml"),
     "extproc-default": extproc_with(None),
     "extproc-cost-aware": extproc_with(EXTPROC_DATA / "cost-aware.yaml"),
+    "extproc-default-2-replicas": extproc_replicas(2),
     "sglang-router": sglang_router,
     "vllm-router": vllm_router,
 }

@@ -220,6 +220,9 @@ def test_every_shipped_yaml_validates(path: Path, tmp_path: Path) -> None:
             },
             id="mtls",
         ),
+        pytest.param(
+            make_pods(2), {"extproc_address": "127.0.0.1:9002,127.0.0.1:9012"}, id="two-replicas"
+        ),
     ],
 )
 def test_generated_configs_validate(
@@ -321,7 +324,7 @@ def test_one_round_processing_mode() -> None:
 
 def test_metadata_namespaces() -> None:
     options = http_filter(bootstrap(), "envoy.filters.http.ext_proc")["metadata_options"]
-    assert options["receiving_namespaces"] == {"untyped": ["envoy.lb"]}
+    assert options["receiving_namespaces"] == {"untyped": ["envoy.lb", "extproc.record"]}
     assert options["forwarding_namespaces"] == {"untyped": ["envoy.lb.subset_hint"]}
 
 
@@ -468,6 +471,31 @@ def test_extproc_cluster_is_http2(address: str, cluster_type: str, socket: tuple
     assert (address_out["address"], address_out["port_value"]) == socket
 
 
+@pytest.mark.parametrize(
+    ("address", "cluster_type"),
+    [
+        pytest.param("127.0.0.1:9002, 127.0.0.1:9012", "STATIC", id="listed"),
+        pytest.param("10.0.0.1:9002,extproc-b.ns.svc:9002", "STRICT_DNS", id="mixed"),
+    ],
+)
+def test_several_replicas_are_each_an_endpoint_ejected_when_refusing(
+    address: str, cluster_type: str
+) -> None:
+    extproc = cluster(bootstrap(extproc_address=address), "extproc")
+    assert extproc["type"] == cluster_type
+    endpoints = extproc["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert [e["endpoint"]["address"]["socket_address"]["port_value"] for e in endpoints] == [
+        9002,
+        9002 if cluster_type == "STRICT_DNS" else 9012,
+    ]
+    detection = extproc["outlier_detection"]
+    assert detection["consecutive_local_origin_failure"] == 1
+    assert detection["split_external_local_origin_errors"] is True
+    [check] = extproc["health_checks"]
+    assert check["tcp_health_check"] == {} and check["unhealthy_threshold"] == 1
+    assert "outlier_detection" not in cluster(bootstrap(), "extproc")  # one replica: none
+
+
 def test_listener_and_admin_addresses() -> None:
     config = bootstrap(listen_port=10001, admin_port=9902)
     listener = config["static_resources"]["listeners"][0]["address"]["socket_address"]
@@ -490,6 +518,8 @@ def test_fail_open_option() -> None:
         pytest.param({"extproc_address": "host:0"}, "port must be", id="dns-port-zero"),
         pytest.param({"extproc_address": "1.2.3.4:99999"}, "port must be", id="ip-port"),
         pytest.param({"extproc_address": "bad_host:1"}, "not an IP address", id="bad-dns"),
+        pytest.param({"extproc_address": "1.2.3.4:1,"}, "empty entry", id="list-empty-entry"),
+        pytest.param({"extproc_address": "1.2.3.4:1,x"}, "not 'ip:port'", id="list-bad-entry"),
         pytest.param({"listen_port": 0}, "listen_port", id="listen-port"),
         pytest.param({"admin_port": 70000}, "admin_port", id="admin-port"),
         pytest.param({"num_fallbacks": -1}, "num_fallbacks", id="fallbacks"),

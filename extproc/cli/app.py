@@ -2,7 +2,8 @@
 /metrics -> pod store -> router; gRPC ext_proc + access log on ``--grpc-port``, gRPC
 health on ``--health-port``, Prometheus metrics on ``--metrics-port``; and the drain.
 
-``start`` builds everything from parsed ``serve`` flags (``cli.serve``) by construction;
+``start`` builds everything from parsed ``serve`` flags (``cli.serve``) by construction,
+with ``--redis-url`` the sharing of the view with the other replicas (``routing.sharing``);
 ``Running.stop`` drains: health goes NOT_SERVING, new ext_proc streams are refused and
 the requests in flight are recorded until none is pending or the drain time has passed.
 """
@@ -25,6 +26,7 @@ from extproc.datalayer.store import PodStore
 from extproc.errors import ConfigError
 from extproc.request.render import Rendering
 from extproc.routing.router import Router
+from extproc.routing.sharing import RedisSharing
 from extproc.scheduling.config import build_scheduler, load_config
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.sessions import SessionStore
@@ -58,6 +60,7 @@ class Running:
     scraper: MetricsScraper | None
     metrics_server: Any
     registry: CollectorRegistry
+    sharing: RedisSharing | None = None
 
     def stop(self, drain_s: float = 10.0) -> None:
         set_serving(self.health_servicer, False)
@@ -83,6 +86,8 @@ class Running:
         if not self.grpc_server.stop(0).wait(STOP_GRACE_S):
             log.warning("the gRPC server did not confirm its stop; exiting anyway")
         self.health_server.stop(0).wait(STOP_GRACE_S)
+        if self.sharing is not None:
+            self.sharing.stop()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
 
@@ -116,6 +121,7 @@ def check_args(args: argparse.Namespace) -> None:
         ("stale_after_s", args.stale_after_s >= 0, "must be 0 (no scraping) or more"),
         ("drain_s", args.drain_s >= 0, "must be 0 or more"),
         ("session_ttl_s", args.session_ttl_s >= 0, "must be 0 (off) or more"),
+        ("redis_maxlen", args.redis_maxlen >= 1, "must be 1 or more"),
         ("v", args.v >= 0, "must be 0 or more"),
     )
     for name, ok, rule in rules:
@@ -159,7 +165,20 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         rendering=Rendering(args.prompt_rendering),
         in_flight=in_flight,
         registry=registry,
+        carry_records=args.record_metadata == "on" and args.protocol != "epp",
     )
+    sharing = None
+    if args.redis_url:
+        try:
+            sharing = RedisSharing(
+                router,
+                args.redis_url,
+                stream=args.redis_stream,
+                maxlen=args.redis_maxlen,
+                registry=registry,
+            )
+        except ValueError as exc:
+            raise ConfigError(f"--redis-url: {exc}") from None  # the URL may hold a password
     scraping = args.stale_after_s > 0
     store = PodStore(router.set_pods, stale_after_s=args.stale_after_s if scraping else None)
     watcher = make_pods_source(args, store.set_pods)
@@ -197,15 +216,21 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
     watcher.start()
     if scraper is not None:
         scraper.start()
+    if sharing is not None:
+        sharing.start()
     set_serving(servicer, True)
     log.info(
-        "extproc serving ext_proc on %s:%d, health on :%d, metrics on :%s; %d pods from %s",
+        "extproc %s serving ext_proc on %s:%d, health on :%d, metrics on :%s; %d pods from "
+        "%s; record metadata %s; %s",
+        router.replica_id,
         args.address,
         grpc_port,
         health_port,
         args.metrics_port,
         len(router.pods),
         describe_source(args),
+        "on" if router.carry_records else "off",
+        f"sharing through redis stream {args.redis_stream}" if sharing else "no sharing",
     )
     return Running(
         router,
@@ -218,4 +243,5 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         scraper,
         metrics_server,
         registry,
+        sharing,
     )

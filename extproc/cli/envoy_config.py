@@ -34,7 +34,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--extproc-address",
         default=_DEFAULTS.extproc_address,
-        help="extproc gRPC server, ip:port or dns-name:port",
+        help="extproc gRPC server, ip:port or dns-name:port; several replicas comma-separated",
     )
     parser.add_argument("--listen-address", default=_DEFAULTS.listen_address)
     parser.add_argument("--listen-port", type=int, default=_DEFAULTS.listen_port)

@@ -22,6 +22,7 @@ from extproc.datalayer.sources import add_source_arguments
 from extproc.errors import ConfigError
 from extproc.request.parse import DEFAULT_MAX_BODY_BYTES
 from extproc.request.render import Rendering
+from extproc.routing.sharing import DEFAULT_MAXLEN, DEFAULT_STREAM
 from extproc.wire.server import GRPC_SERVERS
 from extproc.wire.tls import TLS_MODES
 
@@ -125,6 +126,34 @@ def register(sub: Any) -> None:
         default=_env("stale-after-s", "2.0"),
         help="a pod without a fresh scrape this long is not ready; 0: no scraping, "
         "readiness from the pods source only (default %(default)s)",
+    )
+    p.add_argument(
+        "--record-metadata",
+        choices=("on", "off"),
+        default=_env("record-metadata", "on"),
+        help="one-round: each route reply carries the request's record (model, session, "
+        "block keys, pods listed; at most ~1.5 KB) as extproc.record metadata, which "
+        "Envoy's access log brings back, so whichever replica receives the log can "
+        "record the request (default %(default)s)",
+    )
+    p.add_argument(
+        "--redis-url",
+        default=_env("redis-url", ""),
+        help="share the view with the other replicas through this Redis (e.g. "
+        "redis://redis:6379/0): each publishes what it records and applies the others'; "
+        "'' (default): no sharing, for a single replica",
+    )
+    p.add_argument(
+        "--redis-stream",
+        default=_env("redis-stream", DEFAULT_STREAM),
+        help="the Redis stream the replicas share (default %(default)s)",
+    )
+    p.add_argument(
+        "--redis-maxlen",
+        type=int,
+        default=_env("redis-maxlen", str(DEFAULT_MAXLEN)),
+        help="entries the stream keeps (about): what a (re)started replica catches up "
+        "from (default %(default)s)",
     )
     p.add_argument("--drain-s", type=float, default=_env("drain-s", "10.0"))
     p.add_argument("--log-level", default=_env("log-level", "info"))

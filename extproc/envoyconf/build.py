@@ -65,6 +65,7 @@ from extproc.wire.protocol import (
     MAX_RETRIES_HEADER,
     PATH_ATTRIBUTE,
     PREFILL_HEADER,
+    RECORD_NAMESPACE,
     REQUEST_ID_ATTRIBUTE,
     SUBSET_HINT_NAMESPACE,
     header_attribute,
@@ -107,7 +108,9 @@ class EnvoyOptions:
 
     Attributes:
         extproc_address: extproc's gRPC server (ext_proc and access log), ip:port or
-            dns-name:port (e.g. a Kubernetes Service; then the cluster is STRICT_DNS).
+            dns-name:port (e.g. a Kubernetes Service; then the cluster is STRICT_DNS);
+            several replicas comma-separated (``extproc_addresses``), balanced round
+            robin, a replica that refuses connections ejected for a while.
         listen_address: the listener's IP.
         listen_port: the listener's port.
         admin_port: admin interface port (always on 127.0.0.1).
@@ -151,7 +154,7 @@ class EnvoyOptions:
     extproc_client_key_file: str | None = None
 
     def __post_init__(self) -> None:
-        split_host_port(self.extproc_address)
+        _ = self.extproc_addresses  # raises on a bad address
         tls_files = (
             self.extproc_ca_file,
             self.extproc_sni,
@@ -176,6 +179,14 @@ class EnvoyOptions:
         for name in self.attribute_headers:
             if not _HEADER_NAME.fullmatch(name):
                 raise ValueError(f"attribute header {name!r} must be a lowercase header name")
+
+    @property
+    def extproc_addresses(self) -> list[tuple[str, int, bool]]:
+        """``extproc_address`` split at commas, each as ``split_host_port`` returns it."""
+        parts = [a.strip() for a in self.extproc_address.split(",")]
+        if not all(parts):
+            raise ValueError(f"extproc address list {self.extproc_address!r} has an empty entry")
+        return [split_host_port(a) for a in parts]
 
 
 def split_host_port(address: str) -> tuple[str, int, bool]:
@@ -348,9 +359,10 @@ def make_ext_proc(options: EnvoyOptions) -> ext_proc_pb2.ExternalProcessor:
             forwarding_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(
                 untyped=[SUBSET_HINT_NAMESPACE]
             ),
-            # Without this the reply's envoy.lb metadata is silently dropped.
+            # Without this the reply's metadata is silently dropped: envoy.lb routes,
+            # extproc.record comes back in the access log (any replica can record).
             receiving_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(
-                untyped=[DESTINATION_NAMESPACE]
+                untyped=[DESTINATION_NAMESPACE, RECORD_NAMESPACE]
             ),
         ),
     )
@@ -474,10 +486,11 @@ def make_extproc_cluster(options: EnvoyOptions) -> cluster_pb2.Cluster:
             http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
         )
     )
-    host, port, is_ip = split_host_port(options.extproc_address)
-    return cluster_pb2.Cluster(
+    addresses = options.extproc_addresses
+    all_ips = all(is_ip for _, _, is_ip in addresses)
+    cluster = cluster_pb2.Cluster(
         name=EXTPROC_CLUSTER,
-        type=cluster_pb2.Cluster.STATIC if is_ip else cluster_pb2.Cluster.STRICT_DNS,
+        type=cluster_pb2.Cluster.STATIC if all_ips else cluster_pb2.Cluster.STRICT_DNS,
         connect_timeout=_duration(options.connect_timeout_s),
         typed_extension_protocol_options={
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _any(http2)
@@ -486,11 +499,34 @@ def make_extproc_cluster(options: EnvoyOptions) -> cluster_pb2.Cluster:
         load_assignment=endpoint_pb2.ClusterLoadAssignment(
             cluster_name=EXTPROC_CLUSTER,
             endpoints=[
-                endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[_lb_endpoint(host, port)])
+                endpoint_components_pb2.LocalityLbEndpoints(
+                    lb_endpoints=[_lb_endpoint(host, port) for host, port, _ in addresses]
+                )
             ],
         ),
-        transport_socket=make_extproc_tls(options, host) if options.extproc_tls else None,
+        # With several replicas the SNI defaults to the first one's host (set extproc_sni).
+        transport_socket=make_extproc_tls(options, addresses[0][0])
+        if options.extproc_tls
+        else None,
     )
+    if len(addresses) > 1 or not all_ips:
+        # Several replicas (listed, or behind a DNS name): one that refuses connections
+        # (killed, restarting) is marked unhealthy by a TCP check every 0.5 s, and ejected
+        # at its first refused stream meanwhile, so the next streams go to the others.
+        check = cluster.health_checks.add()
+        check.tcp_health_check.SetInParent()
+        check.interval.FromMilliseconds(500)
+        check.timeout.FromMilliseconds(500)
+        check.unhealthy_threshold.value = 1
+        check.healthy_threshold.value = 1
+        check.no_traffic_interval.FromMilliseconds(500)
+        cluster.outlier_detection.split_external_local_origin_errors = True
+        cluster.outlier_detection.consecutive_local_origin_failure.value = 1
+        cluster.outlier_detection.enforcing_consecutive_local_origin_failure.value = 100
+        cluster.outlier_detection.interval.FromMilliseconds(500)
+        cluster.outlier_detection.base_ejection_time.FromMilliseconds(1000)
+        cluster.outlier_detection.max_ejection_percent.value = 50
+    return cluster
 
 
 def make_extproc_tls(options: EnvoyOptions, host: str) -> base_pb2.TransportSocket:

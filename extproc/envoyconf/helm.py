@@ -49,6 +49,7 @@ _OPTIONS = EnvoyOptions(
     # TLS towards extproc in full (mTLS); the parts a mode does not use are cut by
     # conditions around them (_TLS_BLOCKS).
     extproc_tls=True,
+    extproc_sni="extproc-sni-sentinel.invalid",
     extproc_ca_file=f"{ENVOY_EXTPROC_CA_DIR}/ca.crt",
     extproc_client_cert_file=f"{ENVOY_CLIENT_TLS_DIR}/tls.crt",
     extproc_client_key_file=f"{ENVOY_CLIENT_TLS_DIR}/tls.key",
@@ -69,8 +70,10 @@ _TLS_BLOCKS = (
     Block("          tls_certificates:", f'eq {_TLS_MODE} "mtls"'),
 )
 _SENTINELS = (
-    # The cluster's address, the SNI and the name extproc's certificate must carry.
-    Sentinel("extproc-sentinel.invalid", f"{_FULLNAME}.{_DOMAIN}", 3),
+    # The headless Service: every replica's address, each ext_proc stream balanced.
+    Sentinel("extproc-sentinel.invalid", f"{_FULLNAME}-replicas.{_DOMAIN}", 1),
+    # The SNI and the name extproc's certificate must carry: its Service's DNS name.
+    Sentinel("extproc-sni-sentinel.invalid", f"{_FULLNAME}.{_DOMAIN}", 2),
     Sentinel("pods-sentinel.invalid", f"{_FULLNAME}-model-servers.{_DOMAIN}", 1),
     Sentinel("port_value: 59999", "port_value: {{ .Values.modelServers.targetPort }}", 1),
     Sentinel("num_retries: 37", "num_retries: {{ .Values.picker.numFallbacks }}", 1),
@@ -92,7 +95,7 @@ def render_template() -> str:
     """
     text = render_bootstrap(
         make_bootstrap((), _OPTIONS),
-        summary="pods from the chart's headless Service, extproc at the chart's Service",
+        summary="pods from the chart's headless Service, extproc replicas from theirs",
     )
     if "{{" in text or "}}" in text:
         raise ValueError("the generated bootstrap contains template delimiters")

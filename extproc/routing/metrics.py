@@ -32,7 +32,9 @@ class RouterMetrics:
         self.completions = Counter(
             "extproc_completions",
             "Routed requests whose end Envoy reported, by outcome (recorded, failed, "
-            "unknown_request, unknown_pod; abandoned: Envoy stopped waiting for the route).",
+            "unknown_request, unknown_pod; recorded_from_metadata: routed by another "
+            "replica, recorded from the record it carried; abandoned: Envoy stopped "
+            "waiting for the route).",
             ["outcome"],
             registry=registry,
         )
@@ -44,6 +46,23 @@ class RouterMetrics:
         self.pinned = Counter(
             "extproc_session_pinned",
             "Requests sent to their session's bound pod without scoring (session sticky).",
+            registry=registry,
+        )
+        self.bad_records = Counter(
+            "extproc_record_metadata_invalid",
+            "Access-log entries whose extproc.record metadata was malformed (not "
+            "recorded), by the field at fault.",
+            ["reason"],
+            registry=registry,
+        )
+        self.ended_elsewhere = Counter(
+            "extproc_ended_elsewhere",
+            "Requests routed here whose end another replica reported (through Redis).",
+            registry=registry,
+        )
+        self.shared_unknown_pod = Counter(
+            "extproc_shared_records_unknown_pod",
+            "Records from other replicas for pods this replica does not know (skipped).",
             registry=registry,
         )
         self.pods_ready = Gauge(
@@ -58,7 +77,14 @@ class RouterMetrics:
         # Children looked up once: ``labels()`` costs microseconds on every request.
         self.outcome = {
             o: self.completions.labels(o)
-            for o in ("recorded", "failed", "unknown_request", "unknown_pod", "abandoned")
+            for o in (
+                "recorded",
+                "recorded_from_metadata",
+                "failed",
+                "unknown_request",
+                "unknown_pod",
+                "abandoned",
+            )
         }
         self._decisions_of = cache(self.decisions.labels)
 

@@ -10,13 +10,21 @@ age, so requests whose completion never arrives (extproc restarted, log lost) ca
 grow memory. From routing to its end a request counts in flight (``InFlight``) on the
 pod it was routed to (and on its prefill pod, with prefill/decode disaggregation); a
 retry that lands elsewhere is still counted on the pick.
+
+Several replicas (``routing.records``): with ``carry_records`` each decision carries its
+``Record``, which the wire layer puts in the reply's metadata and Envoy's access log
+brings back, so a replica that did not route a request still records it from there
+(outcome ``recorded_from_metadata``). With ``share`` set (``routing.sharing``) every end
+is published, and ``apply_shared`` takes the other replicas' ends: their records enter
+this view, and a request routed here but ended elsewhere stops counting in flight.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -26,10 +34,11 @@ from extproc.request.parse import DEFAULT_MAX_BODY_BYTES, parse_request
 from extproc.request.render import Rendering
 from extproc.routing.metrics import RouterMetrics
 from extproc.routing.pending import Pending, PendingRecords
+from extproc.routing.records import Carried, Record, Shared
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.scheduler import Scheduler
 from extproc.scheduling.types import Cycle
-from extproc.types import Pod
+from extproc.types import Pod, PodId
 
 log = logging.getLogger("extproc.routing")
 
@@ -38,6 +47,7 @@ log = logging.getLogger("extproc.routing")
 class RouteDecision:
     pods: tuple[Pod, ...]  # best first: the pick, then the fallbacks
     prefill: Pod | None = None  # with prefill/decode disaggregation
+    record: Record | None = None  # with ``carry_records``: what recording it needs
 
     @property
     def destination(self) -> str:
@@ -60,6 +70,8 @@ class Router:
         pending: PendingRecords | None = None,
         in_flight: InFlight | None = None,
         registry: CollectorRegistry = REGISTRY,
+        carry_records: bool = False,
+        replica_id: str | None = None,
     ) -> None:
         if num_fallbacks < 0:
             raise ValueError(f"num_fallbacks must be >= 0, got {num_fallbacks}")
@@ -73,12 +85,19 @@ class Router:
         self.pending.on_drop = self._end_in_flight
         self.metrics = RouterMetrics(registry)
         self.metrics.pending.set_function(lambda: len(self.pending))
+        self.carry_records = carry_records
+        self.replica_id = replica_id or uuid.uuid4().hex[:12]
+        self.geometries = scheduler.block_geometries
+        # Told of every end when replicas share their view (``routing.sharing``).
+        self.share: Callable[[Shared], object] | None = None
         self.pods: tuple[Pod, ...] = ()
+        self._pod_ids: frozenset[PodId] = frozenset()
         self.set_pods(pods)
 
     def set_pods(self, pods: Sequence[Pod]) -> None:
         """Publish a new pod snapshot (rebinding: the request path reads it lock-free)."""
         self.pods = tuple(pods)
+        self._pod_ids = frozenset(p.id for p in self.pods)
         self.metrics.pods_known.set(len(self.pods))
         self.metrics.pods_ready.set(sum(p.ready for p in self.pods))
         self.scheduler.pods_changed(self.pods)
@@ -132,6 +151,7 @@ class Router:
             self.metrics.pinned.inc()
         chosen = tuple(schedule.pods[: 1 + self.num_fallbacks])
         prefill = schedule.prefill
+        record = None
         if request_id:  # without an id the end can never be matched: nothing to track
             pick = chosen[0].id
             tokens = cycle.num_prefill_tokens(pick)
@@ -150,28 +170,47 @@ class Router:
                 prefill_tokens,
             )
             self.pending.add(request_id, pending)
+            if self.carry_records:
+                record = Record.of(cycle, self.geometries)
         self.metrics.decided(request.model)
         self.metrics.scheduling.observe(time.perf_counter() - started)
-        return RouteDecision(chosen, prefill)
+        return RouteDecision(chosen, prefill, record)
 
     def complete(
-        self, request_id: str, served_address: str | None, succeeded: bool, attempts: int = 1
+        self,
+        request_id: str,
+        served_address: str | None,
+        succeeded: bool,
+        attempts: int = 1,
+        carried: Callable[[], Carried | None] | None = None,
     ) -> bool:
         """A routed request ended; record it for the pod that served if it succeeded.
 
-        Returns whether anything was recorded.
+        ``carried``: reads the record the request brought back (access-log metadata),
+        called only when this replica did not route it. Returns whether anything was
+        recorded.
         """
         if attempts > 1:
             self.metrics.retries.inc(attempts - 1)
         pending = self.pending.pop(request_id)
-        if pending is None:
+        brought = carried() if pending is None and carried is not None else None
+        if pending is None and brought is None:
             self.metrics.outcome["unknown_request"].inc()
             return False
-        self._end_in_flight(pending)
+        if pending is not None:
+            self._end_in_flight(pending)
         if not succeeded:
             self.metrics.outcome["failed"].inc()
+            if pending is None:  # routed by another replica: its in-flight count ends
+                self._publish(Shared(self.replica_id, request_id))
             return False
-        pod = pending.pod_by_address.get(served_address or "")
+        pod_by_address: Mapping[str, PodId]
+        if pending is not None:
+            pod_by_address, prefill = pending.pod_by_address, pending.prefill
+        else:
+            assert brought is not None
+            pod_by_address, prefill = brought.pod_by_address, brought.prefill
+        pod = pod_by_address.get(served_address or "")
         if pod is None:
             # Served by the fallback policy after the list ran out: still a known pod?
             pod = next((p.id for p in self.pods if p.address == served_address), None)
@@ -180,10 +219,41 @@ class Router:
             log.warning(
                 "request %s was served by %s, which is no known pod", request_id, served_address
             )
+            if pending is None:
+                self._publish(Shared(self.replica_id, request_id))
             return False
-        self.scheduler.record(pending.cycle, pod, pending.prefill)
-        self.metrics.outcome["recorded"].inc()
+        if pending is not None:
+            self.scheduler.record(pending.cycle, pod, prefill)
+            self.metrics.outcome["recorded"].inc()
+            if self.share is not None:
+                record = Record.of(pending.cycle, self.geometries)
+                self._publish(Shared(self.replica_id, request_id, record, pod, prefill))
+        else:
+            assert brought is not None
+            self.scheduler.record(brought.record.cycle(), pod, prefill)
+            self.metrics.outcome["recorded_from_metadata"].inc()
+            self._publish(Shared(self.replica_id, request_id, brought.record, pod, prefill))
         return True
+
+    def apply_shared(self, shared: Shared) -> bool:
+        """Another replica's end: a request routed here stops counting in flight, and its
+        record (if any) enters this view, not published again. Returns whether recorded."""
+        pending = self.pending.pop(shared.request_id)
+        if pending is not None:
+            self._end_in_flight(pending)
+            self.metrics.ended_elsewhere.inc()
+        if shared.record is None or shared.pod is None:
+            return False
+        pods = (shared.pod,) if shared.prefill is None else (shared.pod, shared.prefill)
+        if not self._pod_ids.issuperset(pods):
+            self.metrics.shared_unknown_pod.inc()
+            return False
+        self.scheduler.record(shared.record.cycle(), shared.pod, shared.prefill)
+        return True
+
+    def _publish(self, shared: Shared) -> None:
+        if self.share is not None:
+            self.share(shared)
 
     def abandon(self, request_id: str) -> None:
         """The route was never used (Envoy gave up waiting for it): forget it now rather

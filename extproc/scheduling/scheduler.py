@@ -46,6 +46,7 @@ from extproc.scheduling.pdgroup import PDColumns, PDGroup
 from extproc.scheduling.podtable import PodTable, Positions
 from extproc.scheduling.sessions import Binding, SessionStore
 from extproc.scheduling.types import (
+    BlockRecorder,
     Cycle,
     Filter,
     PodsListener,
@@ -350,6 +351,16 @@ class Scheduler:
         key = cycle.request.session_key
         if key and self.sessions is not None:
             self.sessions.bind(key, Binding(pod, prefill))
+
+    @property
+    def block_geometries(self) -> tuple[tuple[int, int], ...]:
+        """The block geometries the recorders learn from: what a record made here must
+        carry for another replica to apply it (``routing.records``)."""
+        geometries = []
+        for recorder in self.recorders:
+            if isinstance(recorder, BlockRecorder) and recorder.block_geometry not in geometries:
+                geometries.append(recorder.block_geometry)
+        return tuple(geometries)
 
     def pods_changed(self, pods: Sequence[Pod]) -> None:
         """A new snapshot: its table is built now, not by the next request."""

@@ -7,6 +7,8 @@ configured name serves every role it has (a plugin may be both a Filter and a Sc
 * ``Scorer``: pods -> a score 0..100 each; the scheduler adds ``weight * score``.
 * ``Recorder``: learns from a response that ended successfully (``record``).
 * ``PodsListener``: told when the set of known pods changes (e.g. to drop state).
+* ``BlockRecorder``: a Recorder that learns only the prompt's block keys of one geometry,
+  so its records can travel to other replicas as those keys (``routing.records``).
 
 Filters and scorers may also work on a whole snapshot at once (``TableFilter``,
 ``TableScorer``: NumPy columns of a ``PodTable`` instead of ``Pod`` objects); the scheduler
@@ -28,7 +30,7 @@ import numpy.typing as npt
 from prometheus_client import CollectorRegistry
 
 from extproc.prefix.hashing import Keys, prompt_keys
-from extproc.request.parse import InferenceRequest
+from extproc.request.parse import Api, InferenceRequest
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.podtable import PodTable, Positions
 from extproc.types import Pod, PodId
@@ -68,6 +70,16 @@ class Cycle:
         cost-aware's estimate when it scored ``pod``, else the whole prompt.
         """
         return self.uncached_tokens.get(pod, self.num_prompt_tokens)
+
+    @classmethod
+    def replayed(
+        cls, model: str, session_key: str | None, keys: Mapping[tuple[int, int], Keys]
+    ) -> Cycle:
+        """A cycle rebuilt from a record made elsewhere (another replica, or Envoy's
+        access log): only what ``BlockRecorder``s read, its model, session and block keys;
+        the prompt itself did not travel."""
+        request = InferenceRequest(Api.COMPLETIONS, model, "", session_key=session_key)
+        return cls(request, _keys=dict(keys))
 
     def block_keys(self, block_size: int, max_blocks: int) -> Keys:
         """The prompt's chained block hashes (``prefix.hashing``), as the int64 array
@@ -140,6 +152,14 @@ class TableScorer(Protocol):
 class Recorder(Protocol):
     def record(self, cycle: Cycle, pod: PodId) -> None:
         """Called once, after ``pod`` served the request's response to its end."""
+        ...
+
+
+@runtime_checkable
+class BlockRecorder(Protocol):
+    @property
+    def block_geometry(self) -> tuple[int, int]:
+        """(block size, max blocks): the one ``Cycle.block_keys`` its ``record`` reads."""
         ...
 
 

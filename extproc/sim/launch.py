@@ -236,6 +236,7 @@ def start_extproc(
     extra_args: Sequence[str] = (),
     command: Sequence[str] = EXTPROC_COMMAND,
     start_timeout_s: float = START_TIMEOUT_S,
+    name: str = "extproc",
 ) -> Proc:
     argv = [
         *command, "serve",
@@ -247,9 +248,9 @@ def start_extproc(
         *(["--config", str(config)] if config else []),
         *extra_args,
     ]  # fmt: skip
-    proc = spawn("extproc", argv, log_dir)
+    proc = spawn(name, argv, log_dir)
     _wait_or_stop(
-        lambda: port_open(grpc_port) and port_open(metrics_port), proc, "extproc", start_timeout_s
+        lambda: port_open(grpc_port) and port_open(metrics_port), proc, name, start_timeout_s
     )
     return proc
 
@@ -259,11 +260,12 @@ def start_envoy(
     options: EnvoyOptions,
     log_dir: Path,
     transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    name: str = "envoy",
 ) -> Proc:
     """Envoy with extproc's generated bootstrap for ``pods`` (``transform`` may edit it)."""
     config = to_dict(make_bootstrap(pods, options))
     return start_envoy_config(
-        transform(config) if transform else config, options.admin_port, log_dir
+        transform(config) if transform else config, options.admin_port, log_dir, name
     )
 
 

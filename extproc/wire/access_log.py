@@ -3,7 +3,9 @@
 Envoy keeps one stream open per worker and sends an entry per request as it ends (in
 batches). An entry tells whether the response **ended successfully** (2xx, no response
 flag, the last byte reached the client) and which pod served it after retries; the
-``Router`` then records the prompt for that pod.
+``Router`` then records the prompt for that pod. An entry for a request another replica
+routed brings its record in the dynamic metadata (``wire.record_metadata``), read only
+then; a malformed one is counted and logged, never recorded.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import logging
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2
 
+from extproc.routing.records import BadRecord, Carried
 from extproc.routing.router import Router
 from extproc.wire.grpc_loop import Answer, Method
+from extproc.wire.record_metadata import carried_record
 
 log = logging.getLogger("extproc.wire")
 
@@ -43,7 +47,17 @@ class AccessLogHandler:
         sock = common.upstream_remote_address.socket_address
         served = f"{sock.address}:{sock.port_value}" if sock.address else None
         attempts = common.upstream_request_attempt_count or 1
-        recorded = self.router.complete(entry.request.request_id, served, succeeded, attempts)
+        request_id = entry.request.request_id
+
+        def carried() -> Carried | None:
+            try:
+                return carried_record(common.metadata, self.router.geometries)
+            except BadRecord as exc:
+                self.router.metrics.bad_records.labels(exc.reason).inc()
+                log.warning("request %s: bad extproc.record metadata: %s", request_id, exc)
+                return None
+
+        recorded = self.router.complete(request_id, served, succeeded, attempts, carried)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "request %s ended: %d %s via %s, recorded=%s",

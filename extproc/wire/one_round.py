@@ -34,6 +34,7 @@ from extproc.wire.protocol import (
     REQUEST_ID_ATTRIBUTE,
     header_attribute,
 )
+from extproc.wire.record_metadata import record_reply
 
 log = logging.getLogger("extproc.wire")
 
@@ -94,6 +95,8 @@ class RouteHandler:
                 (decision.destination, prefill),
                 lambda: route_response(decision.destination, prefill).SerializeToString(),
             )
+            if decision.record is not None:
+                reply += record_reply(decision, decision.record, self.router.replica_id)
             return reply, request_id or None
         except ExtProcError as exc:
             log.debug("request %s: %s %s", request_id, exc.http_status, exc.message)

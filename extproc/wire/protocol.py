@@ -23,6 +23,11 @@ PREFILL_HEADER = "x-prefiller-host-port"
 # header; like the prefill pod it travels in the reply's envoy.lb metadata under the same
 # name and the route adds the header, which overrides the route's num_retries.
 MAX_RETRIES_HEADER = "x-envoy-max-retries"
+# extproc's own namespace in the reply's dynamic metadata: the request's record (model,
+# session, block keys, the pods listed), which Envoy's gRPC access log carries back in
+# common_properties.metadata, so that any replica can record any request.
+RECORD_NAMESPACE = "extproc.record"
+RECORD_KEY = "r"  # its one field: the record as JSON text (wire.record_metadata)
 
 # The Endpoint Picker Protocol's subset hint: a gateway may restrict the candidates by
 # setting this filter metadata before ext_proc; Envoy forwards it in

@@ -31,6 +31,7 @@ MODES: dict[str, dict[str, Any]] = {
         "modelServers": {"modelLabel": "llm/model", "roleLabel": "llm/role"},
         "picker": {"extraArgs": ["--k8s-default-model", "qwen3"]},
         "replicas": 3,
+        "redis": {"deploy": True},
     },
     "standalone-mtls-cert-manager": {
         "tls": {"mode": "mtls", "certManager": {"enabled": True, "issuerRef": {"name": "ca"}}},

@@ -62,6 +62,7 @@ COMMON = {
     ("RoleBinding", FULLNAME),
     ("PodDisruptionBudget", FULLNAME),
     ("NetworkPolicy", FULLNAME),
+    ("Service", f"{FULLNAME}-replicas"),
 }
 STANDALONE = {
     ("ConfigMap", f"{FULLNAME}-envoy"),
@@ -82,7 +83,9 @@ STANDALONE = {
         ),
         pytest.param(
             "all-options",
-            STANDALONE | {("ServiceMonitor", FULLNAME), ("ConfigMap", f"{FULLNAME}-dashboard")},
+            STANDALONE
+            | {("ServiceMonitor", FULLNAME), ("ConfigMap", f"{FULLNAME}-dashboard")}
+            | {("Deployment", f"{FULLNAME}-redis"), ("Service", f"{FULLNAME}-redis")},
             id="all-options",
         ),
     ],
@@ -166,6 +169,28 @@ def test_optional_discovery_flags_reach_the_args() -> None:
     args = picker_container(render(MODES["all-options"]))["args"]
     assert "--k8s-model-label=llm/model" in args and "--k8s-role-label=llm/role" in args
     assert args[-2:] == ["--k8s-default-model", "qwen3"]
+
+
+@pytest.mark.parametrize(
+    ("redis", "url"),
+    [
+        pytest.param({}, None, id="no-sharing"),
+        pytest.param({"deploy": True}, f"redis://{FULLNAME}-redis:6379/0", id="chart-redis"),
+        pytest.param(
+            {"url": "redis://r.infra:6379/1", "deploy": True}, "redis://r.infra:6379/1", id="url"
+        ),
+    ],
+)
+def test_replicas_share_through_the_redis_the_values_name(
+    redis: dict[str, Any], url: str | None
+) -> None:
+    docs = render({"replicas": 2, "redis": redis})
+    args = picker_container(docs)["args"]
+    assert "--record-metadata=on" in args
+    sharing = [a for a in args if a.startswith("--redis-url=")]
+    assert sharing == ([f"--redis-url={url}"] if url else [])
+    runs_redis = ("Deployment", f"{FULLNAME}-redis") in kinds(docs)
+    assert runs_redis is (url == f"redis://{FULLNAME}-redis:6379/0")
 
 
 @pytest.mark.parametrize(

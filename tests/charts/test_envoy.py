@@ -79,7 +79,8 @@ def test_rendered_bootstrap_validates_and_follows_values(
     envoy, picker = values.get("envoy", {}), values.get("picker", {})
     domain = f"{NAMESPACE}.svc.{values.get('clusterDomain', 'cluster.local')}"
     found = clusters(config)
-    assert socket(found["extproc"]) == {"address": f"{FULLNAME}.{domain}", "port_value": 9002}
+    extproc = {"address": f"{FULLNAME}-replicas.{domain}", "port_value": 9002}  # headless
+    assert socket(found["extproc"]) == extproc
     assert found["extproc_pods"]["type"] == "STRICT_DNS"
     assert socket(found["extproc_pods"]) == {
         "address": f"{FULLNAME}-model-servers.{domain}",

@@ -29,6 +29,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: picker
 {{- end }}
 
+{{- define "extproc.redisSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "extproc.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: redis
+{{- end }}
+
 {{- define "extproc.envoySelectorLabels" -}}
 app.kubernetes.io/name: {{ include "extproc.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
@@ -92,4 +98,14 @@ self-signed, what the Inference Extension's gateways expect of a picker; else of
 {{- if and .Values.inferencePool.httpRoute.enabled (eq .Values.mode "gateway") (not .Values.inferencePool.httpRoute.parentRefs) }}
 {{- fail "inferencePool.httpRoute.parentRefs is empty: name the Gateway the HTTPRoute attaches to, e.g. [{name: inference-gateway}]" }}
 {{- end }}
+{{- end }}
+
+{{/* The Redis the replicas share their view through: redis.url, else the chart's own
+Redis when redis.deploy, else "" (no sharing). */}}
+{{- define "extproc.redisUrl" -}}
+{{- if .Values.redis.url -}}
+{{ .Values.redis.url }}
+{{- else if .Values.redis.deploy -}}
+redis://{{ include "extproc.fullname" . }}-redis:6379/0
+{{- end -}}
 {{- end }}

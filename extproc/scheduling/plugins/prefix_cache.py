@@ -84,6 +84,11 @@ class PrefixCacheScorer:
     def from_args(cls, args: Any, ctx: PluginContext) -> PrefixCacheScorer:
         return cls(load_args(PrefixCacheArgs, args), ctx)
 
+    @property
+    def block_geometry(self) -> tuple[int, int]:
+        """A ``BlockRecorder``: its records are the prompt's keys of this geometry."""
+        return self.args.blockSizeToHash, self.args.maxBlocksToMatch
+
     def _keys(self, cycle: Cycle) -> Keys:
         return cycle.block_keys(self.args.blockSizeToHash, self.args.maxBlocksToMatch)
 

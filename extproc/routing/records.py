@@ -1,0 +1,145 @@
+"""Records that travel between replicas: what recording a served request needs, without
+its prompt.
+
+With several extproc replicas the replica that routed a request is not always the one
+that hears how it ended (Envoy sends its access log to one replica of its choosing), and
+each replica learns only what it records. So a routed request's record (model, session,
+the prompt's block keys of each geometry the recorders use) rides along:
+
+* in the ext_proc reply's dynamic metadata (``wire.record_metadata``), which Envoy's
+  access log hands back to whichever replica receives it: ``Carried``;
+* on a Redis stream (``routing.sharing``), from the replica that recorded it to all the
+  others: ``Shared``.
+
+The keys are sent as they are (int64, base64 in text): at most ``maxBlocksToMatch`` of
+them per geometry whatever the prompt's size (128 keys: 1,368 characters). Everything
+read back is validated (``BadRecord`` names the reason); nothing read is trusted to be
+well formed.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from extproc.prefix.hashing import Keys
+from extproc.scheduling.types import Cycle
+from extproc.types import PodId
+
+MAX_TEXT_CHARS = 1024  # a model name, session key, origin or pod id read back
+MAX_GEOMETRIES = 8
+MAX_PODS_LISTED = 64  # the pick and its fallbacks
+
+
+class BadRecord(ValueError):
+    """A record read back is malformed; ``reason`` is the metric label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """What the recorders learn from one served request (``Cycle.replayed``)."""
+
+    model: str
+    keys: Mapping[tuple[int, int], Keys]  # (block size, max blocks) -> block keys
+    session_key: str | None = None
+
+    @classmethod
+    def of(cls, cycle: Cycle, geometries: Iterable[tuple[int, int]]) -> Record:
+        request = cycle.request
+        keys = {g: cycle.block_keys(*g) for g in geometries}
+        return cls(request.model, keys, request.session_key)
+
+    def cycle(self) -> Cycle:
+        return Cycle.replayed(self.model, self.session_key, self.keys)
+
+
+@dataclass(frozen=True, slots=True)
+class Carried:
+    """A record carried by the request itself (the access log's metadata)."""
+
+    record: Record
+    pod_by_address: Mapping[str, PodId]  # the pods listed, to tell which one served
+    prefill: PodId | None
+    origin: str  # the replica that routed it
+
+
+@dataclass(frozen=True, slots=True)
+class Shared:
+    """One replica's news for the others: a request ended, recorded on ``pod`` or not."""
+
+    origin: str  # the replica that publishes it (its own entries are skipped)
+    request_id: str  # whoever routed it stops counting it in flight
+    record: Record | None = None  # None: the request ended without a record
+    pod: PodId | None = None
+    prefill: PodId | None = None
+
+
+def encode_keys(keys: Mapping[tuple[int, int], Keys]) -> list[str]:
+    """``"<block size>:<max blocks>:<base64 of the little-endian int64 keys>"`` each."""
+    return [
+        f"{size}:{limit}:{base64.b64encode(k.astype('<i8', copy=False).tobytes()).decode()}"
+        for (size, limit), k in keys.items()
+    ]
+
+
+def decode_keys(
+    texts: Iterable[str], geometries: Iterable[tuple[int, int]]
+) -> dict[tuple[int, int], Keys]:
+    """``encode_keys`` read back, for the ``geometries`` recorded here only.
+
+    Raises:
+        BadRecord: a malformed entry, or more keys than its geometry allows.
+    """
+    wanted = set(geometries)
+    out: dict[tuple[int, int], Keys] = {}
+    for i, text in enumerate(texts):
+        if i >= MAX_GEOMETRIES:
+            raise BadRecord("keys", f"more than {MAX_GEOMETRIES} key sets")
+        size_text, _, rest = text.partition(":")
+        limit_text, _, encoded = rest.partition(":")
+        if not (size_text.isdigit() and limit_text.isdigit() and encoded):
+            raise BadRecord("keys", f"expected size:limit:base64, got {text[:40]!r}")
+        geometry = (int(size_text), int(limit_text))
+        if geometry not in wanted:
+            continue  # a geometry this replica's configuration does not record
+        if len(encoded) > 4 * -(-8 * geometry[1] // 3):
+            raise BadRecord("keys", f"more than {geometry[1]} keys")
+        try:
+            raw = binascii.a2b_base64(encoded, strict_mode=True)
+        except (binascii.Error, ValueError):
+            raise BadRecord("keys", "not base64") from None
+        if not raw or len(raw) % 8:
+            raise BadRecord("keys", f"{len(raw)} bytes is not a whole number of int64 keys")
+        out[geometry] = np.frombuffer(raw, "<i8").astype(np.int64)
+    return out
+
+
+def pod_text(pod: PodId) -> str:
+    return f"{pod.namespace}/{pod.name}"
+
+
+def parse_pod(text: str) -> PodId:
+    """``namespace/name`` -> ``PodId``.
+
+    Raises:
+        BadRecord: not two non-empty parts.
+    """
+    namespace, _, name = text.partition("/")
+    if not namespace or not name or len(text) > MAX_TEXT_CHARS:
+        raise BadRecord("pod", f"expected namespace/name, got {text[:40]!r}")
+    return PodId(namespace, name)
+
+
+def check_text(value: str, field: str, *, empty: bool = False) -> str:
+    """``value`` if it is a plausible model/session/origin, else ``BadRecord(field)``."""
+    if (not value and not empty) or len(value) > MAX_TEXT_CHARS:
+        raise BadRecord(field, f"empty or longer than {MAX_TEXT_CHARS} characters")
+    return value

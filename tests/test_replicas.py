@@ -1,0 +1,291 @@
+"""Records that travel: the reply's extproc.record metadata, read back from an access-log
+entry by a replica that did not route the request, and the ends shared between routers."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.service.accesslog.v3 import als_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from google.protobuf import struct_pb2
+from prometheus_client import CollectorRegistry
+
+from extproc.routing.records import BadRecord, Record, Shared, decode_keys, encode_keys
+from extproc.routing.router import Router
+from extproc.routing.sharing import decode_shared, encode_shared
+from extproc.scheduling.config import build_scheduler, parse_config
+from extproc.scheduling.sessions import SessionStore
+from extproc.types import PodId
+from extproc.wire.access_log import AccessLogHandler
+from extproc.wire.one_round import RouteHandler
+from extproc.wire.protocol import (
+    ATTRIBUTES_KEY,
+    DESTINATION_KEY,
+    DESTINATION_NAMESPACE,
+    PATH_ATTRIBUTE,
+    RECORD_KEY,
+    RECORD_NAMESPACE,
+    REQUEST_ID_ATTRIBUTE,
+    header_attribute,
+)
+from extproc.wire.record_metadata import carried_record
+from tests.factories import PREFIX_ONLY, make_pod
+
+GEOMETRY = (64, 128)  # prefix-cache's defaults
+PODS = [make_pod(f"p{i}", port=8000 + i) for i in range(4)]
+PROMPT = "You are the support assistant of a very large shop. " * 40
+
+
+def make_router(*, carry: bool = True, sessions: bool = False) -> Router:
+    registry = CollectorRegistry()
+    store = SessionStore() if sessions else None
+    scheduler = build_scheduler(parse_config(PREFIX_ONLY, "t.yaml"), registry, sessions=store)
+    return Router(scheduler, PODS, registry=registry, carry_records=carry)
+
+
+def body(prompt: str = PROMPT) -> bytes:
+    return f'{{"model": "m", "prompt": "{prompt}"}}'.encode()
+
+
+def process(router: Router, request_id: str, session: str | None = None) -> ep.ProcessingResponse:
+    """One ext_proc body message through the one-round handler; the reply as Envoy reads it."""
+    message = ep.ProcessingRequest(request_body=ep.HttpBody(body=body(), end_of_stream=True))
+    attributes = message.attributes[ATTRIBUTES_KEY].fields
+    attributes[PATH_ATTRIBUTE].string_value = "/v1/completions"
+    attributes[REQUEST_ID_ATTRIBUTE].string_value = request_id
+    if session is not None:
+        attributes[header_attribute("x-session-id")].string_value = session
+    reply, _ = RouteHandler(router).process(message)
+    assert isinstance(reply, bytes)
+    return ep.ProcessingResponse.FromString(reply)
+
+
+def log_entry(
+    request_id: str, served: str, metadata: struct_pb2.Struct | None, code: int = 200
+) -> als_pb2.StreamAccessLogsMessage:
+    """An access-log message as Envoy sends it: the reply's dynamic metadata included."""
+    entry = accesslog_pb2.HTTPAccessLogEntry()
+    entry.request.request_id = request_id
+    entry.response.response_code.value = code
+    common = entry.common_properties
+    common.time_to_last_downstream_tx_byte.FromMilliseconds(5)
+    host, port = served.rsplit(":", 1)
+    common.upstream_remote_address.socket_address.address = host
+    common.upstream_remote_address.socket_address.port_value = int(port)
+    if metadata is not None:
+        for namespace, value in metadata.fields.items():
+            common.metadata.filter_metadata[namespace].CopyFrom(value.struct_value)
+    message = als_pb2.StreamAccessLogsMessage()
+    message.http_logs.log_entry.append(entry)
+    return message
+
+
+def outcome(router: Router, name: str) -> float:
+    return router.metrics.outcome[name]._value.get()
+
+
+def record_of(reply: ep.ProcessingResponse) -> dict[str, Any]:
+    namespace = reply.dynamic_metadata.fields[RECORD_NAMESPACE].struct_value
+    return orjson.loads(namespace.fields[RECORD_KEY].string_value)  # type: ignore[no-any-return]
+
+
+def test_the_reply_routes_and_carries_the_record_in_its_own_namespace() -> None:
+    reply = process(make_router(), "r1")
+    namespaces = reply.dynamic_metadata.fields
+    assert namespaces[DESTINATION_NAMESPACE].struct_value.fields[DESTINATION_KEY].string_value
+    assert reply.HasField("request_body")  # the route reply and the record, merged
+    record = record_of(reply)
+    assert record["m"] == "m" and len(record["p"]) == 3 and len(record["k"]) == 1
+    assert process(make_router(carry=False), "r1").dynamic_metadata.fields.keys() == {
+        DESTINATION_NAMESPACE
+    }
+
+
+def test_a_replica_that_did_not_route_records_from_the_metadata() -> None:
+    routing, other = make_router(), make_router()
+    reply = process(routing, "r1")
+    served = (
+        reply.dynamic_metadata.fields[DESTINATION_NAMESPACE]
+        .struct_value.fields[DESTINATION_KEY]
+        .string_value.split(",")[1]
+    )
+    AccessLogHandler(other).complete(log_entry("r1", served, reply.dynamic_metadata))
+    assert outcome(other, "recorded_from_metadata") == 1 and outcome(other, "unknown_request") == 0
+    scorer = other.scheduler.recorders[0]
+    pod = next(p.id for p in PODS if p.address == served)
+    assert scorer.index.num_pod_entries(pod) > 0  # type: ignore[attr-defined]
+    # The replica that routed it records it itself, from its pending table.
+    AccessLogHandler(routing).complete(log_entry("r1", served, reply.dynamic_metadata))
+    assert outcome(routing, "recorded") == 1 and len(routing.pending) == 0
+
+
+def test_without_the_metadata_the_record_is_lost_as_before() -> None:
+    routing, other = make_router(carry=False), make_router(carry=False)
+    reply = process(routing, "r1")
+    AccessLogHandler(other).complete(log_entry("r1", PODS[0].address, reply.dynamic_metadata))
+    assert outcome(other, "unknown_request") == 1
+
+
+Mutation = Callable[[dict[str, Any]], object]
+
+
+def _mutated(mutate: Mutation) -> struct_pb2.Struct:
+    reply = process(make_router(), "r1")
+    record = record_of(reply)
+    mutate(record)
+    namespace = reply.dynamic_metadata.fields[RECORD_NAMESPACE].struct_value
+    namespace.fields[RECORD_KEY].string_value = orjson.dumps(record).decode()
+    return reply.dynamic_metadata
+
+
+def _pod_ids(value: str) -> Mutation:
+    return lambda record: record["p"].update(dict.fromkeys(record["p"], value))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [
+        pytest.param(lambda r: r.pop("m"), "model", id="model-missing"),
+        pytest.param(lambda r: r.update(m=3), "model", id="model-not-text"),
+        pytest.param(lambda r: r.update(m=""), "model", id="model-empty"),
+        pytest.param(lambda r: r.update(p="x"), "pods", id="pods-not-an-object"),
+        pytest.param(lambda r: r.update(p={}), "pods", id="no-pods"),
+        pytest.param(_pod_ids("no-slash"), "pod", id="pod-id-malformed"),
+        pytest.param(_pod_ids(7), "pod", id="pod-id-not-text"),  # type: ignore[arg-type]
+        pytest.param(lambda r: r.update(k="64:128:AAAA"), "keys", id="keys-not-a-list"),
+        pytest.param(lambda r: r.update(k=["64:128:not base64!"]), "keys", id="not-base64"),
+        pytest.param(lambda r: r.update(k=["64:128:" + "A" * 12]), "keys", id="not-whole-int64"),
+        pytest.param(
+            lambda r: r.update(k=["64:128:" + base64.b64encode(bytes(8 * 129)).decode()]),
+            "keys",
+            id="too-many-keys",
+        ),
+        pytest.param(lambda r: r.update(k=["sixty-four"]), "keys", id="keys-no-geometry"),
+        pytest.param(lambda r: r.pop("o"), "origin", id="origin-missing"),
+        pytest.param(lambda r: r.update(s="x" * 5000), "session", id="session-too-long"),
+        pytest.param(lambda r: r.update(f="x"), "pod", id="prefill-malformed"),
+    ],
+)
+def test_bad_metadata_is_counted_and_logged_never_recorded(mutate: Mutation, reason: str) -> None:
+    metadata = _mutated(mutate)
+    with pytest.raises(BadRecord) as caught:
+        carried_record(_to_metadata(metadata), [GEOMETRY])
+    assert caught.value.reason == reason
+    other = make_router()
+    AccessLogHandler(other).complete(log_entry("r1", PODS[0].address, metadata))
+    assert other.metrics.bad_records.labels(reason)._value.get() == 1
+    assert outcome(other, "unknown_request") == 1  # not recorded, nothing raised
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [pytest.param("{not json", "record", id="not-json"), pytest.param("[1]", "record", id="array")],
+)
+def test_a_record_that_is_not_a_json_object_is_refused(text: str, reason: str) -> None:
+    reply = process(make_router(), "r1")
+    reply.dynamic_metadata.fields[RECORD_NAMESPACE].struct_value.fields[
+        RECORD_KEY
+    ].string_value = text
+    with pytest.raises(BadRecord) as caught:
+        carried_record(_to_metadata(reply.dynamic_metadata), [GEOMETRY])
+    assert caught.value.reason == reason
+
+
+def _to_metadata(struct: struct_pb2.Struct) -> base_pb2.Metadata:
+    metadata = base_pb2.Metadata()
+    for namespace, value in struct.fields.items():
+        metadata.filter_metadata[namespace].CopyFrom(value.struct_value)
+    return metadata
+
+
+def test_a_220_kb_prompt_carries_at_most_max_blocks_keys() -> None:
+    router = make_router()
+    message = ep.ProcessingRequest(
+        request_body=ep.HttpBody(body=body("y" * 220_000), end_of_stream=True)
+    )
+    attributes = message.attributes[ATTRIBUTES_KEY].fields
+    attributes[PATH_ATTRIBUTE].string_value = "/v1/completions"
+    attributes[REQUEST_ID_ATTRIBUTE].string_value = "big"
+    reply, _ = RouteHandler(router).process(message)
+    route_only, _ = RouteHandler(make_router(carry=False)).process(message)
+    assert isinstance(reply, bytes) and isinstance(route_only, bytes)
+    assert len(reply) - len(route_only) < 1_600  # 128 keys: 1,368 base64 characters
+
+
+def test_keys_round_trip_and_other_geometries_are_skipped() -> None:
+    keys = {GEOMETRY: np.arange(-5, 123, dtype=np.int64), (16, 4): np.array([7], np.int64)}
+    back = decode_keys(encode_keys(keys), [GEOMETRY])
+    assert list(back) == [GEOMETRY] and np.array_equal(back[GEOMETRY], keys[GEOMETRY])
+
+
+def test_shared_entries_round_trip() -> None:
+    record = Record("m", {GEOMETRY: np.array([1, -2, 3], np.int64)}, "sess")
+    shared = Shared("a", "r1", record, PodId("ns", "p0"), PodId("ns", "p1"))
+    fields = {k.encode(): v.encode() for k, v in encode_shared(shared).items()}
+    back = decode_shared(fields, [GEOMETRY])
+    assert back.record is not None and back.record.session_key == "sess"
+    assert (back.origin, back.request_id, back.pod, back.prefill) == (
+        "a",
+        "r1",
+        PodId("ns", "p0"),
+        PodId("ns", "p1"),
+    )
+    assert np.array_equal(back.record.keys[GEOMETRY], record.keys[GEOMETRY])
+    assert decode_shared({b"o": b"a", b"r": b"r2"}, [GEOMETRY]).record is None
+    with pytest.raises(BadRecord):
+        decode_shared({b"r": b"r2"}, [GEOMETRY])
+
+
+def test_ends_published_by_one_router_are_applied_by_another_without_echo() -> None:
+    a, b = make_router(sessions=True), make_router(sessions=True)
+    published_a: list[Shared] = []
+    published_b: list[Shared] = []
+    a.share, b.share = published_a.append, published_b.append
+    reply = process(b, "r1", session="s1")  # b routes, a hears the end
+    pick = b.pending.pop("r1")
+    assert pick is not None
+    b.pending.add("r1", pick)
+    AccessLogHandler(a).complete(log_entry("r1", PODS[2].address, reply.dynamic_metadata))
+    assert len(published_a) == 1 and published_a[0].pod == PODS[2].id
+    assert b.in_flight.get(pick.pick) == 1
+    assert b.apply_shared(published_a[0]) is True
+    assert b.in_flight.get(pick.pick) == 0 and len(b.pending) == 0  # ended elsewhere
+    assert b.metrics.ended_elsewhere._value.get() == 1
+    assert published_b == []  # applied, not published again
+    assert b.scheduler.sessions is not None
+    binding = b.scheduler.sessions.get("s1")
+    assert binding is not None and binding.pod == PODS[2].id  # the session, shared too
+    entries = b.scheduler.recorders[0].index.num_pod_entries(PODS[2].id)  # type: ignore[attr-defined]
+    assert entries == a.scheduler.recorders[0].index.num_pod_entries(PODS[2].id)  # type: ignore[attr-defined]
+
+
+def test_a_shared_record_for_an_unknown_pod_is_skipped() -> None:
+    router = make_router()
+    record = Record("m", {GEOMETRY: np.array([1], np.int64)})
+    assert router.apply_shared(Shared("x", "r9", record, PodId("default", "gone"))) is False
+    assert router.metrics.shared_unknown_pod._value.get() == 1
+
+
+def test_a_failed_end_is_published_only_for_requests_routed_elsewhere() -> None:
+    a, b = make_router(), make_router()
+    published: list[Shared] = []
+    a.share = published.append
+    process(a, "mine")
+    reply = process(b, "theirs")
+    handler = AccessLogHandler(a)
+    handler.complete(log_entry("mine", PODS[0].address, None, code=503))
+    assert published == []  # routed here: nobody else counts it in flight
+    handler.complete(log_entry("theirs", PODS[0].address, reply.dynamic_metadata, code=503))
+    assert [(s.request_id, s.record) for s in published] == [("theirs", None)]
+    pick = b.pending.pop("theirs")
+    assert pick is not None
+    b.pending.add("theirs", pick)
+    b.apply_shared(published[0])
+    assert b.in_flight.get(pick.pick) == 0 and len(b.pending) == 0
