@@ -45,7 +45,7 @@ class RouteHandler:
     def __init__(self, router: Router) -> None:
         self.router = router
         # Route replies serialized once per destination list (and prefill pod): the
-        # lists repeat (the model's pods, best first), and building one costs 7 us.
+        # lists repeat (the model's pods, best first), and building one is not free.
         self._replies: FifoMemo[tuple[str, str | None], bytes] = FifoMemo(4096)
         self._session_attribute = (
             header_attribute(router.session_header) if router.session_header else None
