@@ -8,7 +8,10 @@ really served it, only when the response ended successfully.
 Routed requests wait for their completion in ``PendingRecords``, bounded in size and
 age, so requests whose completion never arrives (extproc restarted, log lost) cannot
 grow memory. From routing to its end a request counts in flight (``InFlight``) on the
-pod it was routed to; a retry that lands elsewhere is still counted on the pick.
+pod it was routed to, and its prompt counts as arriving there (``Scheduler.arriving``,
+provisional credit for the next requests' scoring); a retry that lands elsewhere is
+still counted on the pick. At the end, however it ends, both go; only a success is
+recorded, for the pod that served.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ class Router:
         self.max_body_bytes = max_body_bytes
         self.in_flight = in_flight if in_flight is not None else InFlight()
         self.pending = pending if pending is not None else PendingRecords()
-        self.pending.on_drop = self._end_in_flight
+        self.pending.on_drop = self._end
         self.metrics = RouterMetrics(registry)
         self.metrics.pending.set_function(lambda: len(self.pending))
         self.pods: tuple[Pod, ...] = ()
@@ -131,6 +134,7 @@ class Router:
             pick = chosen[0].id
             tokens = cycle.num_prefill_tokens(pick)
             self.in_flight.start(pick, tokens)
+            self.scheduler.arriving(cycle, pick)
             pending = Pending(
                 cycle,
                 {p.address: p.id for p in chosen},
@@ -157,7 +161,7 @@ class Router:
         if pending is None:
             self.metrics.outcome["unknown_request"].inc()
             return False
-        self._end_in_flight(pending)
+        self._end(pending)
         if not succeeded:
             self.metrics.outcome["failed"].inc()
             return False
@@ -180,8 +184,11 @@ class Router:
         than when it expires, and stop counting it in flight."""
         pending = self.pending.pop(request_id)
         if pending is not None:
-            self._end_in_flight(pending)
+            self._end(pending)
             self.metrics.outcome["abandoned"].inc()
 
-    def _end_in_flight(self, pending: Pending) -> None:
+    def _end(self, pending: Pending) -> None:
+        """The request ended (completed, abandoned or expired): it leaves the pick's
+        in-flight count and its provisional credit goes (``Scheduler.settled``)."""
         self.in_flight.end(pending.pick, pending.prefill_tokens)
+        self.scheduler.settled(pending.cycle, pending.pick)

@@ -7,6 +7,8 @@ configured name serves every role it has (a plugin may be both a Filter and a Sc
 * ``Scorer``: pods -> a score 0..100 each; the scheduler adds ``weight * score``.
 * ``Recorder``: learns from a response that ended successfully (``record``).
 * ``PodsListener``: told when the set of known pods changes (e.g. to drop state).
+* ``Provisional``: credits a pick at once (``arriving``) and drops the credit when the
+  request ends, however it ends (``settled``); what it learns for good is ``record``'s.
 
 Filters and scorers may also work on a whole snapshot at once (``TableFilter``,
 ``TableScorer``: NumPy columns of a ``PodTable`` instead of ``Pod`` objects); the scheduler
@@ -140,6 +142,17 @@ class TableScorer(Protocol):
 class Recorder(Protocol):
     def record(self, cycle: Cycle, pod: PodId) -> None:
         """Called once, after ``pod`` served the request's response to its end."""
+        ...
+
+
+@runtime_checkable
+class Provisional(Protocol):
+    def arriving(self, cycle: Cycle, pod: PodId) -> None:
+        """``pod`` was picked for ``cycle``; its response has not ended yet."""
+        ...
+
+    def settled(self, cycle: Cycle, pod: PodId) -> None:
+        """The request picked for ``pod`` ended (success, failure, retry, timeout)."""
         ...
 
 
