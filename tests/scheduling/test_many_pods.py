@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.routing.router import Router
-from extproc.scheduling.config import build_scheduler, default_config_text, parse_config
+from extproc.scheduling.config import build_scheduler, named_config_text, parse_config
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheScorer
 from extproc.scheduling.scheduler import Scheduler
@@ -99,7 +99,7 @@ def plain_prefix(
 
 
 def default_scheduler(in_flight: InFlight) -> Scheduler:
-    config = parse_config(default_config_text(), "default")
+    config = parse_config(named_config_text("kthena"), "kthena")
     return build_scheduler(config, CollectorRegistry(), in_flight)
 
 
