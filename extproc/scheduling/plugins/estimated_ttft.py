@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, ClassVar
 
+from prometheus_client import Gauge
+
 from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PrefixIndex
 from extproc.scheduling.args import load_args
@@ -73,17 +75,20 @@ class Arrivals:
     def __init__(self) -> None:
         self._owners: dict[int, Counter[PodId]] = {}
         self._lock = threading.Lock()
+        self.num_requests = 0  # credited now: ``add`` calls less ``remove`` calls
 
     def __len__(self) -> int:
         return len(self._owners)
 
     def add(self, keys: Keys, pod: PodId) -> None:
         with self._lock:
+            self.num_requests += 1
             for key in keys.tolist():
                 self._owners.setdefault(key, Counter())[pod] += 1
 
     def remove(self, keys: Keys, pod: PodId) -> None:
         with self._lock:
+            self.num_requests -= 1
             for key in keys.tolist():
                 owners = self._owners.get(key)
                 if owners is None or owners[pod] <= 0:
@@ -123,15 +128,25 @@ class EstimatedTTFT:
 
     type_name: ClassVar[str] = "estimated-ttft"
 
-    def __init__(self, args: EstimatedTTFTArgs, in_flight: InFlight) -> None:
+    def __init__(self, args: EstimatedTTFTArgs, ctx: PluginContext) -> None:
         self.args = args
-        self.in_flight = in_flight
+        self.in_flight = ctx.in_flight
         self.index = PrefixIndex(args.maxHashCacheSize)
         self.arrivals = Arrivals()
+        Gauge(
+            "extproc_estimated_ttft_arriving_requests",
+            "Routed requests whose prompt counts as arriving at their pick (not ended yet).",
+            registry=ctx.registry,
+        ).set_function(lambda: self.arrivals.num_requests)
+        Gauge(
+            "extproc_estimated_ttft_entries",
+            "Prefix-view entries (blocks per pod) recorded by estimated-ttft.",
+            registry=ctx.registry,
+        ).set_function(lambda: self.index.num_entries)
 
     @classmethod
     def from_args(cls, args: Any, ctx: PluginContext) -> EstimatedTTFT:
-        return cls(load_args(EstimatedTTFTArgs, args), ctx.in_flight)
+        return cls(load_args(EstimatedTTFTArgs, args), ctx)
 
     def _keys(self, cycle: Cycle) -> Keys:
         return cycle.block_keys(self.args.blockSizeToHash, self.args.maxBlocksToMatch)
