@@ -47,7 +47,6 @@ from prometheus_client import Gauge
 from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PrefixIndex
 from extproc.scheduling.args import load_args
-from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.types import BYTES_PER_TOKEN, Cycle, PluginContext
 from extproc.types import Pod, PodId
 
