@@ -184,23 +184,35 @@ def pod_sets(
 
 
 NOTES = """\
-Contenders run one after the other on the same pods, each from empty prefix caches.
-`envoy-rr` is Envoy alone (round robin). `extproc-*` is Envoy + extproc with a scheduler
-configuration: `least-request` alone and `prefix-cache` alone (`bench/configs/`),
-`default` (shipped: least-request filter; least-request, gpu-usage, least-latency and
-prefix-cache scores, weight 1 each) and `cost-aware` (`extproc/data/cost-aware.yaml`: the
-default plus cost-aware); extproc scrapes the pods' `/metrics` every 200 ms.
-`sglang-router` and `vllm-router` use `cache_aware` (cache threshold 0.3, balance
-thresholds 64 / 1.5).
+Contenders run one after the other on the same pods, each from empty prefix caches; with
+`--repeat N` the contenders take turns N times (each turn in the same order), and a row
+gives the mean hit ratio, the median TTFT p50 and the median TTFT p99 (each repetition's
+p99 in brackets). `envoy-rr` is Envoy alone (round robin). `extproc-*` is Envoy + extproc
+with a scheduler configuration: `default` (shipped, `extproc/data/config.yaml`: the
+estimated-ttft cost model), `kthena` (`extproc/data/kthena.yaml`, Kthena's default and
+extproc's before: least-request filter; least-request, gpu-usage, least-latency and
+prefix-cache scores, weight 1 each), `cost-aware` (Kthena's plus cost-aware),
+`least-request` and `prefix-cache` alone (`bench/configs/`); extproc scrapes the pods'
+`/metrics` every 200 ms. `sglang-router` and `vllm-router` use `cache_aware` (cache
+threshold 0.3, balance thresholds 64 / 1.5). The verdict of an `extproc-*` row: "win"
+when its hit ratio is at least the best peer's and its TTFT p99 at most the best peer's
+(each best taken separately), with no failed request; otherwise "loss".
+Workloads: `conversation` and `synthetic` are the Mooncake traces; `tenants` 8 tenants with
+a burst on one; `multiturn` 48 chat sessions sharing a system prompt; `longchat` (added
+for issue 14, not used to choose the default's arguments) 150 chat sessions of 6 turns of
+250 tokens (simulated pods; 30 sessions of 5 turns of 30 tokens on vLLM) with 5 s mean
+think time, sessions starting 4 a second, so about 100 are open at once and their
+histories (about 350,000 tokens) exceed the 8 pods' caches (262,144 tokens).
 Hit ratio: the pods' `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`
 over the run; bound: the same with unlimited cache and perfect routing, from the
 prompts, in blocks of the pods' size at 4 bytes a token (exact for the simulated
 tokenizer; the real Qwen3 tokenizer makes about 2.6 bytes a token and the chat template
 adds its own, so on real pods the bound is approximate and can be exceeded). TTFT:
 client side, streamed, through the router. All on one 2-core machine shared by client,
-router and pods (and other work), so absolute latencies include CPU contention and single
-p99 values on the real pods are noisy. The README's "Routing quality" section reads the
-results."""
+router and pods (and other work: during the recorded runs other benchmarks and test
+suites ran beside it, load average 10-25), so absolute latencies include CPU contention
+and single p99 values are noisy; compare contenders within a run. The README's "Routing
+quality" section reads the results."""
 
 
 def main() -> None:
