@@ -2,9 +2,10 @@
 
 - ``envoy-rr``: Envoy alone, round robin (extproc's bootstrap without ext_proc).
 - ``extproc-*``: Envoy + extproc with a scheduler configuration: ``least-request`` and
-  ``prefix-cache`` alone (``bench/configs/``), ``default`` (the shipped one: least-request
-  filter, least-request + gpu-usage + least-latency + prefix-cache scores) and
-  ``cost-aware`` (``extproc/data/cost-aware.yaml``: the default plus cost-aware).
+  ``prefix-cache`` alone (``bench/configs/``), ``default`` (the shipped one: the
+  estimated-ttft cost model), ``kthena`` (``extproc/data/kthena.yaml``, Kthena's default:
+  least-request filter, least-request + gpu-usage + least-latency + prefix-cache scores)
+  and ``cost-aware`` (``extproc/data/cost-aware.yaml``: Kthena's default plus cost-aware).
 - ``extproc-default-2-replicas``: the default configuration on two extproc replicas
   behind one Envoy, records in the reply metadata, views shared through a redis-server
   (``extproc.sim.replicas``).
@@ -163,6 +164,7 @@ CONTENDERS: dict[str, Serve] = {
     "extproc-least-request": extproc_with(CONFIGS / "least-request.yaml"),
     "extproc-prefix-cache": extproc_with(CONFIGS / "prefix-cache.yaml"),
     "extproc-default": extproc_with(None),
+    "extproc-kthena": extproc_with(EXTPROC_DATA / "kthena.yaml"),
     "extproc-cost-aware": extproc_with(EXTPROC_DATA / "cost-aware.yaml"),
     "extproc-default-2-replicas": extproc_replicas(2),
     "sglang-router": sglang_router,

@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt
 
 COLUMNS = (
     "workload", "contender", "hit ratio", "bound", "TTFT p50 ms", "TTFT p99 ms",
-    "req/s", "out tok/s", "failed", "requests per pod",
+    "req/s", "out tok/s", "failed", "requests per pod", "verdict vs best peer",
 )  # fmt: skip
 
 
@@ -21,12 +21,19 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         cells = [
             r["workload"], r["contender"], f"{r['hit_ratio']:.3f}", f"{r['bound']:.3f}",
-            f"{r['ttft_p50_ms']:.0f}", f"{r['ttft_p99_ms']:.0f}", f"{r['req_per_s']:.1f}",
+            f"{r['ttft_p50_ms']:.0f}", _p99(r), f"{r['req_per_s']:.1f}",
             f"{r['out_tok_per_s']:.0f}", str(r["failed"]),
-            " ".join(str(int(n)) for n in r["per_pod"]),
+            " ".join(str(int(n)) for n in r["per_pod"]), r.get("verdict", ""),
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _p99(row: dict[str, Any]) -> str:
+    """The median p99, with each repetition's in brackets when there were several."""
+    each = row.get("ttft_p99_each_ms", [])
+    median = f"{row['ttft_p99_ms']:.0f}"
+    return median if len(each) < 2 else f"{median} ({' / '.join(f'{v:.0f}' for v in each)})"
 
 
 def _grouped(rows: list[dict[str, Any]]) -> tuple[list[str], list[str]]:

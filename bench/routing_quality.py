@@ -43,7 +43,7 @@ from bench.workloads import (
     prefix_bound,
 )
 
-WORKLOADS = ("conversation", "synthetic", "tenants", "multiturn")
+WORKLOADS = ("conversation", "synthetic", "tenants", "multiturn", "longchat")
 SIM_BLOCKS, SIM_BLOCK_TOKENS = 2048, 16
 SIM_ENGINE = ["--num-gpu-blocks", str(SIM_BLOCKS), "--max-num-seqs", "8"]
 
@@ -63,6 +63,10 @@ def build_workload(name: str, kind: str, args: argparse.Namespace) -> list[Timed
     if name == "tenants":
         return multi_tenant_burst(sizing, rate=10.0 if sim else 3.0, burst_factor=4.0 if sim else 3.0,
                                   system_tokens=600 if sim else 150)  # fmt: skip
+    if name == "longchat":  # long histories, think time, working set > the caches (sim)
+        return multi_turn(sizing, sessions=150 if sim else 30, turns=6 if sim else 5,
+                          rate=4.0 if sim else 1.0, think_s=5.0, system_tokens=100 if sim else 20,
+                          turn_tokens=250 if sim else 30, seed=5)  # fmt: skip
     return multi_turn(sizing, sessions=48 if sim else 20, turns=6 if sim else 4,
                       system_tokens=200 if sim else 40, turn_tokens=80 if sim else 20)  # fmt: skip
 
@@ -95,6 +99,46 @@ def summarize(
     }
 
 
+PEERS = ("sglang-router", "vllm-router")
+
+
+def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (workload, contender) over its repetitions: mean hit ratio, median
+    TTFT p50 and p99 (with each repetition's p99), summed failures and requests per pod;
+    each ``extproc-*`` row gets its verdict against the best peer of the same workload."""
+    keys = list(dict.fromkeys((r["workload"], r["contender"]) for r in runs))
+    rows = []
+    for workload, contender in keys:
+        reps = [r for r in runs if (r["workload"], r["contender"]) == (workload, contender)]
+        p99s = [r["ttft_p99_ms"] for r in reps]
+        rows.append({
+            **reps[0],
+            "repetitions": len(reps),
+            "hit_ratio": statistics.fmean(r["hit_ratio"] for r in reps),
+            "ttft_p50_ms": statistics.median(r["ttft_p50_ms"] for r in reps),
+            "ttft_p99_ms": statistics.median(p99s),
+            "ttft_p99_each_ms": p99s,
+            "req_per_s": statistics.fmean(r["req_per_s"] for r in reps),
+            "out_tok_per_s": statistics.fmean(r["out_tok_per_s"] for r in reps),
+            "failed": sum(r["failed"] for r in reps),
+            "per_pod": [sum(c) for c in zip(*(r["per_pod"] for r in reps), strict=True)],
+        })  # fmt: skip
+    for row in rows:
+        peers = [r for r in rows if r["workload"] == row["workload"] and r["contender"] in PEERS]
+        if not row["contender"].startswith("extproc-") or not peers:
+            continue
+        best_hit = max(r["hit_ratio"] for r in peers)
+        best_p99 = min(r["ttft_p99_ms"] for r in peers)
+        hit_ok = row["hit_ratio"] >= best_hit
+        p99_ok = row["ttft_p99_ms"] <= best_p99
+        row["verdict"] = (
+            ("win" if hit_ok and p99_ok and not row["failed"] else "loss")
+            + f" (hit {'>=' if hit_ok else '<'} {best_hit:.3f},"
+            + f" p99 {'<=' if p99_ok else '>'} {best_p99:.0f})"
+        )
+    return rows
+
+
 def run_pods(pods: PodSet, args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
     rows = []
     block_bytes = (SIM_BLOCK_TOKENS if pods.kind == "sim" else 32) * BYTES_PER_TOKEN
@@ -103,15 +147,15 @@ def run_pods(pods: PodSet, args: argparse.Namespace, log_dir: Path) -> list[dict
         bound = prefix_bound(requests, block_bytes)
         print(f"[{pods.kind}] {workload}: {len(requests)} requests over "
               f"{requests[-1].at_s:.0f} s, bound {bound:.3f}", flush=True)  # fmt: skip
-        for name in args.contenders:
+        for rep, name in ((r, n) for r in range(args.repeat) for n in args.contenders):
             pods.reset_all()
             before = pods.counters()
             with CONTENDERS[name](pods.pods, log_dir) as url:
                 outcomes, wall = asyncio.run(replay(url, requests, deadline_s=args.deadline_s))
             time.sleep(0.5)  # the last counters settle
             row = {"workload": workload, "contender": name, "bound": bound, "requests": len(requests),
-                   **summarize(outcomes, wall, before, pods.counters())}  # fmt: skip
-            print(f"  {name:14s} hit {row['hit_ratio']:.3f}  ttft p50 {row['ttft_p50_ms']:.0f} "
+                   "rep": rep, **summarize(outcomes, wall, before, pods.counters())}  # fmt: skip
+            print(f"  {rep} {name:14s} hit {row['hit_ratio']:.3f}  ttft p50 {row['ttft_p50_ms']:.0f} "
                   f"p99 {row['ttft_p99_ms']:.0f} ms  {row['req_per_s']:.1f} req/s  "
                   f"failed {row['failed']} {row['errors']}  per pod {row['per_pod']}",
                   flush=True)  # fmt: skip
@@ -140,23 +184,35 @@ def pod_sets(
 
 
 NOTES = """\
-Contenders run one after the other on the same pods, each from empty prefix caches.
-`envoy-rr` is Envoy alone (round robin). `extproc-*` is Envoy + extproc with a scheduler
-configuration: `least-request` alone and `prefix-cache` alone (`bench/configs/`),
-`default` (shipped: least-request filter; least-request, gpu-usage, least-latency and
-prefix-cache scores, weight 1 each) and `cost-aware` (`extproc/data/cost-aware.yaml`: the
-default plus cost-aware); extproc scrapes the pods' `/metrics` every 200 ms.
-`sglang-router` and `vllm-router` use `cache_aware` (cache threshold 0.3, balance
-thresholds 64 / 1.5).
+Contenders run one after the other on the same pods, each from empty prefix caches; with
+`--repeat N` the contenders take turns N times (each turn in the same order), and a row
+gives the mean hit ratio, the median TTFT p50 and the median TTFT p99 (each repetition's
+p99 in brackets). `envoy-rr` is Envoy alone (round robin). `extproc-*` is Envoy + extproc
+with a scheduler configuration: `default` (shipped, `extproc/data/config.yaml`: the
+estimated-ttft cost model), `kthena` (`extproc/data/kthena.yaml`, Kthena's default and
+extproc's before: least-request filter; least-request, gpu-usage, least-latency and
+prefix-cache scores, weight 1 each), `cost-aware` (Kthena's plus cost-aware),
+`least-request` and `prefix-cache` alone (`bench/configs/`); extproc scrapes the pods'
+`/metrics` every 200 ms. `sglang-router` and `vllm-router` use `cache_aware` (cache
+threshold 0.3, balance thresholds 64 / 1.5). The verdict of an `extproc-*` row: "win"
+when its hit ratio is at least the best peer's and its TTFT p99 at most the best peer's
+(each best taken separately), with no failed request; otherwise "loss".
+Workloads: `conversation` and `synthetic` are the Mooncake traces; `tenants` 8 tenants with
+a burst on one; `multiturn` 48 chat sessions sharing a system prompt; `longchat` (added
+for issue 14, not used to choose the default's arguments) 150 chat sessions of 6 turns of
+250 tokens (simulated pods; 30 sessions of 5 turns of 30 tokens on vLLM) with 5 s mean
+think time, sessions starting 4 a second, so about 100 are open at once and their
+histories (about 350,000 tokens) exceed the 8 pods' caches (262,144 tokens).
 Hit ratio: the pods' `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`
 over the run; bound: the same with unlimited cache and perfect routing, from the
 prompts, in blocks of the pods' size at 4 bytes a token (exact for the simulated
 tokenizer; the real Qwen3 tokenizer makes about 2.6 bytes a token and the chat template
 adds its own, so on real pods the bound is approximate and can be exceeded). TTFT:
 client side, streamed, through the router. All on one 2-core machine shared by client,
-router and pods (and other work), so absolute latencies include CPU contention and single
-p99 values on the real pods are noisy. The README's "Routing quality" section reads the
-results."""
+router and pods (and other work: during the recorded runs other benchmarks and test
+suites ran beside it, load average 10-25), so absolute latencies include CPU contention
+and single p99 values are noisy; compare contenders within a run. The README's "Routing
+quality" section reads the results."""
 
 
 def main() -> None:
@@ -169,6 +225,7 @@ def main() -> None:
     parser.add_argument("--speedup", type=float, default=10.0, help="trace clock, simulated pods")
     parser.add_argument("--vllm-trace-requests", type=int, default=150)
     parser.add_argument("--vllm-speedup", type=float, default=2.0)
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each contender")
     parser.add_argument("--deadline-s", type=float, default=120.0, help="per contender run")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
@@ -185,11 +242,8 @@ def main() -> None:
             if kind not in args.pods.split(","):
                 continue
             with start() as pods:
-                runs[kind] = {
-                    "title": title,
-                    "setup": setup,
-                    "rows": run_pods(pods, args, Path(tmp)),
-                }
+                each = run_pods(pods, args, Path(tmp))
+                runs[kind] = {"title": title, "setup": setup, "runs": each, "rows": aggregate(each)}
     results = {"command": command, "config_json": json.dumps(config, indent=1), "runs": runs}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "routing_quality.json").write_text(json.dumps(results, indent=1))

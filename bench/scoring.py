@@ -2,8 +2,7 @@
 
 One request is ``Router.route`` + ``Router.complete`` (parse, render, hash, filter, score,
 rank, then record the prompt for the pod that served it) with the default scheduler
-(``extproc/data/config.yaml``: Filter least-request; Score least-request, gpu-usage,
-least-latency, prefix-cache), an 8 KB chat prompt, and every pod's prefix index full
+(``extproc/data/config.yaml``), an 8 KB chat prompt, and every pod's prefix index full
 (``--entries`` per pod, the plugin's ``maxHashCacheSize`` set to the same number so each
 record evicts). Pods carry varied scraped metrics (a few have a full queue and are
 filtered out, some have no latency data). The sizes run in interleaved rounds in one

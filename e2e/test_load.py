@@ -1,9 +1,11 @@
-"""Through real Envoy with the default configuration: a pod whose queue is full is skipped."""
+"""Through real Envoy with Kthena's default configuration (least-request filter): a pod whose
+queue is full is skipped."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -15,6 +17,7 @@ from extproc.sim.launch import Stack, run_stack
 # One request at a time, about 0.6 s each (60 decode steps of 10 ms): a queue builds fast.
 SLOW_POD_ARGS = ["--model", MODEL, "--max-num-seqs", "1"]
 SCRAPES = "extproc_scrape_duration_seconds_count"
+KTHENA = Path("kthena")  # a shipped configuration, by name (``extproc serve --config kthena``)
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +28,7 @@ def slow_pods() -> Iterator[SimPods]:
 
 @pytest.fixture(scope="module")
 def default_stack(slow_pods: SimPods) -> Iterator[Stack]:
-    with run_stack(slow_pods.as_pods()) as stack:  # the shipped default configuration
+    with run_stack(slow_pods.as_pods(), config=KTHENA) as stack:
         yield stack
 
 

@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from e2e.conftest import MODEL, NUM_PODS, unique_prefix
+from extproc.scheduling.config import named_config_text
 from extproc.sim.harness import SimPods
 from extproc.sim.launch import Proc, Stack, free_port, run_stack, spawn, wait_until
 from extproc.types import Pod, PodId
@@ -37,13 +38,15 @@ NUM_ROUNDS = 4
 ROUND_PAUSE_S = 1.5  # more than a scrape interval
 NUM_TARGETS = 1 + NUM_PODS  # extproc and the pods
 
-# The chart's ConfigMap, with room for 32 blocks per pod: a prompt is about 20 blocks
-# (1,200-byte prefix), so a pod's second prefix evicts.
+# The chart's ConfigMap with Kthena's scheduler configuration (the dashboard's prefix-cache
+# panels read the prefix-cache plugin's metrics), with room for 32 blocks per pod: a prompt
+# is about 20 blocks (1,200-byte prefix), so a pod's second prefix evicts.
 MAX_HASH_CACHE_SIZE = 32
 
 
 def chart_config() -> dict[str, Any]:
-    configmap = find(render(), "ConfigMap", "rel-extproc")
+    kthena = yaml.safe_load(named_config_text("kthena"))
+    configmap = find(render({"scheduler": kthena["scheduler"]}), "ConfigMap", "rel-extproc")
     config: dict[str, Any] = yaml.safe_load(configmap["data"]["config.yaml"])
     [prefix_cache] = [p for p in config["scheduler"]["pluginConfig"] if p["name"] == "prefix-cache"]
     prefix_cache["args"]["maxHashCacheSize"] = MAX_HASH_CACHE_SIZE

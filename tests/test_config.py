@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from extproc.errors import ConfigError
 from extproc.scheduling.config import build_scheduler, load_config, parse_config
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.plugins.cost_aware import CostAware
+from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT, EstimatedTTFTArgs
 from extproc.scheduling.plugins.gpu_usage import GPUCacheUsage
 from extproc.scheduling.plugins.least_latency import LeastLatency, LeastLatencyArgs
 from extproc.scheduling.plugins.least_request import LeastRequest, LeastRequestArgs
@@ -29,8 +31,33 @@ scheduler:
 """
 
 
-def test_embedded_default_is_the_kthena_helm_chart_default() -> None:
+def test_embedded_default_is_the_estimated_ttft_cost_model_every_argument_written() -> None:
     config = load_config()
+    assert config.filters == ()
+    assert [(s.name, s.weight) for s in config.scores] == [("estimated-ttft", 1)]
+    written = config.plugin_args["estimated-ttft"]
+    assert written == {f.name: f.default for f in dataclasses.fields(EstimatedTTFTArgs)}
+    (scorer,) = build_scheduler(config, CollectorRegistry()).scorers
+    assert isinstance(scorer.scorer, EstimatedTTFT) and scorer.scorer.args == EstimatedTTFTArgs()
+
+
+@pytest.mark.parametrize("name", ["kthena", "cost-aware", "default"])
+def test_shipped_configurations_are_selected_by_name(name: str) -> None:
+    config = load_config(name)
+    assert config.source == f"<embedded {name} configuration>"
+    build_scheduler(config, CollectorRegistry())
+
+
+def test_a_file_named_like_a_shipped_configuration_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "kthena").write_text(weight_config("          weight: 2"))
+    assert [(s.name, s.weight) for s in load_config("kthena").scores] == [("prefix-cache", 2)]
+
+
+def test_named_kthena_config_is_the_kthena_helm_chart_default() -> None:
+    config = load_config("kthena")
     assert config.filters == ("least-request",)
     assert [(s.name, s.weight) for s in config.scores] == [
         ("least-request", 1),

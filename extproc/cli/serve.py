@@ -37,7 +37,11 @@ def register(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
         "serve", help="run the ext_proc endpoint picker", description=__doc__
     )
-    p.add_argument("--config", default=_env("config", None), help="scheduler config YAML")
+    p.add_argument(
+        "--config",
+        default=_env("config", None),
+        help="scheduler config YAML, or a shipped one by name: kthena, cost-aware, default",
+    )
     p.add_argument("--address", default=_env("address", "127.0.0.1"), help="bind address")
     p.add_argument("--grpc-port", type=int, default=_env("grpc-port", "9002"))
     p.add_argument("--health-port", type=int, default=_env("health-port", "9003"))

@@ -8,8 +8,10 @@ really served it, only when the response ended successfully.
 Routed requests wait for their completion in ``PendingRecords``, bounded in size and
 age, so requests whose completion never arrives (extproc restarted, log lost) cannot
 grow memory. From routing to its end a request counts in flight (``InFlight``) on the
-pod it was routed to (and on its prefill pod, with prefill/decode disaggregation); a
-retry that lands elsewhere is still counted on the pick.
+pod it was routed to (and on its prefill pod, with prefill/decode disaggregation), and
+its prompt counts as arriving there (``Scheduler.arriving``, provisional credit for the
+next requests' scoring); a retry that lands elsewhere is still counted on the pick. At
+the end, however it ends, both go; only a success is recorded, for the pod that served.
 
 Several replicas (``routing.records``): with ``carry_records`` each decision carries its
 ``Record``, which the wire layer puts in the reply's metadata and Envoy's access log
@@ -82,7 +84,7 @@ class Router:
         self.rendering = rendering
         self.in_flight = in_flight if in_flight is not None else InFlight()
         self.pending = pending if pending is not None else PendingRecords()
-        self.pending.on_drop = self._end_in_flight
+        self.pending.on_drop = self._end
         self.metrics = RouterMetrics(registry)
         self.metrics.pending.set_function(lambda: len(self.pending))
         self.carry_records = carry_records
@@ -160,6 +162,7 @@ class Router:
             if prefill is not None:  # on flight there too, as Kthena counts its prefill pods
                 prefill_tokens = cycle.num_prefill_tokens(prefill.id)
                 self.in_flight.start(prefill.id, prefill_tokens)
+            self.scheduler.arriving(cycle, pick)
             pending = Pending(
                 cycle,
                 {p.address: p.id for p in chosen},
@@ -198,7 +201,7 @@ class Router:
             self.metrics.outcome["unknown_request"].inc()
             return False
         if pending is not None:
-            self._end_in_flight(pending)
+            self._end(pending)
         if not succeeded:
             self.metrics.outcome["failed"].inc()
             if pending is None:  # routed by another replica: its in-flight count ends
@@ -240,7 +243,7 @@ class Router:
         record (if any) enters this view, not published again. Returns whether recorded."""
         pending = self.pending.pop(shared.request_id)
         if pending is not None:
-            self._end_in_flight(pending)
+            self._end(pending)
             self.metrics.ended_elsewhere.inc()
         if shared.record is None or shared.pod is None:
             return False
@@ -260,10 +263,13 @@ class Router:
         than when it expires, and stop counting it in flight."""
         pending = self.pending.pop(request_id)
         if pending is not None:
-            self._end_in_flight(pending)
+            self._end(pending)
             self.metrics.outcome["abandoned"].inc()
 
-    def _end_in_flight(self, pending: Pending) -> None:
+    def _end(self, pending: Pending) -> None:
+        """The request ended (completed, abandoned or expired): it leaves the pick's
+        in-flight count and its provisional credit goes (``Scheduler.settled``)."""
         self.in_flight.end(pending.pick, pending.prefill_tokens)
         if pending.prefill is not None:
             self.in_flight.end(pending.prefill, pending.prefill_pod_tokens)
+        self.scheduler.settled(pending.cycle, pending.pick)

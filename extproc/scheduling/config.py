@@ -56,6 +56,7 @@ from extproc.scheduling.types import (
     PluginContext,
     PodsListener,
     PrefixMatcher,
+    Provisional,
     Recorder,
     Scorer,
 )
@@ -82,14 +83,29 @@ class SchedulerConfig:
     pd_group: PDGroup | None = None  # the optional top-level ``pdGroup`` section
 
 
+NAMED_CONFIGS = ("default", "kthena", "cost-aware")  # extproc/data/<name>.yaml; default: config
+
+
 def default_config_text() -> str:
-    return resources.files("extproc").joinpath("data/config.yaml").read_text("utf-8")
+    return named_config_text("default")
+
+
+def named_config_text(name: str) -> str:
+    """An embedded configuration by name (``NAMED_CONFIGS``)."""
+    file = "config" if name == "default" else name
+    return resources.files("extproc").joinpath(f"data/{file}.yaml").read_text("utf-8")
 
 
 def load_config(path: str | Path | None = None) -> SchedulerConfig:
-    """Read and validate a configuration file; ``None`` means the embedded default."""
+    """Read and validate a configuration file; ``None`` means the embedded default.
+
+    A name of ``NAMED_CONFIGS`` (``kthena``: Kthena's default) that is not also a file
+    here selects that embedded configuration.
+    """
     if path is None:
         return parse_config(default_config_text(), DEFAULT_CONFIG_NAME)
+    if str(path) in NAMED_CONFIGS and not Path(path).exists():
+        return parse_config(named_config_text(str(path)), f"<embedded {path} configuration>")
     try:
         text = Path(path).read_text("utf-8")
     except FileNotFoundError:
@@ -201,6 +217,8 @@ def build_scheduler(
         scorers=tuple(scorers),
         recorders=tuple(p for p in instances.values() if isinstance(p, Recorder)),
         listeners=tuple(p for p in instances.values() if isinstance(p, PodsListener)),
+        provisional=tuple(p for p in instances.values() if isinstance(p, Provisional)),
+        in_flight=ctx.in_flight,
         sessions=sessions,
         timer=PluginTimer(registry),
         pd_group=config.pd_group,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from extproc.scheduling.plugins.cost_aware import CostAware
+from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT
 from extproc.scheduling.plugins.gpu_usage import GPUCacheUsage
 from extproc.scheduling.plugins.least_latency import LeastLatency
 from extproc.scheduling.plugins.least_request import LeastRequest
@@ -11,5 +12,12 @@ from extproc.scheduling.types import Plugin
 
 BUILTIN: dict[str, type[Plugin]] = {
     cls.type_name: cls
-    for cls in (LeastRequest, LeastLatency, GPUCacheUsage, PrefixCacheScorer, CostAware)
+    for cls in (
+        LeastRequest,
+        LeastLatency,
+        GPUCacheUsage,
+        PrefixCacheScorer,
+        CostAware,
+        EstimatedTTFT,
+    )
 }

@@ -1,7 +1,9 @@
 """The scheduler: candidates -> filters -> weighted scores -> pods ordered best first.
 
-total(pod) = sum(weight * score) over the score plugins (each score 0..100); ties are
-broken randomly so that equal pods share the load. The scheduler does no I/O.
+total(pod) = sum(weight * score) over the score plugins (each score 0..100); ties go to
+the least loaded pod (``max(in flight, waiting + running)``: the router's own count, or
+the scrape when it shows more), then randomly, so that equal pods share the load. The
+scheduler does no I/O.
 
 Cost: the pods arrive as a snapshot tuple, which the scheduler turns into a ``PodTable``
 (NumPy columns) once, when it is published (``pods_changed``). Candidates, filters,
@@ -42,6 +44,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Histogram
 
 from extproc.errors import NoCapacity, NoReadyPods
+from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.pdgroup import PDColumns, PDGroup
 from extproc.scheduling.podtable import PodTable, Positions
 from extproc.scheduling.sessions import Binding, SessionStore
@@ -50,6 +53,7 @@ from extproc.scheduling.types import (
     Cycle,
     Filter,
     PodsListener,
+    Provisional,
     Recorder,
     Scorer,
     Scores,
@@ -137,6 +141,8 @@ class Scheduler:
     scorers: tuple[WeightedScorer, ...] = ()
     recorders: tuple[Recorder, ...] = ()
     listeners: tuple[PodsListener, ...] = ()
+    provisional: tuple[Provisional, ...] = ()
+    in_flight: InFlight | None = None  # the router's counters, for the load tie-break
     rng: random.Random = field(default_factory=random.Random)
     sessions: SessionStore | None = None
     timer: PluginTimer | None = None
@@ -317,26 +323,32 @@ class Scheduler:
                 _log_scores(ws.scorer.type_name, table, candidates, scores)
         if verbose:
             _log_totals(table, candidates, totals)
-        return candidates[self._order(totals)]
+        return candidates[self._order(totals, self._load(table, candidates))]
 
-    def _order(self, totals: Scores) -> Positions:
-        """Indices of ``totals``, highest first, equal totals in random order.
+    def _load(self, table: PodTable, candidates: Positions) -> Scores:
+        """Each candidate's load: ``max(in flight, waiting + running)`` (module doc)."""
+        scraped = table.waiting[candidates] + table.running[candidates]
+        if self.in_flight is None:
+            return scraped
+        routed = self.in_flight.requests_at(table.position, len(table))[candidates]
+        load: Scores = np.maximum(scraped, routed)
+        return load
 
-        Up to ``SMALL_RANK`` candidates, one ``rng.random()`` per candidate breaks ties,
-        as it always has (a seeded run, e.g. the offline simulator's, picks the same pods
-        as before). Beyond, a stable sort of a random permutation leaves equal totals in
-        random order: totals span a few hundred (100 per unit of weight), so the keys fit
-        int16, which NumPy sorts stably by radix, in linear time.
+    def _order(self, totals: Scores, load: Scores) -> Positions:
+        """Indices of ``totals``, highest first; equal totals least ``load`` first, then
+        in random order.
+
+        Up to ``SMALL_RANK`` candidates, one ``rng.random()`` per candidate breaks the
+        remaining ties (a seeded run, e.g. the offline simulator's, repeats its picks).
+        Beyond, a stable sort of a random permutation by (total, load) leaves equal keys
+        in random order.
         """
         if len(totals) <= SMALL_RANK:
             tiebreak = np.array([self.rng.random() for _ in range(len(totals))])
-            small: Positions = np.lexsort((tiebreak, -totals))
+            small: Positions = np.lexsort((tiebreak, load, -totals))
             return small
         shuffled: Positions = self._generator().permutation(len(totals))
-        below_best = int(totals.max()) - totals[shuffled]
-        if int(below_best.max()) < 1 << 15:
-            below_best = below_best.astype(np.int16)
-        order: Positions = shuffled[np.argsort(below_best, kind="stable")]
+        order: Positions = shuffled[np.lexsort((load[shuffled], -totals[shuffled]))]
         return order
 
     def record(self, cycle: Cycle, pod: PodId, prefill: PodId | None = None) -> None:
@@ -361,6 +373,16 @@ class Scheduler:
             if isinstance(recorder, BlockRecorder) and recorder.block_geometry not in geometries:
                 geometries.append(recorder.block_geometry)
         return tuple(geometries)
+
+    def arriving(self, cycle: Cycle, pod: PodId) -> None:
+        """``pod`` was picked for ``cycle``: the plugins that credit a pick at once do."""
+        for plugin in self.provisional:
+            plugin.arriving(cycle, pod)
+
+    def settled(self, cycle: Cycle, pod: PodId) -> None:
+        """The request picked for ``pod`` ended, however: its provisional credit goes."""
+        for plugin in self.provisional:
+            plugin.settled(cycle, pod)
 
     def pods_changed(self, pods: Sequence[Pod]) -> None:
         """A new snapshot: its table is built now, not by the next request."""

@@ -9,6 +9,8 @@ configured name serves every role it has (a plugin may be both a Filter and a Sc
 * ``PodsListener``: told when the set of known pods changes (e.g. to drop state).
 * ``BlockRecorder``: a Recorder that learns only the prompt's block keys of one geometry,
   so its records can travel to other replicas as those keys (``routing.records``).
+* ``Provisional``: credits a pick at once (``arriving``) and drops the credit when the
+  request ends, however it ends (``settled``); what it learns for good is ``record``'s.
 
 Filters and scorers may also work on a whole snapshot at once (``TableFilter``,
 ``TableScorer``: NumPy columns of a ``PodTable`` instead of ``Pod`` objects); the scheduler
@@ -160,6 +162,17 @@ class BlockRecorder(Protocol):
     @property
     def block_geometry(self) -> tuple[int, int]:
         """(block size, max blocks): the one ``Cycle.block_keys`` its ``record`` reads."""
+        ...
+
+
+@runtime_checkable
+class Provisional(Protocol):
+    def arriving(self, cycle: Cycle, pod: PodId) -> None:
+        """``pod`` was picked for ``cycle``; its response has not ended yet."""
+        ...
+
+    def settled(self, cycle: Cycle, pod: PodId) -> None:
+        """The request picked for ``pod`` ended (success, failure, retry, timeout)."""
         ...
 
 

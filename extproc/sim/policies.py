@@ -198,7 +198,8 @@ class PrefixCachePolicy:
     """extproc's configured scheduler; ``pick`` is its best-ranked pod.
 
     Like the server's router, it counts each request in flight on its pick (with the
-    prefill tokens the plugins estimated) until it finishes.
+    prefill tokens the plugins estimated), with its prompt arriving there, until it
+    finishes.
     """
 
     name: ClassVar[str] = "prefix-cache"
@@ -220,12 +221,14 @@ class PrefixCachePolicy:
         pick = self.scheduler.schedule(cycle, pods)[0].id
         tokens = cycle.num_prefill_tokens(pick)
         self.in_flight.start(pick, tokens)
+        self.scheduler.arriving(cycle, pick)
         self._cycles[item.request_id] = (cycle, tokens)
         return self._pod_idx[pick]
 
     def finished(self, item: WorkItem, pod_idx: int, ok: bool) -> None:
         cycle, tokens = self._cycles.pop(item.request_id)
         self.in_flight.end(self._pod_ids[pod_idx], tokens)
+        self.scheduler.settled(cycle, self._pod_ids[pod_idx])
         if ok:
             self.scheduler.record(cycle, self._pod_ids[pod_idx])
 

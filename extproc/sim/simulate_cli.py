@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from extproc.errors import ConfigError
-from extproc.scheduling.config import DEFAULT_CONFIG_NAME, default_config_text, parse_config
+from extproc.scheduling.config import (
+    DEFAULT_CONFIG_NAME,
+    NAMED_CONFIGS,
+    default_config_text,
+    named_config_text,
+    parse_config,
+)
 from extproc.sim.engine import EngineConfig
 from extproc.sim.engine_flags import add_engine_flags, engine_config_from_args
 from extproc.sim.offline import SimSettings, compare
@@ -63,7 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="comma-separated, from: " + ", ".join(POLICY_NAMES),
     )
     p.add_argument(
-        "--config", type=Path, help="scheduler YAML for prefix-cache (default: embedded)"
+        "--config",
+        type=Path,
+        help="scheduler YAML for prefix-cache, or a shipped one by name: "
+        + ", ".join(NAMED_CONFIGS)
+        + " (default: embedded default)",
     )
     p.add_argument("--requests", type=int, help="requests to replay (default: workload's/all)")
     p.add_argument("--scale", type=float, default=16.0, help="trace length divisor (default 16)")
@@ -139,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--policies: unknown {unknown}; known: {', '.join(POLICY_NAMES)}")
         if args.config is None:
             config_source, config_text = DEFAULT_CONFIG_NAME, default_config_text()
+        elif str(args.config) in NAMED_CONFIGS and not args.config.exists():
+            config_source, config_text = str(args.config), named_config_text(str(args.config))
         else:
             config_source, config_text = str(args.config), _read(args.config)
         scheduler_config = parse_config(config_text, config_source)

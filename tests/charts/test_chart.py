@@ -282,19 +282,8 @@ def test_configmap_config_is_extprocs_default_and_loads() -> None:
     assert yaml.safe_load(text) == yaml.safe_load(default_config_text())
     config = parse_config(text, "chart ConfigMap")
     build_scheduler(config, CollectorRegistry())
-    assert [(s.name, s.weight) for s in config.scores] == [
-        ("least-request", 1),
-        ("gpu-usage", 1),
-        ("least-latency", 1),
-        ("prefix-cache", 1),
-    ]
-    assert config.filters == ("least-request",)
-    assert config.plugin_args["prefix-cache"] == {
-        "blockSizeToHash": 64,
-        "maxBlocksToMatch": 128,
-        "maxHashCacheSize": 50000,
-        "topKMatches": 5,
-    }
+    assert [(s.name, s.weight) for s in config.scores] == [("estimated-ttft", 1)]
+    assert config.filters == ()
 
 
 def test_dashboard_configmap_holds_the_dashboard_json() -> None:

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.routing.router import Router
-from extproc.scheduling.config import build_scheduler, default_config_text, parse_config
+from extproc.scheduling.config import build_scheduler, named_config_text, parse_config
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheScorer
 from extproc.scheduling.scheduler import Scheduler
@@ -112,7 +112,7 @@ def check_prefix(scores: Mapping[PodId, int], lengths: dict[PodId, int], n: int)
 
 
 def default_scheduler(in_flight: InFlight) -> Scheduler:
-    config = parse_config(default_config_text(), "default")
+    config = parse_config(named_config_text("kthena"), "kthena")
     return build_scheduler(config, CollectorRegistry(), in_flight)
 
 
@@ -255,7 +255,7 @@ def test_a_cycle_is_scored_the_same_whatever_the_pods_container() -> None:
     assert first.schedule(cycle, pods) == second.schedule(cycle, tuple(pods))
 
 
-def test_up_to_64_candidates_ties_draw_from_rng_exactly_as_the_plain_ranking() -> None:
+def test_up_to_64_candidates_ties_go_by_load_then_rng_as_the_plain_ranking() -> None:
     """Seeded runs (the offline simulator, its published results) keep their picks."""
     pods = [make_pod(f"p{i}", metrics=PodMetrics(running=i % 3)) for i in range(40)]
     sched = make_scheduler(
@@ -267,7 +267,10 @@ def test_up_to_64_candidates_ties_draw_from_rng_exactly_as_the_plain_ranking() -
         got = sched.schedule(make_cycle("q"), pods)
         scores = plain_least_request(pods, InFlight())
         tiebreak = {p.id: plain_rng.random() for p in pods}
-        assert got == sorted(pods, key=lambda p: (-2 * scores[p.id], tiebreak[p.id]))
+        # Equal totals: the least loaded first (nothing in flight: waiting + running), then
+        # the rng's draw.
+        load = {p.id: p.metrics.waiting + p.metrics.running for p in pods}
+        assert got == sorted(pods, key=lambda p: (-2 * scores[p.id], load[p.id], tiebreak[p.id]))
 
 
 def test_row_memory_is_shared_only_while_snapshots_list_the_same_pods() -> None:

@@ -32,7 +32,9 @@ def make_workload(items: Sequence[WorkItem]) -> Workload:
 
 
 def default_scheduler_config() -> SchedulerConfig:
-    return load_config()
+    """Kthena's default (the named ``kthena`` configuration): these tests read its
+    prefix-cache plugin's index."""
+    return load_config("kthena")
 
 
 def settings(num_pods: int = 2, **engine: Any) -> SimSettings:

@@ -44,7 +44,7 @@ def test_report_holds_the_configuration_and_every_policy(
     assert config["engine"]["num_gpu_blocks"] == 500  # the flag beats the workload's 384
     assert config["engine"]["block_size"] == 16
     assert config["workload"]["num_requests"] == 80
-    assert "prefix-cache" in config["scheduler_config"]["text"]
+    assert "estimated-ttft" in config["scheduler_config"]["text"]  # the embedded default
     assert list(doc["policies"]) == ["cost-aware", "round-robin"]  # sorted keys
     rr = doc["policies"]["round-robin"]
     assert [p["num_requests"] for p in rr["pods"]] == [27, 27, 26]

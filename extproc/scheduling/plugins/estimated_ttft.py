@@ -1,0 +1,233 @@
+"""estimated-ttft (Score, ours; the shipped default): the pod expected to answer first.
+
+The prefix-reuse cost model (``reference/prefix-reuse-lab.txt``): a request's time to
+first token on a pod is the wait behind the work queued there plus the prefill of the
+prompt tokens the pod does not hold. Per candidate pod::
+
+    matched  = prompt tokens the pod holds: its longest recorded or arriving prefix
+    uncached = prompt tokens - matched
+    queued   = waiting + max(0, in_flight - waiting - running)   (as least-request)
+    ahead    = queued * (in-flight prefill tokens / in-flight requests)
+    est_ms   = prefillMsPerToken * (ahead + uncached)
+             + queuedMs * (1 + queued) + runningMs * running
+
+``in_flight`` and its tokens are the router's own counters (``InFlight``), so a burst
+routed between two scrapes is seen at once; ``waiting``/``running`` are scraped.
+
+Hysteresis: the pods holding the longest match (the affinity pods) keep the request
+until one is clearly worse than the best other pod, like the peers' balance thresholds:
+it yields only when its estimate exceeds the other's by more than ``affinityMarginMs``
+*and* by more than ``affinityRatio`` times. The affinity pods are ranked by::
+
+    cost = min(est_ms - affinityMarginMs, est_ms / affinityRatio)
+
+and every other pod by ``est_ms``; ``score = floor(100 * (max_cost - cost) / (max_cost
+- min_cost))`` (all 100 when equal). Ties are the scheduler's (least loaded first).
+
+The prefix view is this plugin's own per-pod LRU (``PrefixIndex``, Kthena's block hashing
+and eviction), recorded on success only. Between the pick and the end of a request its
+blocks are *arriving* at the picked pod (``Arrivals``): they count as held there for the
+next requests' scoring and are dropped when the request ends, however it ends; success
+then records them in the index for the pod that served. Side output:
+``cycle.uncached_tokens`` for every candidate, which the router passes to
+``InFlight.start`` for its pick.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Any, ClassVar
+
+from prometheus_client import Gauge
+
+from extproc.prefix.hashing import Keys
+from extproc.prefix.index import PrefixIndex
+from extproc.scheduling.args import load_args
+from extproc.scheduling.types import BYTES_PER_TOKEN, Cycle, PluginContext
+from extproc.types import Pod, PodId
+
+
+@dataclass(frozen=True, slots=True)
+class EstimatedTTFTArgs:
+    blockSizeToHash: int = 64  # bytes a block of the prefix view, as prefix-cache
+    maxBlocksToMatch: int = 512  # 32 KB of prompt: long chat histories still tell pods apart
+    maxHashCacheSize: int = 50000  # entries per pod
+    prefillMsPerToken: float = 0.1  # ms of one step per uncached prompt token
+    queuedMs: float = 30.0  # ms each request queued ahead adds beyond its prefill (steps, a slot)
+    runningMs: float = 5.0  # ms each running request adds (its decode share of each step)
+    affinityMarginMs: float = 50.0  # the affinity pod yields only past this many ms ...
+    affinityRatio: float = 1.5  # ... and past this many times the other's estimate
+
+
+class Arrivals:
+    """Prompt blocks on their way to a pod: picked, not ended yet. Thread-safe.
+
+    ``owners[key]`` counts, per pod, the routed requests whose prompt has block ``key``.
+    A lookup walks the prompt from its last block back; hashes are chained, so a pod's
+    first hit is its longest arriving prefix (at most one dict probe a block).
+    """
+
+    def __init__(self) -> None:
+        self._owners: dict[int, Counter[PodId]] = {}
+        self._lock = threading.Lock()
+        self.num_requests = 0  # credited now: ``add`` calls less ``remove`` calls
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    def add(self, keys: Keys, pod: PodId) -> None:
+        with self._lock:
+            self.num_requests += 1
+            for key in keys.tolist():
+                self._owners.setdefault(key, Counter())[pod] += 1
+
+    def remove(self, keys: Keys, pod: PodId) -> None:
+        with self._lock:
+            self.num_requests -= 1
+            for key in keys.tolist():
+                owners = self._owners.get(key)
+                if owners is None or owners[pod] <= 0:
+                    continue
+                owners[pod] -= 1
+                if owners[pod] <= 0:
+                    del owners[pod]
+                    if not owners:
+                        del self._owners[key]
+
+    def match(self, keys: Keys) -> dict[PodId, int]:
+        """Longest arriving prefix, in blocks, per pod with one."""
+        found: dict[PodId, int] = {}
+        if not self._owners:
+            return found
+        with self._lock:
+            as_list = keys.tolist()
+            for i in range(len(as_list) - 1, -1, -1):
+                owners = self._owners.get(as_list[i])
+                if owners:
+                    for pod in owners:
+                        found.setdefault(pod, i + 1)
+        return found
+
+    def forget_pods(self, keep: set[PodId]) -> None:
+        with self._lock:
+            for key in list(self._owners):
+                owners = self._owners[key]
+                for pod in [p for p in owners if p not in keep]:
+                    del owners[pod]
+                if not owners:
+                    del self._owners[key]
+
+
+class EstimatedTTFT:
+    """Scores pods by estimated time to first token, with affinity hysteresis."""
+
+    type_name: ClassVar[str] = "estimated-ttft"
+
+    def __init__(self, args: EstimatedTTFTArgs, ctx: PluginContext) -> None:
+        self.args = args
+        self.in_flight = ctx.in_flight
+        self.index = PrefixIndex(args.maxHashCacheSize)
+        self.arrivals = Arrivals()
+        Gauge(
+            "extproc_estimated_ttft_arriving_requests",
+            "Routed requests whose prompt counts as arriving at their pick (not ended yet).",
+            registry=ctx.registry,
+        ).set_function(lambda: self.arrivals.num_requests)
+        Gauge(
+            "extproc_estimated_ttft_entries",
+            "Prefix-view entries (blocks per pod) recorded by estimated-ttft.",
+            registry=ctx.registry,
+        ).set_function(lambda: self.index.num_entries)
+
+    @classmethod
+    def from_args(cls, args: Any, ctx: PluginContext) -> EstimatedTTFT:
+        return cls(load_args(EstimatedTTFTArgs, args), ctx)
+
+    def _keys(self, cycle: Cycle) -> Keys:
+        return cycle.block_keys(self.args.blockSizeToHash, self.args.maxBlocksToMatch)
+
+    def matched_blocks(self, cycle: Cycle, pods: Sequence[Pod]) -> dict[PodId, int]:
+        """Per pod, the longest prefix it holds or has arriving, in blocks."""
+        keys = self._keys(cycle)
+        if not len(keys):
+            return {}
+        held = self.index.match(keys, [p.id for p in pods], len(pods))
+        for pod, blocks in self.arrivals.match(keys).items():
+            if blocks > held.get(pod, 0):
+                held[pod] = blocks
+        return held
+
+    def matched_bytes(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
+        """``PrefixMatcher``: bytes of the prompt's start each pod holds (or will)."""
+        size, limit = self.args.blockSizeToHash, cycle.num_prompt_bytes
+        return {
+            pod: min(blocks * size, limit)
+            for pod, blocks in self.matched_blocks(cycle, pods).items()
+        }
+
+    def estimate_ms(self, cycle: Cycle, pods: Sequence[Pod]) -> dict[PodId, float]:
+        """Each pod's ``est_ms`` (module doc); records ``cycle.uncached_tokens``."""
+        held = self.matched_bytes(cycle, pods)
+        a = self.args
+        num_bytes, num_tokens = cycle.num_prompt_bytes, cycle.num_prompt_tokens
+        estimates: dict[PodId, float] = {}
+        for pod in pods:
+            uncached = -(-(num_bytes - held.get(pod.id, 0)) // BYTES_PER_TOKEN)
+            cycle.uncached_tokens[pod.id] = uncached
+            waiting, running = pod.metrics.waiting, pod.metrics.running
+            num_in_flight, in_flight_tokens = self.in_flight.get_count(pod.id)
+            queued = waiting + max(0, num_in_flight - waiting - running)
+            mean_tokens = in_flight_tokens / num_in_flight if num_in_flight else num_tokens
+            estimates[pod.id] = (
+                a.prefillMsPerToken * (queued * mean_tokens + uncached)
+                + a.queuedMs * (1 + queued)
+                + a.runningMs * running
+            )
+        return estimates
+
+    def costs(self, cycle: Cycle, pods: Sequence[Pod]) -> dict[PodId, float]:
+        """``est_ms`` with the affinity pods' hysteresis applied (module doc)."""
+        estimates = self.estimate_ms(cycle, pods)
+        held = {p: n for p, n in self.matched_blocks(cycle, pods).items() if p in estimates}
+        longest = max(held.values(), default=0)
+        if longest <= 0:
+            return estimates
+        a = self.args
+        for pod, blocks in held.items():
+            if blocks == longest:
+                est = estimates[pod]
+                estimates[pod] = min(est - a.affinityMarginMs, est / a.affinityRatio)
+        return estimates
+
+    def score(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
+        costs = self.costs(cycle, pods)
+        lo, hi = min(costs.values(), default=0.0), max(costs.values(), default=0.0)
+        if hi == lo:
+            return dict.fromkeys(costs, 100)
+        return {pod: int(100 * (hi - cost) / (hi - lo)) for pod, cost in costs.items()}
+
+    def record(self, cycle: Cycle, pod: PodId) -> None:
+        keys = self._keys(cycle)
+        if len(keys):
+            self.index.record(keys, pod)
+
+    def arriving(self, cycle: Cycle, pod: PodId) -> None:
+        """``pod`` was picked for ``cycle``: its blocks count as held there until it ends."""
+        keys = self._keys(cycle)
+        if len(keys):
+            self.arrivals.add(keys, pod)
+
+    def settled(self, cycle: Cycle, pod: PodId) -> None:
+        """The request picked for ``pod`` ended (any outcome): its arriving credit goes."""
+        keys = self._keys(cycle)
+        if len(keys):
+            self.arrivals.remove(keys, pod)
+
+    def pods_changed(self, pods: Sequence[Pod]) -> None:
+        ids = set(map(attrgetter("id"), pods))
+        self.index.retain_pods(ids)
+        self.arrivals.forget_pods(ids)

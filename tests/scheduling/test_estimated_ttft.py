@@ -1,0 +1,227 @@
+"""estimated-ttft: the cost model's arithmetic, its affinity hysteresis, provisional credit
+(arriving blocks) and the scheduler's load tie-break."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from extproc.routing.pending import PendingRecords
+from extproc.routing.router import Router
+from extproc.scheduling.config import build_scheduler, load_config
+from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT, EstimatedTTFTArgs
+from extproc.scheduling.scheduler import Scheduler
+from extproc.scheduling.types import PluginContext
+from extproc.types import PodMetrics
+from tests.factories import PREFIX_ONLY, make_cycle, make_pod, make_scheduler
+
+PROMPT = "w" * 4000  # 1,000 tokens at 4 bytes a token, 62.5 blocks of 64 bytes
+A = EstimatedTTFTArgs()  # prefill 0.1 ms/token, queued 30 ms, running 5 ms
+
+
+def plugin(in_flight: InFlight | None = None) -> EstimatedTTFT:
+    ctx = PluginContext(CollectorRegistry(), in_flight=in_flight or InFlight())
+    return EstimatedTTFT.from_args(None, ctx)
+
+
+@pytest.mark.parametrize(
+    ("held_blocks", "metrics", "in_flight", "expected_ms"),
+    [
+        pytest.param([0, 0], [PodMetrics()] * 2, [(0, 0)] * 2, [130.0, 130.0], id="idle-cold"),
+        pytest.param([62, 0], [PodMetrics()] * 2, [(0, 0)] * 2, [30.8, 130.0], id="warm-pod"),
+        pytest.param([31, 0], [PodMetrics()] * 2, [(0, 0)] * 2, [80.4, 130.0], id="half-warm"),
+        pytest.param(
+            [0, 0],
+            [PodMetrics(waiting=2), PodMetrics(running=4)],
+            [(0, 0)] * 2,
+            [100 + 2 * 100 + 30 * 3, 100 + 30 + 5 * 4],
+            id="queue-sized-by-this-prompt-running-adds",
+        ),
+        pytest.param(
+            [62, 0],
+            [PodMetrics()] * 2,
+            [(3, 30), (0, 0)],
+            [0.1 * (30 + 8) + 30 * 4, 130.0],
+            id="unseen-burst-of-warm-hits-is-cheap",
+        ),
+        pytest.param(
+            [0, 0],
+            [PodMetrics(running=3), PodMetrics()],
+            [(3, 3000), (0, 0)],
+            [100 + 30 + 15, 130.0],
+            id="in-flight-already-running-is-not-queued",
+        ),
+    ],
+)
+def test_estimate_is_queue_wait_plus_uncached_prefill(
+    held_blocks: list[int],
+    metrics: list[PodMetrics],
+    in_flight: list[tuple[int, int]],
+    expected_ms: list[float],
+) -> None:
+    counts = InFlight()
+    pods = [make_pod(f"p{i}", metrics=m) for i, m in enumerate(metrics)]
+    p = plugin(counts)
+    cycle = make_cycle(PROMPT)
+    keys = cycle.block_keys(A.blockSizeToHash, A.maxBlocksToMatch)
+    for pod, blocks in zip(pods, held_blocks, strict=True):
+        if blocks:
+            p.index.record(keys[:blocks], pod.id)
+        n, tokens = in_flight[pods.index(pod)]
+        for i in range(n):
+            counts.start(pod.id, tokens // n + (i < tokens % n))
+    estimates = p.estimate_ms(cycle, pods)
+    assert [estimates[pod.id] for pod in pods] == pytest.approx(expected_ms)
+    uncached = [1000 - 16 * b for b in held_blocks]
+    assert [cycle.num_prefill_tokens(pod.id) for pod in pods] == uncached
+
+
+@pytest.mark.parametrize(
+    ("warm_waiting", "warm_wins"),
+    [
+        # warm: 30 + 130 ms per waiting request (its prompt's prefill and 30 ms); cold:
+        # 130 ms. Warm yields past max(130 + 50, 1.5 * 130) = 195 ms: from 2 waiting.
+        pytest.param(0, True, id="idle-warm-pod-keeps-it"),
+        pytest.param(1, True, id="one-waiting-still-within-the-margin"),
+        pytest.param(2, False, id="clearly-worse-yields-to-load"),
+    ],
+)
+def test_affinity_holds_until_the_warm_pod_is_clearly_worse(
+    warm_waiting: int, warm_wins: bool
+) -> None:
+    pods = [make_pod("warm", metrics=PodMetrics(waiting=warm_waiting)), make_pod("cold")]
+    p = plugin()
+    cycle = make_cycle(PROMPT)
+    p.record(cycle, pods[0].id)
+    est = p.estimate_ms(make_cycle(PROMPT), pods)
+    assert est[pods[0].id] == pytest.approx(30 + 130 * warm_waiting)  # whole prompt held
+    scores = p.score(make_cycle(PROMPT), pods)
+    assert (scores[pods[0].id] > scores[pods[1].id]) is warm_wins
+
+
+def test_hysteresis_favours_the_longest_match_beyond_its_estimate() -> None:
+    """The affinity pod's cost: its estimate less the margin, or over the ratio, the less."""
+    pods = [make_pod("warm"), make_pod("cold")]
+    p = plugin()
+    cycle = make_cycle(PROMPT)
+    p.record(cycle, pods[0].id)
+    costs = p.costs(make_cycle(PROMPT), pods)
+    assert costs[pods[0].id] == pytest.approx(min(30 - 50, 30 / 1.5))
+    assert p.score(make_cycle(PROMPT), pods) == {pods[0].id: 100, pods[1].id: 0}
+
+
+def test_no_match_anywhere_means_no_affinity_and_equal_pods_score_alike() -> None:
+    pods = [make_pod("a"), make_pod("b")]
+    assert plugin().score(make_cycle(PROMPT), pods) == {pods[0].id: 100, pods[1].id: 100}
+
+
+def test_arriving_blocks_count_as_held_until_settled() -> None:
+    pods = [make_pod("a"), make_pod("b")]
+    p = plugin()
+    first = make_cycle(PROMPT)
+    p.arriving(first, pods[0].id)
+    assert p.matched_blocks(make_cycle(PROMPT + " more"), pods) == {pods[0].id: 62}
+    assert p.arrivals.num_requests == 1
+    p.arriving(make_cycle(PROMPT[:640]), pods[0].id)  # a second request, shorter
+    p.settled(first, pods[0].id)
+    assert p.matched_blocks(make_cycle(PROMPT), pods) == {pods[0].id: 10}
+    p.settled(make_cycle(PROMPT[:640]), pods[0].id)
+    assert p.matched_blocks(make_cycle(PROMPT), pods) == {}
+    assert len(p.arrivals) == 0 and p.arrivals.num_requests == 0
+    assert p.index.num_entries == 0  # arriving is never a record
+
+
+def default_router(pending: PendingRecords | None = None, num_pods: int = 4) -> Router:
+    in_flight = InFlight()
+    scheduler = build_scheduler(load_config(), CollectorRegistry(), in_flight)
+    pods = [make_pod(f"p{i}", port=8000 + i) for i in range(num_pods)]
+    return Router(
+        scheduler, pods, pending=pending, in_flight=in_flight, registry=CollectorRegistry()
+    )
+
+
+def body(question: str) -> bytes:
+    return b'{"model": "m", "prompt": "%s %s"}' % (PROMPT.encode(), question.encode())
+
+
+def ttft_plugin(router: Router) -> EstimatedTTFT:
+    (ws,) = router.scheduler.scorers
+    assert isinstance(ws.scorer, EstimatedTTFT)
+    return ws.scorer
+
+
+def test_a_burst_with_a_new_prefix_follows_its_first_pick_before_any_response() -> None:
+    router = default_router()
+    picks = {router.route("/v1/completions", body(f"q{i}"), request_id=f"r{i}").pods[0].id
+             for i in range(3)}  # fmt: skip
+    assert len(picks) == 1  # without provisional credit the least loaded would differ
+
+
+@pytest.mark.parametrize(
+    "end",
+    [
+        pytest.param("failure", id="failure"),
+        pytest.param("retry-elsewhere", id="retry-elsewhere"),
+        pytest.param("abandon", id="abandoned"),
+        pytest.param("timeout", id="pending-timeout"),
+        pytest.param("success", id="success"),
+    ],
+)
+def test_provisional_credit_goes_at_the_end_and_only_success_records(end: str) -> None:
+    pending = PendingRecords(ttl_s=0.0) if end == "timeout" else None
+    router = default_router(pending)
+    plugin_ = ttft_plugin(router)
+    decision = router.route("/v1/completions", body("q0"), request_id="r0")
+    pick, other = decision.pods[0], decision.pods[1]
+    if end != "timeout":
+        assert plugin_.arrivals.num_requests == 1
+    if end == "failure":
+        router.complete("r0", pick.address, succeeded=False)
+    elif end == "retry-elsewhere":
+        router.complete("r0", other.address, succeeded=True, attempts=2)
+    elif end == "abandon":
+        router.abandon("r0")
+    elif end == "timeout":
+        router.route("/v1/completions", b'{"model": "m", "prompt": "x"}', request_id="r1")
+        router.complete("r1", pick.address, succeeded=False)
+    else:
+        router.complete("r0", pick.address, succeeded=True)
+    assert plugin_.arrivals.num_requests == 0 and len(plugin_.arrivals) == 0
+    recorded = {pod: plugin_.index.num_pod_entries(pod.id) > 0 for pod in router.pods}
+    expected = {"retry-elsewhere": other, "success": pick}.get(end)
+    assert recorded == {pod: pod == expected for pod in router.pods}
+
+
+def tie_scheduler(in_flight: InFlight, seed: int) -> Scheduler:
+    scheduler = make_scheduler(PREFIX_ONLY)  # no match anywhere: every total is 0
+    scheduler.in_flight = in_flight
+    scheduler.rng = random.Random(seed)
+    return scheduler
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_equal_totals_go_to_the_least_loaded_pod_first(seed: int) -> None:
+    in_flight = InFlight()
+    pods = [
+        make_pod("busy", metrics=PodMetrics(running=3)),
+        make_pod("routed-to", metrics=PodMetrics()),
+        make_pod("idle"),
+        make_pod("scraped-waiting", metrics=PodMetrics(waiting=1)),
+    ]
+    for _ in range(2):
+        in_flight.start(pods[1].id)
+    order = [p.id.name for p in tie_scheduler(in_flight, seed).schedule(make_cycle("x"), pods)]
+    assert order == ["idle", "scraped-waiting", "routed-to", "busy"]
+
+
+def test_ties_among_many_pods_are_broken_by_load_too() -> None:
+    in_flight = InFlight()
+    pods = [make_pod(f"p{i}", metrics=PodMetrics(running=1 + (i != 77))) for i in range(100)]
+    for i in range(100):
+        if i != 77:
+            in_flight.start(pods[i].id)
+    ranked = tie_scheduler(in_flight, 0).schedule(make_cycle("x"), pods)
+    assert ranked[0].id.name == "p77"
