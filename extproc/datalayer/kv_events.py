@@ -23,9 +23,10 @@ list reaches it as a snapshot that it reconciles on its next wake-up.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, Literal
@@ -56,6 +57,60 @@ class EventsSettings:
     replay_timeout_s: float = 2.0
 
 
+def add_events_arguments(p: argparse.ArgumentParser, env: Callable[[str, Any], Any]) -> None:
+    """``serve`` flags for the KV-events subscriber (used when the configuration enables
+    ``precise-prefix-cache``)."""
+    g = p.add_argument_group("KV-cache events", "for the precise-prefix-cache plugin")
+    g.add_argument(
+        "--kv-events-topology",
+        choices=("connect", "bind"),
+        default=env("kv-events-topology", "connect"),
+        help="connect to each pod's publisher, or bind for pods that connect (default %(default)s)",
+    )
+    g.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=env("kv-events-port", "5557"),
+        help="connect: the pods' publisher port, unless a pod's label "
+        f"{EVENTS_PORT_LABEL} says otherwise (default %(default)s)",
+    )
+    g.add_argument(
+        "--kv-events-bind",
+        action="append",
+        default=None,
+        metavar="ENDPOINT",
+        help="bind: an endpoint to bind, e.g. tcp://0.0.0.0:5557 (repeatable)",
+    )
+    g.add_argument(
+        "--kv-events-replay-port",
+        type=int,
+        default=env("kv-events-replay-port", None),
+        help="the pods' replay endpoint port (vLLM's replay_endpoint), asked after a gap",
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> EventsSettings:
+    """``EventsSettings`` from parsed ``serve`` flags.
+
+    Raises:
+        ValueError: a bind topology without an endpoint, or a bad port.
+    """
+    bind = tuple(args.kv_events_bind or ())
+    if args.kv_events_topology == "bind" and not bind:
+        raise ValueError("--kv-events-topology bind needs at least one --kv-events-bind")
+    for flag in ("kv_events_port", "kv_events_replay_port"):
+        port = getattr(args, flag)
+        if port is not None and not 0 < int(port) <= 65535:
+            raise ValueError(f"--{flag.replace('_', '-')} must be a port 1-65535, got {port}")
+    replay = args.kv_events_replay_port
+    return EventsSettings(
+        args.kv_events_topology,
+        int(args.kv_events_port),
+        bind,
+        int(replay) if replay is not None else None,
+    )
+
+
 def pod_for_topic(topic: bytes, by_address: dict[str, PodId]) -> PodId | None:
     """``kv@<ip:port>@<model>`` -> the pod at that address, if known."""
     parts = topic.decode("utf-8", "replace").split("@")
@@ -66,7 +121,7 @@ def decode_batch(payload: bytes) -> list[Any]:
     """The events of one payload; raises ``ValueError`` on a malformed one."""
     try:
         batch = msgpack.unpackb(payload, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types
+    except Exception as exc:  # noqa: BLE001 (msgpack raises several unrelated types)
         raise ValueError(f"not msgpack: {exc}") from None
     if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
         raise ValueError("not an event batch [ts, [events], dp_rank]")

@@ -74,7 +74,7 @@ class SegmentTokenizer:
         try:
             self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
             config = json.loads((path / "tokenizer_config.json").read_text("utf-8"))
-        except Exception as exc:  # tokenizers raises plain Exception on a bad file
+        except Exception as exc:  # noqa: BLE001 (tokenizers raises a plain Exception)
             raise ValueError(f"{path}: cannot load the tokenizer: {exc}") from None
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
@@ -194,5 +194,4 @@ def _message(message: Any) -> dict[str, Any]:
         message = {**message, "content": "\n".join(texts)}
     elif content is None and message.get("role") != "assistant":
         message = {**message, "content": ""}
-    return message
-
+    return dict(message)

@@ -6,10 +6,18 @@ from extproc.scheduling.plugins.cost_aware import CostAware
 from extproc.scheduling.plugins.gpu_usage import GPUCacheUsage
 from extproc.scheduling.plugins.least_latency import LeastLatency
 from extproc.scheduling.plugins.least_request import LeastRequest
+from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheScorer
 from extproc.scheduling.types import Plugin
 
 BUILTIN: dict[str, type[Plugin]] = {
     cls.type_name: cls
-    for cls in (LeastRequest, LeastLatency, GPUCacheUsage, PrefixCacheScorer, CostAware)
+    for cls in (
+        LeastRequest,
+        LeastLatency,
+        GPUCacheUsage,
+        PrefixCacheScorer,
+        CostAware,
+        PrecisePrefixCache,
+    )
 }

@@ -73,7 +73,9 @@ class Publisher:
             for seq, payload in self.sent:
                 if seq >= int.from_bytes(start, "big"):
                     self.router.send_multipart([client, b"", b"t", seq.to_bytes(8, "big"), payload])
-            self.router.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+            self.router.send_multipart(
+                [client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
+            )
 
     def close(self) -> None:
         self._stop.set()
@@ -87,7 +89,9 @@ class Publisher:
 def make_subscriber() -> Iterator[Callable[..., tuple[KvEventsSubscriber, PreciseIndex]]]:
     started: list[KvEventsSubscriber] = []
 
-    def make(settings: EventsSettings, stale_s: float = 60.0) -> tuple[KvEventsSubscriber, PreciseIndex]:
+    def make(
+        settings: EventsSettings, stale_s: float = 60.0
+    ) -> tuple[KvEventsSubscriber, PreciseIndex]:
         index = PreciseIndex(1000, stale_s=stale_s)
         sub = KvEventsSubscriber(index, settings, CollectorRegistry())
         sub.set_pods([POD])
@@ -115,7 +119,7 @@ def connected(pub: Publisher, index: PreciseIndex) -> None:
 def test_connect_topology_applies_a_pods_events(make_subscriber) -> None:  # type: ignore[no-untyped-def]
     pub = Publisher()
     try:
-        sub, index = make_subscriber(EventsSettings("connect", port=pub.port))
+        _, index = make_subscriber(EventsSettings("connect", port=pub.port))
         connected(pub, index)
         pub.publish(stored(list(range(8))))
         wait_until(lambda: cached(index, list(range(8))) == 2)
@@ -126,7 +130,7 @@ def test_connect_topology_applies_a_pods_events(make_subscriber) -> None:  # typ
 
 def test_bind_topology_names_the_pod_by_topic(make_subscriber) -> None:  # type: ignore[no-untyped-def]
     port = free_port()
-    sub, index = make_subscriber(EventsSettings("bind", bind=(f"tcp://127.0.0.1:{port}",)))
+    _, index = make_subscriber(EventsSettings("bind", bind=(f"tcp://127.0.0.1:{port}",)))
     pub = ZmqEventPublisher(f"tcp://127.0.0.1:{port}", "kv@127.0.0.1:8000@m")
     try:
         tokens = list(range(12))
@@ -142,7 +146,7 @@ def test_bind_topology_names_the_pod_by_topic(make_subscriber) -> None:  # type:
 def test_a_gap_without_replay_marks_the_pod_stale_then_it_rebuilds(make_subscriber) -> None:  # type: ignore[no-untyped-def]
     pub = Publisher()
     try:
-        sub, index = make_subscriber(EventsSettings("connect", port=pub.port), stale_s=1.0)
+        _, index = make_subscriber(EventsSettings("connect", port=pub.port), stale_s=1.0)
         connected(pub, index)
         pub.publish(stored([1] * 8))
         wait_until(lambda: cached(index, [1] * 8) == 2)
@@ -161,7 +165,7 @@ def test_a_gap_is_filled_from_the_replay_endpoint(make_subscriber) -> None:  # t
     pub = Publisher(replay=True)
     try:
         settings = EventsSettings("connect", port=pub.port, replay_port=pub.replay_port)
-        sub, index = make_subscriber(settings)
+        _, index = make_subscriber(settings)
         connected(pub, index)
         pub.publish(stored([2] * 8), lose=True)
         pub.publish(stored([3] * 8))
@@ -176,7 +180,7 @@ def test_a_gap_is_filled_from_the_replay_endpoint(make_subscriber) -> None:  # t
 def test_a_restarted_publisher_starts_the_view_empty(make_subscriber) -> None:  # type: ignore[no-untyped-def]
     pub = Publisher()
     try:
-        sub, index = make_subscriber(EventsSettings("connect", port=pub.port))
+        _, index = make_subscriber(EventsSettings("connect", port=pub.port))
         connected(pub, index)
         pub.publish(stored([1] * 8))
         pub.publish(stored([2] * 8))

@@ -53,9 +53,10 @@ def test_chat_requests_tokenize_like_the_whole_rendering(
     body = {"messages": [{"role": r, "content": c} for r, c in turns]}
     text = tok.render_chat(body)
     assert text.endswith("<|im_start|>assistant\n")  # add_generation_prompt
-    assert tok.request_tokens(Api.CHAT_COMPLETIONS, body) == tok.tokenizer.encode(
-        text, add_special_tokens=False
-    ).ids
+    assert (
+        tok.request_tokens(Api.CHAT_COMPLETIONS, body)
+        == tok.tokenizer.encode(text, add_special_tokens=False).ids
+    )
 
 
 def test_a_conversations_history_is_tokenized_once(tok: SegmentTokenizer) -> None:
@@ -85,7 +86,8 @@ def test_requests_that_cannot_be_exact_say_so(tok: SegmentTokenizer, body: dict)
 
 def test_completions_prompts_tokenize_as_is(tok: SegmentTokenizer) -> None:
     prompt = "Once upon a time<|im_end|> there was"
-    assert tok.request_tokens(Api.COMPLETIONS, {"prompt": prompt}) == tok.tokenizer.encode(
-        prompt, add_special_tokens=True
-    ).ids
+    assert (
+        tok.request_tokens(Api.COMPLETIONS, {"prompt": prompt})
+        == tok.tokenizer.encode(prompt, add_special_tokens=True).ids
+    )
     assert tok.request_tokens(Api.COMPLETIONS, {"prompt": [1, 2, 3]}) == [1, 2, 3]
