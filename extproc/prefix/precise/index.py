@@ -129,8 +129,11 @@ class PreciseIndex:
         return dropped
 
     def cleared(self, pod: PodId) -> None:
-        """``AllBlocksCleared``, or a restarted engine: the pod holds nothing."""
-        self.view(pod).clear()
+        """``AllBlocksCleared``, or a restarted engine: the pod holds nothing, which is
+        exactly known, so a stale view is trusted again."""
+        view = self.view(pod)
+        view.clear()
+        view.stale_until = 0.0
 
     def mark_stale(self, pod: PodId) -> None:
         """Events were lost: forget the pod's view and distrust it for ``stale_s``
