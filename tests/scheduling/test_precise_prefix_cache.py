@@ -58,13 +58,13 @@ def test_the_pod_holding_the_prompt_scores_and_matches_exactly() -> None:
 
 def test_a_whole_cached_prompt_leaves_its_last_token_to_compute() -> None:
     plugin = make()
-    c = cycle()
-    tokens = plugin.prompt_tokens(c)
-    assert tokens is not None
-    padded = tokens + [0] * (-len(tokens) % BS)  # the generated tokens fill the last block
-    store(plugin, PODS[0], padded)
-    expected = (len(tokens) - 1) // BS * BS  # vLLM's max_cache_hit_length rule
-    assert plugin.matched_tokens(c, [PODS[0]])[PODS[0].id] == expected
+    tokens = list(range(100, 100 + 2 * BS))  # exactly two blocks, both cached
+    body = orjson.dumps({"model": "m", "prompt": tokens})
+    c = Cycle(parse_request("/v1/completions", body))
+    store(plugin, PODS[0], tokens)
+    # vLLM's max_cache_hit_length = num_tokens - 1: the last block is computed again
+    assert plugin.matched_tokens(c, [PODS[0]])[PODS[0].id] == BS
+    assert plugin.score(c, [PODS[0]]) == {PODS[0].id: 100}
 
 
 def test_the_salt_isolates_chains() -> None:
