@@ -20,7 +20,7 @@ from extproc.request.parse import Api
 from extproc.request.tokens import SegmentTokenizer
 
 SIZES_KB = (1, 8, 220)
-WORDS = "the router sends each request to the pod that already holds its prefix ".split()
+WORDS = ["the", "router", "sends", "each", "request", "to", "the", "pod", "that", "holds", "it"]
 
 
 def conversation(kb: int, turns: int = 8) -> list[dict[str, str]]:
@@ -42,33 +42,33 @@ def timed(fn: Any, repeat: int) -> float:
     return statistics.median(times)
 
 
-def measure(model_dir: Path, repeat: int) -> dict[str, Any]:
-    results: dict[str, Any] = {"sizes": []}
-    for kb in SIZES_KB:
-        messages = conversation(kb)
-        tok = SegmentTokenizer(model_dir)
-        text = tok.render_chat({"messages": messages})
-        whole = timed(lambda: tok.tokenizer.encode(text, add_special_tokens=False), repeat)
+def measure_size(model_dir: Path, kb: int, repeat: int) -> dict[str, Any]:
+    messages = conversation(kb)
+    tok = SegmentTokenizer(model_dir)
+    text = tok.render_chat({"messages": messages})
+    whole = timed(lambda: tok.tokenizer.encode(text, add_special_tokens=False), repeat)
 
-        def cold() -> None:
-            tok._memo.clear()
-            tok._memo_size = 0
-            tok.request_tokens(Api.CHAT_COMPLETIONS, {"messages": messages})
-
-        cold_s = timed(cold, repeat)
+    def cold() -> None:
+        tok._memo.clear()
+        tok._memo_size = 0
         tok.request_tokens(Api.CHAT_COMPLETIONS, {"messages": messages})
-        counter = iter(range(10**9))
 
-        def warm() -> None:
-            turn = [*messages, {"role": "user", "content": f"and then? {next(counter)}"}]
-            tok.request_tokens(Api.CHAT_COMPLETIONS, {"messages": turn})
+    cold_s = timed(cold, repeat)
+    tok.request_tokens(Api.CHAT_COMPLETIONS, {"messages": messages})
+    counter = iter(range(10**9))
 
-        warm_s = timed(warm, repeat)
-        num_tokens = len(tok.tokenizer.encode(text, add_special_tokens=False).ids)
-        results["sizes"].append(
-            {"kb": kb, "tokens": num_tokens, "whole_ms": whole * 1e3,
-             "segments_cold_ms": cold_s * 1e3, "segments_warm_ms": warm_s * 1e3}
-        )  # fmt: skip
+    def warm() -> None:
+        turn = [*messages, {"role": "user", "content": f"and then? {next(counter)}"}]
+        tok.request_tokens(Api.CHAT_COMPLETIONS, {"messages": turn})
+
+    warm_s = timed(warm, repeat)
+    num_tokens = len(tok.tokenizer.encode(text, add_special_tokens=False).ids)
+    return {"kb": kb, "tokens": num_tokens, "whole_ms": whole * 1e3,
+            "segments_cold_ms": cold_s * 1e3, "segments_warm_ms": warm_s * 1e3}  # fmt: skip
+
+
+def measure(model_dir: Path, repeat: int) -> dict[str, Any]:
+    results: dict[str, Any] = {"sizes": [measure_size(model_dir, kb, repeat) for kb in SIZES_KB]}
     tok = SegmentTokenizer(model_dir)
     for conv in range(20):  # 20 conversations of 10 turns each, every turn a new request
         messages = [{"role": "system", "content": "You are helpful. " * 40}]
