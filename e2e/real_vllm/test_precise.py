@@ -65,7 +65,7 @@ def _post(client: httpx.Client, pod: VllmPod, path: str, body: dict[str, Any]) -
 def _start_exact(plugin: PrecisePrefixCache, pod: VllmPod, client: httpx.Client) -> None:
     """Connected (ZMQ joins late), then reset: the view is exact from the clear on."""
     pod_id = pod.as_pod().id
-    warm = {"model": MODEL, "prompt": f"warm up {uuid.uuid4()} " * 20, "max_tokens": 1}
+    warm = {"model": MODEL, "prompt": f"warm up {uuid.uuid4()} " + "hello " * 40, "max_tokens": 1}
 
     def seen() -> bool:
         _post(client, pod, "/v1/completions", warm)
