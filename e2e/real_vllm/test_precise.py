@@ -92,6 +92,8 @@ def _requests() -> list[tuple[str, dict[str, Any]]]:
         prompt = doc + tail
         out.append(("/v1/completions", {"model": MODEL, "prompt": prompt}))
         out.append(("/v1/completions", {"model": MODEL, "prompt": prompt, "cache_salt": "b"}))
+    # Exactly two blocks of token ids: sent again, vLLM computes the whole last block.
+    out.append(("/v1/completions", {"model": MODEL, "prompt": [1000 + t for t in range(64)]}))
     return out
 
 
