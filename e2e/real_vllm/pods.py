@@ -33,7 +33,8 @@ from extproc.types import Pod, PodId
 MODEL = "qwen3-tiny"
 BLOCK_SIZE = 32  # tokens; vLLM on CPU needs a multiple of 32
 MAX_MODEL_LEN = 512
-START_TIMEOUT_S = 420.0  # about 70 s for one pod alone on 2 cores; three share them
+# About 70 s for one pod alone on 2 cores; three share them (a busier machine: the env).
+START_TIMEOUT_S = float(os.environ.get("EXTPROC_VLLM_START_TIMEOUT_S", "420"))
 STOP_TIMEOUT_S = 20.0
 ENV = {
     "HF_HUB_OFFLINE": "1",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ import grpc
 from grpc_health.v1 import health
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
+from extproc.datalayer.kv_events import KvEventsSubscriber, settings_from_args
 from extproc.datalayer.scrape import MetricsScraper
 from extproc.datalayer.sources import PodsSource, describe_source, make_pods_source
 from extproc.datalayer.store import PodStore
@@ -29,6 +31,7 @@ from extproc.routing.router import Router
 from extproc.routing.sharing import RedisSharing
 from extproc.scheduling.config import build_scheduler, load_config
 from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.scheduling.sessions import SessionStore
 from extproc.wire.epp import epp_process
 from extproc.wire.protocol import ACCESS_LOG_PATH
@@ -61,10 +64,13 @@ class Running:
     metrics_server: Any
     registry: CollectorRegistry
     sharing: RedisSharing | None = None
+    kv_events: KvEventsSubscriber | None = None
 
     def stop(self, drain_s: float = 10.0) -> None:
         set_serving(self.health_servicer, False)
         self.watcher.stop()
+        if self.kv_events is not None:
+            self.kv_events.stop()
         if self.scraper is not None:
             self.scraper.stop()
         # New ext_proc streams are refused (Envoy answers 500 or fails open); the access
@@ -179,6 +185,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
             )
         except ValueError as exc:
             raise ConfigError(f"--redis-url: {exc}") from None  # the URL may hold a password
+    kv_events = _kv_events_subscriber(args, scheduler.listeners, registry)
     scraping = args.stale_after_s > 0
     store = PodStore(router.set_pods, stale_after_s=args.stale_after_s if scraping else None)
     watcher = make_pods_source(args, store.set_pods)
@@ -218,6 +225,8 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         scraper.start()
     if sharing is not None:
         sharing.start()
+    if kv_events is not None:
+        kv_events.start()
     set_serving(servicer, True)
     log.info(
         "extproc %s serving ext_proc on %s:%d, health on :%d, metrics on :%s; %d pods from "
@@ -244,4 +253,22 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         metrics_server,
         registry,
         sharing,
+        kv_events,
     )
+
+
+def _kv_events_subscriber(
+    args: argparse.Namespace, plugins: Iterable[object], registry: CollectorRegistry
+) -> KvEventsSubscriber | None:
+    """The KV-events subscriber feeding precise-prefix-cache, when it is configured."""
+    precise = next((p for p in plugins if isinstance(p, PrecisePrefixCache)), None)
+    if precise is None:
+        return None
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    subscriber = KvEventsSubscriber(precise.index, settings, registry)
+    precise.attach(subscriber)
+    log.info("precise-prefix-cache: KV events, %s", settings)
+    return subscriber

@@ -18,6 +18,7 @@ from types import FrameType
 from typing import Any
 
 from extproc.cli.app import check_args, start
+from extproc.datalayer.kv_events import add_events_arguments
 from extproc.datalayer.sources import add_source_arguments
 from extproc.errors import ConfigError
 from extproc.request.parse import DEFAULT_MAX_BODY_BYTES
@@ -178,6 +179,7 @@ def register(sub: Any) -> None:
         "order for every path, to the letter (default %(default)s)",
     )
     add_source_arguments(p, _env)
+    add_events_arguments(p, _env)
     p.set_defaults(func=run)
 
 

@@ -9,7 +9,7 @@ raises ``BadRequest`` (or ``BodyTooLarge``) with a message naming the field.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -49,6 +49,8 @@ class InferenceRequest:
     cache_salt: str | None = None
     stream: bool = False
     session_key: str | None = None
+    # The parsed body, for plugins that render the prompt themselves (precise-prefix-cache).
+    data: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
 
 def api_for_path(path: str) -> Api:
@@ -110,7 +112,7 @@ def parse_request(
     session_key = None
     if session_header and headers:
         session_key = headers.get(session_header) or None
-    return InferenceRequest(api, model, prompt, salt, stream, session_key)
+    return InferenceRequest(api, model, prompt, salt, stream, session_key, data)
 
 
 def _load_json(body: bytes) -> dict[str, Any]:

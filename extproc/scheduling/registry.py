@@ -7,6 +7,7 @@ from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT
 from extproc.scheduling.plugins.gpu_usage import GPUCacheUsage
 from extproc.scheduling.plugins.least_latency import LeastLatency
 from extproc.scheduling.plugins.least_request import LeastRequest
+from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheScorer
 from extproc.scheduling.types import Plugin
 
@@ -19,5 +20,6 @@ BUILTIN: dict[str, type[Plugin]] = {
         PrefixCacheScorer,
         CostAware,
         EstimatedTTFT,
+        PrecisePrefixCache,
     )
 }

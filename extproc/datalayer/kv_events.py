@@ -1,0 +1,411 @@
+"""KV-cache events subscriber: vLLM's ZMQ publishers -> ``PreciseIndex``, on its own thread.
+
+Wire format (vLLM's ``ZmqEventPublisher``): three frames, the topic, an 8-byte
+big-endian sequence number per publisher (from 0), and a msgpack ``[ts, [event, ...],
+dp_rank]``; each event is a map tagged by ``"type"`` (vLLM 0.2x and later) or an array
+with the tag first (older vLLM). Two topologies:
+
+- ``connect``: each pod binds ``tcp://*:PORT``; one SUB socket per known pod connects to
+  ``tcp://<pod ip>:<port>`` (the port from the pod label ``EVENTS_PORT_LABEL`` or the
+  configured one), so events name their pod by the socket they came on.
+- ``bind``: pods connect to extproc's bound SUB socket(s) (vLLM's concrete endpoint),
+  and the topic ``kv@<pod ip:port>@<model>`` names the pod by its address.
+
+Sequence numbers are checked per pod. A gap asks the pod's replay endpoint (a ROUTER
+socket, vLLM's ``replay_endpoint``) for the missed batches when a replay port is
+configured; if that fails, or without one, the pod's view is marked stale (the scorer
+uses the approximate view for it) and rebuilt from the next events. A sequence number
+below the expected one is a restarted engine: its view starts empty.
+
+ZMQ sockets are not thread-safe, so only the subscriber's thread touches them; the pod
+list reaches it as a snapshot that it reconciles on its next wake-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Literal
+
+import msgpack
+import zmq
+from prometheus_client import REGISTRY, CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from extproc.prefix.precise.index import PreciseIndex
+from extproc.types import Pod, PodId
+
+log = logging.getLogger("extproc.kv_events")
+
+Topology = Literal["connect", "bind"]
+EVENTS_PORT_LABEL = "extproc.io/kv-events-port"  # a pod's own publisher port, if it differs
+END_SEQ = -1  # the replay stream's last message carries this sequence number (signed)
+POLL_MS = 100
+
+
+@dataclass(frozen=True, slots=True)
+class EventsSettings:
+    topology: Topology = "connect"
+    port: int = 5557  # connect: the pods' publisher port
+    bind: tuple[str, ...] = ()  # bind: endpoints extproc binds, e.g. tcp://*:5557
+    replay_port: int | None = None  # the pods' replay ROUTER port, if they run one
+    replay_timeout_s: float = 2.0
+
+
+def add_events_arguments(p: argparse.ArgumentParser, env: Callable[[str, Any], Any]) -> None:
+    """``serve`` flags for the KV-events subscriber (used when the configuration enables
+    ``precise-prefix-cache``)."""
+    g = p.add_argument_group("KV-cache events", "for the precise-prefix-cache plugin")
+    g.add_argument(
+        "--kv-events-topology",
+        choices=("connect", "bind"),
+        default=env("kv-events-topology", "connect"),
+        help="connect to each pod's publisher, or bind for pods that connect (default %(default)s)",
+    )
+    g.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=env("kv-events-port", "5557"),
+        help="connect: the pods' publisher port, unless a pod's label "
+        f"{EVENTS_PORT_LABEL} says otherwise (default %(default)s)",
+    )
+    g.add_argument(
+        "--kv-events-bind",
+        action="append",
+        default=None,
+        metavar="ENDPOINT",
+        help="bind: an endpoint to bind, e.g. tcp://0.0.0.0:5557 (repeatable)",
+    )
+    g.add_argument(
+        "--kv-events-replay-port",
+        type=int,
+        default=env("kv-events-replay-port", None),
+        help="the pods' replay endpoint port (vLLM's replay_endpoint), asked after a gap",
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> EventsSettings:
+    """``EventsSettings`` from parsed ``serve`` flags.
+
+    Raises:
+        ValueError: a bind topology without an endpoint, or a bad port.
+    """
+    bind = tuple(args.kv_events_bind or ())
+    if args.kv_events_topology == "bind" and not bind:
+        raise ValueError("--kv-events-topology bind needs at least one --kv-events-bind")
+    for flag in ("kv_events_port", "kv_events_replay_port"):
+        port = getattr(args, flag)
+        if port is not None and not 0 < int(port) <= 65535:
+            raise ValueError(f"--{flag.replace('_', '-')} must be a port 1-65535, got {port}")
+    replay = args.kv_events_replay_port
+    return EventsSettings(
+        args.kv_events_topology,
+        int(args.kv_events_port),
+        bind,
+        int(replay) if replay is not None else None,
+    )
+
+
+def pod_for_topic(topic: bytes, by_address: dict[str, PodId]) -> PodId | None:
+    """``kv@<ip:port>@<model>`` -> the pod at that address, if known."""
+    parts = topic.decode("utf-8", "replace").split("@")
+    return by_address.get(parts[1]) if len(parts) >= 3 and parts[0] == "kv" else None
+
+
+def decode_batch(payload: bytes) -> list[Any]:
+    """The events of one payload; raises ``ValueError`` on a malformed one."""
+    try:
+        batch = msgpack.unpackb(payload, strict_map_key=False)
+    except Exception as exc:  # noqa: BLE001 (msgpack raises several unrelated types)
+        raise ValueError(f"not msgpack: {exc}") from None
+    if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
+        raise ValueError("not an event batch [ts, [events], dp_rank]")
+    return batch[1]
+
+
+def apply_event(index: PreciseIndex, pod: PodId, event: Any) -> bool:
+    """Apply one event in either layout; False if it is not one we use."""
+    if isinstance(event, dict):
+        tag = event.get("type")
+        get = event.get
+    elif isinstance(event, list) and event:
+        tag = event[0]
+        names = _ARRAY_FIELDS.get(tag, ())
+        fields = dict(zip(names, event[1:], strict=False))
+        get = fields.get
+    else:
+        return False
+    if get("group_idx") not in (None, 0):  # hybrid models: the full-attention group only
+        return False
+    if tag == "BlockStored":
+        index.stored(
+            pod,
+            get("block_hashes") or [],
+            get("parent_block_hash"),
+            get("token_ids") or [],
+            int(get("block_size") or 0),
+            get("extra_keys"),
+            get("medium"),
+        )
+        return True
+    if tag == "BlockRemoved":
+        index.removed(pod, get("block_hashes") or [], get("medium"))
+        return True
+    if tag == "AllBlocksCleared":
+        index.cleared(pod)
+        return True
+    return False
+
+
+# Older vLLM's array layout: the fields in declaration order after the tag.
+_ARRAY_FIELDS: dict[Any, tuple[str, ...]] = {
+    "BlockStored": (
+        "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+        "medium", "lora_name", "extra_keys", "group_idx",
+    ),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
+    "AllBlocksCleared": (),
+}  # fmt: skip
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def counter(name: str, doc: str, labels: Sequence[str]) -> Any:
+            return cache(Counter(name, doc, labels, registry=registry).labels)
+
+        self.received = counter(
+            "extproc_kv_events_batches_received", "KV-event batches received.", ["pod"]
+        )
+        self.applied = counter(
+            "extproc_kv_events_applied", "KV events applied to a pod's view.", ["pod"]
+        )
+        self.gaps = counter(
+            "extproc_kv_events_gaps", "Sequence gaps (lost event batches) per pod.", ["pod"]
+        )
+        self.replays = counter(
+            "extproc_kv_events_replays",
+            "Replay requests after a gap, by outcome (ok: every missed batch came back).",
+            ["pod", "outcome"],
+        )
+        self.restarts = counter(
+            "extproc_kv_events_restarts", "Publishers seen starting again from 0.", ["pod"]
+        )
+        self.errors = counter(
+            "extproc_kv_events_errors",
+            "Messages dropped: malformed, or from a publisher naming no known pod.",
+            ["reason"],
+        )
+
+
+class IndexCollector(Collector):
+    """Blocks in each pod's view per medium, and pods whose view is stale, at scrape time."""
+
+    def __init__(self, index: PreciseIndex) -> None:
+        self.index = index
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        blocks = GaugeMetricFamily(
+            "extproc_kv_events_blocks",
+            "Blocks in a pod's view, by medium (GPU, or an offload tier such as CPU).",
+            labels=["pod", "medium"],
+        )
+        stale = GaugeMetricFamily(
+            "extproc_kv_events_stale_pods", "Pods whose view is stale after lost events."
+        )
+        num_stale = 0
+        for pod, view in list(self.index.views.items()):
+            num_stale += view.stale()
+            for medium, table in list(view.blocks.items()):
+                blocks.add_metric([str(pod), medium], len(table))
+        stale.add_metric([], num_stale)
+        return [blocks, stale]
+
+
+class KvEventsSubscriber:
+    """Keeps ``index`` up to date from the pods' events until ``stop``."""
+
+    def __init__(
+        self,
+        index: PreciseIndex,
+        settings: EventsSettings,
+        registry: CollectorRegistry = REGISTRY,
+        ctx: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.index = index
+        self.settings = settings
+        self._ctx = ctx or zmq.Context.instance()
+        self._metrics = _Metrics(registry)
+        registry.register(IndexCollector(index))
+        self._pods: tuple[Pod, ...] = ()
+        self._pods_version = 0
+        self._seen_version = -1
+        self._by_address: dict[str, PodId] = {}
+        self._ip: dict[PodId, str] = {}
+        self._sockets: dict[PodId, tuple[zmq.Socket[bytes], str]] = {}  # connect topology
+        self._bound: list[zmq.Socket[bytes]] = []
+        self._next_seq: dict[PodId, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self.ready = threading.Event()  # bound (bind topology) and first pods taken
+
+    def set_pods(self, pods: Sequence[Pod]) -> None:
+        """The known pods are now ``pods`` (any thread)."""
+        self._pods = tuple(pods)
+        self._pods_version += 1
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    # The subscriber's thread -----------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        try:
+            for endpoint in self.settings.bind if self.settings.topology == "bind" else ():
+                sock = self._sub_socket()
+                sock.bind(endpoint)
+                self._bound.append(sock)
+                poller.register(sock, zmq.POLLIN)
+            while not self._stop.is_set():
+                if self._seen_version != self._pods_version:
+                    self._reconcile(poller)
+                    self.ready.set()
+                for sock, _ in poller.poll(POLL_MS):
+                    self._drain(sock)
+        except Exception:
+            log.exception("the KV-events subscriber stopped")
+            raise
+        finally:
+            for sock in [*self._bound, *(s for s, _ in self._sockets.values())]:
+                sock.close(linger=0)
+
+    def _sub_socket(self) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        return sock
+
+    def _reconcile(self, poller: zmq.Poller) -> None:
+        self._seen_version = self._pods_version
+        pods = self._pods
+        self._by_address = {p.address: p.id for p in pods}
+        self._ip = {p.id: p.address.rsplit(":", 1)[0] for p in pods}
+        self.index.retain_pods(p.id for p in pods)
+        for gone in set(self._next_seq) - set(self._ip):
+            del self._next_seq[gone]
+        if self.settings.topology != "connect":
+            return
+        wanted = {p.id: f"tcp://{self._ip[p.id]}:{self._events_port(p)}" for p in pods}
+        for pod, (sock, endpoint) in list(self._sockets.items()):
+            if wanted.get(pod) != endpoint:
+                poller.unregister(sock)
+                sock.close(linger=0)
+                del self._sockets[pod]
+        for pod, endpoint in wanted.items():
+            if pod not in self._sockets:
+                sock = self._sub_socket()
+                sock.connect(endpoint)
+                poller.register(sock, zmq.POLLIN)
+                self._sockets[pod] = (sock, endpoint)
+
+    def _events_port(self, pod: Pod) -> int:
+        label = pod.label(EVENTS_PORT_LABEL)
+        return int(label) if label and label.isdigit() else self.settings.port
+
+    def _drain(self, sock: zmq.Socket[bytes]) -> None:
+        pod_of_socket = next((p for p, (s, _) in self._sockets.items() if s is sock), None)
+        for _ in range(1000):  # bounded, so pod changes and stop are seen in time
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or len(frames[1]) != 8:
+                self._metrics.errors("frames").inc()
+                continue
+            pod = pod_of_socket or pod_for_topic(frames[0], self._by_address)
+            if pod is None:
+                self._metrics.errors("unknown_pod").inc()
+                continue
+            self._on_message(pod, int.from_bytes(frames[1], "big"), frames[2])
+
+    def _on_message(self, pod: PodId, seq: int, payload: bytes) -> None:
+        """Sequence check, then apply: see the module docstring."""
+        expected = self._next_seq.get(pod)
+        label = str(pod)
+        if expected is None:
+            if seq > 0:  # joined a running publisher: what it stored before is unknown
+                self._recover(pod, 0, seq)
+        elif seq < expected:  # replays apply only batches lost live, so never a duplicate
+            self._metrics.restarts(label).inc()
+            self.index.cleared(pod)
+            del self._next_seq[pod]
+            if seq > 0:
+                self._recover(pod, 0, seq)
+        elif seq > expected:
+            self._metrics.gaps(label).inc()
+            self._recover(pod, expected, seq)
+        self._apply(pod, seq, payload)
+
+    def _apply(self, pod: PodId, seq: int, payload: bytes) -> None:
+        self._next_seq[pod] = seq + 1
+        label = str(pod)
+        self._metrics.received(label).inc()
+        try:
+            events = decode_batch(payload)
+        except ValueError:
+            self._metrics.errors("payload").inc()
+            return
+        applied = 0
+        for event in events:
+            try:
+                applied += apply_event(self.index, pod, event)
+            except (TypeError, ValueError, KeyError):
+                self._metrics.errors("event").inc()
+        if applied:
+            self._metrics.applied(label).inc(applied)
+
+    def _recover(self, pod: PodId, first: int, until: int) -> None:
+        """Batches ``first``..``until - 1`` were missed: replay them, else go stale."""
+        if self.settings.replay_port is not None and self._replay(pod, first, until):
+            self._metrics.replays(str(pod), "ok").inc()
+            return
+        if self.settings.replay_port is not None:
+            self._metrics.replays(str(pod), "failed").inc()
+        self.index.mark_stale(pod)
+
+    def _replay(self, pod: PodId, first: int, until: int) -> bool:
+        """Ask the pod's ROUTER for every batch from ``first``; True if all up to
+        ``until`` came back in order (they are applied as they come)."""
+        endpoint = f"tcp://{self._ip.get(pod, '127.0.0.1')}:{self.settings.replay_port}"
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(endpoint)
+            sock.send_multipart([b"", first.to_bytes(8, "big")])
+            timeout_ms = int(self.settings.replay_timeout_s * 1000)
+            while sock.poll(timeout_ms):
+                frames = sock.recv_multipart()
+                if len(frames) != 4:
+                    return False
+                _, _, seq_bytes, payload = frames
+                seq = int.from_bytes(seq_bytes, "big", signed=True)
+                if seq == END_SEQ:
+                    return self._next_seq.get(pod, first) == until
+                if seq < first or seq >= until:
+                    continue
+                if seq != self._next_seq.get(pod, first):
+                    return False  # the buffer no longer reaches back to ``first``
+                self._apply(pod, seq, payload)
+            return False
+        finally:
+            sock.close(linger=0)

@@ -1,0 +1,173 @@
+"""Per-pod views of the KV cache, built from vLLM's ``BlockStored`` / ``BlockRemoved`` /
+``AllBlocksCleared`` events and keyed by ``keys.block_key`` (never the engine's hash).
+
+Each pod keeps, per medium (``GPU``, and ``CPU`` or another offload tier), an ordered
+map key -> engine hash and its inverse engine hash -> key; the inverse maps a
+``BlockRemoved`` and a ``BlockStored``'s parent to our keys. A store whose parent we do
+not know (stored before we subscribed, or lost) cannot be keyed and is counted as an
+orphan; its blocks could not be matched anyway, since a match walks from block 0.
+
+Memory is bounded by the pod's real capacity (``capacity`` blocks per medium, from the
+configuration): an engine never holds more, so an overflow means removals were lost,
+and the oldest-stored blocks go first.
+
+Threads: one writer (the events subscriber); the request path only reads, with single
+``dict`` lookups, which the GIL makes atomic, so it takes no lock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from extproc.prefix.precise.keys import ROOT, block_key, token_bytes
+from extproc.types import PodId
+
+GPU = "GPU"
+
+
+@dataclass(slots=True)
+class PodView:
+    """One pod's cached blocks, as its events told."""
+
+    capacity: int
+    block_size: int | None = None  # learned from the pod's first BlockStored
+    blocks: dict[str, dict[int, int]] = field(default_factory=dict)  # medium -> key -> hash
+    keys: dict[str, dict[int, int]] = field(default_factory=dict)  # medium -> hash -> key
+    stale_until: float = 0.0  # monotonic time; the view is not trusted before it
+    orphans: int = 0  # stored blocks whose parent was unknown
+    evicted: int = 0  # blocks dropped over capacity (lost removals)
+
+    def stale(self, now: float | None = None) -> bool:
+        return (time.monotonic() if now is None else now) < self.stale_until
+
+    def clear(self) -> None:
+        self.blocks = {}
+        self.keys = {}
+
+    def num_blocks(self, medium: str) -> int:
+        return len(self.blocks.get(medium, ()))
+
+
+def medium_of(value: Any) -> str:
+    """vLLM leaves ``medium`` out (None) for the GPU pool."""
+    return value if isinstance(value, str) and value else GPU
+
+
+class PreciseIndex:
+    """Every known pod's ``PodView``; the subscriber writes, the scorer reads."""
+
+    def __init__(self, capacity_blocks: int, stale_s: float = 30.0) -> None:
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks must be 1 or more, got {capacity_blocks}")
+        self.capacity = capacity_blocks
+        self.stale_s = stale_s
+        self.views: dict[PodId, PodView] = {}
+
+    def view(self, pod: PodId) -> PodView:
+        view = self.views.get(pod)
+        if view is None:
+            view = self.views[pod] = PodView(self.capacity)
+        return view
+
+    def retain_pods(self, keep: Iterable[PodId]) -> None:
+        keep = set(keep)
+        for pod in [p for p in self.views if p not in keep]:
+            del self.views[pod]
+
+    # Writes (the subscriber's thread) ------------------------------------------------
+
+    def stored(
+        self,
+        pod: PodId,
+        hashes: Sequence[int],
+        parent: int | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        extra_keys: Sequence[Sequence[Any] | None] | None,
+        medium: Any = None,
+    ) -> int:
+        """Apply one ``BlockStored``; returns the blocks added (0 for an orphan or a
+        partial block, which vLLM only stores with partial-block hits on)."""
+        view = self.view(pod)
+        med = medium_of(medium)
+        if block_size < 1 or len(token_ids) != len(hashes) * block_size:
+            return 0
+        by_hash = view.keys.setdefault(med, {})
+        parent_key = ROOT if parent is None else self._key_of(view, parent, med)
+        if parent_key is None:
+            view.orphans += len(hashes)
+            return 0
+        view.block_size = block_size
+        blocks = view.blocks.setdefault(med, {})
+        data = token_bytes(token_ids)
+        step = 4 * block_size
+        for i, engine_hash in enumerate(hashes):
+            extra = extra_keys[i] if extra_keys and i < len(extra_keys) else None
+            parent_key = block_key(parent_key, data[i * step : (i + 1) * step], extra)
+            blocks.pop(parent_key, None)  # re-stored: newest again
+            blocks[parent_key] = engine_hash
+            by_hash[engine_hash] = parent_key
+        while len(blocks) > view.capacity:
+            oldest = next(iter(blocks))
+            by_hash.pop(blocks.pop(oldest), None)
+            view.evicted += 1
+        return len(hashes)
+
+    def removed(self, pod: PodId, hashes: Sequence[int], medium: Any = None) -> int:
+        """Apply one ``BlockRemoved``; returns the blocks dropped."""
+        view = self.view(pod)
+        med = medium_of(medium)
+        by_hash, blocks = view.keys.get(med, {}), view.blocks.get(med, {})
+        dropped = 0
+        for engine_hash in hashes:
+            key = by_hash.pop(engine_hash, None)
+            if key is not None and blocks.pop(key, None) is not None:
+                dropped += 1
+        return dropped
+
+    def cleared(self, pod: PodId) -> None:
+        """``AllBlocksCleared``, or a restarted engine: the pod holds nothing, which is
+        exactly known, so a stale view is trusted again."""
+        view = self.view(pod)
+        view.clear()
+        view.stale_until = 0.0
+
+    def mark_stale(self, pod: PodId) -> None:
+        """Events were lost: forget the pod's view and distrust it for ``stale_s``
+        while it is rebuilt from the next events."""
+        view = self.view(pod)
+        view.clear()
+        view.stale_until = time.monotonic() + self.stale_s
+
+    @staticmethod
+    def _key_of(view: PodView, engine_hash: int, medium: str) -> int | None:
+        key = view.keys.get(medium, {}).get(engine_hash)
+        if key is None:  # a CPU block's parent may sit on the GPU, and the other way
+            for other, by_hash in view.keys.items():
+                if other != medium and (key := by_hash.get(engine_hash)) is not None:
+                    break
+        return key
+
+    # Reads (the request path) --------------------------------------------------------
+
+    def match(self, pod: PodId, keys: Sequence[int]) -> tuple[int, int]:
+        """The pod's longest run of cached blocks from the start of ``keys``:
+        (blocks on the GPU, blocks found only in an offload tier)."""
+        view = self.views.get(pod)
+        if view is None:
+            return 0, 0
+        gpu = view.blocks.get(GPU, {})
+        # tuple() copies in one C call: the writer may add a medium meanwhile
+        offload = [b for m, b in tuple(view.blocks.items()) if m != GPU]
+        on_gpu = elsewhere = 0
+        for key in keys:
+            if key in gpu:
+                on_gpu += 1
+            elif any(key in b for b in offload):
+                elsewhere += 1
+            else:
+                break
+        return on_gpu, elsewhere

@@ -1,0 +1,60 @@
+"""extproc's own block keys: a chain over the blocks' token ids, the engine's hash ignored.
+
+A block's key is ``XXH3-64(token ids as little-endian uint32 + packed extra keys,
+seed=parent key)``, the first block's parent being ``ROOT``. The engine's own hashes
+depend on its algorithm and, for xxHash, on a per-process seed (``PYTHONHASHSEED``), so
+a router cannot recompute them; token ids it can. ``extra`` is vLLM's per-block extra
+key tuple as its KV events publish it (untagged: the LoRA name on every block, then
+``cache_salt`` on the first block only), so a salted or LoRA chain never meets another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+import xxhash
+
+ROOT = 0x9E37_79B9_7F4A_7C15  # the parent of every chain's first block; any constant works
+
+
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    return np.asarray(tokens, dtype="<u4").tobytes()
+
+
+def block_key(parent: int, data: bytes, extra: Sequence[Any] | None) -> int:
+    """The key of one block whose token ids are ``data`` (``token_bytes``) under ``parent``."""
+    if extra:
+        data += msgpack.packb(list(extra))
+    return xxhash.xxh3_64_intdigest(data, seed=parent)
+
+
+def request_extra(index: int, salt: str | None, lora: str | None) -> tuple[str, ...] | None:
+    """The extra keys vLLM gives block ``index`` of a request (``generate_block_hash_extra_keys``
+    then ``to_event_extra_keys``): the LoRA name, then the salt on block 0 only."""
+    parts = ([lora] if lora else []) + ([salt] if salt and index == 0 else [])
+    return tuple(parts) or None
+
+
+def chain_keys(
+    tokens: Sequence[int],
+    block_size: int,
+    salt: str | None = None,
+    lora: str | None = None,
+    max_blocks: int | None = None,
+) -> list[int]:
+    """Keys of every full block of a request's ``tokens`` (a short tail has none)."""
+    num = len(tokens) // block_size
+    if max_blocks is not None:
+        num = min(num, max_blocks)
+    data = token_bytes(tokens[: num * block_size])
+    step = 4 * block_size
+    keys: list[int] = []
+    parent = ROOT
+    for i in range(num):
+        extra = request_extra(i, salt, lora)
+        parent = block_key(parent, data[i * step : (i + 1) * step], extra)
+        keys.append(parent)
+    return keys

@@ -1,0 +1,261 @@
+"""precise-prefix-cache (Score): favour the pods whose KV cache holds the prompt's start,
+as their own KV events say (``datalayer.kv_events`` -> ``prefix.precise.index``).
+
+* inputs: the request's exact token ids (``request.tokens``: the model's chat template
+  and tokenizer from ``models: {name: directory}``), cut into the pod's block size (from
+  its events, else ``blockSize``) and chained into ``prefix.precise.keys``;
+* score = floor((GPU blocks + ``cpuWeight`` * offloaded blocks) / full blocks * 100)
+  for at most ``topKMatches`` pods, from the longest match down; others 0, like
+  prefix-cache;
+* fallback: a request that cannot be tokenized exactly (multimodal, a model without a
+  tokenizer, the responses API) and a pod whose view is stale (events lost) are scored
+  from an approximate view, prefix-cache's own (``PrefixIndex`` over recorded prompts),
+  which this plugin keeps too;
+* exact counts for the cost model: ``matched_tokens`` is what vLLM will find cached
+  (whole blocks, never the prompt's last token), ``prompt_tokens`` the prompt's length.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, ClassVar
+
+from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from extproc.datalayer.kv_events import KvEventsSubscriber
+from extproc.errors import ConfigError
+from extproc.prefix.index import PrefixIndex
+from extproc.prefix.precise.index import PreciseIndex
+from extproc.prefix.precise.keys import chain_keys
+from extproc.request.tokens import NotExact, SegmentTokenizer
+from extproc.scheduling.args import load_args
+from extproc.scheduling.plugins.prefix_cache import MATCH_RATIO_BUCKETS
+from extproc.scheduling.types import BYTES_PER_TOKEN, Cycle, PluginContext
+from extproc.types import Pod, PodId
+
+log = logging.getLogger("extproc.scheduling.precise")
+
+TOKENIZE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class PreciseArgs:
+    blockSize: int = 16  # tokens a block, until a pod's events tell its own
+    capacityBlocks: int = 200_000  # a pod's view is never larger (per medium)
+    staleSeconds: float = 30.0  # a pod's view is distrusted this long after lost events
+    cpuWeight: float = 0.5  # an offloaded block's worth against a GPU block
+    topKMatches: int = 5
+    memoTokens: int = 4_000_000  # tokens of memoized segments, across models
+    # The approximate view (prefix-cache's), for fallbacks:
+    blockSizeToHash: int = 64
+    maxBlocksToMatch: int = 128
+    maxHashCacheSize: int = 50000
+
+
+class _MemoCollector(Collector):
+    def __init__(self, tokenizers: Mapping[str, SegmentTokenizer]) -> None:
+        self.tokenizers = tokenizers
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "extproc_precise_prefix_segments",
+            "Prompt segments tokenized (miss) or found in the memo (hit), per model.",
+            labels=["model", "result"],
+        )
+        for model, tok in self.tokenizers.items():
+            family.add_metric([model, "hit"], tok.hits)
+            family.add_metric([model, "miss"], tok.misses)
+        return [family]
+
+
+class PrecisePrefixCache:
+    """Scores by the pods' reported KV cache; records prompts for the approximate view."""
+
+    type_name: ClassVar[str] = "precise-prefix-cache"
+
+    def __init__(self, args: PreciseArgs, models: Mapping[str, str], ctx: PluginContext) -> None:
+        self.args = args
+        self.index = PreciseIndex(args.capacityBlocks, args.staleSeconds)
+        self.approx = PrefixIndex(args.maxHashCacheSize)
+        share = max(1, args.memoTokens // max(1, len(models)))
+        try:
+            self.tokenizers = {m: SegmentTokenizer(d, share) for m, d in models.items()}
+        except ValueError as exc:
+            raise ConfigError(f"precise-prefix-cache: {exc}") from None
+        self.subscriber: KvEventsSubscriber | None = None
+        self._last: tuple[Cycle | None, list[int] | None] = (None, None)
+        registry = ctx.registry
+        ratio = Histogram(
+            "extproc_precise_prefix_cache_match_ratio",
+            "Fraction of the prompt's blocks the best pod holds, each time it scores.",
+            ["model"],
+            registry=registry,
+            buckets=MATCH_RATIO_BUCKETS,
+        )
+        self._ratio = cache(ratio.labels)
+        fallbacks = Counter(
+            "extproc_precise_prefix_fallbacks",
+            "Scores taken from the approximate view: the request could not be tokenized "
+            "exactly (not_exact, unknown_model) or a pod's view was stale (stale_pod).",
+            ["reason"],
+            registry=registry,
+        )
+        self._fallbacks = cache(fallbacks.labels)
+        tokenize = Histogram(
+            "extproc_precise_prefix_tokenize_seconds",
+            "Time to render and tokenize one request (memo lookups included).",
+            ["model"],
+            registry=registry,
+            buckets=TOKENIZE_BUCKETS,
+        )
+        self._tokenize_time = cache(tokenize.labels)
+        self._evictions = Counter(
+            "extproc_precise_prefix_cache_evictions",
+            "Approximate-view entries dropped because a pod's list was full.",
+            ["model"],
+            registry=registry,
+        )
+        entries = Gauge(
+            "extproc_precise_prefix_cache_entries",
+            "Approximate-view entries stored across all pods.",
+            registry=registry,
+        )
+        entries.set_function(lambda: self.approx.num_entries)
+        registry.register(_MemoCollector(self.tokenizers))
+
+    @classmethod
+    def from_args(cls, args: Any, ctx: PluginContext) -> PrecisePrefixCache:
+        raw = args if isinstance(args, dict) else {}
+        models = raw.get("models") or {}
+        if not isinstance(models, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in models.items()
+        ):
+            raise ConfigError(
+                "precise-prefix-cache: 'models' must map model names to tokenizer directories"
+            )
+        numeric = {k: v for k, v in raw.items() if k != "models"}
+        return cls(load_args(PreciseArgs, numeric), models, ctx)
+
+    def attach(self, subscriber: KvEventsSubscriber) -> None:
+        """The events subscriber feeding ``self.index``; told of every pod change."""
+        self.subscriber = subscriber
+
+    # Tokens and matches -----------------------------------------------------------
+
+    def prompt_tokens(self, cycle: Cycle) -> list[int] | None:
+        """The request's exact token ids, or None when they cannot be had (counted)."""
+        if self._last[0] is cycle:  # score, then the cost model: tokenized once
+            return self._last[1]
+        req = cycle.request
+        tok = self.tokenizers.get(req.model)
+        tokens: list[int] | None = None
+        if tok is None:
+            self._fallbacks("unknown_model").inc()
+        elif req.data is None:
+            self._fallbacks("not_exact").inc()
+        else:
+            start = time.perf_counter()
+            try:
+                tokens = tok.request_tokens(req.api, req.data)
+            except NotExact as exc:
+                log.debug("precise-prefix-cache: approximate for this request: %s", exc)
+                self._fallbacks("not_exact").inc()
+            self._tokenize_time(req.model).observe(time.perf_counter() - start)
+        self._last = (cycle, tokens)
+        return tokens
+
+    def _precise(
+        self, cycle: Cycle, tokens: list[int], pods: Iterable[PodId]
+    ) -> tuple[dict[PodId, tuple[int, int, int]], list[PodId]]:
+        """Per pod with a trusted view: (GPU blocks, offloaded blocks, full blocks);
+        and the pods whose view is stale."""
+        keys_by_size: dict[int, list[int]] = {}
+        salt = cycle.request.cache_salt
+        out: dict[PodId, tuple[int, int, int]] = {}
+        stale: list[PodId] = []
+        now = time.monotonic()
+        for pod in pods:
+            view = self.index.views.get(pod)
+            if view is not None and view.stale(now):
+                stale.append(pod)
+                continue
+            size = (view.block_size if view else None) or self.args.blockSize
+            keys = keys_by_size.get(size)
+            if keys is None:
+                keys = keys_by_size[size] = chain_keys(tokens, size, salt)
+            gpu, offloaded = self.index.match(pod, keys)
+            out[pod] = (gpu, offloaded, len(keys))
+        return out, stale
+
+    def _approx_fraction(self, cycle: Cycle, pods: Sequence[PodId]) -> dict[PodId, float]:
+        keys = cycle.block_keys(self.args.blockSizeToHash, self.args.maxBlocksToMatch)
+        if not len(keys) or not pods:
+            return {}
+        matches = self.approx.match(keys, pods, len(pods))
+        return {pod: matched / len(keys) for pod, matched in matches.items()}
+
+    def score(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
+        ids = [p.id for p in pods]
+        tokens = self.prompt_tokens(cycle)
+        fractions: dict[PodId, float] = {}
+        approximate: list[PodId] = ids
+        if tokens is not None:
+            precise, approximate = self._precise(cycle, tokens, ids)
+            if approximate:
+                self._fallbacks("stale_pod").inc(len(approximate))
+            cpu = self.args.cpuWeight
+            for pod, (gpu, offloaded, total) in precise.items():
+                if total:
+                    fractions[pod] = (gpu + cpu * offloaded) / total
+        fractions.update(self._approx_fraction(cycle, approximate))
+        best = sorted(fractions.items(), key=lambda kv: kv[1], reverse=True)
+        best = [kv for kv in best[: self.args.topKMatches] if kv[1] > 0]
+        self._ratio(cycle.request.model).observe(best[0][1] if best else 0.0)
+        return {pod: int(fraction * 100) for pod, fraction in best}
+
+    def matched_tokens(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
+        """Prompt tokens each pod will find cached, as vLLM counts them (whole GPU blocks,
+        at most the prompt's length less one); approximate for fallbacks."""
+        tokens = self.prompt_tokens(cycle)
+        ids = [p.id for p in pods]
+        out: dict[PodId, int] = {}
+        approximate: list[PodId] = ids
+        if tokens is not None:
+            precise, approximate = self._precise(cycle, tokens, ids)
+            for pod, (gpu, _, _) in precise.items():
+                view = self.index.views.get(pod)
+                size = (view.block_size if view else None) or self.args.blockSize
+                out[pod] = min(gpu, max(0, len(tokens) - 1) // size) * size
+        num_tokens = len(tokens) if tokens is not None else cycle.num_prompt_tokens
+        for pod, fraction in self._approx_fraction(cycle, approximate).items():
+            out[pod] = int(fraction * num_tokens)
+        return out
+
+    def matched_bytes(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
+        """``PrefixMatcher`` for cost-aware: matched tokens in its bytes-per-token units."""
+        limit = cycle.num_prompt_bytes
+        return {
+            pod: min(limit, n * BYTES_PER_TOKEN)
+            for pod, n in self.matched_tokens(cycle, pods).items()
+        }
+
+    # Recorder and pods ------------------------------------------------------------
+
+    def record(self, cycle: Cycle, pod: PodId) -> None:
+        """The approximate view learns from served prompts, as prefix-cache's does."""
+        keys = cycle.block_keys(self.args.blockSizeToHash, self.args.maxBlocksToMatch)
+        if len(keys):
+            evicted = self.approx.record(keys, pod)
+            if evicted:
+                self._evictions.labels(cycle.request.model).inc(evicted)
+
+    def pods_changed(self, pods: Sequence[Pod]) -> None:
+        self.approx.retain_pods(p.id for p in pods)
+        if self.subscriber is not None:
+            self.subscriber.set_pods(pods)

@@ -1,0 +1,128 @@
+"""precise-prefix-cache: scores and exact matched tokens from the pods' views, the
+approximate fallbacks (unknown model, untokenizable request, stale pod), configuration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+from prometheus_client import CollectorRegistry
+
+from extproc.errors import ConfigError
+from extproc.request.parse import parse_request
+from extproc.scheduling.config import build_scheduler, parse_config
+from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
+from extproc.scheduling.types import Cycle, PluginContext
+from extproc.types import Pod, PodId
+
+MODEL_DIR = Path.home() / ".cache/extproc-e2e/model/qwen3-tiny"
+pytestmark = pytest.mark.skipif(
+    not (MODEL_DIR / "tokenizer.json").exists(), reason="run `python -m e2e.real_vllm.prepare`"
+)
+BS = 16
+PODS = [Pod(PodId("default", f"p{i}"), f"10.0.0.{i}:8000", frozenset({"m"})) for i in range(3)]
+SYSTEM = "You are a careful assistant. " * 20
+
+
+def make(registry: CollectorRegistry | None = None, **args: object) -> PrecisePrefixCache:
+    raw = {"models": {"m": str(MODEL_DIR)}, "blockSize": BS, **args}
+    return PrecisePrefixCache.from_args(raw, PluginContext(registry or CollectorRegistry()))
+
+
+def cycle(question: str = "hi", model: str = "m", **extra: object) -> Cycle:
+    body = {"model": model, "messages": [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": question}], **extra}  # fmt: skip
+    return Cycle(parse_request("/v1/chat/completions", orjson.dumps(body)))
+
+
+def store(plugin: PrecisePrefixCache, pod: Pod, tokens: list[int], salt: str | None = None) -> None:
+    """What the pod's engine would publish after serving ``tokens``."""
+    num = len(tokens) // BS
+    extra = [[salt] if salt and i == 0 else None for i in range(num)]
+    hashes = [hash((pod.id, salt, tuple(tokens[: (i + 1) * BS]))) for i in range(num)]
+    plugin.index.stored(pod.id, hashes, None, tokens[: num * BS], BS, extra)
+
+
+def test_the_pod_holding_the_prompt_scores_and_matches_exactly() -> None:
+    plugin = make()
+    c = cycle()
+    tokens = plugin.prompt_tokens(c)
+    assert tokens is not None and len(tokens) > 3 * BS
+    store(plugin, PODS[1], tokens[: 3 * BS])  # the shared system prompt's first 3 blocks
+    scores = plugin.score(c, PODS)
+    assert set(scores) == {PODS[1].id}
+    assert scores[PODS[1].id] == 3 * 100 // (len(tokens) // BS)
+    assert plugin.matched_tokens(c, PODS) == {PODS[0].id: 0, PODS[1].id: 3 * BS, PODS[2].id: 0}
+
+
+def test_a_whole_cached_prompt_leaves_its_last_token_to_compute() -> None:
+    plugin = make()
+    tokens = list(range(100, 100 + 2 * BS))  # exactly two blocks, both cached
+    body = orjson.dumps({"model": "m", "prompt": tokens})
+    c = Cycle(parse_request("/v1/completions", body))
+    store(plugin, PODS[0], tokens)
+    # vLLM's max_cache_hit_length = num_tokens - 1: the last block is computed again
+    assert plugin.matched_tokens(c, [PODS[0]])[PODS[0].id] == BS
+    assert plugin.score(c, [PODS[0]]) == {PODS[0].id: 100}
+
+
+def test_the_salt_isolates_chains() -> None:
+    plugin = make()
+    tokens = plugin.prompt_tokens(cycle())
+    assert tokens is not None
+    store(plugin, PODS[0], tokens, salt="t1")
+    assert plugin.score(cycle(), PODS) == {}
+    assert PODS[0].id in plugin.score(cycle(cache_salt="t1"), PODS)
+    assert plugin.score(cycle(cache_salt="t2"), PODS) == {}
+
+
+@pytest.mark.parametrize(
+    ("c", "reason"),
+    [
+        pytest.param(cycle(model="other"), "unknown_model", id="unknown-model"),
+        pytest.param(
+            Cycle(parse_request("/v1/responses", orjson.dumps({"model": "m", "input": "hi"}))),
+            "not_exact",
+            id="responses-api",
+        ),
+    ],
+)
+def test_requests_without_exact_tokens_use_the_approximate_view(c: Cycle, reason: str) -> None:
+    registry = CollectorRegistry()
+    plugin = make(registry)
+    assert plugin.score(c, PODS) == {}
+    plugin.record(c, PODS[2].id)
+    assert set(plugin.score(c, PODS)) == {PODS[2].id}
+    labels = {"reason": reason}
+    assert registry.get_sample_value("extproc_precise_prefix_fallbacks_total", labels) == 1
+
+
+def test_a_stale_pod_is_scored_from_the_approximate_view() -> None:
+    registry = CollectorRegistry()
+    plugin = make(registry)
+    c = cycle()
+    tokens = plugin.prompt_tokens(c)
+    assert tokens is not None
+    store(plugin, PODS[0], tokens)
+    plugin.index.mark_stale(PODS[0].id)  # lost events: its view is forgotten and distrusted
+    plugin.record(c, PODS[0].id)
+    assert set(plugin.score(c, PODS)) == {PODS[0].id}  # from the recorded prompt
+    value = registry.get_sample_value(
+        "extproc_precise_prefix_fallbacks_total", {"reason": "stale_pod"}
+    )
+    assert value == 1
+
+
+def test_the_configuration_builds_it_and_refuses_bad_models() -> None:
+    text = (
+        Path("extproc/data/precise.yaml").read_text().replace("/models/qwen3-tiny", str(MODEL_DIR))
+    )
+    scheduler = build_scheduler(parse_config(text, "precise.yaml"), CollectorRegistry())
+    assert any(isinstance(p, PrecisePrefixCache) for p in scheduler.listeners)
+    with pytest.raises(ConfigError, match="cannot load the tokenizer"):
+        build_scheduler(
+            parse_config(text.replace(str(MODEL_DIR), "/nonexistent"), "x"), CollectorRegistry()
+        )
+    with pytest.raises(ConfigError, match="'models' must map"):
+        make(models=["m"])
