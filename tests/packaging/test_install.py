@@ -240,5 +240,5 @@ def test_the_image_command_serves_and_drains_on_sigterm(image: Image, tmp_path: 
         code = proc.stop(signal.SIGTERM)
     log = proc.log_tail()
     assert code == 0, log
-    assert "extproc serving ext_proc on 127.0.0.1" in log and "drained" in log, log
+    assert "serving ext_proc on 127.0.0.1" in log and "drained" in log, log
     assert "Traceback" not in log
