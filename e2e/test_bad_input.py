@@ -17,8 +17,7 @@ import httpx
 import orjson
 import pytest
 
-from e2e.conftest import MODEL, metric
-from e2e.test_routing import RECORDED
+from e2e.conftest import MODEL, RECORDED, metric
 from extproc.sim.launch import Stack
 
 C, CHAT, R = "/v1/completions", "/v1/chat/completions", "/v1/responses"
@@ -203,7 +202,8 @@ CORPUS: dict[str, Case] = {
 def send(client: httpx.Client, case: Case) -> httpx.Response:
     body = case.body
     content = (body[i : i + 7] for i in range(0, len(body), 7)) if case.chunked and body else body
-    return client.request(case.method, case.path, content=content, headers=case.headers)
+    # httpx normalises each header value, str or bytes, but its HeaderTypes admits no mix
+    return client.request(case.method, case.path, content=content, headers=case.headers)  # type: ignore[arg-type]
 
 
 def check(case: Case, resp: httpx.Response) -> None:

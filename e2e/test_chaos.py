@@ -15,6 +15,7 @@ import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 
 import httpx
 import pytest
@@ -22,13 +23,14 @@ import pytest
 from e2e.conftest import (
     MODEL,
     PREFIX_CONFIG,
+    RECORDED,
     background_load,
     metric,
     unique_prefix,
     wait_for,
 )
 from e2e.test_faults import ENTRIES, FAILED
-from e2e.test_routing import RECORDED, body_for, send_and_wait_recorded
+from e2e.test_routing import body_for, send_and_wait_recorded
 from extproc.sim.harness import SimPods, spawn_sim_pods
 from extproc.sim.launch import Stack, free_port, run_stack, write_pods_file
 from extproc.types import Pod, PodId
@@ -59,7 +61,7 @@ def chaos_stack(all_pods: list[Pod]) -> Iterator[Stack]:
         yield stack
 
 
-def start_victim(port: int) -> Iterator[SimPods]:
+def start_victim(port: int) -> AbstractContextManager[SimPods]:
     return spawn_sim_pods(1, port=port, args=["--model", MODEL, "--name-prefix", "victim"])
 
 

@@ -18,13 +18,13 @@ import pytest
 from e2e.conftest import (
     MODEL,
     PREFIX_CONFIG,
+    RECORDED,
     background_load,
     metric,
     unique_prefix,
     wait_for,
 )
 from e2e.slow_scheduler import marker
-from e2e.test_routing import RECORDED
 from extproc.sim.harness import SimPods
 from extproc.sim.launch import Stack, run_stack
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import httpx
 
-from e2e.conftest import MODEL, NUM_PODS, metric, unique_prefix, wait_for
-from e2e.test_routing import RECORDED, body_for, send_and_wait_recorded, served_by
+from e2e.conftest import MODEL, NUM_PODS, RECORDED, metric, unique_prefix, wait_for
+from e2e.test_routing import body_for, send_and_wait_recorded, served_by
 from extproc.sim.harness import SimPods
 from extproc.sim.launch import Stack
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from e2e.conftest import MODEL, RECORDED, metric, unique_prefix, wait_for
 from extproc.sim.harness import SimPods
@@ -105,11 +106,13 @@ def test_bad_requests_get_json_errors_and_extproc_keeps_serving(
 
 def test_openai_client_plain_and_streamed_chat(stack: Stack) -> None:
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
-    messages = [{"role": "user", "content": "Say something short."}]
-    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)  # type: ignore[arg-type]
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Say something short."}
+    ]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
     assert reply.choices[0].message.content and reply.usage and reply.usage.completion_tokens == 5
     chunks = list(
-        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, stream=True)  # type: ignore[arg-type]
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, stream=True)
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text and chunks[-1].choices[0].finish_reason == "length"

@@ -77,8 +77,8 @@ def test_named_kthena_config_is_the_kthena_helm_chart_default() -> None:
     }
     scheduler = build_scheduler(config, CollectorRegistry())
     least_request, gpu, latency, prefix = (ws.scorer for ws in scheduler.scorers)
-    assert scheduler.filters == (least_request,)  # one instance in both roles
     assert isinstance(least_request, LeastRequest) and least_request.args == LeastRequestArgs()
+    assert scheduler.filters == (least_request,)  # one instance in both roles
     assert isinstance(gpu, GPUCacheUsage)
     assert isinstance(latency, LeastLatency) and latency.args == LeastLatencyArgs()
     assert isinstance(prefix, PrefixCacheScorer) and prefix.args == PrefixCacheArgs()

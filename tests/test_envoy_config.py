@@ -20,17 +20,15 @@ import yaml
 from extproc.cli import envoy_config as cli
 from extproc.datalayer.pods_file import DEFAULT_PODS_FILE, load_pods
 from extproc.envoyconf.build import (
-    DESTINATION_KEY,
-    DESTINATION_NAMESPACE,
     EXTPROC_CLUSTER,
     EnvoyOptions,
-    header_attribute,
     make_bootstrap,
     make_snippet,
     split_host_port,
 )
 from extproc.envoyconf.render import render_bootstrap, render_snippet, to_dict, to_yaml
 from extproc.types import Pod, PodId
+from extproc.wire.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE, header_attribute
 from tests.tls_certs import CertAuthority
 
 REPO = Path(__file__).resolve().parents[1]
@@ -231,9 +229,10 @@ def test_generated_configs_validate(
     ca = CertAuthority(tmp_path)
     envoy = ca.issue("envoy", client=True)
     files = {"{ca}": str(ca.path), "{cert}": str(envoy.cert), "{key}": str(envoy.key)}
-    opts = EnvoyOptions(
-        **{k: files.get(v, v) if isinstance(v, str) else v for k, v in options.items()}
-    )
+    fields: dict[str, Any] = {
+        k: files.get(v, v) if isinstance(v, str) else v for k, v in options.items()
+    }
+    opts = EnvoyOptions(**fields)
     path = tmp_path / "envoy.yaml"
     path.write_text(render_bootstrap(make_bootstrap(pods, opts), summary="test"))
     validate(path)

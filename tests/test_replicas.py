@@ -88,7 +88,8 @@ def log_entry(
 
 
 def outcome(router: Router, name: str) -> float:
-    return router.metrics.outcome[name]._value.get()
+    value: float = router.metrics.outcome[name]._value.get()
+    return value
 
 
 def record_of(reply: ep.ProcessingResponse) -> dict[str, Any]:

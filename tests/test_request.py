@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import orjson
 import pytest
 
 from extproc.errors import BadRequest, BodyTooLarge
-from extproc.request.parse import Api, api_for_path, parse_request
+from extproc.request.parse import Api, InferenceRequest, api_for_path, parse_request
 
 
-def parse(api: Api, body: object, **kw: object) -> object:
+def parse(
+    api: Api,
+    body: object,
+    headers: Mapping[str, str] | None = None,
+    *,
+    session_header: str | None = None,
+) -> InferenceRequest:
     raw = body if isinstance(body, bytes) else orjson.dumps(body)
-    return parse_request(api.value, raw, **kw)  # type: ignore[arg-type]
+    return parse_request(api.value, raw, headers, session_header=session_header)
 
 
 def test_completions_prompt_as_is() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from extproc.sim.kv_cache import BlockStored
+from extproc.sim.kv_cache import BlockHash, BlockStored
 from extproc.sim.kv_events import ZmqEventPublisher
 from extproc.sim.launch import free_port, start_extproc, write_pods_file
 from extproc.types import Pod, PodId
@@ -57,7 +57,14 @@ def test_serve_feeds_the_view_from_the_pods_events(tmp_path: Path) -> None:
         page = ""
         while f"{BLOCKS} 2.0" not in page:
             assert time.monotonic() < deadline, page[-2000:]
-            pub.publish(0.0, [BlockStored((1, 2), None, tuple(range(32)), 16, (None, None))])
+            pub.publish(
+                0.0,
+                [
+                    BlockStored(
+                        (BlockHash(1), BlockHash(2)), None, tuple(range(32)), 16, (None, None)
+                    )
+                ],
+            )
             time.sleep(0.2)
             url = f"http://127.0.0.1:{metrics_port}/metrics"
             page = urllib.request.urlopen(url, timeout=5).read().decode()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import orjson
@@ -118,7 +119,8 @@ def destination(resp: ep.ProcessingResponse) -> list[str]:
     value = resp.dynamic_metadata.fields["envoy.lb"].struct_value.fields[
         "x-gateway-destination-endpoint"
     ]
-    return value.string_value.split(",")
+    addresses: str = value.string_value
+    return addresses.split(",")
 
 
 def error_of(resp: ep.ProcessingResponse) -> tuple[int, dict[str, object]]:
@@ -173,7 +175,7 @@ def test_success_log_records_the_served_pod_and_next_request_follows(
     ],
 )
 def test_failed_responses_record_nothing(
-    client: Client, router: Router, kwargs: dict, reason: str
+    client: Client, router: Router, kwargs: dict[str, Any], reason: str
 ) -> None:
     dest = destination(client.send_body({"model": "m", "prompt": "x" * 300}, request_id="f"))
     client.log(log_entry("f", dest[0], **kwargs))

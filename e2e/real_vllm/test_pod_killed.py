@@ -14,10 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from e2e.conftest import metric, wait_for
+from e2e.conftest import RECORDED, metric, wait_for
 from e2e.real_vllm.pods import VllmPod
 from e2e.real_vllm.test_routing import (
-    RECORDED,
     chat,
     delta,
     long_prefix,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -18,8 +20,8 @@ from extproc.wire.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE
 from tests.factories import PREFIX_ONLY, make_pod, make_scheduler
 
 
-def run(rps: float, p50: float, envoy_us: float, extproc_us: float | None = None) -> dict:
-    loaded = {"rps": rps, "envoy_cpu_us_per_request": envoy_us}
+def run(rps: float, p50: float, envoy_us: float, extproc_us: float | None = None) -> dict[str, Any]:
+    loaded: dict[str, float] = {"rps": rps, "envoy_cpu_us_per_request": envoy_us}
     if extproc_us is not None:
         loaded["extproc_cpu_us_per_request"] = extproc_us
     return {"loaded": loaded, "low": {"p50_ms": p50}}
@@ -49,5 +51,7 @@ def test_the_trivial_picker_answers_the_first_pods_and_records_nothing() -> None
     metadata = ep.ProcessingResponse.FromString(reply).dynamic_metadata
     destination = metadata.fields[DESTINATION_NAMESPACE].struct_value.fields[DESTINATION_KEY]
     assert destination.string_value == ",".join(p.address for p in pods[:3])
-    assert ignore_log(AccessLogHandler(router), als_pb2.StreamAccessLogsMessage()) is None
+    # typed as any callable in complete's place, so the None it returns can be asserted
+    complete: Callable[[AccessLogHandler, als_pb2.StreamAccessLogsMessage], object] = ignore_log
+    assert complete(AccessLogHandler(router), als_pb2.StreamAccessLogsMessage()) is None
     assert len(router.pending) == 0

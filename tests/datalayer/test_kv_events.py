@@ -45,7 +45,7 @@ class Publisher:
     as vLLM does; keeps every batch for an optional replay ROUTER (vLLM's protocol)."""
 
     def __init__(self, replay: bool = False) -> None:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.port, self.seq, self.sent = free_port(), 0, list[tuple[int, bytes]]()
         self.pub = ctx.socket(zmq.PUB)
         self.pub.bind(f"tcp://127.0.0.1:{self.port}")

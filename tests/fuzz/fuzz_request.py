@@ -49,7 +49,8 @@ def _value(fdp: atheris.FuzzedDataProvider, depth: int) -> Any:
 def _key(fdp: atheris.FuzzedDataProvider) -> str:
     if fdp.ConsumeBool():
         return str(fdp.PickValueInList(list(FIELDS)))
-    return fdp.ConsumeUnicodeNoSurrogates(6)
+    key: str = fdp.ConsumeUnicodeNoSurrogates(6)
+    return key
 
 
 def structured_body(fdp: atheris.FuzzedDataProvider) -> bytes:

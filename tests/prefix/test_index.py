@@ -40,7 +40,7 @@ class ModelIndex:
         return evicted
 
     def longest(self, hashes: list[int], pod: PodId) -> int:
-        lru = self.pods.get(pod, {})
+        lru: dict[int, int] = self.pods.get(pod, {})
         for i in range(len(hashes) - 1, -1, -1):
             if hashes[i] in lru:
                 return i + 1
