@@ -6,8 +6,6 @@ rotated while requests flow."""
 from __future__ import annotations
 
 import os
-import socket
-import ssl
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,7 +27,7 @@ from e2e.conftest import (
 from extproc.sim.harness import SimPods
 from extproc.sim.launch import Stack, run_stack
 from tests.test_server import Client, log_entry
-from tests.tls_certs import CertAuthority, Issued
+from tests.tls_certs import CertAuthority, Issued, served_certificate
 
 
 class Certs:
@@ -193,21 +191,6 @@ def test_mtls_refuses_clients_without_a_good_certificate(
     assert metric(tls_stack, "extproc_completions_total", 'outcome="unknown_request"') == before
     assert metric(tls_stack, *RECORDED) == recorded
     assert wait_for(lambda: logged in tls_stack.extproc.log_tail(50_000))
-
-
-def served_certificate(port: int) -> x509.Certificate:
-    """The certificate a new TLS connection to ``port`` gets."""
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    context.set_alpn_protocols(["h2"])
-    with (
-        socket.create_connection(("127.0.0.1", port), timeout=5) as sock,
-        context.wrap_socket(sock) as tls,
-    ):
-        der = tls.getpeercert(binary_form=True)
-    assert der is not None
-    return x509.load_der_x509_certificate(der)
 
 
 def test_certificate_rotation_while_requests_flow(files_stack: Stack, certs: Certs) -> None:

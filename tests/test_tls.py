@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
-import ssl
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
 import pytest
+from cryptography.hazmat.primitives import serialization
 from prometheus_client import CollectorRegistry
 
 from extproc.errors import ConfigError
@@ -21,7 +20,7 @@ from extproc.wire.server import make_grpc_server
 from extproc.wire.tls import CertificateFiles, TlsSettings, server_credentials
 from tests.factories import PREFIX_ONLY, make_scheduler
 from tests.test_server import PODS, Client, destination
-from tests.tls_certs import CertAuthority, Issued
+from tests.tls_certs import CertAuthority, Issued, served_certificate
 
 
 @pytest.fixture
@@ -61,24 +60,12 @@ def routes(client: Client) -> bool:
         client.channel.close()
 
 
-def peer_certificate_pem(port: int) -> bytes:
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    context.set_alpn_protocols(["h2"])
-    with (
-        socket.create_connection(("127.0.0.1", port), timeout=5) as sock,
-        context.wrap_socket(sock) as tls,
-    ):
-        der = tls.getpeercert(binary_form=True)
-    assert der is not None
-    return ssl.DER_cert_to_PEM_cert(der).encode()
-
-
 def test_self_signed_serves_tls_and_refuses_plaintext(server_kind: str) -> None:
     with serve(TlsSettings("self-signed"), server_kind) as port:
         assert not routes(Client(port))
-        certificate = peer_certificate_pem(port)  # what a verifying client would pin
+        certificate = served_certificate(port).public_bytes(
+            serialization.Encoding.PEM
+        )  # what a verifying client would pin
         client = Client(
             port,
             grpc.secure_channel(

@@ -38,7 +38,8 @@ from typing import Any, ClassVar
 
 from extproc.scheduling.args import load_args
 from extproc.scheduling.inflight import InFlight
-from extproc.scheduling.types import BYTES_PER_TOKEN, Cycle, PluginContext, PrefixMatcher
+from extproc.scheduling.queue import pod_work
+from extproc.scheduling.types import Cycle, PluginContext, PrefixMatcher
 from extproc.types import Pod, PodId
 
 log = logging.getLogger("extproc.scheduling")
@@ -78,19 +79,13 @@ class CostAware:
     def estimate_ms(self, cycle: Cycle, pods: Sequence[Pod]) -> dict[PodId, float]:
         """Each pod's estimated time to first token; records ``cycle.uncached_tokens``."""
         held = self._held_bytes(cycle, pods)
-        num_bytes, num_tokens = cycle.num_prompt_bytes, cycle.num_prompt_tokens
         prefill_ms, decode_ms = self.args.prefillMsPerToken, self.args.decodeMsPerToken
         estimates: dict[PodId, float] = {}
         for pod in pods:
-            uncached = -(-(num_bytes - held.get(pod.id, 0)) // BYTES_PER_TOKEN)
-            cycle.uncached_tokens[pod.id] = uncached
-            waiting, running = pod.metrics.waiting, pod.metrics.running
-            num_in_flight, in_flight_tokens = self.in_flight.get_count(pod.id)
-            queued = waiting + max(0, num_in_flight - waiting - running)
-            mean_tokens = in_flight_tokens / num_in_flight if num_in_flight else num_tokens
-            estimates[pod.id] = prefill_ms * (queued * mean_tokens + uncached) + decode_ms * (
-                running + queued
-            )
+            work = pod_work(cycle, pod, held.get(pod.id, 0), self.in_flight)
+            estimates[pod.id] = prefill_ms * (
+                work.queued * work.mean_tokens + work.uncached
+            ) + decode_ms * (pod.metrics.running + work.queued)
         return estimates
 
     def _held_bytes(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:

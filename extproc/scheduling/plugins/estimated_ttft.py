@@ -47,7 +47,8 @@ from prometheus_client import Gauge
 from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PrefixIndex
 from extproc.scheduling.args import load_args
-from extproc.scheduling.types import BYTES_PER_TOKEN, Cycle, PluginContext
+from extproc.scheduling.queue import pod_work
+from extproc.scheduling.types import Cycle, PluginContext
 from extproc.types import Pod, PodId
 
 
@@ -173,19 +174,13 @@ class EstimatedTTFT:
         """Each pod's ``est_ms`` (module doc); records ``cycle.uncached_tokens``."""
         held = self.matched_bytes(cycle, pods)
         a = self.args
-        num_bytes, num_tokens = cycle.num_prompt_bytes, cycle.num_prompt_tokens
         estimates: dict[PodId, float] = {}
         for pod in pods:
-            uncached = -(-(num_bytes - held.get(pod.id, 0)) // BYTES_PER_TOKEN)
-            cycle.uncached_tokens[pod.id] = uncached
-            waiting, running = pod.metrics.waiting, pod.metrics.running
-            num_in_flight, in_flight_tokens = self.in_flight.get_count(pod.id)
-            queued = waiting + max(0, num_in_flight - waiting - running)
-            mean_tokens = in_flight_tokens / num_in_flight if num_in_flight else num_tokens
+            work = pod_work(cycle, pod, held.get(pod.id, 0), self.in_flight)
             estimates[pod.id] = (
-                a.prefillMsPerToken * (queued * mean_tokens + uncached)
-                + a.queuedMs * (1 + queued)
-                + a.runningMs * running
+                a.prefillMsPerToken * (work.queued * work.mean_tokens + work.uncached)
+                + a.queuedMs * (1 + work.queued)
+                + a.runningMs * pod.metrics.running
             )
         return estimates
 

@@ -1,0 +1,34 @@
+"""What a pod has to do before a new prompt's first token: the arithmetic the cost
+plugins share (``cost-aware``, ``estimated-ttft``)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.types import BYTES_PER_TOKEN, Cycle
+from extproc.types import Pod
+
+
+class PodWork(NamedTuple):
+    uncached: int  # prompt tokens the pod would prefill: the prompt less what it holds
+    queued: int  # requests it has not started: waiting, and routed ones no scrape shows yet
+    mean_tokens: float  # prefill tokens of each queued request
+
+
+def pod_work(cycle: Cycle, pod: Pod, held_bytes: int, in_flight: InFlight) -> PodWork:
+    """The pod's work ahead of ``cycle``'s prompt; records ``cycle.uncached_tokens``.
+
+    ``uncached = ceil((prompt bytes - held bytes) / BYTES_PER_TOKEN)``; ``queued = waiting
+    + max(0, in_flight - waiting - running)`` (as least-request); ``mean_tokens``: the
+    router's in-flight prefill tokens over its in-flight requests (each counted with its
+    own uncached estimate, so queued hits on a warm prefix are cheap), or this prompt's
+    tokens when none are in flight.
+    """
+    uncached = -(-(cycle.num_prompt_bytes - held_bytes) // BYTES_PER_TOKEN)
+    cycle.uncached_tokens[pod.id] = uncached
+    waiting, running = pod.metrics.waiting, pod.metrics.running
+    num_in_flight, in_flight_tokens = in_flight.get_count(pod.id)
+    queued = waiting + max(0, num_in_flight - waiting - running)
+    mean_tokens = in_flight_tokens / num_in_flight if num_in_flight else cycle.num_prompt_tokens
+    return PodWork(uncached, queued, mean_tokens)
