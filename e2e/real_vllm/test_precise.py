@@ -65,15 +65,20 @@ def _post(client: httpx.Client, pod: VllmPod, path: str, body: dict[str, Any]) -
 def _start_exact(plugin: PrecisePrefixCache, pod: VllmPod, client: httpx.Client) -> None:
     """Connected (ZMQ joins late), then reset: the view is exact from the clear on."""
     pod_id = pod.as_pod().id
-    warm = {"model": MODEL, "prompt": f"warm up {uuid.uuid4()} " + "hello " * 40, "max_tokens": 1}
+
+    def warm() -> dict[str, Any]:
+        # A new prompt each time: a repeated one is a cache hit and stores no block, so
+        # its events, if the first were sent before ZMQ joined, would never come again.
+        prompt = f"warm up {uuid.uuid4()} " + "hello " * 40
+        return {"model": MODEL, "prompt": prompt, "max_tokens": 1}
 
     def seen() -> bool:
-        _post(client, pod, "/v1/completions", warm)
+        _post(client, pod, "/v1/completions", warm())
         return pod_id in plugin.index.views
 
     assert wait_for(seen, EVENTS_TIMEOUT_S), f"no events from {pod.name}"
     pod.reset_prefix_cache()
-    _post(client, pod, "/v1/completions", warm)  # carries AllBlocksCleared out
+    _post(client, pod, "/v1/completions", warm())  # carries AllBlocksCleared out
     assert wait_for(lambda: not plugin.index.view(pod_id).stale(), EVENTS_TIMEOUT_S)
 
 
