@@ -77,6 +77,29 @@ def test_redis_down_routing_goes_on_and_sharing_resumes(server: RedisServer) -> 
         share_b.stop()
 
 
+def test_entries_written_just_before_redis_died_are_written_again(server: RedisServer) -> None:
+    """Redis keeps nothing across a kill: what the others had not read yet is resent."""
+    a = make_router()
+    share_a = sharing(a, server)
+    try:
+        serve(a, "r1", "written, then lost with redis " * 40)
+        client = redis.Redis.from_url(server.url)
+        assert wait_until_true(lambda: client.xlen(share_a.stream) == 1)
+        server.stop(signal.SIGKILL)
+        serve(a, "r2", "during the outage " * 40)
+        assert wait_until_true(lambda: share_a.up._value.get() == 0)
+        server.start()  # same port, empty
+        assert wait_until_true(lambda: client.xlen(share_a.stream) == 2, timeout_s=30)
+        b = make_router()  # reads the new stream from its start: both records
+        share_b = sharing(b, server)
+        try:
+            assert wait_until_true(lambda: entries(b) == entries(a) > 0, timeout_s=30)
+        finally:
+            share_b.stop()
+    finally:
+        share_a.stop()
+
+
 def test_a_late_replica_catches_up_from_the_bounded_window(server: RedisServer) -> None:
     a = make_router()
     share_a = sharing(a, server, maxlen=50)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
@@ -54,6 +55,10 @@ BATCH = 256  # entries per XADD pipeline / XREAD / catch-up page
 READ_BLOCK_MS = 1000
 MIN_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 5.0
+# Entries written this long before the last good write are written again when Redis
+# fails: a Redis that died (no persistence) loses what the other replicas had not read
+# yet. A duplicate is harmless (the same blocks recorded again; the request ended).
+RESEND_WINDOW_S = 5.0
 
 
 Entry = tuple[bytes, Mapping[bytes, bytes]]  # a stream entry: its id and fields
@@ -131,6 +136,7 @@ class RedisSharing:
         self._writer_client = redis.Redis.from_url(url, **options)
         self._reader_client = redis.Redis.from_url(url, **options)
         self._queue: deque[dict[str, str]] = deque()
+        self._recent: deque[tuple[float, dict[str, str]]] = deque(maxlen=QUEUE_MAX)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -198,6 +204,7 @@ class RedisSharing:
 
     def _write_loop(self) -> None:
         backoff = MIN_BACKOFF_S
+        last_ok_s: float | None = None  # None: in an outage (or nothing written yet)
         while True:
             self._wake.wait(0.5)
             self._wake.clear()
@@ -212,6 +219,12 @@ class RedisSharing:
                 except redis.RedisError as exc:
                     with self._lock:  # back in front, still bounded
                         self._queue.extendleft(reversed(batch))
+                        if last_ok_s is not None:  # the outage starts: resend the window
+                            since_s = last_ok_s - RESEND_WINDOW_S
+                            resend = [f for t, f in self._recent if t >= since_s]
+                            self._queue.extendleft(reversed(resend))
+                            self._recent.clear()
+                            last_ok_s = None
                         while len(self._queue) > QUEUE_MAX:
                             self._queue.popleft()
                             self.dropped.inc()
@@ -221,6 +234,10 @@ class RedisSharing:
                     backoff = min(backoff * 2, MAX_BACKOFF_S)
                     continue
                 self.published.inc(len(batch))
+                last_ok_s = time.monotonic()
+                self._recent.extend((last_ok_s, fields) for fields in batch)
+                while self._recent[0][0] < last_ok_s - RESEND_WINDOW_S:
+                    self._recent.popleft()
                 self._set_up("writer", True)
                 backoff = MIN_BACKOFF_S
             if self._stop.is_set():
