@@ -172,8 +172,10 @@ class PrefixIndex:
 
     @property
     def num_entries(self) -> int:
-        """Entries stored across all pods."""
-        return self._num_entries
+        """Entries stored across all pods. Read under the lock: a record adds its new
+        blocks before it evicts, so a reader between the two would see the bound exceeded."""
+        with self._lock:
+            return self._num_entries
 
     def num_pod_entries(self, pod: PodId) -> int:
         lru = self._lru_by_pod.get(pod)
