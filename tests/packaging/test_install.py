@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import tomllib
 import zipfile
 from dataclasses import dataclass
@@ -231,11 +232,17 @@ def test_the_image_command_serves_and_drains_on_sigterm(image: Image, tmp_path: 
         command=[str(image.bin / image.entrypoint[0]), *image.entrypoint[1:]],
     )
     try:
+        # The health port listens (NOT_SERVING) a moment before serve reports SERVING.
+        deadline = time.monotonic() + RUN_TIMEOUT_S
         with grpc.insecure_channel(f"127.0.0.1:{health_port}") as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=RUN_TIMEOUT_S, wait_for_ready=True
-            )
-        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            while True:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=RUN_TIMEOUT_S, wait_for_ready=True
+                )
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+                assert time.monotonic() < deadline, "health never reported SERVING"
+                time.sleep(0.05)
     finally:
         code = proc.stop(signal.SIGTERM)
     log = proc.log_tail()
