@@ -13,6 +13,14 @@ real server does) and ``ok=False`` when the pod refused it.
   ``first block hash mod N``, so one prefix always lands on one pod.
 * ``prefix-cache``: extproc's real ``Scheduler`` from a configuration (the prefix-cache
   plugin with its weights, the scheduler's own ranking), ties by a seeded rng.
+* ``peer-cache-aware``: the peers' ``cache_aware`` policy (sglang-router, vllm-router, as
+  ``bench.routing_quality`` runs them: cache threshold 0.3, balance thresholds 64 / 1.5),
+  to compare with offline. Load is the router's own count of its requests in flight per
+  pod. When the load is imbalanced (max - min > 64 and max > 1.5 x min) the least loaded
+  pod; else, when the longest match covers more than 0.3 of the prompt, that pod;
+  else the pod holding the fewest cached blocks. The prompt is inserted at pick (the peers
+  do not wait for success); their character radix tree is approximated by 64-byte blocks,
+  unbounded (the peers' default tree holds 2^26 characters a pod).
 * ``cost-aware``: the least estimated time to first token, from the router's view only::
 
       hit     = min(matched blocks * B / BYTES_PER_TOKEN, prompt tokens - 1)
@@ -58,7 +66,17 @@ from extproc.types import Pod, PodId
 VIEW_BLOCK_BYTES = 64  # Kthena's default blockSizeToHash
 VIEW_MAX_BLOCKS = 4096  # 256 KB of prompt, past any prompt the engines accept by default
 
-POLICY_NAMES = ("round-robin", "prefix-affinity", "least-request", "prefix-cache", "cost-aware")
+POLICY_NAMES = (
+    "round-robin",
+    "prefix-affinity",
+    "least-request",
+    "prefix-cache",
+    "cost-aware",
+    "peer-cache-aware",
+)
+PEER_CACHE_THRESHOLD = 0.3  # bench/contenders.py's peer flags
+PEER_BALANCE_ABS, PEER_BALANCE_REL = 64, 1.5
+PEER_TREE_ENTRIES = (1 << 26) // VIEW_BLOCK_BYTES
 
 
 class Policy(Protocol):
@@ -194,6 +212,38 @@ class CostAware(_Learning):
         super().finished(item, pod_idx, ok)
 
 
+class PeerCacheAware(_Learning):
+    name: ClassVar[str] = "peer-cache-aware"
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(PrefixView(PEER_TREE_ENTRIES))
+        self._rng = random.Random(seed)
+        self._load: list[int] = []
+
+    def pick(self, item: WorkItem, pods: Sequence[Pod]) -> int:
+        keys = self.view.keys(item)
+        self._remember(item, keys, pods)
+        if len(self._load) != len(pods):
+            self._load = [0] * len(pods)
+        load, index = self._load, self.view.index
+        if max(load) - min(load) > PEER_BALANCE_ABS and max(load) > PEER_BALANCE_REL * min(load):
+            best = min(range(len(pods)), key=lambda i: (load[i], self._rng.random()))
+        else:
+            matches = index.match(keys, self._pod_ids, 1)
+            if matches and max(matches.values()) > PEER_CACHE_THRESHOLD * len(keys):
+                best = self._pod_idx[next(iter(matches))]
+            else:
+                size = [index.num_pod_entries(p) for p in self._pod_ids]
+                best = min(range(len(pods)), key=lambda i: (size[i], self._rng.random()))
+        self._load[best] += 1
+        index.record(keys, self._pod_ids[best])
+        return best
+
+    def finished(self, item: WorkItem, pod_idx: int, ok: bool) -> None:
+        self._load[pod_idx] -= 1
+        self._keys.pop(item.request_id)
+
+
 class PrefixCachePolicy:
     """extproc's configured scheduler; ``pick`` is its best-ranked pod.
 
@@ -251,4 +301,6 @@ def make_policy(
         return CostAware(PrefixView.for_engine(engine), engine, seed)
     if name == "prefix-cache":
         return PrefixCachePolicy(scheduler_config, seed)
+    if name == "peer-cache-aware":
+        return PeerCacheAware(seed)
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")

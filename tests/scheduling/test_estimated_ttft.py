@@ -113,6 +113,33 @@ def test_hysteresis_favours_the_longest_match_beyond_its_estimate() -> None:
     assert p.score(make_cycle(PROMPT), pods) == {pods[0].id: 100, pods[1].id: 0}
 
 
+@pytest.mark.parametrize(
+    ("held_blocks", "hysteresis"),
+    [
+        # 62.5 blocks in the prompt; affinity from 0.3 of it: 18.75 blocks, so 19 blocks.
+        pytest.param(18, False, id="a-short-match-is-only-its-saved-prefill"),
+        pytest.param(19, True, id="a-third-of-the-prompt-holds-the-request"),
+    ],
+)
+def test_affinity_needs_a_match_of_a_share_of_the_prompt(
+    held_blocks: int, hysteresis: bool
+) -> None:
+    """A shared system prompt alone must not pin every request to the pod that holds it."""
+    pods = [make_pod("warm"), make_pod("cold")]
+    p = plugin()
+    cycle = make_cycle(PROMPT)
+    p.index.record(
+        cycle.block_keys(A.blockSizeToHash, A.maxBlocksToMatch)[:held_blocks], pods[0].id
+    )
+    est = p.estimate_ms(make_cycle(PROMPT), pods)
+    costs = p.costs(make_cycle(PROMPT), pods)
+    warm = est[pods[0].id]
+    assert costs[pods[0].id] == pytest.approx(
+        min(warm - A.affinityMarginMs, warm / A.affinityRatio) if hysteresis else warm
+    )
+    assert costs[pods[1].id] == pytest.approx(est[pods[1].id])
+
+
 def test_no_match_anywhere_means_no_affinity_and_equal_pods_score_alike() -> None:
     pods = [make_pod("a"), make_pod("b")]
     assert plugin().score(make_cycle(PROMPT), pods) == {pods[0].id: 100, pods[1].id: 100}

@@ -10,6 +10,7 @@ from extproc.sim.offline import make_pods
 from extproc.sim.policies import (
     CostAware,
     LeastRequest,
+    PeerCacheAware,
     PrefixAffinity,
     PrefixView,
     RoundRobin,
@@ -92,3 +93,29 @@ def test_unknown_policy_is_refused() -> None:
         make_policy(
             "random", scheduler_config=default_scheduler_config(), engine=EngineConfig(), seed=0
         )
+
+
+def test_peer_cache_aware_follows_a_match_over_its_threshold_else_the_emptiest_pod() -> None:
+    pods = make_pods(4, MODEL)
+    policy = PeerCacheAware(seed=0)
+    first = make_item("a", 0.0, np.concatenate([SYSTEM, random_words(2, 10)]))
+    home = policy.pick(first, pods)  # inserted at pick, before it ends
+    # 25 of 28 blocks match: over 0.3, the matching pod whatever its scraped load.
+    warm = make_item("b", 0.0, np.concatenate([SYSTEM, random_words(3, 10)]))
+    assert policy.pick(warm, with_metrics(pods, *[PodMetrics(waiting=99)] * 4)) == home
+    # 25 of 125 blocks match: 0.2, under the threshold: a pod that holds nothing yet.
+    cold = make_item("c", 0.0, np.concatenate([SYSTEM, random_words(4, 1600)]))
+    assert policy.pick(cold, pods) != home
+
+
+def test_peer_cache_aware_balances_by_its_own_count_when_imbalanced() -> None:
+    pods = make_pods(2, MODEL)
+    policy = PeerCacheAware(seed=0)
+    picks = [
+        policy.pick(make_item(f"r{i}", 0.0, np.concatenate([SYSTEM, random_words(i, 10)])), pods)
+        for i in range(70)
+    ]
+    # All follow the shared prefix until that pod has 64 more in flight than the other.
+    home = picks[0]
+    assert picks[:65] == [home] * 65
+    assert picks[65] != home

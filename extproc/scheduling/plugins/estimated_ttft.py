@@ -21,7 +21,9 @@ it yields only when its estimate exceeds the other's by more than ``affinityMarg
 
     cost = min(est_ms - affinityMarginMs, est_ms / affinityRatio)
 
-and every other pod by ``est_ms``; ``score = floor(100 * (max_cost - cost) / (max_cost
+and every other pod by ``est_ms``. No pod has affinity when the longest match covers less
+than ``affinityMinMatch`` of the prompt (a shared system prompt alone must not pin every
+conversation to one pod); ``score = floor(100 * (max_cost - cost) / (max_cost
 - min_cost))`` (all 100 when equal). Ties are the scheduler's (least loaded first).
 
 The prefix view is this plugin's own per-pod LRU (``PrefixIndex``, Kthena's block hashing
@@ -62,6 +64,7 @@ class EstimatedTTFTArgs:
     runningMs: float = 5.0  # ms each running request adds (its decode share of each step)
     affinityMarginMs: float = 50.0  # the affinity pod yields only past this many ms ...
     affinityRatio: float = 1.5  # ... and past this many times the other's estimate
+    affinityMinMatch: float = 0.3  # no affinity for a match under this share of the prompt
 
 
 class Arrivals:
@@ -189,9 +192,12 @@ class EstimatedTTFT:
         estimates = self.estimate_ms(cycle, pods)
         held = {p: n for p, n in self.matched_blocks(cycle, pods).items() if p in estimates}
         longest = max(held.values(), default=0)
-        if longest <= 0:
-            return estimates
         a = self.args
+        share = min(longest * a.blockSizeToHash, cycle.num_prompt_bytes) / max(
+            1, cycle.num_prompt_bytes
+        )
+        if longest <= 0 or share < a.affinityMinMatch:
+            return estimates
         for pod, blocks in held.items():
             if blocks == longest:
                 est = estimates[pod]
