@@ -12,7 +12,7 @@ from extproc.routing.pending import PendingRecords
 from extproc.routing.router import Router
 from extproc.scheduling.config import build_scheduler, load_config
 from extproc.scheduling.inflight import InFlight
-from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT, EstimatedTTFTArgs
+from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT, EstimatedTTFTArgs, Written
 from extproc.scheduling.scheduler import Scheduler
 from extproc.scheduling.types import PluginContext
 from extproc.types import PodMetrics
@@ -252,3 +252,55 @@ def test_ties_among_many_pods_are_broken_by_load_too() -> None:
             in_flight.start(pods[i].id)
     ranked = tie_scheduler(in_flight, 0).schedule(make_cycle("x"), pods)
     assert ranked[0].id.name == "p77"
+
+
+def test_written_decays_by_one_over_the_window_each_pick() -> None:
+    written = Written(window=4)  # x 0.75 a pick
+    a, b = make_pod("a").id, make_pod("b").id
+    written.add(a, 1000)
+    written.add(b, 100)
+    written.add(b, 100)
+    assert written.get(a) == pytest.approx(1000 * 0.75**2)
+    assert written.get(b) == pytest.approx(100 * 0.75 + 100)
+    written.forget_pods({b})
+    assert written.get(a) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("held_blocks", "expected_write_ms"),
+    [
+        # The busiest writer (a: 4,000 tokens) pays writtenMs for a whole prompt, b (1,000
+        # written) a quarter of it; c never written to, nothing. Held blocks pay nothing.
+        pytest.param([0, 0, 0], [A.writtenMs, A.writtenMs / 4, 0.0], id="a-new-prompt"),
+        pytest.param([62, 0, 0], [A.writtenMs * 8 / 1000, A.writtenMs / 4, 0.0], id="a-held"),
+    ],
+)
+def test_write_cost_is_the_uncached_share_times_the_pods_turnover(
+    held_blocks: list[int], expected_write_ms: list[float]
+) -> None:
+    pods = [make_pod("a"), make_pod("b"), make_pod("c")]
+    p = plugin()
+    p.written = Written(window=10**12)  # no decay, to read the arithmetic
+    p.written.add(pods[0].id, 4000)
+    p.written.add(pods[1].id, 1000)
+    cycle = make_cycle(PROMPT)
+    keys = cycle.block_keys(A.blockSizeToHash, A.maxBlocksToMatch)
+    for pod, blocks in zip(pods, held_blocks, strict=True):
+        if blocks:
+            p.index.record(keys[:blocks], pod.id)
+    p.estimate_ms(cycle, pods)
+    write = p.write_ms(cycle, [pod.id for pod in pods])
+    assert [write[pod.id] for pod in pods] == pytest.approx(expected_write_ms)
+
+
+def test_new_prompts_spread_over_pods_by_what_was_written_there() -> None:
+    """Idle pods, nothing in flight: a new prompt avoids the pod the last one was written to
+    (without the write cost every pod is equal and the pick is the scheduler's draw)."""
+    for seed in range(8):
+        router = default_router(num_pods=2)
+        router.scheduler.rng = random.Random(seed)
+        first = router.route("/v1/completions", body("q0"), request_id="r0").pods[0]
+        router.complete("r0", first.address, succeeded=True)
+        prompt = b'{"model": "m", "prompt": "%s"}' % (b"z" * 4000)
+        second = router.route("/v1/completions", prompt, request_id="r1").pods[0]
+        assert second.id != first.id

@@ -14,14 +14,26 @@ prompt tokens the pod does not hold. Per candidate pod::
 ``in_flight`` and its tokens are the router's own counters (``InFlight``), so a burst
 routed between two scrapes is seen at once; ``waiting``/``running`` are scraped.
 
+Cache turnover: what a pick prefills it writes into the pod's cache, evicting older
+prefixes there. ``written`` is each pod's uncached tokens picked there, decayed by
+``1 - 1/writtenWindow`` a pick (``Written``), and a pod pays for adding to the busiest
+writer's turnover::
+
+    write_ms = writtenMs * (uncached / prompt tokens) * (written / max written)
+
+so new prompts go where the caches turn over slowest and the pods' caches hold their
+prefixes alike long (the peers send unmatched prompts to the pod with the smallest
+tree); a request mostly held by its pod adds little there, so affinity is untouched.
+
 Hysteresis: the pods holding the longest match (the affinity pods) keep the request
 until one is clearly worse than the best other pod, like the peers' balance thresholds:
 it yields only when its estimate exceeds the other's by more than ``affinityMarginMs``
-*and* by more than ``affinityRatio`` times. The affinity pods are ranked by::
+*and* by more than ``affinityRatio`` times. With ``est = est_ms + write_ms``, the
+affinity pods are ranked by::
 
-    cost = min(est_ms - affinityMarginMs, est_ms / affinityRatio)
+    cost = min(est - affinityMarginMs, est / affinityRatio)
 
-and every other pod by ``est_ms``. No pod has affinity when the longest match covers less
+and every other pod by ``est``. No pod has affinity when the longest match covers less
 than ``affinityMinMatch`` of the prompt (a shared system prompt alone must not pin every
 conversation to one pod); ``score = floor(100 * (max_cost - cost) / (max_cost
 - min_cost))`` (all 100 when equal). Ties are the scheduler's (least loaded first).
@@ -39,7 +51,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, ClassVar
@@ -65,6 +77,8 @@ class EstimatedTTFTArgs:
     affinityMarginMs: float = 50.0  # the affinity pod yields only past this many ms ...
     affinityRatio: float = 1.5  # ... and past this many times the other's estimate
     affinityMinMatch: float = 0.3  # no affinity for a match under this share of the prompt
+    writtenMs: float = 300.0  # the most a pod's recent cache writes add to its cost ...
+    writtenWindow: int = 1000  # ... counted over about this many picks (decayed)
 
 
 class Arrivals:
@@ -126,6 +140,32 @@ class Arrivals:
                     del self._owners[key]
 
 
+class Written:
+    """Uncached prompt tokens each pod was picked to prefill (so to write into its cache),
+    decayed by ``1 - 1/window`` at every pick. Thread-safe."""
+
+    def __init__(self, window: int) -> None:
+        self.decay = 1.0 - 1.0 / window
+        self.tick = 0
+        self._pods: dict[PodId, tuple[float, int]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, pod: PodId, tokens: int) -> None:
+        with self._lock:
+            self.tick += 1
+            value, at = self._pods.get(pod, (0.0, self.tick))
+            self._pods[pod] = (value * self.decay ** (self.tick - at) + tokens, self.tick)
+
+    def get(self, pod: PodId) -> float:
+        with self._lock:
+            value, at = self._pods.get(pod, (0.0, self.tick))
+            return value * self.decay ** (self.tick - at)
+
+    def forget_pods(self, keep: set[PodId]) -> None:
+        with self._lock:
+            self._pods = {pod: v for pod, v in self._pods.items() if pod in keep}
+
+
 class EstimatedTTFT:
     """Scores pods by estimated time to first token, with affinity hysteresis."""
 
@@ -136,6 +176,7 @@ class EstimatedTTFT:
         self.in_flight = ctx.in_flight
         self.index = PrefixIndex(args.maxHashCacheSize)
         self.arrivals = Arrivals()
+        self.written = Written(args.writtenWindow)
         Gauge(
             "extproc_estimated_ttft_arriving_requests",
             "Routed requests whose prompt counts as arriving at their pick (not ended yet).",
@@ -187,9 +228,20 @@ class EstimatedTTFT:
             )
         return estimates
 
+    def write_ms(self, cycle: Cycle, pods: Iterable[PodId]) -> dict[PodId, float]:
+        """Each pod's ``write_ms`` (module doc); needs ``estimate_ms`` run on the cycle."""
+        written = {pod: self.written.get(pod) for pod in pods}
+        most = max(written.values(), default=0.0)
+        if most <= 0:
+            return dict.fromkeys(written, 0.0)
+        per_token = self.args.writtenMs / (most * max(1, cycle.num_prompt_tokens))
+        return {pod: per_token * w * cycle.num_prefill_tokens(pod) for pod, w in written.items()}
+
     def costs(self, cycle: Cycle, pods: Sequence[Pod]) -> dict[PodId, float]:
-        """``est_ms`` with the affinity pods' hysteresis applied (module doc)."""
+        """``est_ms + write_ms`` with the affinity pods' hysteresis applied (module doc)."""
         estimates = self.estimate_ms(cycle, pods)
+        for pod, ms in self.write_ms(cycle, estimates).items():
+            estimates[pod] += ms
         held = {p: n for p, n in self.matched_blocks(cycle, pods).items() if p in estimates}
         longest = max(held.values(), default=0)
         a = self.args
@@ -219,6 +271,7 @@ class EstimatedTTFT:
     def arriving(self, cycle: Cycle, pod: PodId) -> None:
         """``pod`` was picked for ``cycle``: its blocks count as held there until it ends."""
         keys = self._keys(cycle)
+        self.written.add(pod, cycle.num_prefill_tokens(pod))
         if len(keys):
             self.arrivals.add(keys, pod)
 
@@ -232,3 +285,4 @@ class EstimatedTTFT:
         ids = set(map(attrgetter("id"), pods))
         self.index.retain_pods(ids)
         self.arrivals.forget_pods(ids)
+        self.written.forget_pods(ids)
