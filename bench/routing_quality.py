@@ -209,8 +209,7 @@ prompts, in blocks of the pods' size at 4 bytes a token (exact for the simulated
 tokenizer; the real Qwen3 tokenizer makes about 2.6 bytes a token and the chat template
 adds its own, so on real pods the bound is approximate and can be exceeded). TTFT:
 client side, streamed, through the router. All on one 2-core machine shared by client,
-router and pods (and other work: during the recorded runs other benchmarks and test
-suites ran beside it, load average 10-25), so absolute latencies include CPU contention
+router and pods, so absolute latencies include CPU contention
 and single p99 values are noisy; compare contenders within a run. The README's "Routing
 quality" section reads the results."""
 
