@@ -172,6 +172,11 @@ class SegmentTokenizer:
         self.hits += sum(1 for i, p in enumerate(parts) if i % 2 == 0 and p) - len(missing)
         return out
 
+    @property
+    def memo_size(self) -> int:
+        """What ``memo_tokens`` bounds: the memo's tokens plus one per segment."""
+        return self._memo_size
+
     def _remember(self, segment: str, ids: list[int]) -> None:
         self._memo[segment] = ids
         self._memo_size += len(ids) + 1

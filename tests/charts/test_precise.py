@@ -11,22 +11,19 @@ values are in test_values.py.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import Whitespace
 
 from extproc.cli import serve
 from extproc.datalayer.kv_events import EventsSettings, settings_from_args
 from extproc.scheduling.config import build_scheduler, named_config_text, parse_config
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from tests.charts.conftest import MODES, PRECISE, find, render
+from tests.factories import write_tokenizer
 
 FULLNAME = "rel-extproc"
 DEFAULT_PORTS = {9002, 9003, 9090}
@@ -132,17 +129,6 @@ def test_precise_values_carry_extprocs_precise_configuration() -> None:
     assert yaml.safe_load(text) == {"scheduler": PRECISE["scheduler"]}
 
 
-def write_tokenizer(directory: Path) -> None:
-    """A minimal tokenizer directory: tokenizer.json (with one added token, as real ones
-    have) and tokenizer_config.json."""
-    directory.mkdir(parents=True)
-    tokenizer = Tokenizer(WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = Whitespace()  # type: ignore[assignment]
-    tokenizer.add_special_tokens(["<|end|>"])
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end|>"}))
-
-
 def test_the_configmap_builds_the_precise_scheduler_from_the_mounted_tokenizers(
     tmp_path: Path,
 ) -> None:
@@ -152,4 +138,4 @@ def test_the_configmap_builds_the_precise_scheduler_from_the_mounted_tokenizers(
     config = parse_config(text.replace("/models/", f"{tmp_path}/"), "chart ConfigMap")
     scheduler = build_scheduler(config, CollectorRegistry())
     [precise] = [ws.scorer for ws in scheduler.scorers if isinstance(ws.scorer, PrecisePrefixCache)]
-    assert precise.tokenizers["qwen3-tiny"].tokens("hello world") == [0, 1]
+    assert precise.tokenizers["qwen3-tiny"].tokens("hello world") == [1, 2]
