@@ -97,7 +97,9 @@ class SegmentTokenizer:
             if not (t.lstrip or t.rstrip or t.single_word or t.normalized)
         }
         longest_first = sorted(self.added, key=len, reverse=True)
-        self._split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
+        # "()" would split between every character: without added tokens, never split
+        alternatives = "|".join(map(re.escape, longest_first)) or "(?!)"
+        self._split = re.compile(f"({alternatives})")
         prefix = self.tokenizer.encode("", add_special_tokens=True).ids
         with_prefix = self.tokenizer.encode("a", add_special_tokens=True).ids
         plain = self.tokenizer.encode("a", add_special_tokens=False).ids
