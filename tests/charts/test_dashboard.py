@@ -14,7 +14,7 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from tests.charts.dashboard import DASHBOARD, panels, queries, require_binary
+from tests.charts.dashboard import DASHBOARD, PRECISE_ROW, panels, queries, require_binary
 
 SCHEMA = Path(__file__).parent / "grafana" / "dashboard.schema.json"
 HIT_RATE_BUCKET = 'kthena_router_prefix_cache_match_ratio_bucket{le="0.0"}'
@@ -61,7 +61,7 @@ def test_rows_and_prefix_cache_panels() -> None:
         "Scheduling",
         "Errors",
         "Pod load",
-        "Precise prefix cache (KV events)",
+        PRECISE_ROW,
     ]
     titles = {p["title"] for p in panels(dashboard)}
     assert {
@@ -87,9 +87,12 @@ def test_precise_row_is_collapsed_and_reads_every_precise_metric() -> None:
     """Folded away unless kvEvents is on; its panels cover what the README's metrics
     table lists for the precise plugin and the KV-events subscriber."""
     dashboard = json.loads(DASHBOARD.read_text())
-    [row] = [p for p in dashboard["panels"] if p["title"] == "Precise prefix cache (KV events)"]
+    [row] = [p for p in dashboard["panels"] if p["title"] == PRECISE_ROW]
     assert row["collapsed"] is True and row["panels"]
     exprs = " ".join(t["expr"] for p in row["panels"] for t in p["targets"])
+    precise = set(queries(rows=[PRECISE_ROW]))
+    assert precise == {f"{p['title']}/{t['refId']}" for p in row["panels"] for t in p["targets"]}
+    assert not precise & set(queries(except_rows=[PRECISE_ROW]))
     for name in (
         "extproc_precise_prefix_cache_match_ratio_bucket",
         "extproc_precise_prefix_tokenize_seconds_bucket",
