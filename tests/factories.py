@@ -53,7 +53,7 @@ def write_tokenizer(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     vocab = {w: i for i, w in enumerate(["[UNK]", "hello", "world", "system", "user", "assistant"])}
     tokenizer = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = Whitespace()  # type: ignore[assignment]
+    tokenizer.pre_tokenizer = Whitespace()
     tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>"])
     tokenizer.save(str(directory / "tokenizer.json"))
     config = {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>"}

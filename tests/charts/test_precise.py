@@ -11,9 +11,11 @@ values are in test_values.py.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
+import helm_python
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
@@ -22,7 +24,7 @@ from extproc.cli import serve
 from extproc.datalayer.kv_events import EventsSettings, settings_from_args
 from extproc.scheduling.config import build_scheduler, named_config_text, parse_config
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
-from tests.charts.conftest import MODES, PRECISE, find, render
+from tests.charts.conftest import CHART_DIR, MODES, NAMESPACE, PRECISE, RELEASE, find, render
 from tests.factories import write_tokenizer
 
 FULLNAME = "rel-extproc"
@@ -139,3 +141,50 @@ def test_the_configmap_builds_the_precise_scheduler_from_the_mounted_tokenizers(
     scheduler = build_scheduler(config, CollectorRegistry())
     [precise] = [ws.scorer for ws in scheduler.scorers if isinstance(ws.scorer, PrecisePrefixCache)]
     assert precise.tokenizers["qwen3-tiny"].tokens("hello world") == [1, 2]
+
+
+# vLLM's KVEventsConfig fields (vllm/config/kv_events.py, vLLM 0.32).
+VLLM_KV_EVENTS_FIELDS = {
+    "enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps",
+    "hwm", "max_queue_size", "topic",
+}  # fmt: skip
+
+
+def notes(values: dict[str, Any]) -> str:
+    chart = helm_python.Chart.load(CHART_DIR)
+    try:
+        files = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    finally:
+        chart.close()
+    [text] = [text for path, text in files.items() if path.endswith("NOTES.txt")]
+    return text
+
+
+@pytest.mark.parametrize(
+    ("kv_events", "expected"),
+    [
+        pytest.param(
+            {},
+            {"endpoint": "tcp://*:5557"},
+            id="connect",
+        ),
+        pytest.param(
+            {"topology": "bind", "replayPort": 5558},
+            {
+                "endpoint": f"tcp://{FULLNAME}.{NAMESPACE}.svc.cluster.local:5557",
+                "topic": "kv@$(POD_IP):8000@<model>",
+                "replay_endpoint": "tcp://*:5558",
+            },
+            id="bind-replay",
+        ),
+    ],
+)
+def test_notes_print_the_model_servers_kv_events_config(
+    kv_events: dict[str, Any], expected: dict[str, str]
+) -> None:
+    text = notes({**PRECISE, "kvEvents": {**PRECISE["kvEvents"], **kv_events}})
+    [line] = [line for line in text.splitlines() if "--kv-events-config" in line]
+    config = json.loads(line.split("'")[1])
+    assert config == {"enable_kv_cache_events": True, "publisher": "zmq", **expected}
+    assert set(config) <= VLLM_KV_EVENTS_FIELDS
+    assert "--kv-events-config" not in notes({})

@@ -11,6 +11,7 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
+from extproc.datalayer.kv_events import EventsSettings, KvEventsSubscriber
 from extproc.request.parse import parse_request
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.scheduling.types import Cycle, PluginContext
@@ -89,3 +90,17 @@ def test_the_approximate_views_entries_and_evictions(
     plugin.record(c, PODS[0].id)  # 5 blocks of 16 bytes into a list of 3
     assert get(registry, "extproc_precise_prefix_cache_entries") == 3
     assert get(registry, "extproc_precise_prefix_cache_evictions_total", model="m") == 2
+
+
+def test_every_precise_metric_is_in_the_readme(
+    plugin: PrecisePrefixCache, registry: CollectorRegistry
+) -> None:
+    """The README's metrics table names each family the plugin and the subscriber export."""
+    KvEventsSubscriber(plugin.index, EventsSettings(), registry)  # not started: no sockets
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    names = [
+        f"{family.name}_total" if family.type == "counter" else family.name
+        for family in registry.collect()
+    ]
+    assert len(names) == 19
+    assert [name for name in names if f"`{name}`" not in readme] == []
