@@ -34,7 +34,7 @@ from typing import Any, Literal
 import msgpack
 import zmq
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from extproc.prefix.precise.index import PreciseIndex
@@ -181,6 +181,11 @@ class _Metrics:
         self.received = counter(
             "extproc_kv_events_batches_received", "KV-event batches received.", ["pod"]
         )
+        self.events = counter(
+            "extproc_kv_events_received",
+            "KV events received in well-formed batches, applied or not.",
+            ["pod"],
+        )
         self.applied = counter(
             "extproc_kv_events_applied", "KV events applied to a pod's view.", ["pod"]
         )
@@ -195,6 +200,12 @@ class _Metrics:
         self.restarts = counter(
             "extproc_kv_events_restarts", "Publishers seen starting again from 0.", ["pod"]
         )
+        self.marked_stale = counter(
+            "extproc_kv_events_marked_stale",
+            "Times a pod's view was forgotten and distrusted for staleSeconds: events were "
+            "lost (a gap, or joining a running publisher) and not replayed.",
+            ["pod"],
+        )
         self.errors = counter(
             "extproc_kv_events_errors",
             "Messages dropped: malformed, or from a publisher naming no known pod.",
@@ -203,12 +214,14 @@ class _Metrics:
 
 
 class IndexCollector(Collector):
-    """Blocks in each pod's view per medium, and pods whose view is stale, at scrape time."""
+    """At scrape time, from each pod's view: blocks per medium, pods whose view is stale,
+    and the blocks the view could not key (orphans) or dropped over capacity (its
+    counts restart with the view when a pod leaves and comes back)."""
 
     def __init__(self, index: PreciseIndex) -> None:
         self.index = index
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         blocks = GaugeMetricFamily(
             "extproc_kv_events_blocks",
             "Blocks in a pod's view, by medium (GPU, or an offload tier such as CPU).",
@@ -217,13 +230,27 @@ class IndexCollector(Collector):
         stale = GaugeMetricFamily(
             "extproc_kv_events_stale_pods", "Pods whose view is stale after lost events."
         )
+        orphans = CounterMetricFamily(
+            "extproc_kv_events_orphan_blocks",
+            "Stored blocks whose parent the view does not know (stored before extproc "
+            "subscribed, or lost), so they cannot be keyed or matched.",
+            labels=["pod"],
+        )
+        evicted = CounterMetricFamily(
+            "extproc_kv_events_evicted_blocks",
+            "Blocks dropped because a view passed capacityBlocks: removals were lost.",
+            labels=["pod"],
+        )
         num_stale = 0
         for pod, view in list(self.index.views.items()):
+            label = str(pod)
             num_stale += view.stale()
             for medium, table in list(view.blocks.items()):
-                blocks.add_metric([str(pod), medium], len(table))
+                blocks.add_metric([label, medium], len(table))
+            orphans.add_metric([label], view.orphans)
+            evicted.add_metric([label], view.evicted)
         stale.add_metric([], num_stale)
-        return [blocks, stale]
+        return [blocks, stale, orphans, evicted]
 
 
 class KvEventsSubscriber:
@@ -365,6 +392,7 @@ class KvEventsSubscriber:
         except ValueError:
             self._metrics.errors("payload").inc()
             return
+        self._metrics.events(label).inc(len(events))
         applied = 0
         for event in events:
             try:
@@ -381,6 +409,7 @@ class KvEventsSubscriber:
             return
         if self.settings.replay_port is not None:
             self._metrics.replays(str(pod), "failed").inc()
+        self._metrics.marked_stale(str(pod)).inc()
         self.index.mark_stale(pod)
 
     def _replay(self, pod: PodId, first: int, until: int) -> bool:

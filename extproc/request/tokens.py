@@ -97,7 +97,9 @@ class SegmentTokenizer:
             if not (t.lstrip or t.rstrip or t.single_word or t.normalized)
         }
         longest_first = sorted(self.added, key=len, reverse=True)
-        self._split = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
+        # "()" would split between every character: without added tokens, never split
+        alternatives = "|".join(map(re.escape, longest_first)) or "(?!)"
+        self._split = re.compile(f"({alternatives})")
         prefix = self.tokenizer.encode("", add_special_tokens=True).ids
         with_prefix = self.tokenizer.encode("a", add_special_tokens=True).ids
         plain = self.tokenizer.encode("a", add_special_tokens=False).ids
@@ -171,6 +173,11 @@ class SegmentTokenizer:
                 out.extend(ids)
         self.hits += sum(1 for i, p in enumerate(parts) if i % 2 == 0 and p) - len(missing)
         return out
+
+    @property
+    def memo_size(self) -> int:
+        """What ``memo_tokens`` bounds: the memo's tokens plus one per segment."""
+        return self._memo_size
 
     def _remember(self, segment: str, ids: list[int]) -> None:
         self._memo[segment] = ids

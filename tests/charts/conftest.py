@@ -17,6 +17,8 @@ NAMESPACE = "llm"
 
 # Values that make each mode render (external and gateway need the gateway's pods named).
 GATEWAY_PEERS = [{"namespaceSelector": {"matchLabels": {"name": "gateway-system"}}}]
+# The chart's precise prefix-cache values (KV events on, the precise scheduler, a PVC).
+PRECISE: dict[str, Any] = yaml.safe_load((CHART_DIR / "values-precise.yaml").read_text())
 MODES: dict[str, dict[str, Any]] = {
     "standalone": {},
     "external": {"mode": "external", "networkPolicy": {"gatewayFrom": GATEWAY_PEERS}},
@@ -40,6 +42,24 @@ MODES: dict[str, dict[str, Any]] = {
         "mode": "gateway",
         "networkPolicy": {"gatewayFrom": GATEWAY_PEERS},
         "tls": {"mode": "files", "secretName": "picker-cert"},
+    },
+    "precise-connect-replicas": {
+        **PRECISE,
+        "replicas": 3,
+        "kvEvents": {**PRECISE["kvEvents"], "replayPort": 5558},
+    },
+    "precise-bind-gateway": {
+        **PRECISE,
+        "mode": "gateway",
+        "networkPolicy": {"gatewayFrom": GATEWAY_PEERS},
+        "kvEvents": {
+            **PRECISE["kvEvents"],
+            "topology": "bind",
+            "tokenizers": {
+                "mountPath": "/models",
+                "volume": {"configMap": {"name": "qwen3-tokenizer"}},
+            },
+        },
     },
 }
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "charts/extproc/dashboards/extproc.json"
+PRECISE_ROW = "Precise prefix cache (KV events)"  # data only with precise-prefix-cache on
 
 
 def panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -18,14 +19,33 @@ def panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from panel.get("panels", [])
 
 
-def queries(rate_interval: str = "1m") -> dict[str, str]:
-    """``"panel title/refId" -> PromQL``, with Grafana's ``$__rate_interval`` filled in."""
+def panels_by_row(dashboard: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(row title, panel) for every panel under a row: a collapsed row holds its panels,
+    an open one is followed by them."""
+    row = ""
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            row = panel["title"]
+            yield from ((row, p) for p in panel.get("panels", []))
+        else:
+            yield row, panel
+
+
+def queries(
+    rate_interval: str = "1m",
+    *,
+    rows: Collection[str] | None = None,
+    except_rows: Collection[str] = (),
+) -> dict[str, str]:
+    """``"panel title/refId" -> PromQL``, with Grafana's ``$__rate_interval`` filled in;
+    the panels of ``rows`` only (None: every row) and not of ``except_rows``."""
     dashboard = json.loads(DASHBOARD.read_text())
     return {
         f"{panel['title']}/{target['refId']}": target["expr"].replace(
             "$__rate_interval", rate_interval
         )
-        for panel in panels(dashboard)
+        for row, panel in panels_by_row(dashboard)
+        if (rows is None or row in rows) and row not in except_rows
         for target in panel.get("targets", [])
     }
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from tests.charts.dashboard import DASHBOARD, panels, queries, require_binary
+from tests.charts.dashboard import DASHBOARD, PRECISE_ROW, panels, queries, require_binary
 
 SCHEMA = Path(__file__).parent / "grafana" / "dashboard.schema.json"
 HIT_RATE_BUCKET = 'kthena_router_prefix_cache_match_ratio_bucket{le="0.0"}'
@@ -56,7 +56,13 @@ def test_every_query_parses_with_promtool(tmp_path: Path) -> None:
 def test_rows_and_prefix_cache_panels() -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
-    assert rows == ["Prefix cache", "Scheduling", "Errors", "Pod load"]
+    assert rows == [
+        "Prefix cache",
+        "Scheduling",
+        "Errors",
+        "Pod load",
+        PRECISE_ROW,
+    ]
     titles = {p["title"] for p in panels(dashboard)}
     assert {
         "Prefix cache hit rate",
@@ -75,3 +81,33 @@ def test_rows_and_prefix_cache_panels() -> None:
     ]
     ids = [p["id"] for p in panels(dashboard)]
     assert len(ids) == len(set(ids))
+
+
+def test_precise_row_is_collapsed_and_reads_every_precise_metric() -> None:
+    """Folded away unless kvEvents is on; its panels cover what the README's metrics
+    table lists for the precise plugin and the KV-events subscriber."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    [row] = [p for p in dashboard["panels"] if p["title"] == PRECISE_ROW]
+    assert row["collapsed"] is True and row["panels"]
+    exprs = " ".join(t["expr"] for p in row["panels"] for t in p["targets"])
+    precise = set(queries(rows=[PRECISE_ROW]))
+    assert precise == {f"{p['title']}/{t['refId']}" for p in row["panels"] for t in p["targets"]}
+    assert not precise & set(queries(except_rows=[PRECISE_ROW]))
+    for name in (
+        "extproc_precise_prefix_cache_match_ratio_bucket",
+        "extproc_precise_prefix_tokenize_seconds_bucket",
+        "extproc_precise_prefix_segments_total",
+        "extproc_precise_prefix_fallbacks_total",
+        "extproc_kv_events_received_total",
+        "extproc_kv_events_applied_total",
+        "extproc_kv_events_gaps_total",
+        "extproc_kv_events_replays_total",
+        "extproc_kv_events_restarts_total",
+        "extproc_kv_events_stale_pods",
+        "extproc_kv_events_marked_stale_total",
+        "extproc_kv_events_errors_total",
+        "extproc_kv_events_blocks",
+        "extproc_kv_events_evicted_blocks_total",
+        "extproc_kv_events_orphan_blocks_total",
+    ):
+        assert name in exprs, name

@@ -16,7 +16,7 @@ import yaml
 
 from extproc.envoyconf import helm
 from extproc.sim.launch import envoy_binary
-from tests.charts.conftest import NAMESPACE, find, render
+from tests.charts.conftest import NAMESPACE, PRECISE, find, render
 
 FULLNAME = "rel-extproc"
 
@@ -59,6 +59,7 @@ def socket(cluster: dict[str, Any]) -> dict[str, Any]:
             },
             id="custom",
         ),
+        pytest.param(PRECISE, id="precise"),  # KV events on: the Envoy is the same
     ],
 )
 def test_rendered_bootstrap_validates_and_follows_values(

@@ -1,26 +1,46 @@
 """The KV-events subscriber over real ZMQ sockets on 127.0.0.1: both topologies, sequence
-gaps (stale, or replayed from a ROUTER speaking vLLM's replay protocol), restarts."""
+gaps (stale, or replayed from a ROUTER speaking vLLM's replay protocol), restarts,
+malformed messages, and the metrics each of them moves."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 
+import msgpack
 import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
-from extproc.datalayer.kv_events import EventsSettings, KvEventsSubscriber
+from extproc.datalayer.kv_events import EventsSettings, IndexCollector, KvEventsSubscriber
 from extproc.prefix.precise.index import PreciseIndex
 from extproc.prefix.precise.keys import chain_keys
 from extproc.sim.kv_cache import BlockStored, hash_request_tokens
 from extproc.sim.kv_events import ZmqEventPublisher, encode_event_batch
 from extproc.sim.launch import free_port
 from extproc.types import Pod, PodId
+from tests.datalayer.kv_publisher import TOPIC, Publisher
 
 BS = 4
 POD = Pod(PodId("default", "p0"), "127.0.0.1:8000", frozenset({"m"}))
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    """A sample's value, 0 for a series not yet created; ``pod`` defaults to POD."""
+    if name.startswith("extproc_kv_events") and "reason" not in labels:
+        labels.setdefault("pod", str(POD.id))
+    return registry.get_sample_value(name, labels) or 0.0
+
+
+class Deltas:
+    """How much some counters moved since it was made (probes before it do not count)."""
+
+    def __init__(self, registry: CollectorRegistry, *names: str) -> None:
+        self.registry = registry
+        self.start = {name: value(registry, name) for name in names}
+
+    def __getitem__(self, name: str) -> float:
+        return value(self.registry, name) - self.start[name]
 
 
 def wait_until(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:
@@ -40,60 +60,17 @@ def cached(index: PreciseIndex, tokens: list[int]) -> int:
     return index.match(POD.id, chain_keys(tokens, BS))[0]
 
 
-class Publisher:
-    """A pod's PUB socket, bound on 127.0.0.1 (the connect topology), numbering batches
-    as vLLM does; keeps every batch for an optional replay ROUTER (vLLM's protocol)."""
-
-    def __init__(self, replay: bool = False) -> None:
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self.port, self.seq, self.sent = free_port(), 0, list[tuple[int, bytes]]()
-        self.pub = ctx.socket(zmq.PUB)
-        self.pub.bind(f"tcp://127.0.0.1:{self.port}")
-        self.replay_port = free_port() if replay else None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        if replay:
-            self.router = ctx.socket(zmq.ROUTER)
-            self.router.bind(f"tcp://127.0.0.1:{self.replay_port}")
-            self._thread = threading.Thread(target=self._serve_replay, daemon=True)
-            self._thread.start()
-
-    def publish(self, *events: BlockStored, lose: bool = False) -> None:
-        payload = encode_event_batch(0.0, events)
-        self.sent.append((self.seq, payload))
-        if not lose:
-            self.pub.send_multipart([b"kv@127.0.0.1:8000@m", self.seq.to_bytes(8, "big"), payload])
-        self.seq += 1
-
-    def _serve_replay(self) -> None:
-        while not self._stop.is_set():
-            if not self.router.poll(50):
-                continue
-            client, _, start = self.router.recv_multipart()
-            for seq, payload in self.sent:
-                if seq >= int.from_bytes(start, "big"):
-                    self.router.send_multipart([client, b"", b"t", seq.to_bytes(8, "big"), payload])
-            self.router.send_multipart(
-                [client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
-            )
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5)
-            self.router.close(0)
-        self.pub.close(0)
-
-
 @pytest.fixture
 def make_subscriber() -> Iterator[Callable[..., tuple[KvEventsSubscriber, PreciseIndex]]]:
     started: list[KvEventsSubscriber] = []
 
     def make(
-        settings: EventsSettings, stale_s: float = 60.0
+        settings: EventsSettings,
+        stale_s: float = 60.0,
+        registry: CollectorRegistry | None = None,
     ) -> tuple[KvEventsSubscriber, PreciseIndex]:
         index = PreciseIndex(1000, stale_s=stale_s)
-        sub = KvEventsSubscriber(index, settings, CollectorRegistry())
+        sub = KvEventsSubscriber(index, settings, registry or CollectorRegistry())
         sub.set_pods([POD])
         sub.start()
         started.append(sub)
@@ -116,14 +93,27 @@ def connected(pub: Publisher, index: PreciseIndex) -> None:
         time.sleep(0.1)
 
 
+RECEIVED = "extproc_kv_events_received_total"
+BATCHES = "extproc_kv_events_batches_received_total"
+APPLIED = "extproc_kv_events_applied_total"
+GAPS = "extproc_kv_events_gaps_total"
+STALE = "extproc_kv_events_marked_stale_total"
+RESTARTS = "extproc_kv_events_restarts_total"
+REPLAY_OK = "extproc_kv_events_replays_total", {"outcome": "ok"}
+REPLAY_FAILED = "extproc_kv_events_replays_total", {"outcome": "failed"}
+
+
 def test_connect_topology_applies_a_pods_events(make_subscriber) -> None:  # type: ignore[no-untyped-def]
-    pub = Publisher()
+    pub, registry = Publisher(), CollectorRegistry()
     try:
-        _, index = make_subscriber(EventsSettings("connect", port=pub.port))
+        _, index = make_subscriber(EventsSettings("connect", port=pub.port), registry=registry)
         connected(pub, index)
-        pub.publish(stored(list(range(8))))
+        moved = Deltas(registry, BATCHES, RECEIVED, APPLIED, GAPS, STALE)
+        pub.publish(stored(list(range(8))), stored(list(range(100, 104))))
         wait_until(lambda: cached(index, list(range(8))) == 2)
         assert not index.view(POD.id).stale()
+        assert [moved[BATCHES], moved[RECEIVED], moved[APPLIED]] == [1, 2, 2]
+        assert moved[GAPS] == moved[STALE] == 0
     finally:
         pub.close()
 
@@ -143,11 +133,49 @@ def test_bind_topology_names_the_pod_by_topic(make_subscriber) -> None:  # type:
         pub.close()
 
 
-def test_a_gap_without_replay_marks_the_pod_stale_then_it_rebuilds(make_subscriber) -> None:  # type: ignore[no-untyped-def]
-    pub = Publisher()
+def test_malformed_messages_are_dropped_and_counted_by_reason(make_subscriber) -> None:  # type: ignore[no-untyped-def]
+    port, registry = free_port(), CollectorRegistry()
+    make_subscriber(EventsSettings("bind", bind=(f"tcp://127.0.0.1:{port}",)), registry=registry)
+    pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
+    pub.connect(f"tcp://127.0.0.1:{port}")
+    seq = iter(range(1000))
+
+    def send(payload: bytes, topic: bytes = TOPIC) -> None:
+        pub.send_multipart([topic, next(seq).to_bytes(8, "big"), payload])
+
+    def errors(reason: str) -> float:
+        return value(registry, "extproc_kv_events_errors_total", reason=reason)
+
     try:
-        _, index = make_subscriber(EventsSettings("connect", port=pub.port), stale_s=1.0)
+        deadline = time.monotonic() + 20
+        while not value(registry, BATCHES):  # ZMQ's slow joiner
+            assert time.monotonic() < deadline, "subscriber never connected"
+            send(encode_event_batch(0.0, [stored([9] * BS)]))
+            time.sleep(0.1)
+        moved = Deltas(registry, BATCHES, RECEIVED, APPLIED)
+        pub.send_multipart([TOPIC, b"\0" * 8])
+        wait_until(lambda: errors("frames") == 1)
+        send(encode_event_batch(0.0, [stored([9] * BS)]), b"kv@10.9.9.9:8000@m")
+        wait_until(lambda: errors("unknown_pod") == 1)
+        send(b"\xc1")  # never valid msgpack
+        wait_until(lambda: errors("payload") == 1)
+        bad_size = {"type": "BlockStored", "block_hashes": [1], "token_ids": [1] * BS,
+                    "block_size": "four"}  # fmt: skip
+        send(msgpack.packb([0.0, [bad_size, {"type": "NotAnEvent"}], 0]))
+        wait_until(lambda: errors("event") == 1)
+        # the last two were batches of this pod; only the last decoded, to two unused events
+        assert [moved[BATCHES], moved[RECEIVED], moved[APPLIED]] == [2, 2, 0]
+    finally:
+        pub.close(0)
+
+
+def test_a_gap_without_replay_marks_the_pod_stale_then_it_rebuilds(make_subscriber) -> None:  # type: ignore[no-untyped-def]
+    pub, registry = Publisher(), CollectorRegistry()
+    try:
+        settings = EventsSettings("connect", port=pub.port)
+        _, index = make_subscriber(settings, stale_s=1.0, registry=registry)
         connected(pub, index)
+        moved = Deltas(registry, GAPS, STALE)
         pub.publish(stored([1] * 8))
         wait_until(lambda: cached(index, [1] * 8) == 2)
         pub.publish(stored([2] * 8), lose=True)
@@ -156,39 +184,92 @@ def test_a_gap_without_replay_marks_the_pod_stale_then_it_rebuilds(make_subscrib
         view = index.view(POD.id)
         assert cached(index, [1] * 8) == 0  # forgotten: it may have been evicted meanwhile
         assert view.stale_until > 0  # was marked stale at the gap
+        assert moved[GAPS] == moved[STALE] == 1
+        assert value(registry, "extproc_kv_events_replays_total", outcome="failed") == 0
         wait_until(lambda: not index.view(POD.id).stale())
+        assert registry.get_sample_value("extproc_kv_events_stale_pods") == 0
     finally:
         pub.close()
 
 
 def test_a_gap_is_filled_from_the_replay_endpoint(make_subscriber) -> None:  # type: ignore[no-untyped-def]
-    pub = Publisher(replay=True)
+    pub, registry = Publisher(replay=True), CollectorRegistry()
     try:
         settings = EventsSettings("connect", port=pub.port, replay_port=pub.replay_port)
-        _, index = make_subscriber(settings)
+        _, index = make_subscriber(settings, registry=registry)
         connected(pub, index)
+        moved = Deltas(registry, GAPS, STALE, APPLIED)
         pub.publish(stored([2] * 8), lose=True)
         pub.publish(stored([3] * 8))
         wait_until(lambda: cached(index, [3] * 8) == 2)
         assert cached(index, [2] * 8) == 2  # the lost batch came back
         assert cached(index, [9] * BS) == 1
         assert not index.view(POD.id).stale()
+        assert value(registry, REPLAY_OK[0], **REPLAY_OK[1]) == 1
+        assert value(registry, REPLAY_FAILED[0], **REPLAY_FAILED[1]) == 0
+        assert [moved[GAPS], moved[STALE], moved[APPLIED]] == [1, 0, 2]
+    finally:
+        pub.close()
+
+
+def test_a_replay_nobody_answers_marks_the_pod_stale(make_subscriber) -> None:  # type: ignore[no-untyped-def]
+    pub, registry = Publisher(), CollectorRegistry()  # the pod runs no replay endpoint
+    try:
+        settings = EventsSettings("connect", port=pub.port, replay_port=free_port(),
+                                  replay_timeout_s=0.2)  # fmt: skip
+        _, index = make_subscriber(settings, registry=registry)
+        connected(pub, index)
+        moved = Deltas(registry, GAPS, STALE)
+        pub.publish(stored([2] * 8), lose=True)
+        pub.publish(stored([3] * 8))
+        wait_until(lambda: cached(index, [3] * 8) == 2)
+        assert index.view(POD.id).stale()
+        assert cached(index, [9] * BS) == 0  # the view before the gap is forgotten
+        assert value(registry, REPLAY_FAILED[0], **REPLAY_FAILED[1]) == 1
+        assert value(registry, REPLAY_OK[0], **REPLAY_OK[1]) == 0
+        assert moved[GAPS] == moved[STALE] == 1
+        assert registry.get_sample_value("extproc_kv_events_stale_pods") == 1
     finally:
         pub.close()
 
 
 def test_a_restarted_publisher_starts_the_view_empty(make_subscriber) -> None:  # type: ignore[no-untyped-def]
-    pub = Publisher()
+    pub, registry = Publisher(), CollectorRegistry()
     try:
-        _, index = make_subscriber(EventsSettings("connect", port=pub.port))
+        _, index = make_subscriber(EventsSettings("connect", port=pub.port), registry=registry)
         connected(pub, index)
         pub.publish(stored([1] * 8))
         pub.publish(stored([2] * 8))
         wait_until(lambda: cached(index, [2] * 8) == 2)
+        moved = Deltas(registry, RESTARTS, GAPS, STALE)
         pub.seq = 0  # a new engine process
         pub.publish(stored([3] * 8))
         wait_until(lambda: cached(index, [3] * 8) == 2)
         assert cached(index, [1] * 8) == 0 and cached(index, [2] * 8) == 0
         assert not index.view(POD.id).stale()
+        assert [moved[RESTARTS], moved[GAPS], moved[STALE]] == [1, 0, 0]
     finally:
         pub.close()
+
+
+def test_the_index_collector_reports_each_views_blocks_orphans_and_overflow() -> None:
+    index, registry = PreciseIndex(capacity_blocks=2), CollectorRegistry()
+    registry.register(IndexCollector(index))
+    full, other = POD.id, PodId("default", "p1")
+    tokens = list(range(3 * BS))
+    index.stored(full, [1, 2, 3], None, tokens, BS, None)  # 3 blocks, room for 2
+    index.stored(full, [7], None, [5] * BS, BS, None, "CPU")
+    index.stored(full, [8], 999, [6] * BS, BS, None)  # under a parent it never saw
+    index.stored(other, [4], None, [1] * BS, BS, None)
+    index.mark_stale(other)
+
+    def get(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    assert get("extproc_kv_events_blocks", pod="default/p0", medium="GPU") == 2
+    assert get("extproc_kv_events_blocks", pod="default/p0", medium="CPU") == 1
+    assert get("extproc_kv_events_blocks", pod="default/p1", medium="GPU") is None  # cleared
+    assert get("extproc_kv_events_evicted_blocks_total", pod="default/p0") == 1
+    assert get("extproc_kv_events_orphan_blocks_total", pod="default/p0") == 1
+    assert get("extproc_kv_events_orphan_blocks_total", pod="default/p1") == 0
+    assert get("extproc_kv_events_stale_pods") == 1

@@ -98,6 +98,56 @@ self-signed, what the Inference Extension's gateways expect of a picker; else of
 {{- if and .Values.inferencePool.httpRoute.enabled (eq .Values.mode "gateway") (not .Values.inferencePool.httpRoute.parentRefs) }}
 {{- fail "inferencePool.httpRoute.parentRefs is empty: name the Gateway the HTTPRoute attaches to, e.g. [{name: inference-gateway}]" }}
 {{- end }}
+{{- include "extproc.validateKvEvents" . }}
+{{- end }}
+
+{{/* "true" when scheduler.plugins.Score enables precise-prefix-cache, else "". */}}
+{{- define "extproc.preciseScored" -}}
+{{- range (dig "Score" "enabled" list .Values.scheduler.plugins) }}
+{{- if eq .name "precise-prefix-cache" }}true{{ end }}
+{{- end }}
+{{- end }}
+
+{{/* kvEvents and the precise-prefix-cache plugin go together: the plugin needs the
+events and the tokenizers, the events feed nothing else. */}}
+{{- define "extproc.validateKvEvents" -}}
+{{- $kv := .Values.kvEvents }}
+{{- $precise := include "extproc.preciseScored" . }}
+{{- if and $precise (not $kv.enabled) }}
+{{- fail "scheduler scores with precise-prefix-cache, which reads the model servers' KV events and the tokenizers: set kvEvents.enabled=true and kvEvents.tokenizers.volume" }}
+{{- end }}
+{{- if $kv.enabled }}
+{{- if not $precise }}
+{{- fail "kvEvents.enabled: the events feed the precise-prefix-cache plugin, which scheduler.plugins.Score.enabled does not list (values-precise.yaml has extproc's precise configuration)" }}
+{{- end }}
+{{- if not $kv.tokenizers.volume }}
+{{- fail "kvEvents.tokenizers.volume is empty: name the volume holding the tokenizers, e.g. {persistentVolumeClaim: {claimName: tokenizers}}" }}
+{{- end }}
+{{- $models := dict }}
+{{- range .Values.scheduler.pluginConfig }}
+{{- if eq .name "precise-prefix-cache" }}
+{{- $models = dig "models" dict (.args | default dict) }}
+{{- end }}
+{{- end }}
+{{- if not $models }}
+{{- fail (printf "precise-prefix-cache has no models: set its args.models in scheduler.pluginConfig, each served model's tokenizer directory under kvEvents.tokenizers.mountPath (%s)" $kv.tokenizers.mountPath) }}
+{{- end }}
+{{- $mount := trimSuffix "/" $kv.tokenizers.mountPath }}
+{{- range $model, $dir := $models }}
+{{- if not (or (eq (toString $dir) $mount) (hasPrefix (printf "%s/" $mount) (toString $dir))) }}
+{{- fail (printf "precise-prefix-cache's models.%s is %s, outside kvEvents.tokenizers.mountPath (%s) where the tokenizers are mounted" $model $dir $mount) }}
+{{- end }}
+{{- end }}
+{{- if and (eq $kv.topology "bind") (gt (int .Values.replicas) 1) }}
+{{- fail "kvEvents.topology bind takes one replica: each model server's publisher connects to a single replica through the Service; with replicas > 1 use topology connect" }}
+{{- end }}
+{{- if and (eq $kv.topology "bind") (has (int $kv.port) (list 9002 9003 9090)) }}
+{{- fail (printf "kvEvents.port %d is one of extproc's own ports (9002, 9003, 9090): pick another port to bind" (int $kv.port)) }}
+{{- end }}
+{{- if and (eq $kv.topology "connect") (eq (int $kv.port) (int ($kv.replayPort | default 0))) }}
+{{- fail "kvEvents.replayPort equals kvEvents.port: a pod's publisher and replay endpoint need a port each" }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* The Redis the replicas share their view through: redis.url, else the chart's own

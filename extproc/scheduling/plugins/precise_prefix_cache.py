@@ -25,7 +25,7 @@ from functools import cache
 from typing import Any, ClassVar
 
 from prometheus_client import Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from extproc.datalayer.kv_events import KvEventsSubscriber
@@ -62,16 +62,23 @@ class _MemoCollector(Collector):
     def __init__(self, tokenizers: Mapping[str, SegmentTokenizer]) -> None:
         self.tokenizers = tokenizers
 
-    def collect(self) -> Iterable[CounterMetricFamily]:
+    def collect(self) -> Iterable[CounterMetricFamily | GaugeMetricFamily]:
         family = CounterMetricFamily(
             "extproc_precise_prefix_segments",
             "Prompt segments tokenized (miss) or found in the memo (hit), per model.",
             labels=["model", "result"],
         )
+        memo = GaugeMetricFamily(
+            "extproc_precise_prefix_memo_tokens",
+            "A model's segment memo: its tokens plus one per segment (what its share of "
+            "memoTokens bounds).",
+            labels=["model"],
+        )
         for model, tok in self.tokenizers.items():
             family.add_metric([model, "hit"], tok.hits)
             family.add_metric([model, "miss"], tok.misses)
-        return [family]
+            memo.add_metric([model], tok.memo_size)
+        return [family, memo]
 
 
 class PrecisePrefixCache:
