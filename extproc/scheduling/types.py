@@ -41,6 +41,7 @@ from extproc.scheduling.podtable import PodTable, Positions
 from extproc.types import Pod, PodId
 
 Scores = npt.NDArray[np.int64]  # one score per row of the ``Positions`` scored
+TokenIds = npt.NDArray[np.uint32]  # a prompt's token ids: 4 bytes each, as keys hash them
 
 BYTES_PER_TOKEN = 4  # the usual estimate for English text and code with BPE tokenizers
 
@@ -55,8 +56,9 @@ class Cycle:
     uncached_tokens: dict[PodId, int] = field(default_factory=dict)
     # The prompt's exact token ids, once a plugin tokenized it (precise-prefix-cache,
     # maybe on another thread: ``Preparer``); ``tokenized`` tells that it was tried, as
-    # ``token_ids`` stays None for a request that cannot be tokenized exactly.
-    token_ids: list[int] | None = None
+    # ``token_ids`` stays None for a request that cannot be tokenized exactly. An array,
+    # not a list: the cycle lives until the request ends, and a list costs twice the memory.
+    token_ids: TokenIds | None = None
     tokenized: bool = False
     _keys: dict[tuple[int, int], Keys] = field(default_factory=dict)
     _num_prompt_bytes: int = -1

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, ClassVar
 
+import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
@@ -40,7 +41,13 @@ from extproc.prefix.precise.keys import chain_keys
 from extproc.request.tokens import NotExact, Segments, SegmentTokenizer
 from extproc.scheduling.args import load_args
 from extproc.scheduling.plugins.prefix_cache import MATCH_RATIO_BUCKETS
-from extproc.scheduling.types import BYTES_PER_TOKEN, Cycle, PluginContext, Preparation
+from extproc.scheduling.types import (
+    BYTES_PER_TOKEN,
+    Cycle,
+    PluginContext,
+    Preparation,
+    TokenIds,
+)
 from extproc.types import Pod, PodId
 
 log = logging.getLogger("extproc.scheduling.precise")
@@ -152,7 +159,7 @@ class PrecisePrefixCache:
 
     # Tokens and matches -----------------------------------------------------------
 
-    def prompt_tokens(self, cycle: Cycle) -> list[int] | None:
+    def prompt_tokens(self, cycle: Cycle) -> TokenIds | None:
         """The request's exact token ids, or None when they cannot be had (counted);
         tokenized here unless ``prepare``'s work was done (or skipped) already."""
         if not cycle.tokenized:
@@ -191,7 +198,7 @@ class PrecisePrefixCache:
         self, cycle: Cycle, tok: SegmentTokenizer, segments: Segments, cut_s: float
     ) -> None:
         start = time.perf_counter()
-        cycle.token_ids = tok.encode(segments)
+        cycle.token_ids = np.array(tok.encode(segments), dtype=np.uint32)
         cycle.tokenized = True
         elapsed = cut_s + time.perf_counter() - start
         self._tokenize_time(cycle.request.model).observe(elapsed)
@@ -201,7 +208,7 @@ class PrecisePrefixCache:
         self._fallbacks(reason).inc()
 
     def _precise(
-        self, cycle: Cycle, tokens: list[int], pods: Iterable[PodId]
+        self, cycle: Cycle, tokens: TokenIds, pods: Iterable[PodId]
     ) -> tuple[dict[PodId, tuple[int, int, int]], list[PodId]]:
         """Per pod with a trusted view: (GPU blocks, offloaded blocks, full blocks);
         and the pods whose view is stale."""
