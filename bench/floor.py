@@ -228,14 +228,15 @@ def precise_markdown(rows: list[dict[str, Any]]) -> list[str]:
         "## precise-prefix-cache against the approximate default",
         "",
         (
-            "extproc's CPU per request (all its threads) under the loaded runs; memo hits: "
-            "the precise run's prompt segments found in its memo."
+            "extproc's CPU per request (all its threads) under the loaded runs. A chat "
+            "request is five segments between its added tokens; with a cold memo the "
+            "system prompt's (nearly the whole prompt) is new each time, the others not."
         ),
         "",
         (
             "| prompt | memo | approximate us/req | precise us/req | x approximate | "
             "approximate req/s | precise req/s | p50 low load ms (approximate, precise) | "
-            "memo hits |"
+            "segments from the memo |"
         ),
         "|---|---|---|---|---|---|---|---|---|",
     ]
