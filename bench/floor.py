@@ -13,8 +13,15 @@ runs, alternating, medians of ``--rounds``.
 (``--grpc-server public``), over TLS (``--grpc-tls files``, Envoy verifying it) and over
 mutual TLS, in the same run.
 
+``--variants precise --model-dir DIR`` adds extproc with precise-prefix-cache
+(``extproc/data/precise.yaml``, the tokenizer in DIR for the pods' model) and compares it
+with extproc's approximate default: with a warm memo (the usual workload, every tenant's
+prompt tokenized in the warm-up) and with a cold one (tenants drawn from a million, so
+each prompt is new and tokenized whole), each memo's rounds in turn, the two extprocs
+alternating.
+
     python -m bench.floor [--prompt-kb 8,220] [--pods 16] [--rounds 3] [--variants ...]
-        [--markdown FILE]
+        [--model-dir DIR] [--json FILE] [--markdown FILE]
 """
 
 from __future__ import annotations
@@ -24,25 +31,55 @@ import os
 import sys
 import tempfile
 import time
+import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from bench.contenders import start_envoy_alone
-from bench.loadgen import Load, make_workload
+from bench.loadgen import Load, Workload, make_workload
 from bench.picker import Target, measure, warm_up
 from bench.picker_report import ENVOY, EXTPROC, machine, medians, publish
-from bench.upstreams import start_upstreams
-from extproc.sim.launch import run_stack
+from bench.upstreams import MODEL, start_upstreams
+from extproc.scheduling.config import named_config_text
+from extproc.sim.launch import free_port, run_stack
 from tests.tls_certs import CertAuthority
 
 TRIVIAL = "envoy+trivial-picker"
 TRIVIAL_COMMAND = (sys.executable, "-m", "bench.trivial_picker")
-VARIANTS = ("public", "tls", "mtls")
+VARIANTS = ("public", "tls", "mtls", "precise")
+PRECISE = f"{EXTPROC} (precise)"
+# Tenants of the cold-memo workload: loadgen's 6-digit number. Drawn at random, a run of
+# n requests repeats one about n^2 / 2e6 times: 2% of the 40,000 of the busiest run.
+COLD_TENANTS = 1_000_000
+SEGMENTS = "extproc_precise_prefix_segments_total"
 
 
-def variant_stack_args(variant: str, work_dir: Path) -> dict[str, Any]:
-    """``run_stack`` arguments of extproc on another server or transport."""
+def precise_config(model_dir: Path, work_dir: Path) -> Path:
+    """The shipped precise configuration with ``model_dir``'s tokenizer for the pods' model."""
+    doc = yaml.safe_load(named_config_text("precise"))
+    for entry in doc["scheduler"]["pluginConfig"]:
+        if entry["name"] == "precise-prefix-cache":
+            entry["args"]["models"] = {MODEL: str(model_dir)}
+    path = work_dir / "precise.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def variant_stack_args(variant: str, work_dir: Path, model_dir: Path | None) -> dict[str, Any]:
+    """``run_stack`` arguments of extproc on another server, transport or configuration."""
+    if variant == "precise":
+        if model_dir is None:
+            raise ValueError("--variants precise needs --model-dir")
+        # Its KV events subscriber binds a port nobody publishes to: the instant pods have
+        # no cache, so every pod scores 0 and the cost measured is the tokenizing's.
+        events = f"tcp://127.0.0.1:{free_port()}"
+        return {
+            "config": precise_config(model_dir, work_dir),
+            "extproc_args": ["--kv-events-topology", "bind", "--kv-events-bind", events],
+        }
     if variant == "public":
         return {"extproc_args": ["--grpc-server", "public"]}
     ca = CertAuthority(work_dir, f"bench-{variant}")
@@ -61,7 +98,8 @@ def variant_stack_args(variant: str, work_dir: Path) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, work_dir: Path) -> list[dict[str, Any]]:
-    """Every prompt size against the three targets; the medians of each."""
+    """Every prompt size against the targets; the medians of each (rows of the precise
+    comparison's cold memo say ``"memo": "cold"``)."""
     rows = []
     with ExitStack() as stack:
         upstreams, pods = start_upstreams(args.pods, work_dir)
@@ -77,33 +115,74 @@ def run(args: argparse.Namespace, work_dir: Path) -> list[dict[str, Any]]:
             ),
             Target(EXTPROC, full.url, {"envoy": full.envoy.pid, "extproc": full.extproc.pid}),
         ]
+        metrics_ports: dict[str, int] = {}
         for variant in args.variants:
-            extra = stack.enter_context(run_stack(pods, **variant_stack_args(variant, work_dir)))
+            extra = stack.enter_context(
+                run_stack(pods, **variant_stack_args(variant, work_dir, args.model_dir))
+            )
             pids = {"envoy": extra.envoy.pid, "extproc": extra.extproc.pid}
-            targets.append(Target(f"{EXTPROC} ({variant})", extra.url, pids))
-        loaded, low = Load(2, 16, args.seconds), Load(1, 1, args.low_seconds)
+            name = PRECISE if variant == "precise" else f"{EXTPROC} ({variant})"
+            targets.append(Target(name, extra.url, pids))
+            metrics_ports[name] = extra.metrics_port
         for kb in args.prompt_kb:
             print(f"{kb} KB prompts, {args.pods} pods", flush=True)
             workload = make_workload(kb * 1024, 2 * args.pods, work_dir)
             for extproc_target in targets[2:]:
-                warm_up(extproc_target, workload, loaded)
-            runs: dict[str, dict[str, list[dict[str, float]]]] = {
-                t.name: {"loaded": [], "low": []} for t in targets
-            }
-            for _ in range(args.rounds):
-                for kind, load in (("loaded", loaded), ("low", low)):
-                    for t in targets:
-                        runs[t.name][kind].append(measure(t, workload, load, kind))
-            for t in targets:
-                rows.append(
-                    {
-                        "prompt_kb": kb,
-                        "router": t.name,
-                        "loaded": medians(runs[t.name]["loaded"]),
-                        "low": medians(runs[t.name]["low"]),
-                    }
-                )
+                warm_up(extproc_target, workload, loaded(args))
+            rows += rounds(targets, workload, args, kb, "warm", metrics_ports)
+            if PRECISE in metrics_ports:
+                cold = make_workload(kb * 1024, COLD_TENANTS, work_dir)
+                pair = [t for t in targets if t.name in (EXTPROC, PRECISE)]
+                rows += rounds(pair, cold, args, kb, "cold", metrics_ports)
     return rows
+
+
+def loaded(args: argparse.Namespace) -> Load:
+    return Load(2, 16, args.seconds)
+
+
+def rounds(
+    targets: list[Target],
+    workload: Workload,
+    args: argparse.Namespace,
+    kb: int,
+    memo: str,
+    metrics_ports: dict[str, int],
+) -> list[dict[str, Any]]:
+    """``args.rounds`` alternating rounds (loaded, then low load, every target in turn);
+    a row of medians per target, with the memo's hit ratio for precise-prefix-cache."""
+    low = Load(1, 1, args.low_seconds)
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {
+        t.name: {"loaded": [], "low": []} for t in targets
+    }
+    before = {name: segments(port) for name, port in metrics_ports.items()}
+    for _ in range(args.rounds):
+        for kind, load in (("loaded", loaded(args)), ("low", low)):
+            for t in targets:
+                runs[t.name][kind].append(measure(t, workload, load, kind))
+    rows = []
+    for t in targets:
+        row = {"prompt_kb": kb, "router": t.name, "memo": memo,
+               "loaded": medians(runs[t.name]["loaded"]), "low": medians(runs[t.name]["low"])}  # fmt: skip
+        if t.name in before:
+            hits, misses = (a - b for a, b in zip(segments(metrics_ports[t.name]), before[t.name]))
+            row["memo_hit_ratio"] = round(hits / max(hits + misses, 1), 3)
+        rows.append(row)
+    return rows
+
+
+def segments(metrics_port: int) -> tuple[float, float]:
+    """precise-prefix-cache's segments found in its memo and tokenized, so far."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as page:
+        lines = page.read().decode().splitlines()
+    counts = {"hit": 0.0, "miss": 0.0}
+    for line in lines:
+        if line.startswith(SEGMENTS + "{"):
+            for result in counts:
+                if f'result="{result}"' in line:
+                    counts[result] += float(line.rsplit(" ", 1)[1])
+    return counts["hit"], counts["miss"]
 
 
 def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, info: dict[str, Any]) -> str:
@@ -124,6 +203,8 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, info: dict[st
     ]
     alone: dict[int, dict[str, Any]] = {r["prompt_kb"]: r for r in rows if r["router"] == ENVOY}
     for r in rows:
+        if r.get("memo", "warm") != "warm":
+            continue
         base = alone[r["prompt_kb"]]
         loaded, low = r["loaded"], r["low"]
         extproc_us = loaded.get("extproc_cpu_us_per_request")
@@ -134,7 +215,45 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, info: dict[st
             f"{loaded['envoy_cpu_us_per_request']:.0f} | "
             f"{'' if extproc_us is None else f'{extproc_us:.0f}'} |"
         )
+    if any(r["router"] == PRECISE for r in rows):
+        lines += precise_markdown(rows)
     return "\n".join(lines) + "\n"
+
+
+def precise_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """precise-prefix-cache against the approximate default: extproc's CPU per request
+    and its ratio, throughput and low-load p50, per prompt size and memo."""
+    lines = [
+        "",
+        "## precise-prefix-cache against the approximate default",
+        "",
+        (
+            "extproc's CPU per request (all its threads) under the loaded runs. A chat "
+            "request is five segments between its added tokens; with a cold memo the "
+            "system prompt's (nearly the whole prompt) is new each time, the others not."
+        ),
+        "",
+        (
+            "| prompt | memo | approximate us/req | precise us/req | x approximate | "
+            "approximate req/s | precise req/s | p50 low load ms (approximate, precise) | "
+            "segments from the memo |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    by_key = {(r["prompt_kb"], r.get("memo", "warm"), r["router"]): r for r in rows}
+    for (kb, memo, router), precise in by_key.items():
+        if router != PRECISE:
+            continue
+        approx = by_key[(kb, memo, EXTPROC)]
+        a_us = approx["loaded"]["extproc_cpu_us_per_request"]
+        p_us = precise["loaded"]["extproc_cpu_us_per_request"]
+        lines.append(
+            f"| {kb} KB | {memo} | {a_us:.0f} | {p_us:.0f} | {p_us / a_us:.2f} | "
+            f"{approx['loaded']['rps']:.0f} | {precise['loaded']['rps']:.0f} | "
+            f"{approx['low']['p50_ms']:.2f}, {precise['low']['p50_ms']:.2f} | "
+            f"{precise['memo_hit_ratio']:.0%} |"
+        )
+    return lines
 
 
 def main() -> None:
@@ -152,12 +271,19 @@ def main() -> None:
         default=[],
         help=f"extra extproc targets, comma-separated, of {', '.join(VARIANTS)}",
     )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        help="the tokenizer of --variants precise (e.g. ~/.cache/extproc-e2e/model/qwen3-tiny)",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
     unknown = set(args.variants) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown --variants {', '.join(sorted(unknown))}: choose of {VARIANTS}")
+    if "precise" in args.variants and not (args.model_dir / "tokenizer.json").exists():
+        parser.error("--variants precise needs --model-dir DIR holding tokenizer.json")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="extproc-floor-") as tmp:
         rows = run(args, Path(tmp))

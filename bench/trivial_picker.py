@@ -4,7 +4,7 @@ Every ``Process`` body gets the same route (the first three pods, serialized onc
 access-log messages are read but not acted on. The gRPC loop, the protobuf parsing of
 each message, Envoy's config and the process are the ones that ship, so this measures
 the floor under any picker built on them (``bench.floor``). Benchmark-only: nothing in
-extproc knows about it; this wrapper patches two methods and runs the ordinary command
+extproc knows about it; this wrapper patches three methods and runs the ordinary command
 line.
 """
 
@@ -39,5 +39,6 @@ def ignore_log(self: AccessLogHandler, message: als_pb2.StreamAccessLogsMessage)
 
 if __name__ == "__main__":
     RouteHandler.process = fixed_route  # type: ignore[method-assign]
+    RouteHandler.process_soon = fixed_route  # type: ignore[method-assign]
     AccessLogHandler.complete = ignore_log  # type: ignore[method-assign]
     sys.exit(main())

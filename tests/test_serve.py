@@ -186,6 +186,10 @@ REFUSALS: dict[str, Refusal] = {
         ("--num-fallbacks", "-1"), "--num-fallbacks must be 0 or more, got -1"
     ),
     "max-streams-too-few": Refusal(("--max-streams", "1"), "--max-streams must be 4 or more"),
+    "prepare-threads-zero": Refusal(
+        ("--prepare-threads", "0"), "--prepare-threads must be 1 or more, got 0"
+    ),
+    "prepare-queue-zero": Refusal(("--prepare-queue", "0"), "--prepare-queue must be 1 or more"),
     "scrape-budget-over-a-core": Refusal(
         ("--scrape-cpu-budget", "1.5"), "--scrape-cpu-budget must be in (0, 1]"
     ),

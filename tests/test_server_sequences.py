@@ -370,7 +370,7 @@ def test_a_route_the_caller_gave_up_on_is_forgotten(
 ) -> None:
     """Envoy's message timeout passed while extproc was routing (504, or fail-open): no
     access-log entry will ever come for it, so it must not stay pending and in flight."""
-    route = server.router.route
+    route = server.router.route_or_defer
     routed = threading.Event()
 
     def slow_route(*args: object, **kwargs: object) -> object:
@@ -380,7 +380,7 @@ def test_a_route_the_caller_gave_up_on_is_forgotten(
         finally:
             routed.set()
 
-    monkeypatch.setattr(server.router, "route", slow_route)
+    monkeypatch.setattr(server.router, "route_or_defer", slow_route)
     messages = [headers(rid="late"), body()] if server.protocol == "epp" else [routed_body("late")]
     with pytest.raises(grpc.RpcError) as info:
         list(server.bidi(iter(messages), timeout=0.1))

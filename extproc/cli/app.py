@@ -4,8 +4,9 @@ health on ``--health-port``, Prometheus metrics on ``--metrics-port``; and the d
 
 ``start`` builds everything from parsed ``serve`` flags (``cli.serve``) by construction,
 with ``--redis-url`` the sharing of the view with the other replicas (``routing.sharing``);
-``Running.stop`` drains: health goes NOT_SERVING, new ext_proc streams are refused and
-the requests in flight are recorded until none is pending or the drain time has passed.
+``Running.stop`` drains: health goes NOT_SERVING, new ext_proc streams are refused, the
+requests being prepared are routed, and the requests in flight are recorded until none
+is pending or the drain time has passed.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from extproc.datalayer.sources import PodsSource, describe_source, make_pods_sou
 from extproc.datalayer.store import PodStore
 from extproc.errors import ConfigError
 from extproc.request.render import Rendering
+from extproc.routing.preparing import PreparePool
 from extproc.routing.router import Router
 from extproc.routing.sharing import RedisSharing
 from extproc.scheduling.config import build_scheduler, load_config
@@ -77,9 +79,14 @@ class Running:
         # logs of the requests in flight still come in and are recorded, until none is
         # pending or drain_s has passed.
         self.grpc_server.drain(keep=[ACCESS_LOG_PATH])
+        deadline = time.monotonic() + drain_s
+        # Requests waiting for their preparation are routed without it now (approximate),
+        # those being prepared are waited for, so that every stream gets its route while
+        # the server still sends.
+        if not self.router.close(drain_s):
+            log.warning("requests still being prepared after %.1f s", drain_s)
         in_flight, recorded = len(self.router.pending), self._recorded()
         log.info("draining: new ext_proc streams are refused; %d routed in flight", in_flight)
-        deadline = time.monotonic() + drain_s
         while len(self.router.pending) and time.monotonic() < deadline:
             time.sleep(0.05)
         log.info(
@@ -120,6 +127,8 @@ def check_args(args: argparse.Namespace) -> None:
     rules = (
         ("num_fallbacks", args.num_fallbacks >= 0, "must be 0 or more"),
         ("max_streams", args.max_streams >= 4, "must be 4 or more"),
+        ("prepare_threads", args.prepare_threads >= 1, "must be 1 or more"),
+        ("prepare_queue", args.prepare_queue >= 1, "must be 1 or more"),
         ("max_body_bytes", args.max_body_bytes > 0, "must be greater than 0"),
         ("scrape_interval_s", args.scrape_interval_s > 0, "must be greater than 0"),
         ("scrape_cpu_budget", 0 < args.scrape_cpu_budget <= 1, "must be in (0, 1]"),
@@ -172,6 +181,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         in_flight=in_flight,
         registry=registry,
         carry_records=args.record_metadata == "on" and args.protocol != "epp",
+        preparing=PreparePool(args.prepare_threads, args.prepare_queue),
     )
     sharing = None
     if args.redis_url:

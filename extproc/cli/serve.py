@@ -23,6 +23,7 @@ from extproc.datalayer.sources import add_source_arguments
 from extproc.errors import ConfigError
 from extproc.request.parse import DEFAULT_MAX_BODY_BYTES
 from extproc.request.render import Rendering
+from extproc.routing.preparing import DEFAULT_MAX_WAITING, DEFAULT_THREADS
 from extproc.routing.sharing import DEFAULT_MAXLEN, DEFAULT_STREAM
 from extproc.wire.server import GRPC_SERVERS
 from extproc.wire.tls import TLS_MODES
@@ -80,6 +81,21 @@ def register(sub: Any) -> None:
         help="gRPC streams open at once: one per request being routed (EPP: for the "
         "request's whole life) and one access log per Envoy worker; streams beyond are "
         "refused at once (default %(default)s)",
+    )
+    p.add_argument(
+        "--prepare-threads",
+        type=int,
+        default=_env("prepare-threads", str(DEFAULT_THREADS)),
+        help="threads that prepare requests off the gRPC loop: precise-prefix-cache "
+        "tokenizes there the prompt segments its memo lacks (default %(default)s)",
+    )
+    p.add_argument(
+        "--prepare-queue",
+        type=int,
+        default=_env("prepare-queue", str(DEFAULT_MAX_WAITING)),
+        help="requests waiting for or in preparation at most; beyond, a request is routed "
+        "at once without it (precise-prefix-cache: from its approximate view, counted "
+        "as reason busy) (default %(default)s)",
     )
     p.add_argument(
         "--grpc-server",

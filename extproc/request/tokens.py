@@ -17,6 +17,11 @@ memo bounded by total tokens (a conversation's history, a shared system prompt, 
 tokenized once) and encodes the rest in one ``encode_batch`` call (Rust, GIL released).
 ``tests/request/test_tokens.py`` proves the rule against whole-prompt tokenization.
 
+Cutting (``segments``: render, split, look up) is cheap and says what is left to encode;
+encoding (``encode``) may be slow and runs on any thread: the memo is shared under a
+lock that is never held while the tokenizer works, so a caller can cut a request on the
+gRPC loop and encode it elsewhere only when segments are missing.
+
 Requests that cannot be rendered exactly (multimodal parts, a template error, a model
 without a tokenizer) raise ``NotExact``; the caller falls back to the approximate view.
 """
@@ -25,8 +30,10 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +71,15 @@ def _special_token(value: Any) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
+
+
+@dataclass(frozen=True, slots=True)
+class Segments:
+    """A prompt cut at its added tokens, ready to encode."""
+
+    prefix: Sequence[int]  # ids before the text: a completion's BOS, or a token-id prompt
+    parts: Sequence[str]  # even positions: text segments; odd: the added tokens between
+    missing: Sequence[str]  # text segments not in the memo when cut, each once
 
 
 class SegmentTokenizer:
@@ -110,6 +126,7 @@ class SegmentTokenizer:
         self.memo_tokens = memo_tokens
         self._memo: OrderedDict[str, list[int]] = OrderedDict()
         self._memo_size = 0
+        self._lock = threading.Lock()  # the memo and its counts; never held while encoding
         self.hits = 0
         self.misses = 0
 
@@ -136,42 +153,65 @@ class SegmentTokenizer:
 
     def request_tokens(self, api: Api, body: Mapping[str, Any]) -> list[int]:
         """The prompt's token ids as vLLM prefills them; raises ``NotExact``."""
+        return self.encode(self.segments(api, body))
+
+    def segments(self, api: Api, body: Mapping[str, Any]) -> Segments:
+        """The request's prompt rendered and cut (cheap); raises ``NotExact``."""
         if api is Api.CHAT_COMPLETIONS:
-            return self.tokens(self.render_chat(body))
+            return self.split(self.render_chat(body))
         if api is Api.COMPLETIONS:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-                return list(prompt)
+                return Segments(prompt, (), ())
             if not isinstance(prompt, str) or self._completion_prefix is None:
                 raise NotExact("only a single string or token-id prompt is tokenized")
-            return self._completion_prefix + self.tokens(prompt)
+            return self.split(prompt, self._completion_prefix)
         raise NotExact(f"{api.value} is not rendered exactly")
 
     # Tokenizing --------------------------------------------------------------------
 
     def tokens(self, text: str) -> list[int]:
         """``text``'s ids without added special tokens, segment by segment."""
+        return self.encode(self.split(text))
+
+    def split(self, text: str, prefix: Sequence[int] = ()) -> Segments:
+        """``text`` cut at the added tokens, and which of its segments the memo lacks."""
         parts = self._split.split(text)  # odd positions: the added tokens themselves
-        missing = [p for i, p in enumerate(parts) if i % 2 == 0 and p and p not in self._memo]
+        memo = self._memo  # a membership test is one atomic dict lookup: no lock
+        missing = [p for p in dict.fromkeys(parts[::2]) if p and p not in memo]
+        return Segments(prefix, parts, missing)
+
+    def encode(self, segments: Segments) -> list[int]:
+        """The ids of ``segments``: the memo's, and the missing ones encoded in one batch
+        (on the calling thread; the memo is locked only to read and fill it)."""
+        parts = segments.parts
+        with self._lock:  # another thread may have encoded some since the cut
+            missing = [p for p in segments.missing if p not in self._memo]
         if missing:
-            unique = list(dict.fromkeys(missing))
-            encoded = self.tokenizer.encode_batch_fast(unique, add_special_tokens=False)
-            for segment, enc in zip(unique, encoded, strict=True):
-                self._remember(segment, enc.ids)
-        self.misses += len(missing)
-        out: list[int] = []
-        memo = self._memo
-        for i, part in enumerate(parts):
-            if i % 2:
-                out.append(self.added[part])
-            elif part:
-                ids = memo.get(part)
-                if ids is None:  # evicted by this very call's inserts
-                    ids = self.tokenizer.encode(part, add_special_tokens=False).ids
-                else:
-                    memo.move_to_end(part)
-                out.extend(ids)
-        self.hits += sum(1 for i, p in enumerate(parts) if i % 2 == 0 and p) - len(missing)
+            encoded = self.tokenizer.encode_batch_fast(missing, add_special_tokens=False)
+            with self._lock:
+                for segment, enc in zip(missing, encoded, strict=True):
+                    self._remember(segment, enc.ids)
+        pieces: list[list[int] | str] = []  # ids, or a segment the memo lost meanwhile
+        with self._lock:
+            memo = self._memo
+            for i, part in enumerate(parts):
+                if i % 2:
+                    pieces.append([self.added[part]])
+                elif part:
+                    ids = memo.get(part)
+                    if ids is None:  # evicted by later inserts (this call's, or another's)
+                        pieces.append(part)
+                    else:
+                        memo.move_to_end(part)
+                        pieces.append(ids)
+            self.misses += len(missing)
+            self.hits += sum(1 for p in parts[::2] if p) - len(missing)
+        out = list(segments.prefix)
+        for piece in pieces:
+            if isinstance(piece, str):
+                piece = self.tokenizer.encode(piece, add_special_tokens=False).ids
+            out.extend(piece)
         return out
 
     @property

@@ -74,6 +74,12 @@ class RouterMetrics:
             "Routed requests awaiting their end (bounded in size and age).",
             registry=registry,
         )
+        self.preparing = Gauge(
+            "extproc_preparing_requests",
+            "Requests whose slow preparation (tokenizing, precise-prefix-cache) waits or "
+            "runs on the preparing threads (at most --prepare-queue).",
+            registry=registry,
+        )
         # Children looked up once: ``labels()`` costs microseconds on every request.
         self.outcome = {
             o: self.completions.labels(o)

@@ -1,9 +1,11 @@
 """Routing decisions and their completion, without any gRPC: the server's only partner.
 
 ``Router.route`` turns one request (path, body, request id, session header, subset hint)
-into the ordered destination list; ``Router.complete`` is told how the request ended
-(from Envoy's access log) and lets the scheduler record the prompt for the pod that
-really served it, only when the response ended successfully.
+into the ordered destination list (``route_or_defer``: as a Future when the request needs
+slow preparation first, tokenizing, which runs on the router's ``preparing`` threads);
+``Router.complete`` is told how the request ended (from Envoy's access log) and lets the
+scheduler record the prompt for the pod that really served it, only when the response
+ended successfully.
 
 Routed requests wait for their completion in ``PendingRecords``, bounded in size and
 age, so requests whose completion never arrives (extproc restarted, log lost) cannot
@@ -27,6 +29,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -36,6 +39,7 @@ from extproc.request.parse import DEFAULT_MAX_BODY_BYTES, parse_request
 from extproc.request.render import Rendering
 from extproc.routing.metrics import RouterMetrics
 from extproc.routing.pending import Pending, PendingRecords
+from extproc.routing.preparing import PreparePool
 from extproc.routing.records import Carried, Record, Shared
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.scheduler import Scheduler
@@ -74,6 +78,7 @@ class Router:
         registry: CollectorRegistry = REGISTRY,
         carry_records: bool = False,
         replica_id: str | None = None,
+        preparing: PreparePool | None = None,
     ) -> None:
         if num_fallbacks < 0:
             raise ValueError(f"num_fallbacks must be >= 0, got {num_fallbacks}")
@@ -87,6 +92,8 @@ class Router:
         self.pending.on_drop = self._end
         self.metrics = RouterMetrics(registry)
         self.metrics.pending.set_function(lambda: len(self.pending))
+        self.preparing = preparing if preparing is not None else PreparePool()
+        self.metrics.preparing.set_function(lambda: self.preparing.num_in)
         self.carry_records = carry_records
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self.geometries = scheduler.block_geometries
@@ -113,7 +120,7 @@ class Router:
         headers: Mapping[str, str] | None = None,
         subset: Sequence[str] | None = None,
     ) -> RouteDecision:
-        """Pick the pods for one request, best first.
+        """Pick the pods for one request, best first, all on the calling thread.
 
         Args:
             path: the request path (selects the API).
@@ -126,6 +133,48 @@ class Router:
             ExtProcError: the error to answer instead (400, 404, 413, 429, 503).
         """
         started = time.perf_counter()
+        cycle, pods = self._begin(path, body, headers, subset)
+        return self._decide(cycle, pods, request_id, started)
+
+    def route_or_defer(
+        self,
+        path: str,
+        body: bytes,
+        *,
+        request_id: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        subset: Sequence[str] | None = None,
+    ) -> RouteDecision | Future[RouteDecision]:
+        """``route``, but a request that needs slow preparation first (``Scheduler.
+        prepare``: a prompt to tokenize) is routed on the ``preparing`` threads and comes
+        as a Future (raising what ``route`` raises); when they are full it is routed here
+        at once without that work (the plugin falls back and counts it)."""
+        started = time.perf_counter()
+        cycle, pods = self._begin(path, body, headers, subset)
+        work = self.scheduler.prepare(cycle)
+        if work is not None:
+
+            def prepared(prepare: bool) -> RouteDecision:
+                if prepare:
+                    work.run()
+                else:
+                    work.skip()
+                return self._decide(cycle, pods, request_id, started)
+
+            future = self.preparing.submit(prepared)
+            if future is not None:
+                return future
+            work.skip()
+        return self._decide(cycle, pods, request_id, started)
+
+    def _begin(
+        self,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str] | None,
+        subset: Sequence[str] | None,
+    ) -> tuple[Cycle, Sequence[Pod]]:
+        """The request parsed into its cycle, and the pods it may go to."""
         try:
             request = parse_request(
                 path,
@@ -144,7 +193,16 @@ class Router:
                         "none of the pods in the gateway's subset hint is known: "
                         + ", ".join(sorted(allowed)[:5])
                     )
-            cycle = Cycle(request)
+        except ExtProcError as exc:
+            self.metrics.errors.labels(str(exc.http_status), exc.code).inc()
+            raise
+        return Cycle(request), pods
+
+    def _decide(
+        self, cycle: Cycle, pods: Sequence[Pod], request_id: str | None, started: float
+    ) -> RouteDecision:
+        """Schedule the cycle and track the request from its pick to its end."""
+        try:
             schedule = self.scheduler.schedule_request(cycle, pods)
         except ExtProcError as exc:
             self.metrics.errors.labels(str(exc.http_status), exc.code).inc()
@@ -175,9 +233,14 @@ class Router:
             self.pending.add(request_id, pending)
             if self.carry_records:
                 record = Record.of(cycle, self.geometries)
-        self.metrics.decided(request.model)
+        self.metrics.decided(cycle.request.model)
         self.metrics.scheduling.observe(time.perf_counter() - started)
         return RouteDecision(chosen, prefill, record)
+
+    def close(self, timeout_s: float) -> bool:
+        """The drain: requests still waiting for preparation are routed without it, and
+        those being prepared are waited for, up to ``timeout_s``; whether all were."""
+        return self.preparing.close(timeout_s)
 
     def complete(
         self,

@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -53,6 +53,8 @@ from extproc.scheduling.types import (
     Cycle,
     Filter,
     PodsListener,
+    Preparation,
+    Preparer,
     Provisional,
     Recorder,
     Scorer,
@@ -142,6 +144,7 @@ class Scheduler:
     recorders: tuple[Recorder, ...] = ()
     listeners: tuple[PodsListener, ...] = ()
     provisional: tuple[Provisional, ...] = ()
+    preparers: tuple[Preparer, ...] = ()
     in_flight: InFlight | None = None  # the router's counters, for the load tie-break
     rng: random.Random = field(default_factory=random.Random)
     sessions: SessionStore | None = None
@@ -158,6 +161,18 @@ class Scheduler:
     _np_rng: tuple[random.Random, np.random.Generator] | None = field(
         default=None, init=False, repr=False
     )
+
+    def prepare(self, cycle: Cycle) -> Preparation | None:
+        """The slow work the plugins have left to do on ``cycle`` before it is scheduled
+        (``Preparer``), as one ``Preparation``; None when there is none. Without it run,
+        the plugins do their work when they score."""
+        work = [p for p in (x.prepare(cycle) for x in self.preparers) if p is not None]
+        if len(work) <= 1:
+            return work[0] if work else None
+        return Preparation(
+            run=lambda: _call_each(w.run for w in work),
+            skip=lambda: _call_each(w.skip for w in work),
+        )
 
     def schedule(self, cycle: Cycle, pods: Sequence[Pod]) -> list[Pod]:
         """Rank the pods that may serve ``cycle``'s model, best first (one pass).
@@ -391,6 +406,11 @@ class Scheduler:
             listener.pods_changed(pods)
         if self.sessions is not None:
             self.sessions.forget_pods({p.id for p in pods})
+
+
+def _call_each(calls: Iterable[Callable[[], None]]) -> None:
+    for call in calls:
+        call()
 
 
 def _find(table: PodTable, candidates: Positions, pod_id: PodId) -> int | None:

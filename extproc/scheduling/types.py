@@ -11,6 +11,9 @@ configured name serves every role it has (a plugin may be both a Filter and a Sc
   so its records can travel to other replicas as those keys (``routing.records``).
 * ``Provisional``: credits a pick at once (``arriving``) and drops the credit when the
   request ends, however it ends (``settled``); what it learns for good is ``record``'s.
+* ``Preparer``: has slow work to do on a cycle before scoring it (tokenizing a prompt);
+  says so cheaply (``prepare`` -> a ``Preparation``), so the router can run it off the
+  thread that serves the other requests, or do without it when its pool is full.
 
 Filters and scorers may also work on a whole snapshot at once (``TableFilter``,
 ``TableScorer``: NumPy columns of a ``PodTable`` instead of ``Pod`` objects); the scheduler
@@ -23,7 +26,7 @@ built first, which ``cost-aware`` reads).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -38,6 +41,7 @@ from extproc.scheduling.podtable import PodTable, Positions
 from extproc.types import Pod, PodId
 
 Scores = npt.NDArray[np.int64]  # one score per row of the ``Positions`` scored
+TokenIds = npt.NDArray[np.uint32]  # a prompt's token ids: 4 bytes each, as keys hash them
 
 BYTES_PER_TOKEN = 4  # the usual estimate for English text and code with BPE tokenizers
 
@@ -50,6 +54,12 @@ class Cycle:
     # Prompt tokens each scored pod would prefill (prompt minus the prefix it holds),
     # left by cost-aware; see ``num_prefill_tokens``.
     uncached_tokens: dict[PodId, int] = field(default_factory=dict)
+    # The prompt's exact token ids, once a plugin tokenized it (precise-prefix-cache,
+    # maybe on another thread: ``Preparer``); ``tokenized`` tells that it was tried, as
+    # ``token_ids`` stays None for a request that cannot be tokenized exactly. An array,
+    # not a list: the cycle lives until the request ends, and a list costs twice the memory.
+    token_ids: TokenIds | None = None
+    tokenized: bool = False
     _keys: dict[tuple[int, int], Keys] = field(default_factory=dict)
     _num_prompt_bytes: int = -1
 
@@ -173,6 +183,22 @@ class Provisional(Protocol):
 
     def settled(self, cycle: Cycle, pod: PodId) -> None:
         """The request picked for ``pod`` ended (success, failure, retry, timeout)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Preparation:
+    """Slow work a cycle needs before it is scored; exactly one of the two is called."""
+
+    run: Callable[[], None]  # do it (on any thread)
+    skip: Callable[[], None]  # no room to do it now: score the cycle without it (counted)
+
+
+@runtime_checkable
+class Preparer(Protocol):
+    def prepare(self, cycle: Cycle) -> Preparation | None:
+        """Quick: what is left to do for ``cycle`` before scoring, if it is slow; None
+        when nothing slow is (what was quick to do is done)."""
         ...
 
 

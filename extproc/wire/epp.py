@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -45,7 +45,7 @@ from extproc.wire.ext_proc import (
     route_metadata,
     subset_hint,
 )
-from extproc.wire.grpc_loop import Answer, Method, run_off_loop
+from extproc.wire.grpc_loop import Answer, Method, run_off_loop, then
 from extproc.wire.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE, INTERNAL_HEADERS
 
 log = logging.getLogger("extproc.wire")
@@ -99,7 +99,9 @@ class GatewayHandler:
         if kind == "request_headers":
             yield from self._on_request_headers(x, message)
         elif kind == "request_body":
-            yield from self._on_request_body(x, message)
+            replies = self.on_request_body(x, message, defer=False)
+            assert not isinstance(replies, Future)  # only ``route_or_defer`` defers
+            yield from replies
         elif kind == "request_trailers":
             yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
         elif kind == "response_headers":
@@ -139,13 +141,14 @@ class GatewayHandler:
                 request_headers=ep.HeadersResponse(response=self._strip_internal())
             )
 
-    def _on_request_body(
-        self, x: _Exchange, message: ep.ProcessingRequest
-    ) -> Iterator[ep.ProcessingResponse]:
+    def on_request_body(
+        self, x: _Exchange, message: ep.ProcessingRequest, *, defer: bool
+    ) -> list[ep.ProcessingResponse] | Future[list[ep.ProcessingResponse]]:
+        """The replies to a body message; at the body's end the request is routed (with
+        ``defer``, on the router's preparing threads when it needs them: a Future)."""
         body = message.request_body
         if x.decision is not None:  # routed already: a second body is not routed again
-            yield ep.ProcessingResponse(request_body=ep.BodyResponse())
-            return
+            return [ep.ProcessingResponse(request_body=ep.BodyResponse())]
         x.body += body.body
         if len(x.body) > self.router.max_body_bytes:  # Envoy sets no limit in full duplex
             raise BodyTooLarge(
@@ -158,17 +161,25 @@ class GatewayHandler:
                     "FULL_DUPLEX_STREAMED)",
                     code="body_not_buffered",
                 )
-            return
+            return []
         # Keyed by stream: the completion comes on this stream, and a request id repeated
         # by a client (gateways may keep it) must not cross two streams' records.
         x.key = f"{x.request_id}/{next(self._streams)}"
-        decision = self.router.route(
+        route = self.router.route_or_defer if defer else self.router.route
+        decided = route(
             x.path,
             bytes(x.body),
             request_id=x.key,
             headers=x.headers,
             subset=x.subset,
         )
+        if isinstance(decided, Future):
+            return then(decided, lambda result: list(self._routed(x, result())))
+        return list(self._routed(x, decided))
+
+    def _routed(self, x: _Exchange, decision: RouteDecision) -> Iterator[ep.ProcessingResponse]:
+        """The replies carrying the pick: header and metadata (and the body back, in full
+        duplex)."""
         x.decision = decision
         common = self._strip_internal()
         common.header_mutation.set_headers.append(
@@ -244,18 +255,32 @@ class _EppStream:
         body = message.request_body
         if body.end_of_stream and len(self._x.body) + len(body.body) >= OFF_LOOP_BODY_BYTES:
             return run_off_loop(lambda: self._answer(message))
-        return self._answer(message)
+        if message.WhichOneof("request") != "request_body":
+            return self._answer(message)
+        try:
+            replies = self._handler.on_request_body(self._x, message, defer=True)
+        except Exception as exc:  # noqa: BLE001 - every error is answered
+            return self._failed(exc)
+        if isinstance(replies, Future):
+            return then(replies, self._replies)
+        return Answer(replies, end=self._x.done)
 
     def _answer(self, message: ep.ProcessingRequest) -> Answer:
-        x = self._x
+        return self._replies(lambda: list(self._handler.handle(self._x, message)))
+
+    def _replies(self, replies: Callable[[], list[ep.ProcessingResponse]]) -> Answer:
         try:
-            replies = list(self._handler.handle(x, message))
-        except ExtProcError as exc:
+            return Answer(replies(), end=self._x.done)
+        except Exception as exc:  # noqa: BLE001 - every error is answered
+            return self._failed(exc)
+
+    def _failed(self, exc: Exception) -> Answer:
+        """An error ends the stream with its reply; any but an ``ExtProcError`` is a bug,
+        logged (call it from the ``except`` block, for the trace) and answered 500."""
+        if isinstance(exc, ExtProcError):
             return Answer((error_response(exc),), end=True)
-        except Exception:
-            log.exception("request %s: unexpected error while routing", x.request_id)
-            return Answer((internal_error_response(x.request_id),), end=True)
-        return Answer(replies, end=x.done)
+        log.exception("request %s: unexpected error while routing", self._x.request_id)
+        return Answer((internal_error_response(self._x.request_id),), end=True)
 
     def on_input_end(self) -> Answer:
         return Answer(end=True)

@@ -11,12 +11,14 @@ open stream holds no thread.
 This module knows gRPC, not ext_proc: a method is a ``Method`` (how to parse a message,
 how to open a ``Stream``), and a stream answers each message with an ``Answer``. The
 handlers run on the loop thread, so they must be quick; one that has slow work (routing
-a body of megabytes) returns a ``Future`` of its answer instead, computed elsewhere,
-and the stream reads nothing more until it is ready. grpcio's ``_cython.cygrpc`` layer
-is the one ``grpc.server`` and ``grpc.aio`` are built on, but it is private: it may
-change in any grpcio release. ``self_check`` says whether the installed one has what this
-loop uses (and serves one call through it); ``wire.server`` falls back to the public
-``grpc.server`` (``grpc_public``) when it has not.
+a body of megabytes, a prompt to tokenize) returns a ``Future`` of its answer instead,
+computed elsewhere, and the stream reads nothing more until it is ready; the reply goes
+out from the thread that completes it, while the loop serves the other streams.
+grpcio's ``_cython.cygrpc`` layer is the one ``grpc.server`` and ``grpc.aio`` are built
+on, but it is private: it may change in any grpcio release. ``self_check`` says whether
+the installed one has what this loop uses (and serves one call through it);
+``wire.server`` falls back to the public ``grpc.server`` (``grpc_public``) when it has
+not.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import grpc
 
@@ -40,6 +42,9 @@ except ImportError:  # self_check says so; the public server is used instead
 cygrpc: Any = _cygrpc
 
 log = logging.getLogger("extproc.grpc")
+
+T = TypeVar("T")
+U = TypeVar("U")
 
 _NO_FLAGS = 0
 _POLL_S = 1.0  # how often the loop looks up from the queue (nothing to do otherwise)
@@ -107,6 +112,21 @@ def run_off_loop(work: Callable[[], Answer]) -> Future[Answer]:
         if _off_loop is None:
             _off_loop = ThreadPoolExecutor(2, thread_name_prefix="extproc-offloop")
     return _off_loop.submit(work)
+
+
+def then(future: Future[T], finish: Callable[[Callable[[], T]], U]) -> Future[U]:
+    """A Future of ``finish(future.result)``, computed by the thread that completes
+    ``future``; ``finish`` gets the result by calling it (it raises what ``future`` did)."""
+    out: Future[U] = Future()
+
+    def done(result: Future[T]) -> None:
+        try:
+            out.set_result(finish(result.result))
+        except BaseException as exc:  # noqa: BLE001 - handed on whole, as the Future holds it
+            out.set_exception(exc)
+
+    future.add_done_callback(done)
+    return out
 
 
 _REQUEST_CALL = object()

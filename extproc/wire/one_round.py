@@ -5,19 +5,21 @@ needs (path, request id, session header); ``RouteHandler.process`` answers with 
 and the OK status together: the ordered pod list in dynamic metadata
 ``envoy.lb/x-gateway-destination-endpoint``, or an ``ImmediateResponse`` carrying the
 OpenAI-style JSON error (``envoy/README.md``). Every error is answered, never raised
-into the loop; nothing here knows a plugin.
+into the loop; nothing here knows a plugin: a request the router wants to prepare off
+the loop (``Router.route_or_defer``) is answered when its Future is done.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc.errors import BadRequest, ExtProcError
 from extproc.memo import FifoMemo
-from extproc.routing.router import Router
+from extproc.routing.router import RouteDecision, Router
 from extproc.wire.ext_proc import (
     OFF_LOOP_BODY_BYTES,
     continue_response,
@@ -27,7 +29,7 @@ from extproc.wire.ext_proc import (
     route_response,
     subset_hint,
 )
-from extproc.wire.grpc_loop import Answer, Method, run_off_loop
+from extproc.wire.grpc_loop import Answer, Method, run_off_loop, then
 from extproc.wire.protocol import (
     ATTRIBUTES_KEY,
     PATH_ATTRIBUTE,
@@ -37,6 +39,9 @@ from extproc.wire.protocol import (
 from extproc.wire.record_metadata import record_reply
 
 log = logging.getLogger("extproc.wire")
+
+# The reply (a route comes serialized), and the request id routed, if one was.
+Routed = tuple[ep.ProcessingResponse | bytes, str | None]
 
 
 class RouteHandler:
@@ -51,12 +56,20 @@ class RouteHandler:
             header_attribute(router.session_header) if router.session_header else None
         )
 
-    def process(
-        self, message: ep.ProcessingRequest
-    ) -> tuple[ep.ProcessingResponse | bytes, str | None]:
+    def process(self, message: ep.ProcessingRequest) -> Routed:
         """The one-round ``Process`` message -> the reply (a route comes serialized), and
         the request id routed (to forget if the reply never reaches Envoy). Every error
-        becomes the reply."""
+        becomes the reply. All on the calling thread."""
+        routed = self._process(message, defer=False)
+        assert not isinstance(routed, Future)  # only ``route_or_defer`` defers
+        return routed
+
+    def process_soon(self, message: ep.ProcessingRequest) -> Routed | Future[Routed]:
+        """``process``, but the routes that need slow preparation (tokenizing) come later,
+        as a Future from the router's preparing threads (``Router.route_or_defer``)."""
+        return self._process(message, defer=True)
+
+    def _process(self, message: ep.ProcessingRequest, *, defer: bool) -> Routed | Future[Routed]:
         request_id = ""
         try:
             attributes = message.attributes[ATTRIBUTES_KEY].fields
@@ -83,13 +96,24 @@ class RouteHandler:
                 headers[self.router.session_header or ""] = attributes[
                     self._session_attribute
                 ].string_value
-            decision = self.router.route(
+            route = self.router.route_or_defer if defer else self.router.route
+            decided = route(
                 attributes[PATH_ATTRIBUTE].string_value,
                 body.body,
                 request_id=request_id or None,
                 headers=headers,
                 subset=subset_hint(message),
             )
+        except Exception as exc:  # noqa: BLE001 - every error becomes the reply
+            return _failed(request_id, exc), None
+        if isinstance(decided, Future):
+            return then(decided, lambda result: self._reply(request_id, result))
+        return self._reply(request_id, lambda: decided)
+
+    def _reply(self, request_id: str, decide: Callable[[], RouteDecision]) -> Routed:
+        """The route reply for ``decide()``'s decision, or the reply for its error."""
+        try:
+            decision = decide()
             prefill = decision.prefill.address if decision.prefill else None
             reply = self._replies.get(
                 (decision.destination, prefill),
@@ -98,12 +122,18 @@ class RouteHandler:
             if decision.record is not None:
                 reply += record_reply(decision, decision.record, self.router.replica_id)
             return reply, request_id or None
-        except ExtProcError as exc:
-            log.debug("request %s: %s %s", request_id, exc.http_status, exc.message)
-            return error_response(exc), None
-        except Exception:
-            log.exception("request %s: unexpected error while routing", request_id)
-            return internal_error_response(request_id), None
+        except Exception as exc:  # noqa: BLE001 - every error becomes the reply
+            return _failed(request_id, exc), None
+
+
+def _failed(request_id: str, exc: Exception) -> ep.ProcessingResponse:
+    """The reply for an error while routing: its own for an ``ExtProcError``, else a
+    logged bug answered 500 (call it from the ``except`` block, for the trace)."""
+    if isinstance(exc, ExtProcError):
+        log.debug("request %s: %s %s", request_id, exc.http_status, exc.message)
+        return error_response(exc)
+    log.exception("request %s: unexpected error while routing", request_id)
+    return internal_error_response(request_id)
 
 
 class _OneRoundStream:
@@ -117,11 +147,14 @@ class _OneRoundStream:
 
     def on_message(self, message: ep.ProcessingRequest) -> Answer | Future[Answer]:
         if len(message.request_body.body) >= OFF_LOOP_BODY_BYTES:
-            return run_off_loop(lambda: self._route(message))
-        return self._route(message)
+            return run_off_loop(lambda: self._answer(self._handler.process(message)))
+        routed = self._handler.process_soon(message)
+        if isinstance(routed, Future):
+            return then(routed, lambda result: self._answer(result()))
+        return self._answer(routed)
 
-    def _route(self, message: ep.ProcessingRequest) -> Answer:
-        reply, self._routed = self._handler.process(message)
+    def _answer(self, routed: Routed) -> Answer:
+        reply, self._routed = routed
         return Answer((reply,), end=True)
 
     def on_input_end(self) -> Answer:

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import pytest
 from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, start_http_server
 
-from bench.floor import TRIVIAL, markdown
+from bench.floor import PRECISE, TRIVIAL, markdown, precise_config, segments
 from bench.picker_report import ENVOY, EXTPROC
 from bench.trivial_picker import fixed_route, ignore_log
+from bench.upstreams import MODEL
 from extproc.routing.router import Router
+from extproc.scheduling.config import build_scheduler, parse_config
+from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.wire.access_log import AccessLogHandler
 from extproc.wire.one_round import RouteHandler
 from extproc.wire.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE
@@ -55,3 +60,45 @@ def test_the_trivial_picker_answers_the_first_pods_and_records_nothing() -> None
     complete: Callable[[AccessLogHandler, als_pb2.StreamAccessLogsMessage], object] = ignore_log
     assert complete(AccessLogHandler(router), als_pb2.StreamAccessLogsMessage()) is None
     assert len(router.pending) == 0
+
+
+MODEL_DIR = Path.home() / ".cache/extproc-e2e/model/qwen3-tiny"
+needs_model = pytest.mark.skipif(
+    not (MODEL_DIR / "tokenizer.json").exists(), reason="run `python -m e2e.real_vllm.prepare`"
+)
+
+
+def test_the_precise_section_compares_each_memo_with_the_approximate_default() -> None:
+    def row(router: str, memo: str, us: float, rps: float, **extra: object) -> dict[str, Any]:
+        cell = run(rps, 1.0, 100, us)
+        return {"prompt_kb": 8, "router": router, "memo": memo, **cell, **extra}
+
+    rows = [
+        {"prompt_kb": 8, "router": ENVOY, **run(4000, 0.5, 250)},
+        row(EXTPROC, "warm", 600, 1000),
+        row(PRECISE, "warm", 900, 800, memo_hit_ratio=1.0),
+        row(EXTPROC, "cold", 650, 950),
+        row(PRECISE, "cold", 6500, 90, memo_hit_ratio=0.5),
+    ]
+    args = argparse.Namespace(pods=16, seconds=4, low_seconds=3, rounds=3)
+    info = {"cpu_model": "cpu", "cores": 2, "git_sha": "abc"}
+    lines = markdown(rows, args, info).splitlines()
+    assert "| 8 KB | warm | 600 | 900 | 1.50 | 1000 | 800 | 1.00, 1.00 | 100% |" in lines
+    assert "| 8 KB | cold | 650 | 6500 | 10.00 | 950 | 90 | 1.00, 1.00 | 50% |" in lines
+    assert sum(line.startswith("| 8 KB | envoy+extproc |") for line in lines) == 1  # warm only
+
+
+@needs_model
+def test_the_precise_variant_serves_the_pods_model_and_its_memo_is_read(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    text = precise_config(MODEL_DIR, tmp_path).read_text()
+    scheduler = build_scheduler(parse_config(text, "precise.yaml"), registry)
+    plugin = next(p for p in scheduler.preparers if isinstance(p, PrecisePrefixCache))
+    assert set(plugin.tokenizers) == {MODEL}
+    plugin.tokenizers[MODEL].tokens("a<|im_end|>b<|im_end|>a")
+    server, _ = start_http_server(0, "127.0.0.1", registry)
+    try:
+        assert segments(server.server_port) == (1, 2)
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -91,3 +91,20 @@ def test_completions_prompts_tokenize_as_is(tok: SegmentTokenizer) -> None:
         == tok.tokenizer.encode(prompt, add_special_tokens=True).ids
     )
     assert tok.request_tokens(Api.COMPLETIONS, {"prompt": [1, 2, 3]}) == [1, 2, 3]
+
+
+def test_a_cut_names_the_segments_to_encode_and_encoding_fills_the_memo(
+    tok: SegmentTokenizer,
+) -> None:
+    body = {"messages": [{"role": "user", "content": "a segment never seen before"}]}
+    segments = tok.segments(Api.CHAT_COMPLETIONS, body)
+    assert "user\na segment never seen before" in segments.missing
+    again = tok.segments(Api.CHAT_COMPLETIONS, body)  # cut again before any encoding
+    misses = tok.misses
+    ids = tok.encode(segments)
+    assert tok.misses > misses
+    assert tok.segments(Api.CHAT_COMPLETIONS, body).missing == []
+    # Encoded meanwhile (by another thread, say): found in the memo, not encoded again.
+    misses = tok.misses
+    assert tok.encode(again) == ids
+    assert tok.misses == misses

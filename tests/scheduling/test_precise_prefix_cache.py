@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.errors import ConfigError
+from extproc.prefix.precise.keys import Tokens
 from extproc.request.parse import parse_request
 from extproc.scheduling.config import build_scheduler, parse_config
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
@@ -36,8 +37,9 @@ def cycle(question: str = "hi", model: str = "m", **extra: object) -> Cycle:
     return Cycle(parse_request("/v1/chat/completions", orjson.dumps(body)))
 
 
-def store(plugin: PrecisePrefixCache, pod: Pod, tokens: list[int], salt: str | None = None) -> None:
-    """What the pod's engine would publish after serving ``tokens``."""
+def store(plugin: PrecisePrefixCache, pod: Pod, ids: Tokens, salt: str | None = None) -> None:
+    """What the pod's engine would publish after serving ``ids``."""
+    tokens = [int(t) for t in ids]  # as the events carry them
     num = len(tokens) // BS
     extra = [[salt] if salt and i == 0 else None for i in range(num)]
     hashes = [hash((pod.id, salt, tuple(tokens[: (i + 1) * BS]))) for i in range(num)]
@@ -126,3 +128,36 @@ def test_the_configuration_builds_it_and_refuses_bad_models() -> None:
         )
     with pytest.raises(ConfigError, match="'models' must map"):
         make(models=["m"])
+
+
+def test_a_new_prompt_is_left_to_prepare_and_a_known_one_is_tokenized_at_once() -> None:
+    plugin = make()
+    tok = plugin.tokenizers["m"]
+    question = "a question nobody asked before " * 30
+    cold = cycle(question)
+    work = plugin.prepare(cold)
+    assert work is not None and not cold.tokenized  # the encoding is left to run
+    work.run()
+    whole = tok.tokenizer.encode(tok.render_chat(cold.request.data or {}), add_special_tokens=False)
+    assert cold.tokenized and cold.token_ids is not None
+    assert cold.token_ids.tolist() == whole.ids
+    warm = cycle(question)
+    assert plugin.prepare(warm) is None  # every segment in the memo: done on the spot
+    assert warm.token_ids is not None and warm.token_ids.tolist() == whole.ids
+    assert plugin.prepare(warm) is None and plugin.prompt_tokens(warm) is warm.token_ids
+
+
+def test_a_skipped_preparation_scores_from_the_approximate_view() -> None:
+    registry = CollectorRegistry()
+    plugin = make(registry)
+    c = cycle("another question nobody asked " * 30)
+    work = plugin.prepare(c)
+    assert work is not None
+    misses = plugin.tokenizers["m"].misses
+    work.skip()
+    plugin.record(c, PODS[1].id)
+    assert set(plugin.score(c, PODS)) == {PODS[1].id}  # the recorded prompt, approximately
+    assert plugin.prompt_tokens(c) is None
+    assert plugin.tokenizers["m"].misses == misses  # nothing was tokenized after all
+    labels = {"reason": "busy"}
+    assert registry.get_sample_value("extproc_precise_prefix_fallbacks_total", labels) == 1

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from extproc.errors import ModelNotFound, NoCapacity, NoReadyPods
 from extproc.scheduling.scheduler import Scheduler, WeightedScorer
-from extproc.scheduling.types import Cycle
+from extproc.scheduling.types import Cycle, Preparation
 from extproc.types import Pod, PodId
 from tests.factories import PREFIX_ONLY, make_cycle, make_pod, make_scheduler
 
@@ -157,3 +157,31 @@ def test_each_plugin_call_is_timed() -> None:
     assert registry.get_sample_value("extproc_plugin_duration_seconds_count", labels) == 3
     total = registry.get_sample_value("extproc_plugin_duration_seconds_sum", labels)
     assert total is not None and total > 0
+
+
+class Prepares:
+    """A ``Preparer`` that has slow work, or none, and logs what was done with it."""
+
+    def __init__(self, name: str, done: list[str], slow: bool = True) -> None:
+        self.name, self.done, self.slow = name, done, slow
+
+    def prepare(self, cycle: Cycle) -> Preparation | None:
+        if not self.slow:
+            return None
+        return Preparation(
+            run=lambda: self.done.append(f"{self.name} ran"),
+            skip=lambda: self.done.append(f"{self.name} skipped"),
+        )
+
+
+def test_the_plugins_slow_work_comes_as_one_preparation() -> None:
+    done: list[str] = []
+    a, b, idle = Prepares("a", done), Prepares("b", done), Prepares("idle", done, slow=False)
+    assert Scheduler().prepare(make_cycle("p")) is None
+    assert Scheduler(preparers=(idle,)).prepare(make_cycle("p")) is None
+    assert Scheduler(preparers=(idle, a)).prepare(make_cycle("p")) is not None
+    both = Scheduler(preparers=(a, idle, b)).prepare(make_cycle("p"))
+    assert both is not None
+    both.run()
+    both.skip()
+    assert done == ["a ran", "b ran", "a skipped", "b skipped"]

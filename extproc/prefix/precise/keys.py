@@ -15,12 +15,15 @@ from typing import Any
 
 import msgpack
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 ROOT = 0x9E37_79B9_7F4A_7C15  # the parent of every chain's first block; any constant works
 
+Tokens = Sequence[int] | npt.NDArray[np.uint32]
 
-def token_bytes(tokens: Sequence[int]) -> bytes:
+
+def token_bytes(tokens: Tokens) -> bytes:
     return np.asarray(tokens, dtype="<u4").tobytes()
 
 
@@ -39,7 +42,7 @@ def request_extra(index: int, salt: str | None, lora: str | None) -> tuple[str, 
 
 
 def chain_keys(
-    tokens: Sequence[int],
+    tokens: Tokens,
     block_size: int,
     salt: str | None = None,
     lora: str | None = None,

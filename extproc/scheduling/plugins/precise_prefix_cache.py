@@ -7,10 +7,14 @@ as their own KV events say (``datalayer.kv_events`` -> ``prefix.precise.index``)
 * score = floor((GPU blocks + ``cpuWeight`` * offloaded blocks) / full blocks * 100)
   for at most ``topKMatches`` pods, from the longest match down; others 0, like
   prefix-cache;
+* tokenizing (``Preparer``): ``prepare`` renders and cuts the prompt on the request's
+  thread, and finishes there when the memo holds every segment; the encoding of new
+  segments is left for the router to run on its tokenizing threads (``routing.
+  preparing``), or to skip when they are full;
 * fallback: a request that cannot be tokenized exactly (multimodal, a model without a
-  tokenizer, the responses API) and a pod whose view is stale (events lost) are scored
-  from an approximate view, prefix-cache's own (``PrefixIndex`` over recorded prompts),
-  which this plugin keeps too;
+  tokenizer, the responses API) or was not for lack of room (``busy``), and a pod whose
+  view is stale (events lost) are scored from an approximate view, prefix-cache's own
+  (``PrefixIndex`` over recorded prompts), which this plugin keeps too;
 * exact counts for the cost model: ``matched_tokens`` is what vLLM will find cached
   (whole blocks, never the prompt's last token), ``prompt_tokens`` the prompt's length.
 """
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, ClassVar
 
+import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -33,10 +38,16 @@ from extproc.errors import ConfigError
 from extproc.prefix.index import PrefixIndex
 from extproc.prefix.precise.index import PreciseIndex
 from extproc.prefix.precise.keys import chain_keys
-from extproc.request.tokens import NotExact, SegmentTokenizer
+from extproc.request.tokens import NotExact, Segments, SegmentTokenizer
 from extproc.scheduling.args import load_args
 from extproc.scheduling.plugins.prefix_cache import MATCH_RATIO_BUCKETS
-from extproc.scheduling.types import BYTES_PER_TOKEN, Cycle, PluginContext
+from extproc.scheduling.types import (
+    BYTES_PER_TOKEN,
+    Cycle,
+    PluginContext,
+    Preparation,
+    TokenIds,
+)
 from extproc.types import Pod, PodId
 
 log = logging.getLogger("extproc.scheduling.precise")
@@ -96,7 +107,6 @@ class PrecisePrefixCache:
         except ValueError as exc:
             raise ConfigError(f"precise-prefix-cache: {exc}") from None
         self.subscriber: KvEventsSubscriber | None = None
-        self._last: tuple[Cycle | None, list[int] | None] = (None, None)
         registry = ctx.registry
         ratio = Histogram(
             "extproc_precise_prefix_cache_match_ratio",
@@ -109,7 +119,8 @@ class PrecisePrefixCache:
         fallbacks = Counter(
             "extproc_precise_prefix_fallbacks",
             "Scores taken from the approximate view: the request could not be tokenized "
-            "exactly (not_exact, unknown_model) or a pod's view was stale (stale_pod).",
+            "exactly (not_exact, unknown_model), the tokenizing threads had no room for "
+            "it (busy), or a pod's view was stale (stale_pod).",
             ["reason"],
             registry=registry,
         )
@@ -155,30 +166,56 @@ class PrecisePrefixCache:
 
     # Tokens and matches -----------------------------------------------------------
 
-    def prompt_tokens(self, cycle: Cycle) -> list[int] | None:
-        """The request's exact token ids, or None when they cannot be had (counted)."""
-        if self._last[0] is cycle:  # score, then the cost model: tokenized once
-            return self._last[1]
+    def prompt_tokens(self, cycle: Cycle) -> TokenIds | None:
+        """The request's exact token ids, or None when they cannot be had (counted);
+        tokenized here unless ``prepare``'s work was done (or skipped) already."""
+        if not cycle.tokenized:
+            work = self.prepare(cycle)
+            if work is not None:
+                work.run()
+        return cycle.token_ids
+
+    def prepare(self, cycle: Cycle) -> Preparation | None:
+        """``Preparer``: render and cut the prompt, and finish at once when the memo holds
+        every segment; else the encoding of the missing ones is what is left to run."""
+        if cycle.tokenized:
+            return None
         req = cycle.request
         tok = self.tokenizers.get(req.model)
-        tokens: list[int] | None = None
-        if tok is None:
-            self._fallbacks("unknown_model").inc()
-        elif req.data is None:
-            self._fallbacks("not_exact").inc()
-        else:
-            start = time.perf_counter()
-            try:
-                tokens = tok.request_tokens(req.api, req.data)
-            except NotExact as exc:
-                log.debug("precise-prefix-cache: approximate for this request: %s", exc)
-                self._fallbacks("not_exact").inc()
-            self._tokenize_time(req.model).observe(time.perf_counter() - start)
-        self._last = (cycle, tokens)
-        return tokens
+        if tok is None or req.data is None:
+            self._fallback(cycle, "unknown_model" if tok is None else "not_exact")
+            return None
+        start = time.perf_counter()
+        try:
+            segments = tok.segments(req.api, req.data)
+        except NotExact as exc:
+            log.debug("precise-prefix-cache: approximate for this request: %s", exc)
+            self._fallback(cycle, "not_exact")
+            return None
+        cut_s = time.perf_counter() - start
+        if not segments.missing:
+            self._encode(cycle, tok, segments, cut_s)
+            return None
+        return Preparation(
+            run=lambda: self._encode(cycle, tok, segments, cut_s),
+            skip=lambda: self._fallback(cycle, "busy"),
+        )
+
+    def _encode(
+        self, cycle: Cycle, tok: SegmentTokenizer, segments: Segments, cut_s: float
+    ) -> None:
+        start = time.perf_counter()
+        cycle.token_ids = np.array(tok.encode(segments), dtype=np.uint32)
+        cycle.tokenized = True
+        elapsed = cut_s + time.perf_counter() - start
+        self._tokenize_time(cycle.request.model).observe(elapsed)
+
+    def _fallback(self, cycle: Cycle, reason: str) -> None:
+        cycle.tokenized = True  # token_ids stays None: scored from the approximate view
+        self._fallbacks(reason).inc()
 
     def _precise(
-        self, cycle: Cycle, tokens: list[int], pods: Iterable[PodId]
+        self, cycle: Cycle, tokens: TokenIds, pods: Iterable[PodId]
     ) -> tuple[dict[PodId, tuple[int, int, int]], list[PodId]]:
         """Per pod with a trusted view: (GPU blocks, offloaded blocks, full blocks);
         and the pods whose view is stale."""
