@@ -23,8 +23,9 @@ The rules kept here:
 * every message: text parts joined with newlines (a null text or refusal part skipped);
   a system message loses a leading Claude Code billing-header line; an assistant
   message keeps ``tool_calls`` (arguments parsed from JSON, anything but an object
-  becoming ``{}``) and ``reasoning`` (also as ``reasoning_content``); a tool message
-  ``tool_call_id``; ``name`` and ``task`` strings stay; nothing else does. Developer
+  becoming ``{}``) and ``reasoning`` (chat's older ``reasoning_content`` read as it),
+  passed as both names; a tool message ``tool_call_id``; ``name`` and ``task``
+  strings stay; nothing else does. Developer
   messages become system ones, all merged first, when the template has no developer
   role (``developer_to_system``).
 * template variables: the request's ``chat_template_kwargs``, overridden by the

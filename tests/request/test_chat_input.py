@@ -316,19 +316,19 @@ CHAT_CASES = [
         {
             "messages": [
                 user("q"),
-                {"role": "assistant", "content": "a", "reasoning_content": "dropped"},
-                user("q2"),
-                {"role": "assistant", "content": "b", "reasoning": "kept"},
+                {"role": "assistant", "content": "a", "reasoning_content": "old name"},
                 {"role": "tool", "content": "t"},
+                {"role": "assistant", "content": "b", "reasoning": "new name"},
+                {"role": "tool", "content": "t2"},
             ]
         },
         im("user", "q")
-        + im("assistant", "a")
-        + im("user", "q2")
-        + im("assistant", "<think>\nkept\n</think>\n\nb")
+        + im("assistant", "<think>\nold name\n</think>\n\na")
         + im("user", "<tool_response>\nt\n</tool_response>")
+        + im("assistant", "<think>\nnew name\n</think>\n\nb")
+        + im("user", "<tool_response>\nt2\n</tool_response>")
         + ANSWER,
-        id="reasoning-kept-reasoning-content-dropped",
+        id="reasoning-under-either-name",
     ),
     pytest.param(
         {
