@@ -1,7 +1,10 @@
 """precise-prefix-cache against real vLLM: the cached tokens extproc predicts for a request
-on a pod equal what that pod then reports (``usage.prompt_tokens_details.cached_tokens``),
-request after request, for chat and completions, with and without ``cache_salt``, and
-after a ``/reset_prefix_cache``; the prompt's token count equals ``usage.prompt_tokens``.
+on a pod equal what that pod then reports (``usage.prompt_tokens_details.cached_tokens``,
+``usage.input_tokens_details.cached_tokens`` for responses), request after request, for
+chat, completions and responses, with and without ``cache_salt``, and after a
+``/reset_prefix_cache``; the prompt's token count equals the usage's. And the token ids
+extproc computes for the chat and responses tables of ``tests/request/test_chat_input``
+equal the pod's own rendering (its ``/render`` endpoints).
 
 The pods publish their KV events to their own concrete endpoints (so they connect); the
 subscriber binds all three (the bind topology), and each topic names its pod. Requests
@@ -25,9 +28,11 @@ from e2e.real_vllm.pods import BLOCK_SIZE, MODEL, VllmPod
 from e2e.real_vllm.prepare import model_dir
 from extproc.datalayer.kv_events import EventsSettings, KvEventsSubscriber
 from extproc.prefix.precise.keys import chain_keys
-from extproc.request.parse import parse_request
+from extproc.request.parse import Api, parse_request
+from extproc.request.tokens import SegmentTokenizer
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.scheduling.types import Cycle, PluginContext
+from tests.request.test_chat_input import CHAT_CASES, RESPONSES_CASES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_vllm, pytest.mark.timeout(900)]
 
@@ -93,6 +98,15 @@ def _requests() -> list[tuple[str, dict[str, Any]]]:
         out.append(("/v1/chat/completions", body))
         out.append(("/v1/chat/completions", {**body, "cache_salt": "tenant-a"}))
         messages = [*messages, {"role": "assistant", "content": f"Because {turn}."}]
+    # The same conversation through the responses API: instructions, then input items.
+    items: list[dict[str, Any]] = []
+    for turn in range(3):
+        items = [*items, {"role": "user", "content": f"Question {turn}: why?"}]
+        body = {"model": MODEL, "instructions": system, "input": items}
+        out.append(("/v1/responses", body))
+        out.append(("/v1/responses", {**body, "cache_salt": "tenant-a"}))
+        items = [*items, {"type": "message", "role": "assistant",
+                          "content": [{"type": "output_text", "text": f"Because {turn}."}]}]  # fmt: skip
     for tail in ("Summarize.", "Translate.", "Summarize."):
         prompt = doc + tail
         out.append(("/v1/completions", {"model": MODEL, "prompt": prompt}))
@@ -106,15 +120,17 @@ def _check(
     plugin: PrecisePrefixCache, client: httpx.Client, pod: VllmPod, path: str, body: dict[str, Any]
 ) -> tuple[int, int]:
     """One request: extproc's prediction == the pod's report; then wait for its events."""
-    body = {**body, "max_tokens": 4, "ignore_eos": True}
+    responses = path == Api.RESPONSES.value
+    body = {**body, "max_output_tokens" if responses else "max_tokens": 4, "ignore_eos": True}
     cycle = Cycle(parse_request(path, orjson.dumps(body)))
     the_pod = pod.as_pod()
     predicted = plugin.matched_tokens(cycle, [the_pod])[the_pod.id]
     tokens = plugin.prompt_tokens(cycle)
     assert tokens is not None
     usage = _post(client, pod, path, body)["usage"]
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    assert usage["prompt_tokens"] == len(tokens), (path, body)
+    prefix = "input" if responses else "prompt"
+    cached = (usage.get(f"{prefix}_tokens_details") or {}).get("cached_tokens") or 0
+    assert usage[f"{prefix}_tokens"] == len(tokens), (path, body)
     assert predicted == cached, (pod.name, path, body.get("cache_salt"), len(tokens))
     keys = chain_keys(tokens, BLOCK_SIZE, cycle.request.cache_salt)
     assert wait_for(
@@ -147,3 +163,26 @@ def test_predicted_cached_tokens_equal_vllms_report(
         assert wait_for(lambda: precise.index.view(pod_id).num_blocks("GPU") <= 1, 30)
         predicted, _ = _check(precise, client, pod, path, body)
         assert predicted == 0
+
+
+@pytest.fixture(scope="module")
+def tok() -> SegmentTokenizer:
+    return SegmentTokenizer(model_dir())
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        pytest.param(Api.RESPONSES.value, c.values[0], id=f"responses-{c.id}")
+        for c in RESPONSES_CASES
+    ]
+    + [
+        pytest.param(Api.CHAT_COMPLETIONS.value, c.values[0], id=f"chat-{c.id}") for c in CHAT_CASES
+    ],
+)
+def test_token_ids_equal_the_pods_own_rendering(
+    vllm_pods: list[VllmPod], tok: SegmentTokenizer, path: str, body: dict[str, Any]
+) -> None:
+    with httpx.Client(timeout=60) as client:
+        rendered = _post(client, vllm_pods[0], path + "/render", {"model": MODEL, **body})
+    assert tok.request_tokens(Api(path), body) == rendered["token_ids"]

@@ -103,7 +103,7 @@ def chat_input(body: Mapping[str, Any]) -> ChatInput:
         "reasoning_effort": effort,
     }
     return _chat_input(
-        [conversation_message(m) for m in messages],
+        [conversation_message(_reasoning_renamed(m)) for m in messages],
         None if tools is None else [_chat_tool(t) for t in tools],
         body.get("chat_template_kwargs"),
         extras,
@@ -182,6 +182,14 @@ def _chat_input(
     if continue_final and variables["add_generation_prompt"]:
         raise NotExact("continue_final_message with add_generation_prompt")
     return ChatInput(messages, tools, variables, continue_final)
+
+
+def _reasoning_renamed(message: Any) -> Any:
+    """Chat's older ``reasoning_content`` is read as ``reasoning`` (vLLM's validator)."""
+    if isinstance(message, dict) and message.get("reasoning") is None:
+        if (reasoning := message.get("reasoning_content")) is not None:
+            return {**message, "reasoning": reasoning}
+    return message
 
 
 def _set(kwargs: Mapping[str, Any]) -> dict[str, Any]:
