@@ -108,6 +108,7 @@ def chat_input(body: Mapping[str, Any]) -> ChatInput:
         body.get("chat_template_kwargs"),
         extras,
         effort,
+        keep_unset=False,
     )
 
 
@@ -151,6 +152,7 @@ def responses_input(body: Mapping[str, Any]) -> ChatInput:
         body.get("chat_template_kwargs"),
         extras,
         effort,
+        keep_unset=True,
     )
 
 
@@ -160,10 +162,12 @@ def _chat_input(
     user_kwargs: Any,
     extras: dict[str, Any],
     effort: Any,
+    keep_unset: bool,
 ) -> ChatInput:
     """The template variables as vLLM merges them (``build_chat_params``, then
     ``preprocess_chat``): user kwargs, overridden by the set request fields; the
-    tools, overridden by the user's set kwargs."""
+    tools, overridden by the user's set kwargs. Responses merge once more, which keeps
+    the user's unset (null, ``"auto"``) kwargs (``keep_unset``); chat drops them."""
     user = {} if user_kwargs is None else user_kwargs
     if not isinstance(user, dict):
         raise NotExact("'chat_template_kwargs' is not an object")
@@ -172,7 +176,8 @@ def _chat_input(
     if effort is not None and "enable_thinking" not in user:
         extras = {**extras, "enable_thinking": effort != "none"}
     merged = user | _set(extras)
-    variables = merged | ({"tools": tools} if tools is not None else {}) | _set(merged)
+    base = merged if keep_unset else {}
+    variables = base | ({"tools": tools} if tools is not None else {}) | _set(merged)
     for name in HF_PARAMETERS:
         variables.pop(name, None)
     tools = variables.pop("tools", None)

@@ -419,15 +419,32 @@ def test_responses_vllm_refuses_or_cannot_be_had_are_not_exact(
         tok.request_tokens(Api.RESPONSES, body)
 
 
+def model_copy(directory: Path, template: str | None = None, model_type: str = "qwen3") -> Path:
+    """The e2e model's tokenizer in ``directory``, with another template or model type."""
+    config = json.loads((MODEL_DIR / "tokenizer_config.json").read_text())
+    if template is not None:
+        config["chat_template"] = template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    shutil.copy(MODEL_DIR / "tokenizer.json", directory / "tokenizer.json")
+    (directory / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return directory
+
+
 def test_gpt_oss_is_not_rendered_by_its_template(tmp_path: Path) -> None:
     """vLLM renders gpt-oss chat and responses in its harmony format, not the template."""
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(MODEL_DIR / name, tmp_path / name)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
-    tok = SegmentTokenizer(tmp_path)
+    tok = SegmentTokenizer(model_copy(tmp_path, model_type="gpt_oss"))
     for api, body in (
         (Api.RESPONSES, {"input": "hi"}),
         (Api.CHAT_COMPLETIONS, {"messages": [user("hi")]}),
     ):
         with pytest.raises(NotExact, match="harmony"):
             tok.request_tokens(api, body)
+
+
+def test_a_null_template_kwarg_is_defined_for_responses_only(tmp_path: Path) -> None:
+    """vLLM merges a responses request's kwargs once more than a chat request's, and that
+    merge keeps the null ones."""
+    tok = SegmentTokenizer(model_copy(tmp_path, "{{ 'set' if flag is defined else 'unset' }}"))
+    kwargs = {"chat_template_kwargs": {"flag": None}}
+    assert tok.render_responses({"input": "hi", **kwargs}) == "set"
+    assert tok.render_chat({"messages": [user("hi")], **kwargs}) == "unset"
