@@ -191,10 +191,10 @@ def _chat_input(
 
 def _reasoning_renamed(message: Any) -> Any:
     """Chat's older ``reasoning_content`` is read as ``reasoning`` (vLLM's validator)."""
-    if isinstance(message, dict) and message.get("reasoning") is None:
-        if (reasoning := message.get("reasoning_content")) is not None:
-            return {**message, "reasoning": reasoning}
-    return message
+    if not isinstance(message, dict) or message.get("reasoning") is not None:
+        return message
+    reasoning = message.get("reasoning_content")
+    return message if reasoning is None else {**message, "reasoning": reasoning}
 
 
 def _set(kwargs: Mapping[str, Any]) -> dict[str, Any]:
