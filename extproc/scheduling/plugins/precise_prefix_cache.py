@@ -8,7 +8,8 @@ as their own KV events say (``datalayer.kv_events`` -> ``prefix.precise.index``)
   for at most ``topKMatches`` pods, from the longest match down; others 0, like
   prefix-cache;
 * fallback: a request that cannot be tokenized exactly (multimodal, a model without a
-  tokenizer, the responses API) and a pod whose view is stale (events lost) are scored
+  tokenizer, a responses request continuing a stored one) and a pod whose view is stale
+  (events lost) are scored
   from an approximate view, prefix-cache's own (``PrefixIndex`` over recorded prompts),
   which this plugin keeps too;
 * exact counts for the cost model: ``matched_tokens`` is what vLLM will find cached
