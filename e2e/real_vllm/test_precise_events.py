@@ -58,7 +58,6 @@ class Relay:
     def __init__(self, publisher_endpoint: str) -> None:
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.dropping = False
-        self.forwarded = 0
         self.dropped = 0
         self.last_message_at = time.monotonic()
         self._ctx: zmq.Context[Any] = zmq.Context()
@@ -81,7 +80,6 @@ class Relay:
                 self.dropped += 1
             else:
                 self._pub.send_multipart(frames)
-                self.forwarded += 1
 
     def wait_quiet(self) -> None:
         """Until no message came for ``QUIET_S``."""
@@ -117,7 +115,6 @@ class Precise:
     endpoint or without); its metrics in ``registry``."""
 
     def __init__(self, pod: VllmPod, relay: Relay, replay: bool) -> None:
-        self.pod = pod
         self.pod_id = pod.as_pod().id
         self.registry = CollectorRegistry()
         self.plugin = PrecisePrefixCache.from_args(
