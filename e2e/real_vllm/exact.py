@@ -94,9 +94,9 @@ def check(
     body = with_max_tokens(path, body)
     cycle = Cycle(parse_request(path, orjson.dumps(body)))
     the_pod = pod.as_pod()
-    predicted = plugin.matched_tokens(cycle, [the_pod])[the_pod.id]
     tokens = plugin.prompt_tokens(cycle)
-    assert tokens is not None
+    assert tokens is not None, f"{path} not tokenized exactly"
+    predicted = plugin.matched_tokens(cycle, [the_pod])[the_pod.id]
     cached, num_prompt = cached_and_prompt_tokens(path, post(client, pod, path, body)["usage"])
     assert num_prompt == len(tokens), (path, body)
     assert predicted == cached, (pod.name, path, body.get("cache_salt"), len(tokens))
