@@ -334,7 +334,10 @@ def _responses_tools(tools: Any) -> list[dict[str, Any]] | None:
             shim = {"name": tool.get("name"), "description": tool.get("description")}
             out.append(_function_tool({**shim, "parameters": _custom_parameters()}))
         elif kind == "namespace":
-            for inner in tool.get("tools") or ():
+            inners = tool.get("tools")
+            if not isinstance(inners, list):
+                raise NotExact("a namespace tool without a list of tools")
+            for inner in inners:
                 if isinstance(inner, dict) and inner.get("type") == "function":
                     flat = f"{tool.get('name')}{NAMESPACE_SEPARATOR}{inner.get('name')}"
                     out.append(_function_tool({**inner, "name": flat}))
@@ -378,6 +381,8 @@ def conversation_message(message: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
     if role == "assistant":
         if message.get("tool_calls") is not None:
+            if not isinstance(message["tool_calls"], list):
+                raise NotExact("an assistant message's tool_calls are not a list")
             calls = [_parsed_call(c) for c in message["tool_calls"]]
             if calls:
                 out["tool_calls"] = calls

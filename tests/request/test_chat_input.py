@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from extproc.request.parse import Api
 from extproc.request.tokens import NotExact, SegmentTokenizer
@@ -448,3 +450,32 @@ def test_a_null_template_kwarg_is_defined_for_responses_only(tmp_path: Path) -> 
     kwargs = {"chat_template_kwargs": {"flag": None}}
     assert tok.render_responses({"input": "hi", **kwargs}) == "set"
     assert tok.render_chat({"messages": [user("hi")], **kwargs}) == "unset"
+
+
+KEYS = ["role", "content", "type", "text", "input", "instructions", "messages", "tools",
+        "tool_calls", "function", "name", "namespace", "call_id", "arguments", "output",
+        "summary", "status", "reasoning", "reasoning_content", "effort", "refusal",
+        "parameters", "chat_template_kwargs", "continue_final_message", "format"]  # fmt: skip
+WORDS = ["user", "assistant", "system", "developer", "tool", "message", "function_call",
+         "function_call_output", "custom_tool_call", "reasoning", "input_text",
+         "output_text", "text", "refusal", "function", "custom", "namespace", "in_progress",
+         "none", "{}", ""]  # fmt: skip
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2, 2) | st.sampled_from(WORDS) | st.text(max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(KEYS), inner, max_size=4)
+    ),
+    max_leaves=24,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(st.sampled_from(KEYS), json_values, max_size=5))
+def test_any_body_is_tokenized_or_not_exact_never_an_error(
+    tok: SegmentTokenizer, body: dict[str, Any]
+) -> None:
+    for api in (Api.CHAT_COMPLETIONS, Api.RESPONSES):
+        try:
+            assert all(type(t) is int for t in tok.request_tokens(api, body))
+        except NotExact:
+            pass
