@@ -452,29 +452,45 @@ def test_a_null_template_kwarg_is_defined_for_responses_only(tmp_path: Path) -> 
     assert tok.render_chat({"messages": [user("hi")], **kwargs}) == "unset"
 
 
-KEYS = ["role", "content", "type", "text", "input", "instructions", "messages", "tools",
-        "tool_calls", "function", "name", "namespace", "call_id", "arguments", "output",
-        "summary", "status", "reasoning", "reasoning_content", "effort", "refusal",
-        "parameters", "chat_template_kwargs", "continue_final_message", "format"]  # fmt: skip
 WORDS = ["user", "assistant", "system", "developer", "tool", "message", "function_call",
-         "function_call_output", "custom_tool_call", "reasoning", "input_text",
-         "output_text", "text", "refusal", "function", "custom", "namespace", "in_progress",
-         "none", "{}", ""]  # fmt: skip
+         "function_call_output", "custom_tool_call", "custom_tool_call_output", "reasoning",
+         "input_text", "output_text", "text", "refusal", "function", "custom", "namespace",
+         "in_progress", "none", "{}", '{"a": 1}', ""]  # fmt: skip
+FIELDS = ["type", "text", "content", "name", "namespace", "call_id", "arguments", "output",
+          "summary", "status", "tool_calls", "function", "reasoning", "reasoning_content",
+          "refusal", "parameters", "tools", "format", "encrypted_content"]  # fmt: skip
+scalars = st.none() | st.booleans() | st.integers(-1, 1) | st.sampled_from(WORDS)
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2, 2) | st.sampled_from(WORDS) | st.text(max_size=3),
+    scalars,
     lambda inner: (
-        st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(KEYS), inner, max_size=4)
+        st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(FIELDS), inner, max_size=4)
     ),
-    max_leaves=24,
+    max_leaves=12,
+)
+optional_fields = {k: json_values for k in FIELDS}
+objects = st.fixed_dictionaries(
+    {"role": st.sampled_from(WORDS) | scalars}, optional=optional_fields
+) | st.fixed_dictionaries(
+    {"type": st.sampled_from(WORDS)},
+    optional={k: v for k, v in optional_fields.items() if k != "type"},
+)
+shared = {k: json_values for k in ("tools", "chat_template_kwargs", "reasoning")}
+chat_bodies = st.fixed_dictionaries(
+    {"messages": st.lists(objects, max_size=4)},
+    optional={**shared, "continue_final_message": scalars, "reasoning_effort": scalars},
+)
+responses_bodies = st.fixed_dictionaries(
+    {"input": st.lists(objects, max_size=4) | scalars},
+    optional={**shared, "instructions": scalars},
 )
 
 
-@settings(max_examples=400, deadline=None)
-@given(st.dictionaries(st.sampled_from(KEYS), json_values, max_size=5))
+@settings(max_examples=500, deadline=None)
+@given(chat_bodies, responses_bodies)
 def test_any_body_is_tokenized_or_not_exact_never_an_error(
-    tok: SegmentTokenizer, body: dict[str, Any]
+    tok: SegmentTokenizer, chat: dict[str, Any], responses: dict[str, Any]
 ) -> None:
-    for api in (Api.CHAT_COMPLETIONS, Api.RESPONSES):
+    for api, body in ((Api.CHAT_COMPLETIONS, chat), (Api.RESPONSES, responses)):
         try:
             assert all(type(t) is int for t in tok.request_tokens(api, body))
         except NotExact:
