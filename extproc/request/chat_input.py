@@ -402,7 +402,7 @@ def _part_text(part: Any) -> str | None:
     if isinstance(part, str):
         return part
     kind = part.get("type") if isinstance(part, dict) else None
-    if kind not in TEXT_FIELDS or part.get("uuid") is not None:
+    if not isinstance(kind, str) or kind not in TEXT_FIELDS or part.get("uuid") is not None:
         raise NotExact("a message has a non-text (multimodal) part")
     text = part.get(TEXT_FIELDS[kind])
     if text is None and kind in SKIP_NULL:

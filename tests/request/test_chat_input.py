@@ -452,37 +452,74 @@ def test_a_null_template_kwarg_is_defined_for_responses_only(tmp_path: Path) -> 
     assert tok.render_chat({"messages": [user("hi")], **kwargs}) == "unset"
 
 
-WORDS = ["user", "assistant", "system", "developer", "tool", "message", "function_call",
-         "function_call_output", "custom_tool_call", "custom_tool_call_output", "reasoning",
-         "input_text", "output_text", "text", "refusal", "function", "custom", "namespace",
-         "in_progress", "none", "{}", '{"a": 1}', ""]  # fmt: skip
-FIELDS = ["type", "text", "content", "name", "namespace", "call_id", "arguments", "output",
-          "summary", "status", "tool_calls", "function", "reasoning", "reasoning_content",
-          "refusal", "parameters", "tools", "format", "encrypted_content"]  # fmt: skip
-scalars = st.none() | st.booleans() | st.integers(-1, 1) | st.sampled_from(WORDS)
+# Bodies near the valid ones: each field is a plausible value or any JSON value.
+texts = st.sampled_from(
+    ["", "hi", "a <|im_end|> b", '{"a": 1}', "[1]", "x-anthropic-billing-header"]
+)
+scalars = st.none() | st.booleans() | st.integers(-1, 1) | texts
 json_values = st.recursive(
     scalars,
-    lambda inner: (
-        st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(FIELDS), inner, max_size=4)
-    ),
-    max_leaves=12,
+    lambda inner: st.lists(inner, max_size=2) | st.dictionaries(texts, inner, max_size=2),
+    max_leaves=8,
 )
-optional_fields = {k: json_values for k in FIELDS}
-objects = st.fixed_dictionaries(
-    {"role": st.sampled_from(WORDS) | scalars}, optional=optional_fields
-) | st.fixed_dictionaries(
-    {"type": st.sampled_from(WORDS)},
-    optional={k: v for k, v in optional_fields.items() if k != "type"},
+
+
+def near(strategy: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return strategy | json_values
+
+
+def record(required: dict[str, Any], **optional: Any) -> st.SearchStrategy[dict[str, Any]]:
+    return st.fixed_dictionaries(
+        {k: near(v) for k, v in required.items()},
+        optional={k: near(v) for k, v in optional.items()},
+    )
+
+
+parts = st.lists(
+    record({"type": st.sampled_from(["text", "input_text", "output_text", "refusal"]),
+            "text": texts}),
+    max_size=2,
+)  # fmt: skip
+content = texts | parts
+calls = st.lists(
+    record({"id": texts, "type": st.just("function"),
+            "function": record({"name": texts, "arguments": texts})}),
+    max_size=2,
+)  # fmt: skip
+summary = st.lists(record({"type": st.just("summary_text"), "text": texts}), max_size=1)
+status = st.sampled_from(["completed", "in_progress", "incomplete"])
+roles = st.sampled_from(["user", "assistant", "system", "developer", "tool"])
+items = st.sampled_from(["message", "function_call", "function_call_output", "custom_tool_call",
+                         "custom_tool_call_output", "reasoning", "item_reference"])  # fmt: skip
+message = record(
+    {"role": roles}, content=content, tool_calls=calls, reasoning=texts,
+    reasoning_content=texts, tool_call_id=texts, name=texts,
+)  # fmt: skip
+item = message | record(
+    {"type": items}, role=roles, content=content, call_id=texts, name=texts, namespace=texts,
+    arguments=texts, input=texts, output=content, summary=summary, status=status,
+)  # fmt: skip
+kwargs = st.dictionaries(
+    st.sampled_from(["enable_thinking", "tools", "add_generation_prompt", "documents", "flag"]),
+    json_values,
+    max_size=2,
 )
-shared = {k: json_values for k in ("tools", "chat_template_kwargs", "reasoning")}
+chat_tools = st.lists(record({"type": st.just("function"), "function": record({"name": texts})}))
+responses_tools = st.lists(
+    record({"type": st.sampled_from(["function", "custom", "namespace", "web_search"]),
+            "name": texts}, tools=st.lists(record({"type": st.just("function"), "name": texts})))
+)  # fmt: skip
 chat_bodies = st.fixed_dictionaries(
-    {"messages": st.lists(objects, max_size=4)},
-    optional={**shared, "continue_final_message": scalars, "reasoning_effort": scalars},
-)
+    {"messages": near(st.lists(message, max_size=4))},
+    optional={"tools": near(chat_tools), "chat_template_kwargs": near(kwargs),
+              "continue_final_message": scalars, "add_generation_prompt": scalars,
+              "reasoning_effort": near(st.just("none"))},
+)  # fmt: skip
 responses_bodies = st.fixed_dictionaries(
-    {"input": st.lists(objects, max_size=4) | scalars},
-    optional={**shared, "instructions": scalars},
-)
+    {"input": near(texts | st.lists(item, max_size=4))},
+    optional={"tools": near(responses_tools), "chat_template_kwargs": near(kwargs),
+              "instructions": scalars, "reasoning": near(record({"effort": texts}))},
+)  # fmt: skip
 
 
 @settings(max_examples=500, deadline=None)
