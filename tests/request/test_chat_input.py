@@ -392,6 +392,18 @@ NOT_EXACT_RESPONSES = [
 ]  # fmt: skip
 
 
+NOT_EXACT_CHAT = [
+    pytest.param({"messages": [user("q")], "chat_template": "{{ messages }}"}, id="own-template"),
+    pytest.param({"messages": [{"role": "assistant", "content": "a", "tool_calls": 1}]},
+        id="tool-calls-not-a-list"),
+    pytest.param({"messages": [{"role": "user", "content": [{"type": {}, "text": "a"}]}]},
+        id="part-type-not-text"),
+    pytest.param({"messages": [user("q")], "continue_final_message": True}, id="continue-and-answer"),
+    pytest.param({"messages": [user("q")], "chat_template_kwargs": {"tools": 1}},
+        id="template-raises-type-error"),
+]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def tok() -> SegmentTokenizer:
     return SegmentTokenizer(MODEL_DIR)
@@ -419,6 +431,14 @@ def test_responses_vllm_refuses_or_cannot_be_had_are_not_exact(
 ) -> None:
     with pytest.raises(NotExact):
         tok.request_tokens(Api.RESPONSES, body)
+
+
+@pytest.mark.parametrize("body", NOT_EXACT_CHAT)
+def test_chat_vllm_refuses_or_cannot_be_had_is_not_exact(
+    tok: SegmentTokenizer, body: dict[str, Any]
+) -> None:
+    with pytest.raises(NotExact):
+        tok.request_tokens(Api.CHAT_COMPLETIONS, body)
 
 
 def model_copy(directory: Path, template: str | None = None, model_type: str = "qwen3") -> Path:
