@@ -2,12 +2,15 @@
 
     with start_vllm_pods(3, log_dir) as pods:
         pods[0].url, pods[0].kv_events_endpoint, pods[0].metrics_text()
+    with start_vllm_pods(1, log_dir, extra_args=["--num-gpu-blocks-override", "20"],
+                         replay=True) as (pod,):
+        pod.replay_port  # vLLM's replay ROUTER for missed event batches
 
 Each pod is ``python -m vllm.entrypoints.openai.api_server`` from the vLLM venv
 (``prepare.py``), serving the tiny Qwen3 as ``MODEL`` with prefix caching, metrics (vLLM
 serves ``/metrics`` by default), cached-token usage details and KV-cache events published
 over ZMQ to an endpoint of its own (the publisher connects; a subscriber binds it when it
-wants the events). The processes start together and are waited for with one deadline;
+wants the events), with a replay endpoint if asked. The processes start together and are waited for with one deadline;
 on any failure, or on leaving the ``with``, every started pod gets SIGTERM by PID, then
 SIGKILL if it lingers.
 """
@@ -54,6 +57,7 @@ class VllmPod:
     port: int
     kv_events_endpoint: str  # tcp://127.0.0.1:P: bind a SUB socket here to receive events
     proc: Proc
+    replay_port: int | None = None  # the publisher's replay ROUTER on 127.0.0.1, if any
 
     @property
     def url(self) -> str:
@@ -110,13 +114,21 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def vllm_argv(port: int, kv_endpoint: str, topic: str) -> list[str]:
+def vllm_argv(
+    port: int,
+    kv_endpoint: str,
+    topic: str,
+    replay_endpoint: str | None = None,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
     kv_config = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
         "endpoint": kv_endpoint,
         "topic": topic,
     }
+    if replay_endpoint is not None:
+        kv_config["replay_endpoint"] = replay_endpoint
     return [
         str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
         "--host", "127.0.0.1", "--port", str(port),
@@ -125,18 +137,21 @@ def vllm_argv(port: int, kv_endpoint: str, topic: str) -> list[str]:
         "--enforce-eager", "--dtype", "bfloat16", "--enable-prefix-caching",
         "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
         "--enable-scale-out",  # the /render endpoints vllm-router's cache_aware policy calls
-        "--kv-events-config", json.dumps(kv_config),
+        "--kv-events-config", json.dumps(kv_config), *extra_args,
     ]  # fmt: skip
 
 
-def _start_one(index: int, log_dir: Path) -> VllmPod:
+def _start_one(index: int, log_dir: Path, extra_args: Sequence[str], replay: bool) -> VllmPod:
     port, kv_port = free_port(), free_port()
+    replay_port = free_port() if replay else None
     endpoint = f"tcp://127.0.0.1:{kv_port}"
+    replay_endpoint = f"tcp://127.0.0.1:{replay_port}" if replay_port else None
     # One core per pod, round robin: by default every engine binds core 0.
     env = {**ENV, "VLLM_CPU_OMP_THREADS_BIND": str(index % (os.cpu_count() or 1))}
     name = f"vllm-{index}"
-    proc = spawn(name, vllm_argv(port, endpoint, f"kv@127.0.0.1:{port}@{MODEL}"), log_dir, env)
-    return VllmPod(name, port, endpoint, proc)
+    topic = f"kv@127.0.0.1:{port}@{MODEL}"
+    argv = vllm_argv(port, endpoint, topic, replay_endpoint, extra_args)
+    return VllmPod(name, port, endpoint, spawn(name, argv, log_dir, env), replay_port)
 
 
 def wait_healthy(pods: Sequence[VllmPod], timeout_s: float = START_TIMEOUT_S) -> None:
@@ -160,15 +175,25 @@ def wait_healthy(pods: Sequence[VllmPod], timeout_s: float = START_TIMEOUT_S) ->
 
 @contextmanager
 def start_vllm_pods(
-    num_pods: int, log_dir: Path, timeout_s: float = START_TIMEOUT_S
+    num_pods: int,
+    log_dir: Path,
+    timeout_s: float = START_TIMEOUT_S,
+    *,
+    extra_args: Sequence[str] = (),
+    replay: bool = False,
 ) -> Iterator[list[VllmPod]]:
-    """Start ``num_pods`` vLLM pods at once, wait for all, stop all on leaving."""
+    """Start ``num_pods`` vLLM pods at once, wait for all, stop all on leaving.
+
+    Args:
+        extra_args: more ``vllm serve`` flags for every pod.
+        replay: each pod also binds a replay endpoint for its KV events.
+    """
     if not vllm_python().exists() or not (model_dir() / "config.json").exists():
         raise FileNotFoundError("run `python -m e2e.real_vllm.prepare` first")
     with ExitStack() as stack:
         pods: list[VllmPod] = []
         for i in range(num_pods):
-            pod = _start_one(i, log_dir)
+            pod = _start_one(i, log_dir, extra_args, replay)
             stack.callback(pod.proc.stop, timeout_s=STOP_TIMEOUT_S)
             pods.append(pod)
         wait_healthy(pods, timeout_s)

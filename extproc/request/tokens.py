@@ -3,11 +3,11 @@
 Rendering follows vLLM (which calls Hugging Face ``apply_chat_template``): the model's
 ``chat_template`` from ``tokenizer_config.json``, in a sandboxed jinja2 environment with
 ``trim_blocks``, ``lstrip_blocks``, loop controls, HF's ``tojson`` and
-``raise_exception``, given ``messages`` (text parts joined with a newline, as vLLM does
-for string-content templates), ``tools``, ``add_generation_prompt`` (default true),
-``chat_template_kwargs`` and the special tokens; the text is then tokenized without
-added special tokens. A completions prompt is tokenized as is, with them; a prompt of
-token ids is taken as sent.
+``raise_exception``, given the messages, tools and variables ``request.chat_input``
+builds from a chat or responses request as vLLM does, and the special tokens; continuing
+the final message renders it with a marker and cuts there, as HF does. The text is then
+tokenized without added special tokens. A completions prompt is tokenized as is, with
+them; a prompt of token ids is taken as sent.
 
 Tokenizing is the cost of exactness (about 3 us a token), so a prompt is never
 tokenized whole: the tokenizer splits its added tokens (``<|im_start|>``...) out of the
@@ -23,7 +23,8 @@ lock that is never held while the tokenizer works, so a caller can cut a request
 gRPC loop and encode it elsewhere only when segments are missing.
 
 Requests that cannot be rendered exactly (multimodal parts, a template error, a model
-without a tokenizer) raise ``NotExact``; the caller falls back to the approximate view.
+without a tokenizer, gpt-oss's harmony format: ``chat_input``) raise ``NotExact``; the
+caller falls back to the approximate view.
 """
 
 from __future__ import annotations
@@ -42,13 +43,19 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from extproc.request.chat_input import (
+    ChatInput,
+    NotExact,
+    chat_input,
+    developer_to_system,
+    responses_input,
+)
 from extproc.request.parse import Api
 
+__all__ = ["NotExact", "SegmentTokenizer"]
+
 DEFAULT_MEMO_TOKENS = 4_000_000  # about 100 MB of token ids in Python lists at most
-
-
-class NotExact(Exception):
-    """The request cannot be tokenized as the engine will; the message says why."""
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # Hugging Face's marker, cut off again
 
 
 def _tojson(
@@ -101,6 +108,15 @@ class SegmentTokenizer:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         self.template = env.from_string(template) if isinstance(template, str) else None
+        # vLLM's own test (``_detect_developer_role_support``)
+        self.developer_role = isinstance(template, str) and (
+            '"developer"' in template or "'developer'" in template
+        )
+        try:
+            model_type = json.loads((path / "config.json").read_text("utf-8")).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            model_type = None
+        self.harmony = model_type == "gpt_oss"  # vLLM renders gpt-oss its own way
         self.special_tokens = {
             name: token
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -133,23 +149,39 @@ class SegmentTokenizer:
     # Rendering ---------------------------------------------------------------------
 
     def render_chat(self, body: Mapping[str, Any]) -> str:
+        """A chat request's prompt text; raises ``NotExact``."""
+        return self.render(chat_input(body))
+
+    def render_responses(self, body: Mapping[str, Any]) -> str:
+        """A responses request's prompt text; raises ``NotExact``."""
+        return self.render(responses_input(body))
+
+    def render(self, chat: ChatInput) -> str:
+        """The template rendered as Hugging Face's ``apply_chat_template`` renders it."""
         if self.template is None:
             raise NotExact("the model has no chat template")
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise NotExact("no messages")
-        kwargs = body.get("chat_template_kwargs")
+        if self.harmony:
+            raise NotExact("gpt-oss prompts are rendered in the harmony format")
+        messages = chat.messages if self.developer_role else developer_to_system(chat.messages)
+        if chat.continue_final:
+            final = messages[-1]["content"]
+            messages = [*messages[:-1], {**messages[-1], "content": final + CONTINUE_TAG}]
         try:
-            return self.template.render(
-                messages=[_message(m) for m in messages],
-                tools=body.get("tools"),
-                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-                continue_final_message=bool(body.get("continue_final_message", False)),
-                **self.special_tokens,
-                **(kwargs if isinstance(kwargs, dict) else {}),
+            text = self.template.render(
+                **{**self.special_tokens, **chat.variables},
+                messages=messages,
+                tools=chat.tools,
             )
-        except jinja2.exceptions.TemplateError as exc:
-            raise NotExact(f"the chat template failed: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 (a template can raise anything; vLLM answers 400)
+            raise NotExact(f"the chat template failed: {type(exc).__name__}: {exc}") from None
+        if chat.continue_final:
+            marker = CONTINUE_TAG.strip()
+            if final.strip() not in text or marker not in text:
+                raise NotExact("the template drops part of the message to continue")
+            cut = text.rindex(marker)
+            keep = text[:cut]
+            text = keep if text[cut : cut + len(CONTINUE_TAG)] == CONTINUE_TAG else keep.rstrip()
+        return text
 
     def request_tokens(self, api: Api, body: Mapping[str, Any]) -> list[int]:
         """The prompt's token ids as vLLM prefills them; raises ``NotExact``."""
@@ -159,6 +191,8 @@ class SegmentTokenizer:
         """The request's prompt rendered and cut (cheap); raises ``NotExact``."""
         if api is Api.CHAT_COMPLETIONS:
             return self.split(self.render_chat(body))
+        if api is Api.RESPONSES:
+            return self.split(self.render_responses(body))
         if api is Api.COMPLETIONS:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
@@ -225,20 +259,3 @@ class SegmentTokenizer:
         while self._memo_size > self.memo_tokens and self._memo:
             _, old = self._memo.popitem(last=False)
             self._memo_size -= len(old) + 1
-
-
-def _message(message: Any) -> dict[str, Any]:
-    """vLLM's message as a string-content template sees it: text parts joined by newlines."""
-    if not isinstance(message, dict):
-        raise NotExact("a message is not an object")
-    content = message.get("content")
-    if isinstance(content, list):
-        texts: list[str] = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
-                raise NotExact("a message has a non-text (multimodal) part")
-            texts.append(str(part.get("text", "")))
-        message = {**message, "content": "\n".join(texts)}
-    elif content is None and message.get("role") != "assistant":
-        message = {**message, "content": ""}
-    return dict(message)

@@ -58,6 +58,18 @@ def test_the_pod_holding_the_prompt_scores_and_matches_exactly() -> None:
     assert plugin.matched_tokens(c, PODS) == {PODS[0].id: 0, PODS[1].id: 3 * BS, PODS[2].id: 0}
 
 
+def test_a_responses_request_matches_the_same_conversation_sent_as_chat() -> None:
+    """Both render to the same prompt, so a pod holding one holds the other."""
+    plugin = make()
+    body = {"model": "m", "instructions": SYSTEM, "input": [{"role": "user", "content": "hi"}]}
+    c = Cycle(parse_request("/v1/responses", orjson.dumps(body)))
+    assert plugin.prompt_tokens(c) == plugin.prompt_tokens(cycle())
+    tokens = plugin.prompt_tokens(cycle())
+    assert tokens is not None
+    store(plugin, PODS[2], tokens)
+    assert plugin.matched_tokens(c, PODS)[PODS[2].id] == (len(tokens) - 1) // BS * BS
+
+
 def test_a_whole_cached_prompt_leaves_its_last_token_to_compute() -> None:
     plugin = make()
     tokens = list(range(100, 100 + 2 * BS))  # exactly two blocks, both cached
@@ -84,9 +96,14 @@ def test_the_salt_isolates_chains() -> None:
     [
         pytest.param(cycle(model="other"), "unknown_model", id="unknown-model"),
         pytest.param(
-            Cycle(parse_request("/v1/responses", orjson.dumps({"model": "m", "input": "hi"}))),
+            Cycle(
+                parse_request(
+                    "/v1/responses",
+                    orjson.dumps({"model": "m", "input": "hi", "previous_response_id": "r1"}),
+                )
+            ),
             "not_exact",
-            id="responses-api",
+            id="responses-with-stored-history",
         ),
     ],
 )

@@ -12,9 +12,10 @@ as their own KV events say (``datalayer.kv_events`` -> ``prefix.precise.index``)
   segments is left for the router to run on its tokenizing threads (``routing.
   preparing``), or to skip when they are full;
 * fallback: a request that cannot be tokenized exactly (multimodal, a model without a
-  tokenizer, the responses API) or was not for lack of room (``busy``), and a pod whose
-  view is stale (events lost) are scored from an approximate view, prefix-cache's own
-  (``PrefixIndex`` over recorded prompts), which this plugin keeps too;
+  tokenizer, a responses request continuing a stored one) or was not for lack of room
+  (``busy``), and a pod whose view is stale (events lost) are scored from an approximate
+  view, prefix-cache's own (``PrefixIndex`` over recorded prompts), which this plugin
+  keeps too;
 * exact counts for the cost model: ``matched_tokens`` is what vLLM will find cached
   (whole blocks, never the prompt's last token), ``prompt_tokens`` the prompt's length.
 """
