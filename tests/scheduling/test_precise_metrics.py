@@ -54,13 +54,14 @@ def test_tokenizing_is_timed_once_a_request_and_the_memo_counted(
     assert get(registry, "extproc_precise_prefix_tokenize_seconds_count", model="m") == 1
     assert get(registry, "extproc_precise_prefix_tokenize_seconds_sum", model="m") > 0
     # <|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nhello<|im_end|>\n
-    # <|im_start|>assistant\n: 5 segments between the markers, all new
+    # <|im_start|>assistant\n: 5 segments between the markers, 4 distinct ("\n" twice):
+    # each distinct new one is tokenized once, the repeat counts as found
     segments = "extproc_precise_prefix_segments_total"
-    assert get(registry, segments, model="m", result="miss") == 5
-    assert get(registry, segments, model="m", result="hit") == 0
+    assert get(registry, segments, model="m", result="miss") == 4
+    assert get(registry, segments, model="m", result="hit") == 1
     plugin.score(chat("world"), PODS)  # the same conversation start: only the question is new
-    assert get(registry, segments, model="m", result="miss") == 6
-    assert get(registry, segments, model="m", result="hit") == 4
+    assert get(registry, segments, model="m", result="miss") == 5
+    assert get(registry, segments, model="m", result="hit") == 5
     memo = get(registry, "extproc_precise_prefix_memo_tokens", model="m")
     assert memo == plugin.tokenizers["m"].memo_size > 0
     assert get(registry, "extproc_precise_prefix_tokenize_seconds_count", model="m") == 2
@@ -74,7 +75,7 @@ def test_the_best_pods_match_ratio_is_observed_each_time_it_scores(
     assert tokens is not None
     num_blocks = len(tokens) // BS
     half = num_blocks // 2
-    plugin.index.stored(PODS[1].id, list(range(half)), None, tokens[: half * BS], BS, None)
+    plugin.index.stored(PODS[1].id, list(range(half)), None, tokens[: half * BS].tolist(), BS, None)
     plugin.score(c, PODS)
     plugin.score(chat("a question no pod has seen"), [PODS[0]])  # a miss
     ratio = "extproc_precise_prefix_cache_match_ratio"
