@@ -17,8 +17,8 @@ Filters and scorers may also work on a whole snapshot at once (``TableFilter``,
 uses those when a plugin has them, so a request's cost hardly grows with the pods.
 
 Plugins get what they share when they are built, in ``PluginContext``: the router's
-``InFlight`` counters and the configured ``PrefixMatcher`` (the prefix-cache plugin,
-built first, which ``cost-aware`` reads).
+``InFlight`` counters, the configured ``PrefixMatcher`` (the prefix-cache plugin,
+built first, which ``cost-aware`` reads) and the prefix-cache metrics.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from extproc.prefix.hashing import Keys, prompt_keys
 from extproc.request.parse import Api, InferenceRequest
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.podtable import PodTable, Positions
+from extproc.scheduling.prefix_metrics import PrefixCacheMetrics
 from extproc.types import Pod, PodId
 
 Scores = npt.NDArray[np.int64]  # one score per row of the ``Positions`` scored
@@ -105,12 +106,14 @@ class PrefixMatcher(Protocol):
 @dataclass(frozen=True, slots=True)
 class PluginContext:
     """What a plugin may use when it is built: where to register its metrics, the
-    router's in-flight counters and the prefix view, if a configured plugin offers one
-    (plugins that offer it are built before the others)."""
+    router's in-flight counters, the prefix view, if a configured plugin offers one
+    (plugins that offer it are built before the others), and the spec's prefix-cache
+    series, one set for every plugin that emits them (None: the plugin makes its own)."""
 
     registry: CollectorRegistry
     in_flight: InFlight = field(default_factory=InFlight)
     prefix: PrefixMatcher | None = None
+    prefix_metrics: PrefixCacheMetrics | None = None
 
 
 class Plugin(Protocol):

@@ -29,26 +29,36 @@ and eviction), recorded on success only. Between the pick and the end of a reque
 blocks are *arriving* at the picked pod (``Arrivals``): they count as held there for the
 next requests' scoring and are dropped when the request ends, however it ends; success
 then records them in the index for the pod that served. Side output:
-``cycle.uncached_tokens`` for every candidate, which the router passes to
-``InFlight.start`` for its pick.
+``cycle.uncached_tokens`` for the candidates (the table path: those holding a prefix; the
+others prefill the whole prompt, ``Cycle.num_prefill_tokens``' default), which the router
+passes to ``InFlight.start`` for its pick.
+
+The scheduler scores with ``score_table`` (whole NumPy columns of the pod snapshot, one
+index match over the candidates' rows); ``score`` is the same arithmetic pod by pod.
+Metrics: the spec's prefix-cache series for this view (``scheduling.prefix_metrics``: the
+match ratio counts a prefix held or arriving), the arriving requests and the entries.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, ClassVar
 
+import numpy as np
+import numpy.typing as npt
 from prometheus_client import Gauge
 
 from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PrefixIndex
 from extproc.scheduling.args import load_args
+from extproc.scheduling.podtable import PodTable, Positions
+from extproc.scheduling.prefix_metrics import PrefixCacheMetrics
+from extproc.scheduling.prefix_rows import match_rows, per_row
 from extproc.scheduling.queue import pod_work
-from extproc.scheduling.types import Cycle, PluginContext
+from extproc.scheduling.types import BYTES_PER_TOKEN, Cycle, PluginContext, Scores
 from extproc.types import Pod, PodId
 
 
@@ -69,11 +79,13 @@ class Arrivals:
 
     ``owners[key]`` counts, per pod, the routed requests whose prompt has block ``key``.
     A lookup walks the prompt from its last block back; hashes are chained, so a pod's
-    first hit is its longest arriving prefix (at most one dict probe a block).
+    first hit is its longest arriving prefix, and a block's owners include those of every
+    later block of the prompt: only a block with more owners than the later ones has new
+    pods (a dict probe a block, and a pass over the owners where they grow).
     """
 
     def __init__(self) -> None:
-        self._owners: dict[int, Counter[PodId]] = {}
+        self._owners: dict[int, dict[PodId, int]] = {}
         self._lock = threading.Lock()
         self.num_requests = 0  # credited now: ``add`` calls less ``remove`` calls
 
@@ -83,21 +95,30 @@ class Arrivals:
     def add(self, keys: Keys, pod: PodId) -> None:
         with self._lock:
             self.num_requests += 1
+            get = self._owners.get
             for key in keys.tolist():
-                self._owners.setdefault(key, Counter())[pod] += 1
+                owners = get(key)
+                if owners is None:
+                    self._owners[key] = {pod: 1}
+                else:
+                    owners[pod] = owners.get(pod, 0) + 1
 
     def remove(self, keys: Keys, pod: PodId) -> None:
         with self._lock:
             self.num_requests -= 1
+            get = self._owners.get
             for key in keys.tolist():
-                owners = self._owners.get(key)
-                if owners is None or owners[pod] <= 0:
+                owners = get(key)
+                if owners is None:
                     continue
-                owners[pod] -= 1
-                if owners[pod] <= 0:
-                    del owners[pod]
-                    if not owners:
+                count = owners.get(pod, 0)
+                if count > 1:
+                    owners[pod] = count - 1
+                elif count == 1:
+                    if len(owners) == 1:
                         del self._owners[key]
+                    else:
+                        del owners[pod]
 
     def match(self, keys: Keys) -> dict[PodId, int]:
         """Longest arriving prefix, in blocks, per pod with one."""
@@ -106,9 +127,10 @@ class Arrivals:
             return found
         with self._lock:
             as_list = keys.tolist()
+            get = self._owners.get
             for i in range(len(as_list) - 1, -1, -1):
-                owners = self._owners.get(as_list[i])
-                if owners:
+                owners = get(as_list[i])
+                if owners is not None and len(owners) > len(found):
                     for pod in owners:
                         found.setdefault(pod, i + 1)
         return found
@@ -133,6 +155,8 @@ class EstimatedTTFT:
         self.in_flight = ctx.in_flight
         self.index = PrefixIndex(args.maxHashCacheSize)
         self.arrivals = Arrivals()
+        self.metrics = ctx.prefix_metrics or PrefixCacheMetrics(ctx.registry)
+        self.metrics.attach(self.index)
         Gauge(
             "extproc_estimated_ttft_arriving_requests",
             "Routed requests whose prompt counts as arriving at their pick (not ended yet).",
@@ -152,31 +176,43 @@ class EstimatedTTFT:
         return cycle.block_keys(self.args.blockSizeToHash, self.args.maxBlocksToMatch)
 
     def matched_blocks(self, cycle: Cycle, pods: Sequence[Pod]) -> dict[PodId, int]:
-        """Per pod, the longest prefix it holds or has arriving, in blocks."""
+        """Per pod of ``pods``, the longest prefix it holds or has arriving, in blocks."""
         keys = self._keys(cycle)
         if not len(keys):
             return {}
-        held = self.index.match(keys, [p.id for p in pods], len(pods))
+        ids = [p.id for p in pods]
+        return self._with_arrivals(keys, self.index.match(keys, ids, len(ids)), set(ids))
+
+    def _with_arrivals(
+        self, keys: Keys, held: dict[PodId, int], candidates: Container[PodId] | None = None
+    ) -> dict[PodId, int]:
+        """``held`` (recorded matches), raised to the arriving prefixes of the
+        ``candidates`` (None: of every pod)."""
         for pod, blocks in self.arrivals.match(keys).items():
-            if blocks > held.get(pod, 0):
+            if blocks > held.get(pod, 0) and (candidates is None or pod in candidates):
                 held[pod] = blocks
         return held
 
     def matched_bytes(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
         """``PrefixMatcher``: bytes of the prompt's start each pod holds (or will)."""
+        return self._held_bytes(cycle, self.matched_blocks(cycle, pods))
+
+    def _held_bytes(self, cycle: Cycle, held: Mapping[PodId, int]) -> dict[PodId, int]:
         size, limit = self.args.blockSizeToHash, cycle.num_prompt_bytes
-        return {
-            pod: min(blocks * size, limit)
-            for pod, blocks in self.matched_blocks(cycle, pods).items()
-        }
+        return {pod: min(blocks * size, limit) for pod, blocks in held.items()}
 
     def estimate_ms(self, cycle: Cycle, pods: Sequence[Pod]) -> dict[PodId, float]:
         """Each pod's ``est_ms`` (module doc); records ``cycle.uncached_tokens``."""
-        held = self.matched_bytes(cycle, pods)
+        return self._estimates(cycle, pods, self.matched_blocks(cycle, pods))
+
+    def _estimates(
+        self, cycle: Cycle, pods: Sequence[Pod], held: Mapping[PodId, int]
+    ) -> dict[PodId, float]:
+        held_bytes = self._held_bytes(cycle, held)
         a = self.args
         estimates: dict[PodId, float] = {}
         for pod in pods:
-            work = pod_work(cycle, pod, held.get(pod.id, 0), self.in_flight)
+            work = pod_work(cycle, pod, held_bytes.get(pod.id, 0), self.in_flight)
             estimates[pod.id] = (
                 a.prefillMsPerToken * (work.queued * work.mean_tokens + work.uncached)
                 + a.queuedMs * (1 + work.queued)
@@ -186,8 +222,12 @@ class EstimatedTTFT:
 
     def costs(self, cycle: Cycle, pods: Sequence[Pod]) -> dict[PodId, float]:
         """``est_ms`` with the affinity pods' hysteresis applied (module doc)."""
-        estimates = self.estimate_ms(cycle, pods)
-        held = {p: n for p, n in self.matched_blocks(cycle, pods).items() if p in estimates}
+        return self._costs(cycle, pods, self.matched_blocks(cycle, pods))
+
+    def _costs(
+        self, cycle: Cycle, pods: Sequence[Pod], held: Mapping[PodId, int]
+    ) -> dict[PodId, float]:
+        estimates = self._estimates(cycle, pods, held)
         longest = max(held.values(), default=0)
         if longest <= 0:
             return estimates
@@ -199,16 +239,83 @@ class EstimatedTTFT:
         return estimates
 
     def score(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
-        costs = self.costs(cycle, pods)
+        held = self.matched_blocks(cycle, pods)
+        self._observe(cycle, max(held.values(), default=0))
+        costs = self._costs(cycle, pods, held)
         lo, hi = min(costs.values(), default=0.0), max(costs.values(), default=0.0)
         if hi == lo:
             return dict.fromkeys(costs, 100)
         return {pod: int(100 * (hi - cost) / (hi - lo)) for pod, cost in costs.items()}
 
+    def score_table(self, cycle: Cycle, table: PodTable, positions: Positions) -> Scores:
+        """``score`` on whole columns: the same arithmetic, in the same order, in float64
+        (``tests/scheduling/test_estimated_ttft_table.py`` checks they agree)."""
+        costs, longest = self._table_costs(cycle, table, positions)
+        self._observe(cycle, longest)
+        if not len(costs):
+            return np.zeros(0, dtype=np.int64)
+        lo, hi = costs.min(), costs.max()
+        if hi == lo:
+            return np.full(len(costs), 100, dtype=np.int64)
+        scores: Scores = (100 * (hi - costs) / (hi - lo)).astype(np.int64)
+        return scores
+
+    def costs_table(
+        self, cycle: Cycle, table: PodTable, positions: Positions
+    ) -> npt.NDArray[np.float64]:
+        """``costs`` per row of ``positions`` (ascending)."""
+        return self._table_costs(cycle, table, positions)[0]
+
+    def _table_costs(
+        self, cycle: Cycle, table: PodTable, positions: Positions
+    ) -> tuple[npt.NDArray[np.float64], int]:
+        """The costs, and the longest prefix a candidate holds or has arriving, in blocks;
+        records ``cycle.uncached_tokens`` for the rows holding a prefix (the others
+        prefill the whole prompt, its default)."""
+        keys = self._keys(cycle)
+        held = np.zeros(len(positions), dtype=np.int64)
+        if len(keys):
+            found = match_rows(self.index, keys, table, positions, len(positions))
+            held = per_row(table, positions, self._with_arrivals(keys, found))
+        a = self.args
+        num_bytes = cycle.num_prompt_bytes
+        held_bytes = np.minimum(held * a.blockSizeToHash, num_bytes)
+        uncached = -((held_bytes - num_bytes) // BYTES_PER_TOKEN)
+        holding = np.flatnonzero(held)
+        if len(holding):
+            pods = map(table.ids.__getitem__, positions[holding].tolist())
+            cycle.uncached_tokens.update(zip(pods, uncached[holding].tolist(), strict=True))
+        requests, tokens = self.in_flight.counts_at(table.position, len(table))
+        num_in_flight, in_flight_tokens = requests[positions], tokens[positions]
+        waiting, running = table.waiting[positions], table.running[positions]
+        queued = waiting + np.maximum(0, num_in_flight - waiting - running)
+        mean_tokens = np.where(
+            num_in_flight > 0,
+            in_flight_tokens / np.maximum(num_in_flight, 1),
+            float(cycle.num_prompt_tokens),
+        )
+        costs: npt.NDArray[np.float64] = (
+            a.prefillMsPerToken * (queued * mean_tokens + uncached)
+            + a.queuedMs * (1 + queued)
+            + a.runningMs * running
+        )
+        longest = int(held.max(initial=0))
+        if longest > 0:
+            affinity = held == longest
+            est = costs[affinity]
+            costs[affinity] = np.minimum(est - a.affinityMarginMs, est / a.affinityRatio)
+        return costs, longest
+
+    def _observe(self, cycle: Cycle, longest: int) -> None:
+        """The spec's match ratio: the longest prefix held or arriving, over the blocks."""
+        num_blocks = len(self._keys(cycle))
+        if num_blocks:
+            self.metrics.observe_match(cycle.request.model, longest, num_blocks)
+
     def record(self, cycle: Cycle, pod: PodId) -> None:
         keys = self._keys(cycle)
         if len(keys):
-            self.index.record(keys, pod)
+            self.metrics.record(self.index, keys, pod, cycle.request.model)
 
     def arriving(self, cycle: Cycle, pod: PodId) -> None:
         """``pod`` was picked for ``cycle``: its blocks count as held there until it ends."""
