@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from extproc.routing.pending import PendingRecords
 from extproc.routing.router import Router
 from extproc.scheduling.config import build_scheduler, load_config
 from extproc.scheduling.inflight import InFlight
-from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT, EstimatedTTFTArgs
+from extproc.scheduling.plugins.estimated_ttft import Arrivals, EstimatedTTFT, EstimatedTTFTArgs
 from extproc.scheduling.scheduler import Scheduler
 from extproc.scheduling.types import PluginContext
-from extproc.types import PodMetrics
+from extproc.types import PodId, PodMetrics
 from tests.factories import PREFIX_ONLY, make_cycle, make_pod, make_scheduler
 
 PROMPT = "w" * 4000  # 1,000 tokens at 4 bytes a token, 62.5 blocks of 64 bytes
@@ -132,6 +135,52 @@ def test_arriving_blocks_count_as_held_until_settled() -> None:
     assert p.matched_blocks(make_cycle(PROMPT), pods) == {}
     assert len(p.arrivals) == 0 and p.arrivals.num_requests == 0
     assert p.index.num_entries == 0  # arriving is never a record
+
+
+# Prompts whose chains share 0 to 8 leading blocks with each other: starts of one text
+# (each a prefix of the next), and another text.
+CHAINS = [
+    make_cycle(text[:n]).block_keys(A.blockSizeToHash, A.maxBlocksToMatch).tolist()
+    for text in (PROMPT, "v" * 640)
+    for n in (64, 200, 320, 512)
+]
+
+
+def common_blocks(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@given(
+    st.lists(st.tuples(st.booleans(), st.integers(0, 3), st.integers(0, len(CHAINS) - 1))),
+    st.integers(0, len(CHAINS) - 1),
+)
+@example([(True, 0, 3), (True, 0, 3), (False, 0, 3), (False, 0, 3)], 3)  # one prompt twice
+def test_arrivals_find_each_pods_longest_arriving_prefix(
+    ops: list[tuple[bool, int, int]], query: int
+) -> None:
+    """After any sequence of picks and ends, a lookup gives every pod with a request in
+    flight its longest common prefix with any of them, as a plain list of requests does."""
+    arrivals = Arrivals()
+    live: list[tuple[PodId, int]] = []
+    for add, pod_idx, chain in ops:
+        pod = PodId("ns", f"p{pod_idx}")
+        if add:
+            arrivals.add(np.array(CHAINS[chain], dtype=np.int64), pod)
+            live.append((pod, chain))
+        elif (pod, chain) in live:
+            arrivals.remove(np.array(CHAINS[chain], dtype=np.int64), pod)
+            live.remove((pod, chain))
+    expected: dict[PodId, int] = {}
+    for pod, chain in live:
+        n = common_blocks(CHAINS[query], CHAINS[chain])
+        if n > expected.get(pod, 0):
+            expected[pod] = n
+    assert arrivals.match(np.array(CHAINS[query], dtype=np.int64)) == expected
+    assert arrivals.num_requests == len(live)
+    assert len(arrivals) == len({key for _, chain in live for key in CHAINS[chain]})
 
 
 def default_router(pending: PendingRecords | None = None, num_pods: int = 4) -> Router:
