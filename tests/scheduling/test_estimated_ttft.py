@@ -274,3 +274,45 @@ def test_ties_among_many_pods_are_broken_by_load_too() -> None:
             in_flight.start(pods[i].id)
     ranked = tie_scheduler(in_flight, 0).schedule(make_cycle("x"), pods)
     assert ranked[0].id.name == "p77"
+
+
+def test_the_spec_prefix_cache_series_describe_its_view() -> None:
+    """Match ratio (a prefix held or arriving), evictions by the evicted entry's model,
+    entries: kthena_router_prefix_cache_*, as the prefix-cache plugin emits them."""
+    registry = CollectorRegistry()
+    p = EstimatedTTFT(EstimatedTTFTArgs(maxHashCacheSize=70), PluginContext(registry))
+    pods = [make_pod("a"), make_pod("b")]
+    p.score(make_cycle(PROMPT), pods)  # a miss
+    p.record(make_cycle(PROMPT), pods[0].id)  # 63 blocks
+    p.score(make_cycle(PROMPT), pods)  # held whole: 1.0
+    p.arriving(make_cycle("v" * 640), pods[1].id)
+    p.score(make_cycle("v" * 1280), pods)  # 10 of 20 blocks arriving: 0.5
+    p.record(make_cycle("u" * 640, model="m2"), pods[0].id)  # 73 blocks: 3 evicted
+    ratio = "kthena_router_prefix_cache_match_ratio"
+    value = registry.get_sample_value
+    assert value(f"{ratio}_count", {"model": "m"}) == 3
+    assert value(f"{ratio}_sum", {"model": "m"}) == 1.5
+    assert value(f"{ratio}_bucket", {"model": "m", "le": "0.0"}) == 1
+    assert value("kthena_router_prefix_cache_evictions_total", {"model": "m"}) == 3
+    assert value("kthena_router_prefix_cache_entries") == 70
+
+
+def test_with_prefix_cache_configured_too_the_series_cover_both_views() -> None:
+    registry = CollectorRegistry()
+    scheduler = make_scheduler(
+        """
+scheduler:
+  plugins:
+    Score:
+      enabled:
+        - {name: estimated-ttft, weight: 1}
+        - {name: prefix-cache, weight: 1}
+""",
+        registry,
+    )
+    pods = [make_pod("a"), make_pod("b")]
+    scheduler.record(make_cycle(PROMPT), pods[0].id)  # 63 blocks in each view
+    assert registry.get_sample_value("kthena_router_prefix_cache_entries") == 63 + 63
+    scheduler.schedule(make_cycle(PROMPT), pods)  # each scores: two observations
+    count = "kthena_router_prefix_cache_match_ratio_count"
+    assert registry.get_sample_value(count, {"model": "m"}) == 2
