@@ -13,9 +13,10 @@ from prometheus_client import CollectorRegistry
 
 from extproc.routing.pending import PendingRecords
 from extproc.routing.router import Router
+from extproc.scheduling.arrivals import Arrivals
 from extproc.scheduling.config import build_scheduler, load_config
 from extproc.scheduling.inflight import InFlight
-from extproc.scheduling.plugins.estimated_ttft import Arrivals, EstimatedTTFT, EstimatedTTFTArgs
+from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT, EstimatedTTFTArgs
 from extproc.scheduling.scheduler import Scheduler
 from extproc.scheduling.types import PluginContext
 from extproc.types import PodId, PodMetrics
@@ -153,34 +154,46 @@ def common_blocks(a: list[int], b: list[int]) -> int:
     return n
 
 
+PICK, END, GONE = "pick", "end", "pod-gone"
+
+
 @given(
-    st.lists(st.tuples(st.booleans(), st.integers(0, 3), st.integers(0, len(CHAINS) - 1))),
+    st.lists(
+        st.tuples(
+            st.sampled_from([PICK, PICK, END, GONE]),
+            st.integers(0, 3),
+            st.integers(0, len(CHAINS) - 1),
+        )
+    ),
     st.integers(0, len(CHAINS) - 1),
 )
-@example([(True, 0, 3), (True, 0, 3), (False, 0, 3), (False, 0, 3)], 3)  # one prompt twice
+@example([(PICK, 0, 3), (PICK, 0, 3), (END, 0, 3), (END, 0, 3)], 3)  # one prompt twice
+@example([(PICK, i % 4, i % 8) for i in range(40)] + [(END, i % 4, i % 8) for i in range(37)], 1)
 def test_arrivals_find_each_pods_longest_arriving_prefix(
-    ops: list[tuple[bool, int, int]], query: int
+    ops: list[tuple[str, int, int]], query: int
 ) -> None:
-    """After any sequence of picks and ends, a lookup gives every pod with a request in
-    flight its longest common prefix with any of them, as a plain list of requests does."""
+    """After any sequence of picks, ends and pods leaving, a lookup gives every pod with a
+    request in flight its longest common prefix with any of them, as a plain list does."""
     arrivals = Arrivals()
     live: list[tuple[PodId, int]] = []
-    for add, pod_idx, chain in ops:
+    for op, pod_idx, chain in ops:
         pod = PodId("ns", f"p{pod_idx}")
-        if add:
+        if op == PICK:
             arrivals.add(np.array(CHAINS[chain], dtype=np.int64), pod)
             live.append((pod, chain))
-        elif (pod, chain) in live:
+        elif op == END and (pod, chain) in live:
             arrivals.remove(np.array(CHAINS[chain], dtype=np.int64), pod)
             live.remove((pod, chain))
+        elif op == GONE:
+            arrivals.forget_pods({p for p, _ in live} - {pod})
+            live = [(p, c) for p, c in live if p != pod]
     expected: dict[PodId, int] = {}
     for pod, chain in live:
         n = common_blocks(CHAINS[query], CHAINS[chain])
         if n > expected.get(pod, 0):
             expected[pod] = n
     assert arrivals.match(np.array(CHAINS[query], dtype=np.int64)) == expected
-    assert arrivals.num_requests == len(live)
-    assert len(arrivals) == len({key for _, chain in live for key in CHAINS[chain]})
+    assert arrivals.num_requests == len(arrivals) == len(live)
 
 
 def default_router(pending: PendingRecords | None = None, num_pods: int = 4) -> Router:

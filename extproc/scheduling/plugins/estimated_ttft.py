@@ -41,7 +41,6 @@ match ratio counts a prefix held or arriving), the arriving requests and the ent
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
@@ -54,6 +53,7 @@ from prometheus_client import Gauge
 from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PrefixIndex
 from extproc.scheduling.args import load_args
+from extproc.scheduling.arrivals import Arrivals
 from extproc.scheduling.podtable import PodTable, Positions
 from extproc.scheduling.prefix_metrics import PrefixCacheMetrics
 from extproc.scheduling.prefix_rows import match_rows, per_row
@@ -72,77 +72,6 @@ class EstimatedTTFTArgs:
     runningMs: float = 5.0  # ms each running request adds (its decode share of each step)
     affinityMarginMs: float = 50.0  # the affinity pod yields only past this many ms ...
     affinityRatio: float = 1.5  # ... and past this many times the other's estimate
-
-
-class Arrivals:
-    """Prompt blocks on their way to a pod: picked, not ended yet. Thread-safe.
-
-    ``owners[key]`` counts, per pod, the routed requests whose prompt has block ``key``.
-    A lookup walks the prompt from its last block back; hashes are chained, so a pod's
-    first hit is its longest arriving prefix, and a block's owners include those of every
-    later block of the prompt: only a block with more owners than the later ones has new
-    pods (a dict probe a block, and a pass over the owners where they grow).
-    """
-
-    def __init__(self) -> None:
-        self._owners: dict[int, dict[PodId, int]] = {}
-        self._lock = threading.Lock()
-        self.num_requests = 0  # credited now: ``add`` calls less ``remove`` calls
-
-    def __len__(self) -> int:
-        return len(self._owners)
-
-    def add(self, keys: Keys, pod: PodId) -> None:
-        with self._lock:
-            self.num_requests += 1
-            get = self._owners.get
-            for key in keys.tolist():
-                owners = get(key)
-                if owners is None:
-                    self._owners[key] = {pod: 1}
-                else:
-                    owners[pod] = owners.get(pod, 0) + 1
-
-    def remove(self, keys: Keys, pod: PodId) -> None:
-        with self._lock:
-            self.num_requests -= 1
-            get = self._owners.get
-            for key in keys.tolist():
-                owners = get(key)
-                if owners is None:
-                    continue
-                count = owners.get(pod, 0)
-                if count > 1:
-                    owners[pod] = count - 1
-                elif count == 1:
-                    if len(owners) == 1:
-                        del self._owners[key]
-                    else:
-                        del owners[pod]
-
-    def match(self, keys: Keys) -> dict[PodId, int]:
-        """Longest arriving prefix, in blocks, per pod with one."""
-        found: dict[PodId, int] = {}
-        if not self._owners:
-            return found
-        with self._lock:
-            as_list = keys.tolist()
-            get = self._owners.get
-            for i in range(len(as_list) - 1, -1, -1):
-                owners = get(as_list[i])
-                if owners is not None and len(owners) > len(found):
-                    for pod in owners:
-                        found.setdefault(pod, i + 1)
-        return found
-
-    def forget_pods(self, keep: set[PodId]) -> None:
-        with self._lock:
-            for key in list(self._owners):
-                owners = self._owners[key]
-                for pod in [p for p in owners if p not in keep]:
-                    del owners[pod]
-                if not owners:
-                    del self._owners[key]
 
 
 class EstimatedTTFT:
