@@ -139,10 +139,11 @@ def test_arriving_blocks_count_as_held_until_settled() -> None:
 
 
 # Prompts whose chains share 0 to 8 leading blocks with each other: starts of one text
-# (each a prefix of the next), and another text.
+# (each a prefix of the next), another text, and starts of the first that part from it
+# after 4 and 7 blocks (as long as some of the others: the same first block and length).
 CHAINS = [
     make_cycle(text[:n]).block_keys(A.blockSizeToHash, A.maxBlocksToMatch).tolist()
-    for text in (PROMPT, "v" * 640)
+    for text in (PROMPT, "v" * 640, PROMPT[:256] + "z" * 400, PROMPT[:448] + "z" * 200)
     for n in (64, 200, 320, 512)
 ]
 
@@ -168,6 +169,7 @@ PICK, END, GONE = "pick", "end", "pod-gone"
     st.integers(0, len(CHAINS) - 1),
 )
 @example([(PICK, 0, 3), (PICK, 0, 3), (END, 0, 3), (END, 0, 3)], 3)  # one prompt twice
+@example([(PICK, 0, 2), (PICK, 0, 10), (END, 0, 10)], 2)  # as long, parting at the last block
 @example([(PICK, i % 4, i % 8) for i in range(40)] + [(END, i % 4, i % 8) for i in range(37)], 1)
 def test_arrivals_find_each_pods_longest_arriving_prefix(
     ops: list[tuple[str, int, int]], query: int
@@ -194,6 +196,18 @@ def test_arrivals_find_each_pods_longest_arriving_prefix(
             expected[pod] = n
     assert arrivals.match(np.array(CHAINS[query], dtype=np.int64)) == expected
     assert arrivals.num_requests == len(arrivals) == len(live)
+
+
+def test_pods_that_come_and_go_do_not_grow_the_arrivals_tables() -> None:
+    arrivals = Arrivals()
+    keys = np.array(CHAINS[3], dtype=np.int64)
+    for i in range(100):
+        arrivals.add(keys, PodId("ns", f"p{i}"))
+        arrivals.remove(keys, PodId("ns", f"p{i}"))
+    arrivals.add(keys, PodId("ns", "a"))
+    arrivals.add(keys, PodId("ns", "b"))
+    arrivals.forget_pods(set())
+    assert len(arrivals._rows_of) == 2  # slots of pods without prompts are reused
 
 
 def default_router(pending: PendingRecords | None = None, num_pods: int = 4) -> Router:
