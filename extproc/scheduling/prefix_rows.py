@@ -1,8 +1,8 @@
 """A recorded prefix view (``PrefixIndex``) matched against a pod table's rows.
 
 What the plugins with a prefix view share on their table path (prefix-cache,
-estimated-ttft): the candidates in the form the index matches fastest, and a per-pod
-result turned back into one value per candidate row.
+estimated-ttft): the candidates in the form the index matches fastest, and the matches
+as one value per candidate row.
 """
 
 from __future__ import annotations
@@ -24,7 +24,26 @@ MAX_EXCLUDED = 64  # candidates matched as "every pod but these" up to this many
 def match_rows(
     index: PrefixIndex, keys: Keys, table: PodTable, positions: Positions, top_k: int
 ) -> dict[PodId, int]:
-    """``index.match`` over the pods at ``positions`` (ascending).
+    """``index.match`` over the pods at ``positions`` (ascending), up to ``top_k``."""
+    pod_set, exclude, _ = _candidates(index, table, positions)
+    return index.match(keys, pod_set, top_k, exclude)
+
+
+def match_lengths(
+    index: PrefixIndex, keys: Keys, table: PodTable, positions: Positions
+) -> npt.NDArray[np.int64]:
+    """``index.match_lengths`` over the pods at ``positions`` (ascending): every
+    candidate's longest recorded match, in blocks, one per row of ``positions``."""
+    pod_set, exclude, every_pod = _candidates(index, table, positions)
+    lengths = index.match_lengths(keys, pod_set, exclude)
+    return lengths[positions] if every_pod else lengths
+
+
+def _candidates(
+    index: PrefixIndex, table: PodTable, positions: Positions
+) -> tuple[PodSet, list[PodId], bool]:
+    """The candidates as the index matches them fastest, and whether the set is every pod
+    of the table (in row order; less ``exclude``) or exactly the rows of ``positions``.
 
     The candidates' slot masks are kept while the snapshots list the same pods
     (``PodSet``, in the table's ``rows_only`` memory): every pod's, less the few rows left
@@ -38,13 +57,13 @@ def match_rows(
             excluded = np.ones(len(table), dtype=np.bool_)
             excluded[positions] = False
             exclude = [table.ids[row] for row in np.flatnonzero(excluded).tolist()]
-    else:
-        pod_set = table.memo(
-            (index, positions.tobytes()),
-            lambda: PodSet(table.ids[i] for i in positions.tolist()),
-            rows_only=True,
-        )
-    return index.match(keys, pod_set, top_k, exclude)
+        return pod_set, exclude, True
+    pod_set = table.memo(
+        (index, positions.tobytes()),
+        lambda: PodSet(table.ids[i] for i in positions.tolist()),
+        rows_only=True,
+    )
+    return pod_set, exclude, False
 
 
 def per_row(

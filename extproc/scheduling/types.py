@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry
 from extproc.prefix.hashing import Keys, prompt_keys
 from extproc.request.parse import Api, InferenceRequest
 from extproc.scheduling.inflight import InFlight
-from extproc.scheduling.podtable import PodTable, Positions
+from extproc.scheduling.podtable import PodTable, Positions, RowValues
 from extproc.scheduling.prefix_metrics import PrefixCacheMetrics
 from extproc.types import Pod, PodId
 
@@ -49,8 +49,10 @@ class Cycle:
 
     request: InferenceRequest
     # Prompt tokens each scored pod would prefill (prompt minus the prefix it holds),
-    # left by cost-aware; see ``num_prefill_tokens``.
+    # left by the cost plugins: per pod (``score``), or per candidate row of a table pass
+    # (``score_table``); see ``num_prefill_tokens``.
     uncached_tokens: dict[PodId, int] = field(default_factory=dict)
+    uncached_rows: list[RowValues] = field(default_factory=list)
     _keys: dict[tuple[int, int], Keys] = field(default_factory=dict)
     _num_prompt_bytes: int = -1
 
@@ -70,9 +72,17 @@ class Cycle:
     def num_prefill_tokens(self, pod: PodId) -> int:
         """Tokens ``pod`` would prefill for this prompt, for ``InFlight.start``.
 
-        cost-aware's estimate when it scored ``pod``, else the whole prompt.
+        A cost plugin's estimate when it scored ``pod`` (per pod, else the latest table
+        pass's), else the whole prompt.
         """
-        return self.uncached_tokens.get(pod, self.num_prompt_tokens)
+        found = self.uncached_tokens.get(pod)
+        if found is not None:
+            return found
+        for rows in reversed(self.uncached_rows):
+            found = rows.get(pod)
+            if found is not None:
+                return found
+        return self.num_prompt_tokens
 
     @classmethod
     def replayed(

@@ -29,9 +29,8 @@ and eviction), recorded on success only. Between the pick and the end of a reque
 blocks are *arriving* at the picked pod (``Arrivals``): they count as held there for the
 next requests' scoring and are dropped when the request ends, however it ends; success
 then records them in the index for the pod that served. Side output:
-``cycle.uncached_tokens`` for the candidates (the table path: those holding a prefix; the
-others prefill the whole prompt, ``Cycle.num_prefill_tokens``' default), which the router
-passes to ``InFlight.start`` for its pick.
+the candidates' uncached tokens in the cycle (``Cycle.num_prefill_tokens``), which the
+router passes to ``InFlight.start`` for its pick.
 
 The scheduler scores with ``score_table`` (whole NumPy columns of the pod snapshot, one
 index match over the candidates' rows); ``score`` is the same arithmetic pod by pod.
@@ -54,9 +53,9 @@ from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PrefixIndex
 from extproc.scheduling.args import load_args
 from extproc.scheduling.arrivals import Arrivals
-from extproc.scheduling.podtable import PodTable, Positions
+from extproc.scheduling.podtable import PodTable, Positions, RowValues
 from extproc.scheduling.prefix_metrics import PrefixCacheMetrics
-from extproc.scheduling.prefix_rows import match_rows, per_row
+from extproc.scheduling.prefix_rows import match_lengths, per_row
 from extproc.scheduling.queue import pod_work
 from extproc.scheduling.types import BYTES_PER_TOKEN, Cycle, PluginContext, Scores
 from extproc.types import Pod, PodId
@@ -113,12 +112,11 @@ class EstimatedTTFT:
         return self._with_arrivals(keys, self.index.match(keys, ids, len(ids)), set(ids))
 
     def _with_arrivals(
-        self, keys: Keys, held: dict[PodId, int], candidates: Container[PodId] | None = None
+        self, keys: Keys, held: dict[PodId, int], candidates: Container[PodId]
     ) -> dict[PodId, int]:
-        """``held`` (recorded matches), raised to the arriving prefixes of the
-        ``candidates`` (None: of every pod)."""
+        """``held`` (recorded matches), raised to the candidates' arriving prefixes."""
         for pod, blocks in self.arrivals.match(keys).items():
-            if blocks > held.get(pod, 0) and (candidates is None or pod in candidates):
+            if blocks > held.get(pod, 0) and pod in candidates:
                 held[pod] = blocks
         return held
 
@@ -199,21 +197,19 @@ class EstimatedTTFT:
         self, cycle: Cycle, table: PodTable, positions: Positions
     ) -> tuple[npt.NDArray[np.float64], int]:
         """The costs, and the longest prefix a candidate holds or has arriving, in blocks;
-        records ``cycle.uncached_tokens`` for the rows holding a prefix (the others
-        prefill the whole prompt, its default)."""
+        leaves the candidates' uncached tokens in ``cycle.uncached_rows``."""
         keys = self._keys(cycle)
         held = np.zeros(len(positions), dtype=np.int64)
         if len(keys):
-            found = match_rows(self.index, keys, table, positions, len(positions))
-            held = per_row(table, positions, self._with_arrivals(keys, found))
+            held = match_lengths(self.index, keys, table, positions)
+            arriving = self.arrivals.match(keys)
+            if arriving:
+                np.maximum(held, per_row(table, positions, arriving), out=held)
         a = self.args
         num_bytes = cycle.num_prompt_bytes
         held_bytes = np.minimum(held * a.blockSizeToHash, num_bytes)
         uncached = -((held_bytes - num_bytes) // BYTES_PER_TOKEN)
-        holding = np.flatnonzero(held)
-        if len(holding):
-            pods = map(table.ids.__getitem__, positions[holding].tolist())
-            cycle.uncached_tokens.update(zip(pods, uncached[holding].tolist(), strict=True))
+        cycle.uncached_rows.append(RowValues(table, positions, uncached))
         requests, tokens = self.in_flight.counts_at(table.position, len(table))
         num_in_flight, in_flight_tokens = requests[positions], tokens[positions]
         waiting, running = table.waiting[positions], table.running[positions]
