@@ -28,9 +28,9 @@ The prefix view is this plugin's own per-pod LRU (``PrefixIndex``, Kthena's bloc
 and eviction), recorded on success only. Between the pick and the end of a request its
 blocks are *arriving* at the picked pod (``Arrivals``): they count as held there for the
 next requests' scoring and are dropped when the request ends, however it ends; success
-then records them in the index for the pod that served. Side output:
-the candidates' uncached tokens in the cycle (``Cycle.num_prefill_tokens``), which the
-router passes to ``InFlight.start`` for its pick.
+then records them in the index for the pod that served. Side output: the candidates'
+uncached tokens in the cycle (``Cycle.num_prefill_tokens``), which the router passes to
+``InFlight.start`` for its pick.
 
 The scheduler scores with ``score_table`` (whole NumPy columns of the pod snapshot, one
 index match over the candidates' rows); ``score`` is the same arithmetic pod by pod.
