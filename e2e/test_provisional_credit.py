@@ -1,9 +1,11 @@
 """Through real Envoy, with the shipped default (estimated-ttft): a pick's prompt counts as
 arriving at its pod at once, so a second request with the same new prefix follows it
-before the first response ends; the credit goes when the request ends, however it ends."""
+before the first response ends; the credit goes when the request ends, however it ends
+(success, failure, a retry another pod served, Envoy's message timeout)."""
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -11,11 +13,18 @@ import httpx
 import pytest
 
 from e2e.conftest import MODEL, RECORDED, metric, unique_prefix, wait_for
+from e2e.slow_scheduler import marker
 from extproc.sim.harness import SimPods
 from extproc.sim.launch import Stack, run_stack
 
 ARRIVING = ("extproc_estimated_ttft_arriving_requests", "")
+ENTRIES = ("extproc_estimated_ttft_entries", "")
 FAILED = ("extproc_completions_total", 'outcome="failed"')
+ABANDONED = ("extproc_completions_total", 'outcome="abandoned"')
+RETRIES = ("extproc_retries_observed_total", "")
+MAX_TRIES = 30  # fresh prefixes tie: the pick is random, a failing one comes up soon
+MESSAGE_TIMEOUT_S = 1.0  # Envoy's, in the timeout case; the scheduler there takes longer
+SLOW_SCHEDULE_S = 2.5
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +70,61 @@ def test_a_failed_request_leaves_no_credit_and_no_record(
     assert wait_for(lambda: metric(default_stack, *FAILED) > failed, 10)
     assert metric(default_stack, *ARRIVING) == 0
     assert metric(default_stack, "extproc_estimated_ttft_entries") == entries
+
+
+def test_a_retry_served_elsewhere_leaves_no_credit_and_records_the_server(
+    default_stack: Stack, sim: SimPods
+) -> None:
+    """Every pod but one answers 503: a request picked for a failing pod and served by the
+    healthy one after Envoy's retry ends with no credit anywhere, recorded for the healthy
+    pod only, so the prefix's next request goes there once every pod is healthy again."""
+    healthy = sim.pods[0].name
+    for pod in sim.pods[1:]:
+        sim.set_faults(pod.name, error_rate=1.0, error_status=503)
+    answers: dict[str, httpx.Response] = {}
+    for _ in range(MAX_TRIES):
+        ended = metric(default_stack, *RECORDED) + metric(default_stack, *FAILED)
+        retries = metric(default_stack, *RETRIES)
+        prefix = unique_prefix()
+        post(default_stack.url, prefix + "q", answers, "try")
+        assert wait_for(
+            lambda e=ended: metric(default_stack, *RECORDED) + metric(default_stack, *FAILED) > e,
+            10,
+        ), "the request's end never reached extproc"
+        if answers["try"].status_code == 200 and metric(default_stack, *RETRIES) > retries:
+            break  # a failing pod was picked, the healthy one served
+    else:
+        pytest.fail(f"no request was retried onto the healthy pod in {MAX_TRIES}")
+    assert answers["try"].headers["x-sim-pod"] == healthy
+    assert metric(default_stack, *ARRIVING) == 0
+    for pod in sim.pods:
+        sim.clear_faults(pod.name)
+    post(default_stack.url, prefix + "again", answers, "next")
+    assert answers["next"].status_code == 200
+    assert answers["next"].headers["x-sim-pod"] == healthy
+    assert wait_for(lambda: metric(default_stack, *ARRIVING) == 0, 10)
+
+
+@pytest.fixture(scope="module")
+def slow_stack(sim: SimPods) -> Iterator[Stack]:
+    """The shipped default, behind an Envoy that waits 1 s for extproc's answer; a prompt
+    with ``e2e.slow_scheduler``'s marker takes longer to schedule."""
+    with run_stack(
+        sim.as_pods(),
+        extproc_command=(sys.executable, "-m", "e2e.slow_scheduler"),
+        message_timeout_s=MESSAGE_TIMEOUT_S,
+    ) as running:
+        yield running
+
+
+def test_a_route_envoy_stopped_waiting_for_leaves_no_credit(slow_stack: Stack) -> None:
+    """Envoy's message timeout passes while extproc schedules: the request is answered 504,
+    extproc abandons the route it made, and with it the credit; nothing is recorded."""
+    abandoned = metric(slow_stack, *ABANDONED)
+    entries = metric(slow_stack, *ENTRIES)
+    answers: dict[str, httpx.Response] = {}
+    post(slow_stack.url, marker(SLOW_SCHEDULE_S) + unique_prefix(), answers, "slow")
+    assert answers["slow"].status_code == 504
+    assert wait_for(lambda: metric(slow_stack, *ABANDONED) == abandoned + 1, 15)
+    assert metric(slow_stack, *ARRIVING) == 0
+    assert metric(slow_stack, *ENTRIES) == entries

@@ -65,6 +65,7 @@ from extproc.types import PodId
 SLOTS_PER_PAGE = 63  # bit 63 would make a mask negative
 MAX_PAGES = 63
 MAX_PODS = SLOTS_PER_PAGE * MAX_PAGES
+_SLOT_BITS = np.arange(SLOTS_PER_PAGE, dtype=np.int64)
 
 
 def _mix_key(kind: bytes, number: int) -> int:
@@ -133,14 +134,16 @@ class _PodLru:
 class PodSet:
     """Candidate pods for ``PrefixIndex.match`` that are matched many times (e.g. one pod
     snapshot's): the index computes their slot masks once and keeps them here until its
-    slot layout changes (a pod added or removed), instead of once per call.
+    slot layout changes (a pod added or removed), instead of once per call; likewise,
+    for ``match_lengths``, where each slot's pod is in ``pods``.
     """
 
-    __slots__ = ("_cached", "pods")
+    __slots__ = ("_cached", "_places", "pods")
 
     def __init__(self, pods: Iterable[PodId]) -> None:
         self.pods = tuple(pods)
         self._cached: tuple[PrefixIndex, int, dict[int, int]] | None = None
+        self._places: tuple[PrefixIndex, int, Keys] | None = None
 
 
 class PrefixIndex:
@@ -205,15 +208,7 @@ class PrefixIndex:
                 page_masks = self._pod_set_masks(candidates)
             else:
                 page_masks = self._candidate_masks(candidates)
-            excluded = [lru for lru in map(self._lru_by_pod.get, exclude) if lru is not None]
-            if excluded:
-                page_masks = dict(page_masks)  # a copy: a PodSet's masks stay as cached
-                for lru in excluded:
-                    left = page_masks.get(lru.page, 0) & ~lru.bit
-                    if left:
-                        page_masks[lru.page] = left
-                    else:
-                        page_masks.pop(lru.page, None)
+            page_masks = self._less(page_masks, exclude)
             if not page_masks or top_k <= 0 or not len(keys):
                 return {}
             if len(page_masks) == 1:  # up to 63 pods: one probe, no page bookkeeping
@@ -229,6 +224,65 @@ class PrefixIndex:
                 ):
                     break
             return found
+
+    def match_lengths(
+        self, hashes: Sequence[int] | Keys, candidates: PodSet, exclude: Iterable[PodId] = ()
+    ) -> Keys:
+        """Every candidate's longest recorded match, in blocks: one per pod of
+        ``candidates.pods``, in its order (0: no match, or excluded; a pod listed twice
+        gets its length at its first place). No top-K, so no draws.
+
+        The matches come out as slot masks per page and block (where a candidate's
+        longest match ends), turned into places in ``candidates.pods`` with array
+        operations: no step per pod.
+        """
+        keys = as_keys(hashes)
+        out = np.zeros(len(candidates.pods), dtype=np.int64)
+        with self._lock:
+            page_masks = self._less(self._pod_set_masks(candidates), exclude)
+            if not page_masks or not len(keys):
+                return out
+            pages_by_block = self._pages_by_block(keys, page_masks)
+            pages, masks = self._owner_masks(keys, pages_by_block, page_masks, 0, len(keys))
+            if not len(pages):
+                return out
+            held_from = np.bitwise_or.accumulate(masks[:, ::-1], axis=1)[:, ::-1]
+            ends = held_from.copy()
+            ends[:, :-1] &= ~held_from[:, 1:]
+            page_idx, block_idx = np.nonzero(ends)
+            bit_set = (ends[page_idx, block_idx][:, np.newaxis] >> _SLOT_BITS) & 1 != 0
+            match_idx, bit = np.nonzero(bit_set)
+            slots = pages[page_idx[match_idx]] * SLOTS_PER_PAGE + bit
+            out[self._pod_set_places(candidates)[slots]] = block_idx[match_idx] + 1
+        return out
+
+    def _less(self, page_masks: dict[int, int], exclude: Iterable[PodId]) -> dict[int, int]:
+        """``page_masks`` without the slots of ``exclude`` (a copy if any: a PodSet's
+        masks stay as cached)."""
+        excluded = [lru for lru in map(self._lru_by_pod.get, exclude) if lru is not None]
+        if excluded:
+            page_masks = dict(page_masks)
+            for lru in excluded:
+                left = page_masks.get(lru.page, 0) & ~lru.bit
+                if left:
+                    page_masks[lru.page] = left
+                else:
+                    page_masks.pop(lru.page, None)
+        return page_masks
+
+    def _pod_set_places(self, pod_set: PodSet) -> Keys:
+        """Slot -> the first place of its pod in ``pod_set.pods`` (-1: none), kept in the
+        set until the slot layout changes."""
+        cached = pod_set._places
+        if cached is not None and cached[0] is self and cached[1] == self._slots_version:
+            return cached[2]
+        places = np.full(max(self._next_slot, 1), -1, dtype=np.int64)
+        for place in range(len(pod_set.pods) - 1, -1, -1):
+            lru = self._lru_by_pod.get(pod_set.pods[place])
+            if lru is not None:
+                places[lru.slot] = place
+        pod_set._places = (self, self._slots_version, places)
+        return places
 
     def _pod_set_masks(self, pod_set: PodSet) -> dict[int, int]:
         cached = pod_set._cached  # (index, slot layout version, masks), swapped as one
@@ -254,7 +308,7 @@ class PrefixIndex:
     def _pages_by_block(self, keys: Keys, page_masks: dict[int, int]) -> Keys:
         """Per block, the candidate pages that may hold it: the upper pages
         ``_upper_pages`` says hold it, and page 0 (not tracked there) at every block.
-        (Called with two pages or more: a single page is ``_match_page``'s.)"""
+        (``match`` calls it with two pages or more: a single page is ``_match_page``'s.)"""
         upper = 0
         for page in page_masks:
             upper |= (1 << page) if page else 0
@@ -318,22 +372,10 @@ class PrefixIndex:
 
         Owner masks are probed in one batch, only where a page may hold the block.
         """
-        present = int(np.bitwise_or.reduce(pages_by_block[start:stop]))
-        if not present:
+        page_array, masks = self._owner_masks(keys, pages_by_block, page_masks, start, stop)
+        if not len(page_array):
             return False
-        pages = []
-        while present:
-            low = present & -present
-            present ^= low
-            pages.append(low.bit_length() - 1)
-        page_array = np.array(pages, dtype=np.int64)
-        held = (pages_by_block[np.newaxis, start:stop] >> page_array[:, np.newaxis]) & 1 != 0
-        probes = (keys[np.newaxis, start:stop] ^ self._page_key_array[page_array][:, np.newaxis])[
-            held
-        ]
-        masks = np.zeros((len(pages), stop - start), dtype=np.int64)
-        masks[held] = _lookup(self._owners, probes, 0)
-        masks &= np.array([page_masks[page] for page in pages], dtype=np.int64)[:, np.newaxis]
+        pages = page_array.tolist()
         # new[p, i]: candidates of page p holding block i but no later block, i.e. the
         # pods a walk from the last block backwards finds at block i.
         held_from = np.bitwise_or.accumulate(masks[:, ::-1], axis=1)[:, ::-1]
@@ -353,6 +395,28 @@ class PrefixIndex:
         for page, bits in zip(pages, held_from[:, 0].tolist(), strict=True):
             seen[page] = seen.get(page, 0) | bits
         return False
+
+    def _owner_masks(
+        self, keys: Keys, pages_by_block: Keys, page_masks: dict[int, int], start: int, stop: int
+    ) -> tuple[Keys, Keys]:
+        """The pages some block of ``start:stop`` may be held on, and per such page and
+        block the candidates' slots holding it: one batch probe, only where
+        ``pages_by_block`` says the page may hold the block."""
+        present = int(np.bitwise_or.reduce(pages_by_block[start:stop]))
+        pages = []
+        while present:
+            low = present & -present
+            present ^= low
+            pages.append(low.bit_length() - 1)
+        page_array = np.array(pages, dtype=np.int64)
+        held = (pages_by_block[np.newaxis, start:stop] >> page_array[:, np.newaxis]) & 1 != 0
+        probes = (keys[np.newaxis, start:stop] ^ self._page_key_array[page_array][:, np.newaxis])[
+            held
+        ]
+        masks = np.zeros((len(pages), stop - start), dtype=np.int64)
+        masks[held] = _lookup(self._owners, probes, 0)
+        masks &= np.array([page_masks[page] for page in pages], dtype=np.int64)[:, np.newaxis]
+        return page_array, masks
 
     # -- updates -------------------------------------------------------------------
 

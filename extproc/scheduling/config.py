@@ -47,6 +47,7 @@ from extproc.errors import ConfigError
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.pdgroup import PDGroup
 from extproc.scheduling.plugins.least_latency import LeastLatency, check_least_latency_args
+from extproc.scheduling.prefix_metrics import PrefixCacheMetrics
 from extproc.scheduling.registry import BUILTIN
 from extproc.scheduling.scheduler import PluginTimer, Scheduler, WeightedScorer
 from extproc.scheduling.sessions import SessionStore
@@ -185,10 +186,13 @@ def build_scheduler(
 
     ``in_flight`` is the router's counters, shared with the plugins that read them;
     ``sessions`` turns session sticky on. A plugin that offers the prefix view
-    (``PrefixMatcher``) is built first and handed to the others in their context.
+    (``PrefixMatcher``) is built first and handed to the others in their context; the
+    plugins that emit the spec's prefix-cache series share one set.
     """
     ctx = PluginContext(
-        registry=registry, in_flight=in_flight if in_flight is not None else InFlight()
+        registry=registry,
+        in_flight=in_flight if in_flight is not None else InFlight(),
+        prefix_metrics=PrefixCacheMetrics(registry),
     )
     names = list(dict.fromkeys((*config.filters, *(s.name for s in config.scores))))
     names.sort(key=lambda name: not issubclass(BUILTIN[name], PrefixMatcher))

@@ -86,9 +86,17 @@ class InFlight:
 
         Costs one step per pod with requests in flight, none per idle pod.
         """
-        out = np.zeros(num_rows, dtype=np.int64)
+        return self.counts_at(rows, num_rows)[0]
+
+    def counts_at(
+        self, rows: Mapping[PodId, int], num_rows: int
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Requests in flight and their prefill tokens per row of a pod table, as
+        ``requests_at``."""
+        requests = np.zeros(num_rows, dtype=np.int64)
+        tokens = np.zeros(num_rows, dtype=np.int64)
         for pod_id, count in self._counts.copy().items():  # copy: one atomic C call
             row = rows.get(pod_id)
             if row is not None:
-                out[row] = count.num_requests
-        return out
+                requests[row], tokens[row] = count
+        return requests, tokens

@@ -26,7 +26,7 @@ candidates' bytes); each memory is cleared when it grows past ``MAX_SCRATCH`` en
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import repeat
 from operator import attrgetter, contains
 from typing import Any, NamedTuple, TypeVar
@@ -162,6 +162,30 @@ class PodTable:
                 memory.clear()
             memory[key] = value
         return value
+
+
+class RowValues(Mapping[PodId, int]):
+    """One int per row of ``positions`` (ascending) of a table, read by pod id: what a
+    table pass leaves for every candidate, without a dict built for each."""
+
+    __slots__ = ("_positions", "_table", "_values")
+
+    def __init__(self, table: PodTable, positions: Positions, values: npt.NDArray[np.int64]):
+        self._table, self._positions, self._values = table, positions, values
+
+    def __getitem__(self, pod: PodId) -> int:
+        row = self._table.position.get(pod)
+        if row is not None:
+            at = int(np.searchsorted(self._positions, row))
+            if at < len(self._positions) and self._positions[at] == row:
+                return int(self._values[at])
+        raise KeyError(pod)
+
+    def __iter__(self) -> Iterator[PodId]:
+        return map(self._table.ids.__getitem__, self._positions.tolist())
+
+    def __len__(self) -> int:
+        return len(self._positions)
 
 
 def _latency(

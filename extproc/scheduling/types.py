@@ -20,8 +20,8 @@ Filters and scorers may also work on a whole snapshot at once (``TableFilter``,
 uses those when a plugin has them, so a request's cost hardly grows with the pods.
 
 Plugins get what they share when they are built, in ``PluginContext``: the router's
-``InFlight`` counters and the configured ``PrefixMatcher`` (the prefix-cache plugin,
-built first, which ``cost-aware`` reads).
+``InFlight`` counters, the configured ``PrefixMatcher`` (the prefix-cache plugin,
+built first, which ``cost-aware`` reads) and the prefix-cache metrics.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from prometheus_client import CollectorRegistry
 from extproc.prefix.hashing import Keys, prompt_keys
 from extproc.request.parse import Api, InferenceRequest
 from extproc.scheduling.inflight import InFlight
-from extproc.scheduling.podtable import PodTable, Positions
+from extproc.scheduling.podtable import PodTable, Positions, RowValues
+from extproc.scheduling.prefix_metrics import PrefixCacheMetrics
 from extproc.types import Pod, PodId
 
 Scores = npt.NDArray[np.int64]  # one score per row of the ``Positions`` scored
@@ -52,7 +53,8 @@ class Cycle:
 
     request: InferenceRequest
     # Prompt tokens each scored pod would prefill (prompt minus the prefix it holds),
-    # left by cost-aware; see ``num_prefill_tokens``.
+    # left by the cost plugins: per pod (``score``), or per candidate row of a table pass
+    # (``score_table``); see ``num_prefill_tokens``.
     uncached_tokens: dict[PodId, int] = field(default_factory=dict)
     # The prompt's exact token ids, once a plugin tokenized it (precise-prefix-cache,
     # maybe on another thread: ``Preparer``); ``tokenized`` tells that it was tried, as
@@ -60,6 +62,7 @@ class Cycle:
     # not a list: the cycle lives until the request ends, and a list costs twice the memory.
     token_ids: TokenIds | None = None
     tokenized: bool = False
+    uncached_rows: list[RowValues] = field(default_factory=list)
     _keys: dict[tuple[int, int], Keys] = field(default_factory=dict)
     _num_prompt_bytes: int = -1
 
@@ -79,9 +82,17 @@ class Cycle:
     def num_prefill_tokens(self, pod: PodId) -> int:
         """Tokens ``pod`` would prefill for this prompt, for ``InFlight.start``.
 
-        cost-aware's estimate when it scored ``pod``, else the whole prompt.
+        A cost plugin's estimate when it scored ``pod`` (per pod, else the latest table
+        pass's), else the whole prompt.
         """
-        return self.uncached_tokens.get(pod, self.num_prompt_tokens)
+        found = self.uncached_tokens.get(pod)
+        if found is not None:
+            return found
+        for rows in reversed(self.uncached_rows):
+            found = rows.get(pod)
+            if found is not None:
+                return found
+        return self.num_prompt_tokens
 
     @classmethod
     def replayed(
@@ -115,12 +126,14 @@ class PrefixMatcher(Protocol):
 @dataclass(frozen=True, slots=True)
 class PluginContext:
     """What a plugin may use when it is built: where to register its metrics, the
-    router's in-flight counters and the prefix view, if a configured plugin offers one
-    (plugins that offer it are built before the others)."""
+    router's in-flight counters, the prefix view, if a configured plugin offers one
+    (plugins that offer it are built before the others), and the spec's prefix-cache
+    series, one set for every plugin that emits them (None: the plugin makes its own)."""
 
     registry: CollectorRegistry
     in_flight: InFlight = field(default_factory=InFlight)
     prefix: PrefixMatcher | None = None
+    prefix_metrics: PrefixCacheMetrics | None = None
 
 
 class Plugin(Protocol):

@@ -8,13 +8,20 @@ here). PromQL is parsed by ``promtool check rules`` from Debian's prometheus pac
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
 import jsonschema
 import yaml
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.routing.router import Router
+from extproc.scheduling.config import build_scheduler, default_config_text, parse_config
+from extproc.scheduling.inflight import InFlight
 from tests.charts.dashboard import DASHBOARD, PRECISE_ROW, panels, queries, require_binary
+from tests.factories import make_pod
 
 SCHEMA = Path(__file__).parent / "grafana" / "dashboard.schema.json"
 HIT_RATE_BUCKET = 'kthena_router_prefix_cache_match_ratio_bucket{le="0.0"}'
@@ -111,3 +118,43 @@ def test_precise_row_is_collapsed_and_reads_every_precise_metric() -> None:
         "extproc_kv_events_orphan_blocks_total",
     ):
         assert name in exprs, name
+
+
+def prefix_row_series() -> set[str]:
+    """The series names the prefix-cache row's panels read."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    names: set[str] = set()
+    in_row = False
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            in_row = panel["title"] == "Prefix cache"
+        elif in_row:
+            for target in panel["targets"]:
+                names.update(re.findall(r"\b(?:kthena|extproc)_[a-z_]+", target["expr"]))
+    return names
+
+
+def test_the_shipped_default_emits_every_series_the_prefix_cache_row_reads() -> None:
+    """The default configuration's /metrics (its registry, as ``serve`` exposes it), after
+    hits, misses and evictions, has a sample of each series the prefix-cache panels read."""
+    text = default_config_text().replace("maxHashCacheSize: 50000", "maxHashCacheSize: 8")
+    registry, in_flight = CollectorRegistry(), InFlight()
+    scheduler = build_scheduler(parse_config(text, "default"), registry, in_flight)
+    pods = [make_pod(f"p{i}", port=8000 + i) for i in range(2)]
+    router = Router(scheduler, pods, in_flight=in_flight, registry=registry)
+    for i in range(6):  # three prompts twice: misses, then hits; 5 blocks each, so evictions
+        body = b'{"model": "m", "prompt": "%d%s"}' % (i % 3, b"x" * 300)
+        decision = router.route("/v1/completions", body, request_id=f"r{i}")
+        assert router.complete(f"r{i}", decision.pods[0].address, succeeded=True)
+    exposed = {
+        sample.name
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for sample in family.samples
+    }
+    wanted = prefix_row_series()
+    assert {
+        "kthena_router_prefix_cache_match_ratio_bucket",
+        "kthena_router_prefix_cache_entries",
+        "kthena_router_prefix_cache_evictions_total",
+    } <= wanted
+    assert wanted <= exposed, sorted(wanted - exposed)

@@ -246,6 +246,47 @@ def test_many_pages_match_the_plain_model(seed: int, top_k: int) -> None:
     assert_top_k(idx.match(hashes, PodSet(candidates), top_k), lengths, top_k)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32), st.integers(1, 400), st.integers(0, 3))
+def test_match_lengths_gives_every_candidate_its_longest_match(
+    seed: int, num_pods: int, num_excluded: int
+) -> None:
+    """``match_lengths``: one length per place of the candidate set, every candidate's
+    longest match as the plain model has it, excluded pods 0 (for that call only), a pod
+    listed twice at its first place; pods removed from and added to the index after the
+    set was first used are followed."""
+    rng = random.Random(seed)
+    idx, model = PrefixIndex(1000), ModelIndex(1000)
+    pods = [PodId("ns", f"p{i}") for i in range(num_pods)]
+    hashes = [rng.getrandbits(64) for _ in range(40)]
+
+    def record(pod: PodId) -> None:
+        prompt = hashes[: rng.randrange(0, 41)] + [rng.getrandbits(64)]
+        idx.record(prompt, pod)
+        model.record(prompt, pod)
+
+    for pod in rng.sample(pods, rng.randrange(1, num_pods + 1)):
+        record(pod)
+    places = rng.sample(pods, rng.randrange(1, num_pods + 1))
+    places += rng.sample(places, min(2, len(places)))  # listed twice
+    candidates = PodSet(places)
+    for _ in range(2):
+        excluded = set(rng.sample(places, min(num_excluded, len(places))))
+        expected = [
+            model.longest(hashes, pod) if pod not in excluded and places.index(pod) == i else 0
+            for i, pod in enumerate(places)
+        ]
+        assert idx.match_lengths(hashes, candidates, excluded).tolist() == expected
+        assert idx.match_lengths(hashes, candidates).tolist() == [
+            model.longest(hashes, pod) if places.index(pod) == i else 0
+            for i, pod in enumerate(places)
+        ]
+        gone = rng.choice(pods)  # the slot layout changes between the two rounds
+        idx.remove_pod(gone)
+        model.pods.pop(gone, None)
+        record(rng.choice(pods))
+
+
 def test_a_walk_past_blocks_held_only_by_other_pods_still_finds_the_candidates() -> None:
     """Pages 1-3 hold the prompt's tail for pods that are no candidates: the first
     (suffix) probe finds nothing, and the rest of the prompt is walked."""

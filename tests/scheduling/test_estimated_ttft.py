@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from extproc.routing.pending import PendingRecords
 from extproc.routing.router import Router
+from extproc.scheduling.arrivals import Arrivals
 from extproc.scheduling.config import build_scheduler, load_config
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT, EstimatedTTFTArgs, Written
 from extproc.scheduling.scheduler import Scheduler
 from extproc.scheduling.types import PluginContext
-from extproc.types import PodMetrics
+from extproc.types import PodId, PodMetrics
 from tests.factories import PREFIX_ONLY, make_cycle, make_pod, make_scheduler
 
 PROMPT = "w" * 4000  # 1,000 tokens at 4 bytes a token, 62.5 blocks of 64 bytes
@@ -161,6 +165,78 @@ def test_arriving_blocks_count_as_held_until_settled() -> None:
     assert p.index.num_entries == 0  # arriving is never a record
 
 
+# Prompts whose chains share 0 to 8 leading blocks with each other: starts of one text
+# (each a prefix of the next), another text, and starts of the first that part from it
+# after 4 and 7 blocks (as long as some of the others: the same first block and length).
+CHAINS = [
+    make_cycle(text[:n]).block_keys(A.blockSizeToHash, A.maxBlocksToMatch).tolist()
+    for text in (PROMPT, "v" * 640, PROMPT[:256] + "z" * 400, PROMPT[:448] + "z" * 200)
+    for n in (64, 200, 320, 512)
+]
+
+
+def common_blocks(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+PICK, END, GONE = "pick", "end", "pod-gone"
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([PICK, PICK, END, GONE]),
+            st.integers(0, 3),
+            st.integers(0, len(CHAINS) - 1),
+        )
+    ),
+    st.integers(0, len(CHAINS) - 1),
+)
+@example([(PICK, 0, 3), (PICK, 0, 3), (END, 0, 3), (END, 0, 3)], 3)  # one prompt twice
+@example([(PICK, 0, 2), (PICK, 0, 10), (END, 0, 10)], 2)  # as long, parting at the last block
+@example([(PICK, i % 4, i % 8) for i in range(40)] + [(END, i % 4, i % 8) for i in range(37)], 1)
+def test_arrivals_find_each_pods_longest_arriving_prefix(
+    ops: list[tuple[str, int, int]], query: int
+) -> None:
+    """After any sequence of picks, ends and pods leaving, a lookup gives every pod with a
+    request in flight its longest common prefix with any of them, as a plain list does."""
+    arrivals = Arrivals()
+    live: list[tuple[PodId, int]] = []
+    for op, pod_idx, chain in ops:
+        pod = PodId("ns", f"p{pod_idx}")
+        if op == PICK:
+            arrivals.add(np.array(CHAINS[chain], dtype=np.int64), pod)
+            live.append((pod, chain))
+        elif op == END and (pod, chain) in live:
+            arrivals.remove(np.array(CHAINS[chain], dtype=np.int64), pod)
+            live.remove((pod, chain))
+        elif op == GONE:
+            arrivals.forget_pods({p for p, _ in live} - {pod})
+            live = [(p, c) for p, c in live if p != pod]
+    expected: dict[PodId, int] = {}
+    for pod, chain in live:
+        n = common_blocks(CHAINS[query], CHAINS[chain])
+        if n > expected.get(pod, 0):
+            expected[pod] = n
+    assert arrivals.match(np.array(CHAINS[query], dtype=np.int64)) == expected
+    assert arrivals.num_requests == len(arrivals) == len(live)
+
+
+def test_pods_that_come_and_go_do_not_grow_the_arrivals_tables() -> None:
+    arrivals = Arrivals()
+    keys = np.array(CHAINS[3], dtype=np.int64)
+    for i in range(100):
+        arrivals.add(keys, PodId("ns", f"p{i}"))
+        arrivals.remove(keys, PodId("ns", f"p{i}"))
+    arrivals.add(keys, PodId("ns", "a"))
+    arrivals.add(keys, PodId("ns", "b"))
+    arrivals.forget_pods(set())
+    assert len(arrivals._rows_of) == 2  # slots of pods without prompts are reused
+
+
 def default_router(pending: PendingRecords | None = None, num_pods: int = 4) -> Router:
     in_flight = InFlight()
     scheduler = build_scheduler(load_config(), CollectorRegistry(), in_flight)
@@ -304,3 +380,45 @@ def test_new_prompts_spread_over_pods_by_what_was_written_there() -> None:
         prompt = b'{"model": "m", "prompt": "%s"}' % (b"z" * 4000)
         second = router.route("/v1/completions", prompt, request_id="r1").pods[0]
         assert second.id != first.id
+
+
+def test_the_spec_prefix_cache_series_describe_its_view() -> None:
+    """Match ratio (a prefix held or arriving), evictions by the evicted entry's model,
+    entries: kthena_router_prefix_cache_*, as the prefix-cache plugin emits them."""
+    registry = CollectorRegistry()
+    p = EstimatedTTFT(EstimatedTTFTArgs(maxHashCacheSize=70), PluginContext(registry))
+    pods = [make_pod("a"), make_pod("b")]
+    p.score(make_cycle(PROMPT), pods)  # a miss
+    p.record(make_cycle(PROMPT), pods[0].id)  # 63 blocks
+    p.score(make_cycle(PROMPT), pods)  # held whole: 1.0
+    p.arriving(make_cycle("v" * 640), pods[1].id)
+    p.score(make_cycle("v" * 1280), pods)  # 10 of 20 blocks arriving: 0.5
+    p.record(make_cycle("u" * 640, model="m2"), pods[0].id)  # 73 blocks: 3 evicted
+    ratio = "kthena_router_prefix_cache_match_ratio"
+    value = registry.get_sample_value
+    assert value(f"{ratio}_count", {"model": "m"}) == 3
+    assert value(f"{ratio}_sum", {"model": "m"}) == 1.5
+    assert value(f"{ratio}_bucket", {"model": "m", "le": "0.0"}) == 1
+    assert value("kthena_router_prefix_cache_evictions_total", {"model": "m"}) == 3
+    assert value("kthena_router_prefix_cache_entries") == 70
+
+
+def test_with_prefix_cache_configured_too_the_series_cover_both_views() -> None:
+    registry = CollectorRegistry()
+    scheduler = make_scheduler(
+        """
+scheduler:
+  plugins:
+    Score:
+      enabled:
+        - {name: estimated-ttft, weight: 1}
+        - {name: prefix-cache, weight: 1}
+""",
+        registry,
+    )
+    pods = [make_pod("a"), make_pod("b")]
+    scheduler.record(make_cycle(PROMPT), pods[0].id)  # 63 blocks in each view
+    assert registry.get_sample_value("kthena_router_prefix_cache_entries") == 63 + 63
+    scheduler.schedule(make_cycle(PROMPT), pods)  # each scores: two observations
+    count = "kthena_router_prefix_cache_match_ratio_count"
+    assert registry.get_sample_value(count, {"model": "m"}) == 2

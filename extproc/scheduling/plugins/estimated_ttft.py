@@ -42,27 +42,37 @@ The prefix view is this plugin's own per-pod LRU (``PrefixIndex``, Kthena's bloc
 and eviction), recorded on success only. Between the pick and the end of a request its
 blocks are *arriving* at the picked pod (``Arrivals``): they count as held there for the
 next requests' scoring and are dropped when the request ends, however it ends; success
-then records them in the index for the pod that served. Side output:
-``cycle.uncached_tokens`` for every candidate, which the router passes to
+then records them in the index for the pod that served. Side output: the candidates'
+uncached tokens in the cycle (``Cycle.num_prefill_tokens``), which the router passes to
 ``InFlight.start`` for its pick.
+
+The scheduler scores with ``score_table`` (whole NumPy columns of the pod snapshot, one
+index match over the candidates' rows); ``score`` is the same arithmetic pod by pod.
+Metrics: the spec's prefix-cache series for this view (``scheduling.prefix_metrics``: the
+match ratio counts a prefix held or arriving), the arriving requests and the entries.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, ClassVar
 
+import numpy as np
+import numpy.typing as npt
 from prometheus_client import Gauge
 
 from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PrefixIndex
 from extproc.scheduling.args import load_args
+from extproc.scheduling.arrivals import Arrivals
+from extproc.scheduling.podtable import PodTable, Positions, RowValues
+from extproc.scheduling.prefix_metrics import PrefixCacheMetrics
+from extproc.scheduling.prefix_rows import match_lengths, per_row
 from extproc.scheduling.queue import pod_work
-from extproc.scheduling.types import Cycle, PluginContext
+from extproc.scheduling.types import BYTES_PER_TOKEN, Cycle, PluginContext, Scores
 from extproc.types import Pod, PodId
 
 
@@ -79,65 +89,6 @@ class EstimatedTTFTArgs:
     affinityMinMatch: float = 0.3  # no affinity for a match under this share of the prompt
     writtenMs: float = 300.0  # the most a pod's recent cache writes add to its cost ...
     writtenWindow: int = 1000  # ... counted over about this many picks (decayed)
-
-
-class Arrivals:
-    """Prompt blocks on their way to a pod: picked, not ended yet. Thread-safe.
-
-    ``owners[key]`` counts, per pod, the routed requests whose prompt has block ``key``.
-    A lookup walks the prompt from its last block back; hashes are chained, so a pod's
-    first hit is its longest arriving prefix (at most one dict probe a block).
-    """
-
-    def __init__(self) -> None:
-        self._owners: dict[int, Counter[PodId]] = {}
-        self._lock = threading.Lock()
-        self.num_requests = 0  # credited now: ``add`` calls less ``remove`` calls
-
-    def __len__(self) -> int:
-        return len(self._owners)
-
-    def add(self, keys: Keys, pod: PodId) -> None:
-        with self._lock:
-            self.num_requests += 1
-            for key in keys.tolist():
-                self._owners.setdefault(key, Counter())[pod] += 1
-
-    def remove(self, keys: Keys, pod: PodId) -> None:
-        with self._lock:
-            self.num_requests -= 1
-            for key in keys.tolist():
-                owners = self._owners.get(key)
-                if owners is None or owners[pod] <= 0:
-                    continue
-                owners[pod] -= 1
-                if owners[pod] <= 0:
-                    del owners[pod]
-                    if not owners:
-                        del self._owners[key]
-
-    def match(self, keys: Keys) -> dict[PodId, int]:
-        """Longest arriving prefix, in blocks, per pod with one."""
-        found: dict[PodId, int] = {}
-        if not self._owners:
-            return found
-        with self._lock:
-            as_list = keys.tolist()
-            for i in range(len(as_list) - 1, -1, -1):
-                owners = self._owners.get(as_list[i])
-                if owners:
-                    for pod in owners:
-                        found.setdefault(pod, i + 1)
-        return found
-
-    def forget_pods(self, keep: set[PodId]) -> None:
-        with self._lock:
-            for key in list(self._owners):
-                owners = self._owners[key]
-                for pod in [p for p in owners if p not in keep]:
-                    del owners[pod]
-                if not owners:
-                    del self._owners[key]
 
 
 class Written:
@@ -161,6 +112,12 @@ class Written:
             value, at = self._pods.get(pod, (0.0, self.tick))
             return value * self.decay ** (self.tick - at)
 
+    def snapshot(self) -> dict[PodId, float]:
+        """``get`` for every pod written to."""
+        with self._lock:
+            tick, decay = self.tick, self.decay
+            return {pod: v * decay ** (tick - at) for pod, (v, at) in self._pods.items()}
+
     def forget_pods(self, keep: set[PodId]) -> None:
         with self._lock:
             self._pods = {pod: v for pod, v in self._pods.items() if pod in keep}
@@ -177,6 +134,8 @@ class EstimatedTTFT:
         self.index = PrefixIndex(args.maxHashCacheSize)
         self.arrivals = Arrivals()
         self.written = Written(args.writtenWindow)
+        self.metrics = ctx.prefix_metrics or PrefixCacheMetrics(ctx.registry)
+        self.metrics.attach(self.index)
         Gauge(
             "extproc_estimated_ttft_arriving_requests",
             "Routed requests whose prompt counts as arriving at their pick (not ended yet).",
@@ -192,35 +151,52 @@ class EstimatedTTFT:
     def from_args(cls, args: Any, ctx: PluginContext) -> EstimatedTTFT:
         return cls(load_args(EstimatedTTFTArgs, args), ctx)
 
+    @property
+    def block_geometry(self) -> tuple[int, int]:
+        """A ``BlockRecorder``: its records are the prompt's keys of this geometry, so
+        they travel to other replicas (``routing.records``)."""
+        return self.args.blockSizeToHash, self.args.maxBlocksToMatch
+
     def _keys(self, cycle: Cycle) -> Keys:
         return cycle.block_keys(self.args.blockSizeToHash, self.args.maxBlocksToMatch)
 
     def matched_blocks(self, cycle: Cycle, pods: Sequence[Pod]) -> dict[PodId, int]:
-        """Per pod, the longest prefix it holds or has arriving, in blocks."""
+        """Per pod of ``pods``, the longest prefix it holds or has arriving, in blocks."""
         keys = self._keys(cycle)
         if not len(keys):
             return {}
-        held = self.index.match(keys, [p.id for p in pods], len(pods))
+        ids = [p.id for p in pods]
+        return self._with_arrivals(keys, self.index.match(keys, ids, len(ids)), set(ids))
+
+    def _with_arrivals(
+        self, keys: Keys, held: dict[PodId, int], candidates: Container[PodId]
+    ) -> dict[PodId, int]:
+        """``held`` (recorded matches), raised to the candidates' arriving prefixes."""
         for pod, blocks in self.arrivals.match(keys).items():
-            if blocks > held.get(pod, 0):
+            if blocks > held.get(pod, 0) and pod in candidates:
                 held[pod] = blocks
         return held
 
     def matched_bytes(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
         """``PrefixMatcher``: bytes of the prompt's start each pod holds (or will)."""
+        return self._held_bytes(cycle, self.matched_blocks(cycle, pods))
+
+    def _held_bytes(self, cycle: Cycle, held: Mapping[PodId, int]) -> dict[PodId, int]:
         size, limit = self.args.blockSizeToHash, cycle.num_prompt_bytes
-        return {
-            pod: min(blocks * size, limit)
-            for pod, blocks in self.matched_blocks(cycle, pods).items()
-        }
+        return {pod: min(blocks * size, limit) for pod, blocks in held.items()}
 
     def estimate_ms(self, cycle: Cycle, pods: Sequence[Pod]) -> dict[PodId, float]:
         """Each pod's ``est_ms`` (module doc); records ``cycle.uncached_tokens``."""
-        held = self.matched_bytes(cycle, pods)
+        return self._estimates(cycle, pods, self.matched_blocks(cycle, pods))
+
+    def _estimates(
+        self, cycle: Cycle, pods: Sequence[Pod], held: Mapping[PodId, int]
+    ) -> dict[PodId, float]:
+        held_bytes = self._held_bytes(cycle, held)
         a = self.args
         estimates: dict[PodId, float] = {}
         for pod in pods:
-            work = pod_work(cycle, pod, held.get(pod.id, 0), self.in_flight)
+            work = pod_work(cycle, pod, held_bytes.get(pod.id, 0), self.in_flight)
             estimates[pod.id] = (
                 a.prefillMsPerToken * (work.queued * work.mean_tokens + work.uncached)
                 + a.queuedMs * (1 + work.queued)
@@ -239,10 +215,14 @@ class EstimatedTTFT:
 
     def costs(self, cycle: Cycle, pods: Sequence[Pod]) -> dict[PodId, float]:
         """``est_ms + write_ms`` with the affinity pods' hysteresis applied (module doc)."""
-        estimates = self.estimate_ms(cycle, pods)
+        return self._costs(cycle, pods, self.matched_blocks(cycle, pods))
+
+    def _costs(
+        self, cycle: Cycle, pods: Sequence[Pod], held: Mapping[PodId, int]
+    ) -> dict[PodId, float]:
+        estimates = self._estimates(cycle, pods, held)
         for pod, ms in self.write_ms(cycle, estimates).items():
             estimates[pod] += ms
-        held = {p: n for p, n in self.matched_blocks(cycle, pods).items() if p in estimates}
         longest = max(held.values(), default=0)
         a = self.args
         share = min(longest * a.blockSizeToHash, cycle.num_prompt_bytes) / max(
@@ -257,16 +237,86 @@ class EstimatedTTFT:
         return estimates
 
     def score(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
-        costs = self.costs(cycle, pods)
+        held = self.matched_blocks(cycle, pods)
+        self._observe(cycle, max(held.values(), default=0))
+        costs = self._costs(cycle, pods, held)
         lo, hi = min(costs.values(), default=0.0), max(costs.values(), default=0.0)
         if hi == lo:
             return dict.fromkeys(costs, 100)
         return {pod: int(100 * (hi - cost) / (hi - lo)) for pod, cost in costs.items()}
 
+    def score_table(self, cycle: Cycle, table: PodTable, positions: Positions) -> Scores:
+        """``score`` on whole columns: the same arithmetic, in the same order, in float64
+        (``tests/scheduling/test_estimated_ttft_table.py`` checks they agree)."""
+        costs, longest = self._table_costs(cycle, table, positions)
+        self._observe(cycle, longest)
+        if not len(costs):
+            return np.zeros(0, dtype=np.int64)
+        lo, hi = costs.min(), costs.max()
+        if hi == lo:
+            return np.full(len(costs), 100, dtype=np.int64)
+        scores: Scores = (100 * (hi - costs) / (hi - lo)).astype(np.int64)
+        return scores
+
+    def costs_table(
+        self, cycle: Cycle, table: PodTable, positions: Positions
+    ) -> npt.NDArray[np.float64]:
+        """``costs`` per row of ``positions`` (ascending)."""
+        return self._table_costs(cycle, table, positions)[0]
+
+    def _table_costs(
+        self, cycle: Cycle, table: PodTable, positions: Positions
+    ) -> tuple[npt.NDArray[np.float64], int]:
+        """The costs, and the longest prefix a candidate holds or has arriving, in blocks;
+        leaves the candidates' uncached tokens in ``cycle.uncached_rows``."""
+        keys = self._keys(cycle)
+        held = np.zeros(len(positions), dtype=np.int64)
+        if len(keys):
+            held = match_lengths(self.index, keys, table, positions)
+            arriving = self.arrivals.match(keys)
+            if arriving:
+                np.maximum(held, per_row(table, positions, arriving), out=held)
+        a = self.args
+        num_bytes = cycle.num_prompt_bytes
+        held_bytes = np.minimum(held * a.blockSizeToHash, num_bytes)
+        uncached = -((held_bytes - num_bytes) // BYTES_PER_TOKEN)
+        cycle.uncached_rows.append(RowValues(table, positions, uncached))
+        requests, tokens = self.in_flight.counts_at(table.position, len(table))
+        num_in_flight, in_flight_tokens = requests[positions], tokens[positions]
+        waiting, running = table.waiting[positions], table.running[positions]
+        queued = waiting + np.maximum(0, num_in_flight - waiting - running)
+        mean_tokens = np.where(
+            num_in_flight > 0,
+            in_flight_tokens / np.maximum(num_in_flight, 1),
+            float(cycle.num_prompt_tokens),
+        )
+        costs: npt.NDArray[np.float64] = (
+            a.prefillMsPerToken * (queued * mean_tokens + uncached)
+            + a.queuedMs * (1 + queued)
+            + a.runningMs * running
+        )
+        written = per_row(table, positions, self.written.snapshot(), np.float64)
+        most = written.max(initial=0.0)
+        if most > 0:
+            costs += a.writtenMs / (most * max(1, cycle.num_prompt_tokens)) * written * uncached
+        longest = int(held.max(initial=0))
+        share = min(longest * a.blockSizeToHash, num_bytes) / max(1, num_bytes)
+        if longest > 0 and share >= a.affinityMinMatch:
+            affinity = held == longest
+            est = costs[affinity]
+            costs[affinity] = np.minimum(est - a.affinityMarginMs, est / a.affinityRatio)
+        return costs, longest
+
+    def _observe(self, cycle: Cycle, longest: int) -> None:
+        """The spec's match ratio: the longest prefix held or arriving, over the blocks."""
+        num_blocks = len(self._keys(cycle))
+        if num_blocks:
+            self.metrics.observe_match(cycle.request.model, longest, num_blocks)
+
     def record(self, cycle: Cycle, pod: PodId) -> None:
         keys = self._keys(cycle)
         if len(keys):
-            self.index.record(keys, pod)
+            self.metrics.record(self.index, keys, pod, cycle.request.model)
 
     def arriving(self, cycle: Cycle, pod: PodId) -> None:
         """``pod`` was picked for ``cycle``: its blocks count as held there until it ends."""

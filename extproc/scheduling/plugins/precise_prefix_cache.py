@@ -41,7 +41,7 @@ from extproc.prefix.precise.index import PreciseIndex
 from extproc.prefix.precise.keys import chain_keys
 from extproc.request.tokens import NotExact, Segments, SegmentTokenizer
 from extproc.scheduling.args import load_args
-from extproc.scheduling.plugins.prefix_cache import MATCH_RATIO_BUCKETS
+from extproc.scheduling.prefix_metrics import MATCH_RATIO_BUCKETS
 from extproc.scheduling.types import (
     BYTES_PER_TOKEN,
     Cycle,

@@ -1,0 +1,177 @@
+"""estimated-ttft's table path (``score_table``: NumPy columns) against its per-pod path
+(``score``: one pod at a time): the same costs, scores, uncached tokens and match ratio, to
+the last bit, on generated tables of pods, in-flight counts, records and arriving prompts."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
+from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT, EstimatedTTFTArgs
+from extproc.scheduling.podtable import PodTable
+from extproc.scheduling.types import Cycle, PluginContext
+from extproc.types import Pod, PodId, PodMetrics
+from tests.factories import make_cycle
+
+SYSTEM = "You are a terse assistant. Answer in one line. " * 12  # ~9 blocks
+PROMPTS = [SYSTEM + f"question {q}: " + "detail " * (15 * q) for q in range(5)]
+LONG = "x" * 40_000  # past maxBlocksToMatch (32,768 bytes hashed): the tail is uncached
+MATCH_RATIO_SUM = "kthena_router_prefix_cache_match_ratio_sum"
+
+
+@dataclass(frozen=True)
+class Case:
+    pods: list[Pod]
+    in_flight: list[tuple[int, int]]  # (requests, prefill tokens) per pod
+    records: list[tuple[int, str]]  # (pod, prompt) recorded after a success
+    arriving: list[tuple[int, str]]  # (pod, prompt) picked, not ended (and written there)
+    positions: list[int]  # the candidate rows (ascending)
+    prompt: str
+    args: EstimatedTTFTArgs
+
+
+def prompt_starts() -> st.SearchStrategy[str]:
+    """A known prompt cut anywhere (inside a block too), or the long one."""
+    whole = st.sampled_from([*PROMPTS, LONG])
+    return st.builds(lambda p, f: p[: max(1, int(len(p) * f))], whole, st.floats(0.0, 1.0))
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> Case:
+    num_pods = draw(st.integers(1, 80))  # past 63: the index's pods span two pages
+    pods = [
+        Pod(
+            PodId("ns", f"p{i}"),
+            f"10.0.0.{i}:8000",
+            frozenset({"m"}),
+            metrics=PodMetrics(waiting=draw(st.integers(0, 12)), running=draw(st.integers(0, 40))),
+        )
+        for i in range(num_pods)
+    ]
+    in_flight = draw(
+        st.lists(
+            st.tuples(st.integers(0, 6), st.integers(0, 20_000)),
+            min_size=num_pods,
+            max_size=num_pods,
+        )
+    )
+    pod = st.integers(0, num_pods - 1)
+    records = draw(st.lists(st.tuples(pod, prompt_starts()), max_size=12))
+    arriving = draw(st.lists(st.tuples(pod, prompt_starts()), max_size=6))
+    positions = sorted(draw(st.sets(st.integers(0, num_pods - 1), min_size=1)))
+    prompt = draw(st.one_of(prompt_starts(), st.just("")))
+    ms = st.floats(0.001, 500.0)
+    args = EstimatedTTFTArgs(
+        prefillMsPerToken=draw(st.sampled_from([0.1, 0.025]) | st.floats(0.0001, 5.0)),
+        queuedMs=draw(st.sampled_from([30.0, 0.0]) | ms),
+        runningMs=draw(st.sampled_from([5.0, 0.0]) | ms),
+        affinityMarginMs=draw(st.sampled_from([50.0, 0.0]) | ms),
+        affinityRatio=draw(st.sampled_from([1.5, 1.0]) | st.floats(1.0, 10.0)),
+        affinityMinMatch=draw(st.sampled_from([0.3, 0.0]) | st.floats(0.0, 1.0)),
+        writtenMs=draw(st.sampled_from([300.0, 0.0]) | ms),
+        writtenWindow=draw(st.sampled_from([1000, 1]) | st.integers(2, 10**6)),
+    )
+    return Case(pods, in_flight, records, arriving, positions, prompt, args)
+
+
+def build(case: Case) -> tuple[EstimatedTTFT, CollectorRegistry]:
+    registry = CollectorRegistry()
+    counts = InFlight()
+    for pod, (n, tokens) in zip(case.pods, case.in_flight, strict=True):
+        for i in range(n):
+            counts.start(pod.id, tokens // n + (i < tokens % n))
+    plugin = EstimatedTTFT(case.args, PluginContext(registry, in_flight=counts))
+    for idx, prompt in case.records:
+        plugin.record(make_cycle(prompt), case.pods[idx].id)
+    for idx, prompt in case.arriving:
+        plugin.arriving(make_cycle(prompt), case.pods[idx].id)
+    return plugin, registry
+
+
+def observed(registry: CollectorRegistry) -> float:
+    return registry.get_sample_value(MATCH_RATIO_SUM, {"model": "m"}) or 0.0
+
+
+def both_paths(
+    plugin: EstimatedTTFT, registry: CollectorRegistry, case: Case
+) -> tuple[dict[PodId, tuple[int, float, int, float]], ...]:
+    """Per candidate: (score, cost, prefill tokens, match ratio observed) on each path."""
+    table = PodTable(case.pods)
+    positions = np.array(case.positions, dtype=np.int64)
+    candidates = table.take(positions)
+    results = []
+    for path in ("pods", "table"):
+        cycle = make_cycle(case.prompt)
+        before = observed(registry)
+        if path == "pods":
+            costs = plugin.costs(make_cycle(case.prompt), candidates)
+            scores = plugin.score(cycle, candidates)
+        else:
+            cost_rows = plugin.costs_table(make_cycle(case.prompt), table, positions)
+            costs = dict(zip((p.id for p in candidates), cost_rows.tolist(), strict=True))
+            score_rows = plugin.score_table(cycle, table, positions)
+            scores = dict(zip((p.id for p in candidates), score_rows.tolist(), strict=True))
+        ratio = observed(registry) - before
+        results.append(
+            {
+                p.id: (scores[p.id], costs[p.id], prefill_tokens(cycle, p.id), ratio)
+                for p in candidates
+            }
+        )
+    return tuple(results)
+
+
+def prefill_tokens(cycle: Cycle, pod: PodId) -> int:
+    return cycle.num_prefill_tokens(pod)
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases())
+def test_table_path_equals_per_pod_path(case: Case) -> None:
+    plugin, registry = build(case)
+    by_pods, by_table = both_paths(plugin, registry, case)
+    assert by_table == by_pods
+
+
+@pytest.mark.parametrize(
+    ("waiting", "seed"),
+    [
+        # 2 in 7 filtered out: the candidates' own slot masks (many rows left out)
+        pytest.param((0, 0, 1, 3, 9, 10, 15), 0, id="many-filtered"),
+        # 1 in 81: "every pod but these few"
+        pytest.param((0,) * 80 + (12,), 1, id="few-filtered"),
+    ],
+)
+def test_1000_pods_table_path_equals_per_pod_path(waiting: tuple[int, ...], seed: int) -> None:
+    rng = random.Random(seed)
+    pods = [
+        Pod(
+            PodId("ns", f"pod-{i}"),
+            f"10.1.{i // 250}.{i % 250}:8000",
+            frozenset({"m"}),
+            metrics=PodMetrics(waiting=rng.choice(waiting), running=rng.randrange(30)),
+        )
+        for i in range(1000)
+    ]
+    prompt_of = [rng.choice(PROMPTS)[: rng.randrange(64, 2000)] for _ in range(600)]
+    case = Case(
+        pods=pods,
+        in_flight=[(rng.choice([0, 0, 1, 3]), rng.randrange(5000)) for _ in pods],
+        records=[(rng.randrange(1000), p) for p in prompt_of[:500]],
+        arriving=[(rng.randrange(1000), p) for p in prompt_of[500:]],
+        positions=[i for i, p in enumerate(pods) if p.metrics.waiting < 10],
+        prompt=PROMPTS[3],
+        args=EstimatedTTFTArgs(),
+    )
+    plugin, registry = build(case)
+    by_pods, by_table = both_paths(plugin, registry, case)
+    assert by_table == by_pods
+    scores = [score for score, *_ in by_table.values()]
+    assert len(set(scores)) > 10, "the case should spread the scores"
