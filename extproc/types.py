@@ -38,6 +38,7 @@ class PodMetrics:
     kv_usage: float = 0.0  # 0.0-1.0
     ttft_s: float | None = None  # recent mean time to first token, None without data
     itl_s: float | None = None  # recent mean inter-token latency, None without data
+    kv_capacity_tokens: int | None = None  # tokens the KV cache holds, None when not exposed
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,12 +11,17 @@ Series read; for each quantity the first name present on the page wins:
 * ``itl_s`` (histogram): ``vllm:inter_token_latency_seconds`` |
   ``vllm:time_per_output_token_seconds`` (older vLLM) |
   ``sglang:inter_token_latency_seconds`` | ``sglang:time_per_output_token_seconds``
+* ``kv_capacity_tokens``: ``vllm:cache_config_info``, vLLM's info gauge whose labels are
+  its ``CacheConfig``: ``num_gpu_blocks * block_size`` summed over its series (one per
+  engine). A series whose two labels are not positive integers (vLLM writes ``None``
+  for a value it does not know) counts nothing; ``None`` when no series counts.
 
 Label sets: counts and histogram totals are summed over label sets (a data-parallel
 vLLM server exposes one per engine); ``kv_usage`` is their mean. When series carry a
 ``model_name`` label and some name one of the pod's models, only those count; when none
 does, all count, so a served-model name that differs from the configured one does not
-blind the scheduler.
+blind the scheduler. ``vllm:cache_config_info`` carries no ``model_name`` and always
+counts.
 
 Recent latency (``LatencyWindow``): the mean of the observations made between the last
 two successful scrapes, delta ``_sum`` / delta ``_count``. Without new observations
@@ -53,9 +58,10 @@ ITL = (
     "sglang:inter_token_latency_seconds",
     "sglang:time_per_output_token_seconds",
 )
+CACHE_CONFIG = "vllm:cache_config_info"
 MODEL_LABEL = "model_name"
 
-_GAUGE_NAMES = (*WAITING, *RUNNING, *KV_USAGE)
+_GAUGE_NAMES = (*WAITING, *RUNNING, *KV_USAGE, CACHE_CONFIG)
 SAMPLE_NAMES = frozenset(
     [*_GAUGE_NAMES, *(f"{h}{suffix}" for h in (*TTFT, *ITL) for suffix in ("_sum", "_count"))]
 )
@@ -88,6 +94,7 @@ class Reading:
     kv_usage: float
     ttft: HistogramTotals | None
     itl: HistogramTotals | None
+    kv_capacity_tokens: int | None = None
 
 
 class PageParser:
@@ -145,6 +152,7 @@ def select_lines(page: bytes) -> list[bytes]:
 
 def read_samples(samples: Sequence[Sample], models: frozenset[str]) -> Reading | None:
     """Sum (or average) the samples per quantity; ``None`` when the page has none."""
+    capacity = kv_capacity_tokens([s for s in samples if s.name == CACHE_CONFIG])
     if any(s.labels.get(MODEL_LABEL) in models for s in samples):
         samples = [s for s in samples if s.labels.get(MODEL_LABEL, "") in models]
     by_name: dict[str, list[float]] = {}
@@ -160,7 +168,27 @@ def read_samples(samples: Sequence[Sample], models: frozenset[str]) -> Reading |
         kv_usage=_usage(kv),
         ttft=ttft,
         itl=itl,
+        kv_capacity_tokens=capacity,
     )
+
+
+def kv_capacity_tokens(info: Sequence[Sample]) -> int | None:
+    """``num_gpu_blocks * block_size`` summed over ``vllm:cache_config_info`` series."""
+    total = 0
+    for sample in info:
+        blocks = _positive_int(sample.labels.get("num_gpu_blocks"))
+        size = _positive_int(sample.labels.get("block_size"))
+        if blocks and size:
+            total += blocks * size
+    return total or None
+
+
+def _positive_int(text: str | None) -> int | None:
+    try:
+        value = int(text) if text is not None else 0
+    except ValueError:
+        return None
+    return value if value > 0 else None
 
 
 def _first(by_name: Mapping[str, list[float]], names: Sequence[str]) -> list[float] | None:
@@ -229,4 +257,5 @@ class PodReader:
             kv_usage=reading.kv_usage,
             ttft_s=self._ttft.update(reading.ttft, now_s),
             itl_s=self._itl.update(reading.itl, now_s),
+            kv_capacity_tokens=reading.kv_capacity_tokens,
         )

@@ -1,6 +1,14 @@
-"""Reading /metrics pages: vLLM and SGLang names, label sets, models, latency windows."""
+"""Reading /metrics pages: vLLM and SGLang names, label sets, models, latency windows,
+the KV capacity from ``vllm:cache_config_info``.
+
+``pages/vllm-0.32.0-cpu.txt`` is a real page: vLLM 0.32.0 (CPU), started as
+``e2e/real_vllm/pods.py`` starts a pod (1 GiB of KV cache, blocks of 32 tokens), after
+two completions.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -10,12 +18,14 @@ from extproc.datalayer.engine_metrics import (
     LatencyWindow,
     PageParser,
     PodReader,
+    Sample,
     select_lines,
 )
 from extproc.types import PodMetrics
 from tests.datalayer.metrics_pages import EngineState, make_sglang_page, make_vllm_page
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+REAL_VLLM_PAGE = Path(__file__).parent / "pages" / "vllm-0.32.0-cpu.txt"
 
 
 def read(page: str, models: frozenset[str] = frozenset({MODEL})) -> PodMetrics | None:
@@ -74,6 +84,15 @@ def test_series_text_is_parsed_by_prometheus_client_escapes_included() -> None:
 def test_selected_samples_equal_the_full_parse() -> None:
     """The fast path returns exactly what the full prometheus_client parse has."""
     page = make_vllm_page([EngineState(3, 4, 0.5, 1.5, 10, 2.0, 100), EngineState(1, 2, 0.1)])
+    assert len(assert_fast_parse_is_full_parse(page)) == 14  # 3 gauges + 2 x (sum, count)
+
+
+def test_real_vllm_page_fast_parse_is_the_full_parse() -> None:
+    names = {s.name for s in assert_fast_parse_is_full_parse(REAL_VLLM_PAGE.read_text())}
+    assert "vllm:cache_config_info" in names
+
+
+def assert_fast_parse_is_full_parse(page: str) -> list[Sample]:
     parser = PageParser()
     fast = parser.samples(page.encode())
     again = parser.samples(page.encode())  # from the series cache
@@ -86,7 +105,59 @@ def test_selected_samples_equal_the_full_parse() -> None:
     ]
     assert [(s.name, dict(s.labels), s.value) for s in fast] == full
     assert again == fast
-    assert len(fast) == 14  # 3 gauges + 2 x (sum, count), per engine
+    return fast
+
+
+def test_real_vllm_page_reads_load_and_kv_capacity() -> None:
+    page = REAL_VLLM_PAGE.read_text()
+    (info,) = [
+        s
+        for family in text_string_to_metric_families(page)
+        if family.name == "vllm:cache_config_info"
+        for s in family.samples
+    ]
+    expected = PodMetrics(waiting=0, running=0, kv_usage=0.0, kv_capacity_tokens=65536 * 32)
+    assert read(page, frozenset({"qwen3-tiny"})) == expected
+    # vLLM 0.32 also writes the product itself, as kv_cache_size_tokens
+    assert int(info.labels["kv_cache_size_tokens"]) == expected.kv_capacity_tokens
+
+
+def cache_info(engine: str, blocks: str | None, block_size: str | None) -> str:
+    labels = {"block_size": block_size, "engine": engine, "num_gpu_blocks": blocks}
+    text = ",".join(f'{k}="{v}"' for k, v in labels.items() if v is not None)
+    return f"vllm:cache_config_info{{{text}}} 1.0\n"
+
+
+@pytest.mark.parametrize(
+    ("info_lines", "expected"),
+    [
+        pytest.param([cache_info("0", "1000", "16")], 16_000, id="one-engine"),
+        pytest.param(
+            [cache_info("0", "1000", "16"), cache_info("1", "500", "32")],
+            32_000,
+            id="data-parallel-engines-summed",
+        ),
+        pytest.param([cache_info("0", "None", "16")], None, id="blocks-not-known-yet"),
+        pytest.param(
+            [cache_info("0", "None", "16"), cache_info("1", "500", "16")],
+            8_000,
+            id="only-engines-that-know-count",
+        ),
+        pytest.param([cache_info("0", "0", "16")], None, id="zero-blocks"),
+        pytest.param([cache_info("0", "-4", "16")], None, id="negative-blocks"),
+        pytest.param([cache_info("0", "1000", None)], None, id="no-block-size-label"),
+        pytest.param([cache_info("0", None, "16")], None, id="no-blocks-label"),
+        pytest.param([cache_info("0", "1000", "16.0")], None, id="not-an-integer"),
+        pytest.param([], None, id="no-cache-config-info"),
+    ],
+)
+def test_kv_capacity_is_blocks_times_block_size_over_engines(
+    info_lines: list[str], expected: int | None
+) -> None:
+    """The waiting series names the pod's model, so the model filter is on: the info
+    series, which names none, still counts."""
+    page = 'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n' + "".join(info_lines)
+    assert read(page, frozenset({"m"})) == PodMetrics(waiting=2, kv_capacity_tokens=expected)
 
 
 def test_select_lines_drops_buckets_comments_and_other_series() -> None:

@@ -13,6 +13,7 @@ from extproc.datalayer.store import PodStore
 from extproc.types import Pod, PodId
 from tests.datalayer.fake_pod import FakePod
 from tests.datalayer.metrics_pages import EngineState, make_vllm_page
+from tests.datalayer.test_engine_metrics import REAL_VLLM_PAGE
 from tests.factories import make_pod
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -82,6 +83,14 @@ def test_scrapes_every_pod_into_the_store(rig: Rig) -> None:
     assert all(p.ready and p.metrics.running == 1 for p in rig.snapshot)
     count = rig.registry.get_sample_value("extproc_scrape_duration_seconds_count")
     assert count is not None and count >= 2
+
+
+def test_kv_capacity_from_a_real_vllm_page(rig: Rig, fake_pods: list[FakePod]) -> None:
+    wait_for(lambda: rig.pod(0).metrics.waiting == 1)
+    assert rig.pod(0).metrics.kv_capacity_tokens is None  # the made-up page has no info
+    fake_pods[0].page = REAL_VLLM_PAGE.read_text()
+    wait_for(lambda: rig.pod(0).metrics.kv_capacity_tokens == 65536 * 32)
+    assert rig.pod(0).ready and rig.pod(0).metrics.waiting == 0
 
 
 def test_latency_from_histogram_deltas(rig: Rig, fake_pods: list[FakePod]) -> None:

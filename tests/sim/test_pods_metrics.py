@@ -10,6 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from extproc.datalayer.engine_metrics import PageParser, PodReader
 from extproc.sim.engine import EngineConfig
 from extproc.sim.harness import SimPods, run_sim_pods
 from extproc.sim.metrics import ITL_BUCKETS, TTFT_BUCKETS
@@ -51,6 +52,7 @@ def value(metrics: dict[str, tuple[str, list[Sample]]], sample_name: str) -> flo
 def test_names_types_labels_and_buckets_are_vllms() -> None:
     with run_sim_pods(GroupSettings(num_pods=1, engine=EngineConfig(num_gpu_blocks=1000))) as pods:
         metrics = scrape(pods)
+        page = httpx.get(pods.pods[0].url + "/metrics").content
     assert {name: t for name, (t, _) in metrics.items()} == EXPECTED_TYPES
     for name, (_, samples) in metrics.items():
         if name != "vllm:cache_config_info":
@@ -60,6 +62,8 @@ def test_names_types_labels_and_buckets_are_vllms() -> None:
     assert info.labels["block_size"] == "16"
     assert info.labels["num_gpu_blocks"] == "1000"
     assert info.labels["engine"] == "0"
+    read = PodReader(frozenset({"sim-llm"})).read(PageParser().samples(page), now_s=0.0)
+    assert read is not None and read.kv_capacity_tokens == 1000 * 16  # as the scraper reads it
     for name, buckets in (
         ("vllm:time_to_first_token_seconds", TTFT_BUCKETS),
         ("vllm:inter_token_latency_seconds", ITL_BUCKETS),
