@@ -9,7 +9,7 @@ A discrete-event loop on a virtual clock. For each arrival, in time order, at ti
    by pod index); later ones wait in a heap, so no policy ever learns of a response
    before it ended;
 3. pods are "scraped" (``PodMetrics`` from ``Engine.stats()``: waiting, running,
-   kv_usage) if ``scrape_interval_s`` has passed since the last scrape (0: every
+   kv_usage; and the KV capacity its ``vllm:cache_config_info`` shows) if ``scrape_interval_s`` has passed since the last scrape (0: every
    arrival; an engine that neither stepped nor got a request since keeps its metrics).
    The engine's counts are those after its last step, which may end after t; requests
    finishing at that step's end are counted as still running (admission happened at
@@ -100,7 +100,13 @@ def scrape(pod: Pod, engine: Engine, num_finishing: int) -> Pod:
     """
     stats = engine.stats()
     running = stats.num_running + num_finishing
-    metrics = PodMetrics(stats.num_waiting, running, stats.kv_cache_usage)
+    cfg = engine.config
+    metrics = PodMetrics(
+        stats.num_waiting,
+        running,
+        stats.kv_cache_usage,
+        kv_capacity_tokens=cfg.num_gpu_blocks * cfg.block_size,
+    )
     return Pod(pod.id, pod.address, pod.models, metrics=metrics)
 
 
@@ -113,7 +119,8 @@ class _Replay:
         self.engines = [Engine(settings.engine) for _ in range(settings.num_pods)]
         self.base_pods = make_pods(settings.num_pods, model)
         self.pods = tuple(self.base_pods)
-        self.changed = [False] * settings.num_pods  # engine state moved since its last scrape
+        # Engine state moved since its last scrape; the first scrape reads every pod.
+        self.changed = [True] * settings.num_pods
         # Requests whose last token comes at the end of the engine's step in progress.
         self.finishing = [0] * settings.num_pods
         self.next_scrape_s = -math.inf

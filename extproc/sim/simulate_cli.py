@@ -5,7 +5,8 @@
         --policies round-robin,prefix-cache,cost-aware --json out.json --png out.png
     extproc simulate --workload trace --trace my.jsonl --scale 32 --speedup 4
 
-Workloads: ``burst`` and ``chat`` (``extproc.sim.workloads``), the Mooncake traces in
+Workloads: ``burst`` and ``chat`` (``extproc.sim.workloads``), ``multiturn`` and
+``tenants`` (chat and burst shaped like ``bench.routing_quality``'s), the Mooncake traces in
 ``<repo>/../shared/traces`` and any trace file in their format (``extproc.sim.traces``).
 Engine settings are the fields of ``EngineConfig`` as flags; unset ones take the
 workload's default (``burst`` and ``chat`` use small caches), else the engine's. Prints a
@@ -43,9 +44,11 @@ from extproc.sim.workloads import (
     Workload,
     burst_workload,
     chat_workload,
+    multiturn_workload,
+    tenants_workload,
 )
 
-WORKLOADS = ("burst", "chat", *TRACE_FILES, "trace")
+WORKLOADS = ("burst", "chat", "multiturn", "tenants", *TRACE_FILES, "trace")
 
 
 def register(sub: Any) -> None:
@@ -104,6 +107,10 @@ def make_workload(args: argparse.Namespace) -> Workload:
     if args.workload == "chat":
         chat = ChatParams() if args.requests is None else ChatParams(num_requests=args.requests)
         return chat_workload(chat, args.seed, args.model)
+    if args.workload == "multiturn":
+        return multiturn_workload(args.seed, args.model, args.requests)
+    if args.workload == "tenants":
+        return tenants_workload(args.seed, args.model, args.requests)
     if args.workload == "trace":
         if args.trace is None:
             raise ConfigError("--workload trace needs --trace FILE")

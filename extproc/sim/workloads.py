@@ -24,13 +24,20 @@ output (``tokenizer.generate_words`` of the prompt tokens, seed 0), computed her
 workload is open loop: turn k+1 arrives ``O_k * nominal_itl_s`` (a nominal answer time)
 plus an exponential think time (mean ``think_s``) after turn k arrived. Under overload it
 can arrive before the answer ended; it still carries the same answer.
+
+``multiturn`` and ``tenants`` are chat and burst shaped like ``bench.routing_quality``'s
+workloads of those names on its simulated pods (``bench/workloads.py``: sizes, rates,
+think time), on its pods' engines (2,048 blocks, 8 running at most). Differences: the
+answers in later turns are the engine's own output (4-32 tokens, not a fixed 40), chats
+start Poisson rather than by a seeded ``random``, and the tenants' burst closes the run
+instead of sitting in its middle third.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -209,3 +216,53 @@ def chat_item(
 def _uniform(rng: np.random.Generator, bounds: tuple[int, int]) -> int:
     """An integer uniform in [low, high], both included."""
     return int(rng.integers(bounds[0], bounds[1] + 1))
+
+
+# The benchmark's simulated pods (bench.routing_quality: sim-pods --num-gpu-blocks 2048
+# --max-num-seqs 8): a pod holds 32,768 tokens.
+BENCH_ENGINE_DEFAULTS: Mapping[str, Any] = {"num_gpu_blocks": 2048, "max_num_seqs": 8}
+
+# bench multiturn: 48 chats of 6 turns (user 80 tokens), one 200-token system prompt,
+# 4 chats a second, 2 s think time.
+MULTITURN_PARAMS = ChatParams(
+    num_requests=288,
+    num_system_prompts=1,
+    system_tokens=200,
+    turns=(6, 6),
+    user_tokens=(80, 80),
+    output_tokens=(4, 32),
+    conversation_rate_per_s=4.0,
+    think_s=2.0,
+    nominal_itl_s=0.01,
+)
+
+# bench tenants: 8 tenants with 600-token system prompts, questions of 40-200 bytes,
+# 10 requests a second, then 10 s of 5x the rate, 4 in 5 of them from tenant 0.
+TENANTS_PARAMS = BurstParams(
+    num_requests=700,
+    num_tenants=8,
+    system_tokens=600,
+    user_tokens=(10, 50),
+    output_tokens=(4, 32),
+    steady_rate_per_s=10.0,
+    burst_rate_per_s=40.0,
+    burst_share=500 / 700,
+)
+
+
+def multiturn_workload(
+    seed: int = 0, model: str = DEFAULT_MODEL, num_requests: int | None = None
+) -> Workload:
+    """Chat shaped like the benchmark's ``multiturn`` (module docstring)."""
+    params = replace(MULTITURN_PARAMS, num_requests=num_requests or MULTITURN_PARAMS.num_requests)
+    workload = chat_workload(params, seed, model)
+    return replace(workload, name="multiturn", engine_defaults=BENCH_ENGINE_DEFAULTS)
+
+
+def tenants_workload(
+    seed: int = 0, model: str = DEFAULT_MODEL, num_requests: int | None = None
+) -> Workload:
+    """Burst shaped like the benchmark's ``tenants`` (module docstring)."""
+    params = replace(TENANTS_PARAMS, num_requests=num_requests or TENANTS_PARAMS.num_requests)
+    workload = burst_workload(params, seed, model)
+    return replace(workload, name="tenants", engine_defaults=BENCH_ENGINE_DEFAULTS)

@@ -140,6 +140,24 @@ def test_a_request_ending_with_the_step_in_progress_is_still_running() -> None:
     assert policy.loads == [[0, 0], [1, 0], [0, 1]]
 
 
+class CapacitySeen(LoadSeen):
+    """Round robin that notes every pod's scraped KV capacity at each pick."""
+
+    def pick(self, item: WorkItem, pods: Sequence[Pod]) -> int:
+        self.loads.append([p.metrics.kv_capacity_tokens or 0 for p in pods])
+        return 0
+
+
+def test_every_pod_shows_its_kv_capacity_from_the_first_pick() -> None:
+    """As a scraper reads ``vllm:cache_config_info`` on its first sweep, pods never sent a
+    request included."""
+    sim = SimSettings(3, EngineConfig(num_gpu_blocks=100, block_size=16), scrape_interval_s=60.0)
+    items = [make_item(f"r{i}", 0.01 * i, random_words(i, 64)) for i in range(3)]
+    policy = CapacitySeen()
+    simulate(make_workload(items), policy, sim)
+    assert policy.loads == [[1600, 1600, 1600]] * 3
+
+
 def test_a_refused_request_is_counted_and_never_recorded() -> None:
     sim = settings(num_pods=1, num_gpu_blocks=8, block_size=16)  # 128 tokens of KV
     items = [make_item("big", 0.0, random_words(1, 200)), make_item("ok", 1.0, random_words(2, 50))]

@@ -55,6 +55,25 @@ def test_report_holds_the_configuration_and_every_policy(
     assert "round-robin" in table and "cost-aware" in table and "hit" in table
 
 
+@pytest.mark.parametrize(
+    ("workload", "shape"),
+    [
+        pytest.param("multiturn", {"num_system_prompts": 1, "system_tokens": 200}, id="multiturn"),
+        pytest.param("tenants", {"num_tenants": 8, "system_tokens": 600}, id="tenants"),
+    ],
+)
+def test_benchmark_shaped_workloads_take_the_benchmarks_pods(
+    tmp_path: Path, workload: str, shape: dict[str, int]
+) -> None:
+    out = tmp_path / "w.json"
+    argv = ["simulate", "--workload", workload, "--requests", "30", "--pods", "2"]
+    assert main([*argv, "--policies", "round-robin", "--json", str(out)]) == 0
+    config = orjson.loads(out.read_bytes())["config"]
+    assert config["workload"]["name"] == workload and config["workload"]["num_requests"] == 30
+    assert shape.items() <= config["workload"].items()
+    assert (config["engine"]["num_gpu_blocks"], config["engine"]["max_num_seqs"]) == (2048, 8)
+
+
 def test_a_custom_scheduler_config_is_used_and_recorded(tmp_path: Path) -> None:
     config = tmp_path / "sched.yaml"
     config.write_text(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Callable
 
@@ -17,6 +18,8 @@ from extproc.sim.workloads import (
     Workload,
     burst_workload,
     chat_workload,
+    multiturn_workload,
+    tenants_workload,
     words_text,
 )
 
@@ -78,3 +81,34 @@ def test_chat_turn_extends_the_previous_prompt_with_the_engines_answer() -> None
     engine.add_request(second.sim, engine.clock)
     ((_, num_cached),) = engine.step(engine.clock).admitted
     assert num_cached == (len(previous) - 1) // 4 * 4  # all but the unsaved last token's block
+
+
+def test_multiturn_is_the_benchmarks_multiturn_shape() -> None:
+    """bench.routing_quality's multiturn: 48 chats of 6 turns of 80-token questions, one
+    200-token system prompt, on the benchmark's pods."""
+    workload = multiturn_workload(seed=1)
+    items = list(workload.items())
+    assert (workload.name, len(items)) == ("multiturn", 288)
+    chats = Counter(i.request_id.rsplit("-", 1)[0] for i in items)
+    assert len(chats) == 48 and set(chats.values()) == {6}
+    first_turns = [i.sim.prompt_token_ids for i in items if i.request_id.endswith("-0")]
+    shared = min(len(os.path.commonprefix(first_turns)), 210)
+    assert 200 <= shared < 210  # the system prompt and the chat template's few tokens
+    assert {len(t) - shared for t in first_turns} <= set(range(80, 90))
+    assert dict(workload.engine_defaults) == {"num_gpu_blocks": 2048, "max_num_seqs": 8}
+
+
+def test_tenants_is_the_benchmarks_tenants_shape() -> None:
+    """bench.routing_quality's tenants: 8 tenants' 600-token system prompts, 10 requests a
+    second, then 500 requests at 5x the rate, 4 in 5 from one tenant."""
+    workload = tenants_workload(seed=1)
+    items = list(workload.items())
+    assert (workload.name, len(items)) == ("tenants", 700)
+    tenant = [i.sim.prompt_token_ids[:600] for i in items]
+    assert len(set(tenant)) == 8
+    assert all(10 <= len(i.sim.prompt_token_ids) - 600 <= 50 for i in items)
+    steady, burst = items[:200], items[200:]
+    hot, num_hot = Counter(tenant[200:]).most_common(1)[0]
+    assert num_hot / len(burst) > 0.75  # 0.8 + 0.2 / 8
+    assert 15 < steady[-1].arrival_s < 25 and 8 < burst[-1].arrival_s - burst[0].arrival_s < 12
+    assert dict(workload.engine_defaults) == {"num_gpu_blocks": 2048, "max_num_seqs": 8}
