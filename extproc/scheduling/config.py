@@ -51,6 +51,7 @@ from extproc.scheduling.registry import BUILTIN
 from extproc.scheduling.scheduler import PluginTimer, Scheduler, WeightedScorer
 from extproc.scheduling.sessions import SessionStore
 from extproc.scheduling.types import (
+    ExactPrefix,
     Filter,
     Plugin,
     PluginContext,
@@ -183,18 +184,26 @@ def build_scheduler(
     """Instantiate each named plugin once and wire it into every role it was given.
 
     ``in_flight`` is the router's counters, shared with the plugins that read them;
-    ``sessions`` turns session sticky on. A plugin that offers the prefix view
-    (``PrefixMatcher``) is built first and handed to the others in their context.
+    ``sessions`` turns session sticky on. A plugin that offers exact prefix counts
+    (``ExactPrefix``), then one that offers the prefix view (``PrefixMatcher``), is built
+    first and handed to the others in their context.
     """
     ctx = PluginContext(
         registry=registry, in_flight=in_flight if in_flight is not None else InFlight()
     )
     names = list(dict.fromkeys((*config.filters, *(s.name for s in config.scores))))
-    names.sort(key=lambda name: not issubclass(BUILTIN[name], PrefixMatcher))
+    names.sort(
+        key=lambda name: (
+            not issubclass(BUILTIN[name], ExactPrefix),
+            not issubclass(BUILTIN[name], PrefixMatcher),
+        )
+    )
     instances: dict[str, Plugin] = {}
     for name in names:
         plugin = BUILTIN[name].from_args(config.plugin_args.get(name), ctx)
         instances[name] = plugin
+        if ctx.exact is None and isinstance(plugin, ExactPrefix):
+            ctx = replace(ctx, exact=plugin)
         if ctx.prefix is None and isinstance(plugin, PrefixMatcher):
             ctx = replace(ctx, prefix=plugin)
     filters = [p for p in map(instances.__getitem__, config.filters) if isinstance(p, Filter)]

@@ -11,21 +11,25 @@ configured name serves every role it has (a plugin may be both a Filter and a Sc
   so its records can travel to other replicas as those keys (``routing.records``).
 * ``Provisional``: credits a pick at once (``arriving``) and drops the credit when the
   request ends, however it ends (``settled``); what it learns for good is ``record``'s.
+* ``ExactPrefix``: knows, for a request it can tokenize, the prompt's exact token count
+  and the tokens each pod will find cached (precise-prefix-cache, from the pods' KV
+  events), or says where it cannot.
 
 Filters and scorers may also work on a whole snapshot at once (``TableFilter``,
 ``TableScorer``: NumPy columns of a ``PodTable`` instead of ``Pod`` objects); the scheduler
 uses those when a plugin has them, so a request's cost hardly grows with the pods.
 
 Plugins get what they share when they are built, in ``PluginContext``: the router's
-``InFlight`` counters and the configured ``PrefixMatcher`` (the prefix-cache plugin,
-built first, which ``cost-aware`` reads).
+``InFlight`` counters, the configured ``PrefixMatcher`` (the prefix-cache plugin, built
+first, which ``cost-aware`` reads) and the configured ``ExactPrefix`` (built before it,
+which ``estimated-ttft`` reads).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -52,6 +56,10 @@ class Cycle:
     uncached_tokens: dict[PodId, int] = field(default_factory=dict)
     _keys: dict[tuple[int, int], Keys] = field(default_factory=dict)
     _num_prompt_bytes: int = -1
+    # The prompt's exact token ids, left by the plugin that tokenizes (precise-prefix-
+    # cache) the first time it needs them: None until ``tokenized``, or when it could not.
+    token_ids: list[int] | None = None
+    tokenized: bool = False
 
     @property
     def num_prompt_bytes(self) -> int:
@@ -102,15 +110,33 @@ class PrefixMatcher(Protocol):
         ...
 
 
+class ExactMatches(NamedTuple):
+    """A request's prompt as the engine counts it, and what pods hold of it."""
+
+    num_prompt_tokens: int
+    # Per pod whose view is exact: prompt tokens the engine will find cached (provisional
+    # credit included). A pod left out has no exact view (its events were lost).
+    matched_tokens: Mapping[PodId, int]
+
+
+@runtime_checkable
+class ExactPrefix(Protocol):
+    def exact_matches(self, cycle: Cycle, pods: Sequence[Pod]) -> ExactMatches | None:
+        """Exact counts for ``cycle`` on ``pods``; None when the request cannot be
+        tokenized as the engine will (then no pod's count is exact)."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class PluginContext:
     """What a plugin may use when it is built: where to register its metrics, the
-    router's in-flight counters and the prefix view, if a configured plugin offers one
-    (plugins that offer it are built before the others)."""
+    router's in-flight counters, the prefix view and the exact prefix counts, if
+    configured plugins offer them (plugins that offer them are built before the others)."""
 
     registry: CollectorRegistry
     in_flight: InFlight = field(default_factory=InFlight)
     prefix: PrefixMatcher | None = None
+    exact: ExactPrefix | None = None
 
 
 class Plugin(Protocol):

@@ -5,6 +5,7 @@ first token on a pod is the wait behind the work queued there plus the prefill o
 prompt tokens the pod does not hold. Per candidate pod::
 
     matched  = prompt tokens the pod holds: its longest recorded or arriving prefix
+               (exact from precise-prefix-cache when configured; see below)
     uncached = prompt tokens - matched
     queued   = waiting + max(0, in_flight - waiting - running)   (as least-request)
     ahead    = queued * (in-flight prefill tokens / in-flight requests)
@@ -25,18 +26,26 @@ and every other pod by ``est_ms``; ``score = floor(100 * (max_cost - cost) / (ma
 - min_cost))`` (all 100 when equal). Ties are the scheduler's (least loaded first).
 
 The prefix view is this plugin's own per-pod LRU (``PrefixIndex``, Kthena's block hashing
-and eviction), recorded on success only. Between the pick and the end of a request its
-blocks are *arriving* at the picked pod (``Arrivals``): they count as held there for the
-next requests' scoring and are dropped when the request ends, however it ends; success
-then records them in the index for the pod that served. Side output:
-``cycle.uncached_tokens`` for every candidate, which the router passes to
+and eviction), recorded on success only, in tokens estimated from bytes
+(``uncached = ceil((prompt bytes - held bytes) / 4)``). Between the pick and the end of a
+request its blocks are *arriving* at the picked pod (``Arrivals``): they count as held
+there for the next requests' scoring and are dropped when the request ends, however it
+ends; success then records them in the index for the pod that served.
+
+With ``precise-prefix-cache`` configured too (``PluginContext.exact``), ``matched`` and
+the prompt's length are its exact token counts, from the pods' own KV events (with its
+own provisional credit for picks whose events have not come yet). Where it has none,
+this plugin's view answers, exactly where precise-prefix-cache falls back: every pod of
+a request it cannot tokenize (the prompt then in estimated tokens, as above), a pod
+whose view is stale (``matched = prompt tokens * held bytes / prompt bytes``, so every
+pod of the request is counted in the same tokens).
+
+Side output: ``cycle.uncached_tokens`` for every candidate, which the router passes to
 ``InFlight.start`` for its pick.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
@@ -47,7 +56,8 @@ from prometheus_client import Gauge
 from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PrefixIndex
 from extproc.scheduling.args import load_args
-from extproc.scheduling.queue import pod_work
+from extproc.scheduling.arrivals import Arrivals
+from extproc.scheduling.queue import pod_work, uncached_tokens
 from extproc.scheduling.types import Cycle, PluginContext
 from extproc.types import Pod, PodId
 
@@ -64,65 +74,6 @@ class EstimatedTTFTArgs:
     affinityRatio: float = 1.5  # ... and past this many times the other's estimate
 
 
-class Arrivals:
-    """Prompt blocks on their way to a pod: picked, not ended yet. Thread-safe.
-
-    ``owners[key]`` counts, per pod, the routed requests whose prompt has block ``key``.
-    A lookup walks the prompt from its last block back; hashes are chained, so a pod's
-    first hit is its longest arriving prefix (at most one dict probe a block).
-    """
-
-    def __init__(self) -> None:
-        self._owners: dict[int, Counter[PodId]] = {}
-        self._lock = threading.Lock()
-        self.num_requests = 0  # credited now: ``add`` calls less ``remove`` calls
-
-    def __len__(self) -> int:
-        return len(self._owners)
-
-    def add(self, keys: Keys, pod: PodId) -> None:
-        with self._lock:
-            self.num_requests += 1
-            for key in keys.tolist():
-                self._owners.setdefault(key, Counter())[pod] += 1
-
-    def remove(self, keys: Keys, pod: PodId) -> None:
-        with self._lock:
-            self.num_requests -= 1
-            for key in keys.tolist():
-                owners = self._owners.get(key)
-                if owners is None or owners[pod] <= 0:
-                    continue
-                owners[pod] -= 1
-                if owners[pod] <= 0:
-                    del owners[pod]
-                    if not owners:
-                        del self._owners[key]
-
-    def match(self, keys: Keys) -> dict[PodId, int]:
-        """Longest arriving prefix, in blocks, per pod with one."""
-        found: dict[PodId, int] = {}
-        if not self._owners:
-            return found
-        with self._lock:
-            as_list = keys.tolist()
-            for i in range(len(as_list) - 1, -1, -1):
-                owners = self._owners.get(as_list[i])
-                if owners:
-                    for pod in owners:
-                        found.setdefault(pod, i + 1)
-        return found
-
-    def forget_pods(self, keep: set[PodId]) -> None:
-        with self._lock:
-            for key in list(self._owners):
-                owners = self._owners[key]
-                for pod in [p for p in owners if p not in keep]:
-                    del owners[pod]
-                if not owners:
-                    del self._owners[key]
-
-
 class EstimatedTTFT:
     """Scores pods by estimated time to first token, with affinity hysteresis."""
 
@@ -131,6 +82,7 @@ class EstimatedTTFT:
     def __init__(self, args: EstimatedTTFTArgs, ctx: PluginContext) -> None:
         self.args = args
         self.in_flight = ctx.in_flight
+        self.exact = ctx.exact
         self.index = PrefixIndex(args.maxHashCacheSize)
         self.arrivals = Arrivals()
         Gauge(
@@ -154,11 +106,12 @@ class EstimatedTTFT:
     def matched_blocks(self, cycle: Cycle, pods: Sequence[Pod]) -> dict[PodId, int]:
         """Per pod, the longest prefix it holds or has arriving, in blocks."""
         keys = self._keys(cycle)
-        if not len(keys):
+        if not len(keys) or not pods:
             return {}
         held = self.index.match(keys, [p.id for p in pods], len(pods))
-        for pod, blocks in self.arrivals.match(keys).items():
-            if blocks > held.get(pod, 0):
+        candidates = {p.id for p in pods}
+        for pod, blocks in self.arrivals.match(keys.tolist()).items():
+            if blocks > held.get(pod, 0) and pod in candidates:
                 held[pod] = blocks
         return held
 
@@ -170,13 +123,37 @@ class EstimatedTTFT:
             for pod, blocks in self.matched_blocks(cycle, pods).items()
         }
 
+    def prefix_tokens(self, cycle: Cycle, pods: Sequence[Pod]) -> tuple[int, dict[PodId, int]]:
+        """The prompt's tokens, and per pod the ones it holds or has arriving (pods
+        holding none may be left out): exact where precise-prefix-cache knows, else from
+        this plugin's view (module doc)."""
+        exact = self.exact.exact_matches(cycle, pods) if self.exact is not None else None
+        if exact is None:
+            num_tokens = cycle.num_prompt_tokens
+            held = self.matched_bytes(cycle, pods)
+            return num_tokens, {
+                pod: num_tokens - uncached_tokens(cycle, b) for pod, b in held.items()
+            }
+        num_tokens, matched = exact.num_prompt_tokens, dict(exact.matched_tokens)
+        others = [p for p in pods if p.id not in matched]
+        if others:
+            num_bytes = max(1, cycle.num_prompt_bytes)
+            for pod, held_bytes in self.matched_bytes(cycle, others).items():
+                matched[pod] = num_tokens * held_bytes // num_bytes
+        return num_tokens, matched
+
     def estimate_ms(self, cycle: Cycle, pods: Sequence[Pod]) -> dict[PodId, float]:
         """Each pod's ``est_ms`` (module doc); records ``cycle.uncached_tokens``."""
-        held = self.matched_bytes(cycle, pods)
+        return self._estimate_ms(cycle, pods, *self.prefix_tokens(cycle, pods))
+
+    def _estimate_ms(
+        self, cycle: Cycle, pods: Sequence[Pod], num_tokens: int, matched: Mapping[PodId, int]
+    ) -> dict[PodId, float]:
         a = self.args
         estimates: dict[PodId, float] = {}
         for pod in pods:
-            work = pod_work(cycle, pod, held.get(pod.id, 0), self.in_flight)
+            uncached = num_tokens - matched.get(pod.id, 0)
+            work = pod_work(cycle, pod, uncached, self.in_flight, num_tokens)
             estimates[pod.id] = (
                 a.prefillMsPerToken * (work.queued * work.mean_tokens + work.uncached)
                 + a.queuedMs * (1 + work.queued)
@@ -186,14 +163,14 @@ class EstimatedTTFT:
 
     def costs(self, cycle: Cycle, pods: Sequence[Pod]) -> dict[PodId, float]:
         """``est_ms`` with the affinity pods' hysteresis applied (module doc)."""
-        estimates = self.estimate_ms(cycle, pods)
-        held = {p: n for p, n in self.matched_blocks(cycle, pods).items() if p in estimates}
-        longest = max(held.values(), default=0)
+        num_tokens, matched = self.prefix_tokens(cycle, pods)
+        estimates = self._estimate_ms(cycle, pods, num_tokens, matched)
+        longest = max(matched.values(), default=0)
         if longest <= 0:
             return estimates
         a = self.args
-        for pod, blocks in held.items():
-            if blocks == longest:
+        for pod, tokens in matched.items():
+            if tokens == longest:
                 est = estimates[pod]
                 estimates[pod] = min(est - a.affinityMarginMs, est / a.affinityRatio)
         return estimates
@@ -214,13 +191,13 @@ class EstimatedTTFT:
         """``pod`` was picked for ``cycle``: its blocks count as held there until it ends."""
         keys = self._keys(cycle)
         if len(keys):
-            self.arrivals.add(keys, pod)
+            self.arrivals.add(keys.tolist(), pod)
 
     def settled(self, cycle: Cycle, pod: PodId) -> None:
         """The request picked for ``pod`` ended (any outcome): its arriving credit goes."""
         keys = self._keys(cycle)
         if len(keys):
-            self.arrivals.remove(keys, pod)
+            self.arrivals.remove(keys.tolist(), pod)
 
     def pods_changed(self, pods: Sequence[Pod]) -> None:
         ids = set(map(attrgetter("id"), pods))

@@ -11,8 +11,14 @@ as their own KV events say (``datalayer.kv_events`` -> ``prefix.precise.index``)
   tokenizer, the responses API) and a pod whose view is stale (events lost) are scored
   from an approximate view, prefix-cache's own (``PrefixIndex`` over recorded prompts),
   which this plugin keeps too;
-* exact counts for the cost model: ``matched_tokens`` is what vLLM will find cached
-  (whole blocks, never the prompt's last token), ``prompt_tokens`` the prompt's length.
+* exact counts for the cost model: ``exact_matches`` (``ExactPrefix``, which
+  estimated-ttft reads) gives the prompt's length and, per pod with a trusted view, the
+  tokens vLLM will find cached (whole blocks, never the prompt's last token);
+  ``matched_tokens`` adds the fallbacks' estimates;
+* provisional credit: events come after the prefill, not at the pick, so from the pick
+  until the request ends the prompt's blocks count as held on the picked pod
+  (``Arrivals`` over this plugin's keys in ``blockSize`` blocks; the view's own match
+  wins where it is longer). A stale pod gets no credit: it is scored approximately.
 """
 
 from __future__ import annotations
@@ -35,8 +41,9 @@ from extproc.prefix.precise.index import PreciseIndex
 from extproc.prefix.precise.keys import chain_keys
 from extproc.request.tokens import NotExact, SegmentTokenizer
 from extproc.scheduling.args import load_args
+from extproc.scheduling.arrivals import Arrivals
 from extproc.scheduling.plugins.prefix_cache import MATCH_RATIO_BUCKETS
-from extproc.scheduling.types import BYTES_PER_TOKEN, Cycle, PluginContext
+from extproc.scheduling.types import BYTES_PER_TOKEN, Cycle, ExactMatches, PluginContext
 from extproc.types import Pod, PodId
 
 log = logging.getLogger("extproc.scheduling.precise")
@@ -89,7 +96,7 @@ class PrecisePrefixCache:
         except ValueError as exc:
             raise ConfigError(f"precise-prefix-cache: {exc}") from None
         self.subscriber: KvEventsSubscriber | None = None
-        self._last: tuple[Cycle | None, list[int] | None] = (None, None)
+        self.arrivals = Arrivals()
         registry = ctx.registry
         ratio = Histogram(
             "extproc_precise_prefix_cache_match_ratio",
@@ -127,6 +134,11 @@ class PrecisePrefixCache:
             registry=registry,
         )
         entries.set_function(lambda: self.approx.num_entries)
+        Gauge(
+            "extproc_precise_prefix_arriving_requests",
+            "Routed requests whose prompt counts as cached on their pick (not ended yet).",
+            registry=registry,
+        ).set_function(lambda: self.arrivals.num_requests)
         registry.register(_MemoCollector(self.tokenizers))
 
     @classmethod
@@ -149,9 +161,10 @@ class PrecisePrefixCache:
     # Tokens and matches -----------------------------------------------------------
 
     def prompt_tokens(self, cycle: Cycle) -> list[int] | None:
-        """The request's exact token ids, or None when they cannot be had (counted)."""
-        if self._last[0] is cycle:  # score, then the cost model: tokenized once
-            return self._last[1]
+        """The request's exact token ids, or None when they cannot be had (counted);
+        kept in the cycle, so score, the cost model and the credit tokenize once."""
+        if cycle.tokenized:
+            return cycle.token_ids
         req = cycle.request
         tok = self.tokenizers.get(req.model)
         tokens: list[int] | None = None
@@ -167,16 +180,20 @@ class PrecisePrefixCache:
                 log.debug("precise-prefix-cache: approximate for this request: %s", exc)
                 self._fallbacks("not_exact").inc()
             self._tokenize_time(req.model).observe(time.perf_counter() - start)
-        self._last = (cycle, tokens)
+        cycle.token_ids, cycle.tokenized = tokens, True
         return tokens
+
+    def _credit_keys(self, cycle: Cycle, tokens: list[int]) -> list[int]:
+        return chain_keys(tokens, self.args.blockSize, cycle.request.cache_salt)
 
     def _precise(
         self, cycle: Cycle, tokens: list[int], pods: Iterable[PodId]
     ) -> tuple[dict[PodId, tuple[int, int, int]], list[PodId]]:
-        """Per pod with a trusted view: (GPU blocks, offloaded blocks, full blocks);
-        and the pods whose view is stale."""
+        """Per pod with a trusted view: (GPU blocks, offloaded blocks, full blocks), its
+        credit for arriving blocks included; and the pods whose view is stale."""
         keys_by_size: dict[int, list[int]] = {}
         salt = cycle.request.cache_salt
+        credit = self.arrivals.match(self._credit_keys(cycle, tokens)) if len(self.arrivals) else {}
         out: dict[PodId, tuple[int, int, int]] = {}
         stale: list[PodId] = []
         now = time.monotonic()
@@ -190,6 +207,9 @@ class PrecisePrefixCache:
             if keys is None:
                 keys = keys_by_size[size] = chain_keys(tokens, size, salt)
             gpu, offloaded = self.index.match(pod, keys)
+            arriving = credit.get(pod, 0) * self.args.blockSize // size
+            if arriving > gpu:  # the arriving blocks will be on the GPU
+                gpu, offloaded = arriving, max(0, gpu + offloaded - arriving)
             out[pod] = (gpu, offloaded, len(keys))
         return out, stale
 
@@ -219,20 +239,27 @@ class PrecisePrefixCache:
         self._ratio(cycle.request.model).observe(best[0][1] if best else 0.0)
         return {pod: int(fraction * 100) for pod, fraction in best}
 
-    def matched_tokens(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
-        """Prompt tokens each pod will find cached, as vLLM counts them (whole GPU blocks,
-        at most the prompt's length less one); approximate for fallbacks."""
+    def exact_matches(self, cycle: Cycle, pods: Sequence[Pod]) -> ExactMatches | None:
+        """``ExactPrefix``: prompt tokens each pod with a trusted view will find cached,
+        as vLLM counts them (whole GPU blocks, at most the prompt's length less one)."""
         tokens = self.prompt_tokens(cycle)
-        ids = [p.id for p in pods]
-        out: dict[PodId, int] = {}
-        approximate: list[PodId] = ids
-        if tokens is not None:
-            precise, approximate = self._precise(cycle, tokens, ids)
-            for pod, (gpu, _, _) in precise.items():
-                view = self.index.views.get(pod)
-                size = (view.block_size if view else None) or self.args.blockSize
-                out[pod] = min(gpu, max(0, len(tokens) - 1) // size) * size
-        num_tokens = len(tokens) if tokens is not None else cycle.num_prompt_tokens
+        if tokens is None:
+            return None
+        precise, _ = self._precise(cycle, tokens, [p.id for p in pods])
+        limit = max(0, len(tokens) - 1)
+        matched: dict[PodId, int] = {}
+        for pod, (gpu, _, _) in precise.items():
+            view = self.index.views.get(pod)
+            size = (view.block_size if view else None) or self.args.blockSize
+            matched[pod] = min(gpu, limit // size) * size
+        return ExactMatches(len(tokens), matched)
+
+    def matched_tokens(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
+        """``exact_matches``' counts, and the approximate view's for the fallbacks."""
+        exact = self.exact_matches(cycle, pods)
+        out = dict(exact.matched_tokens) if exact else {}
+        num_tokens = exact.num_prompt_tokens if exact else cycle.num_prompt_tokens
+        approximate = [p.id for p in pods if p.id not in out]
         for pod, fraction in self._approx_fraction(cycle, approximate).items():
             out[pod] = int(fraction * num_tokens)
         return out
@@ -255,7 +282,19 @@ class PrecisePrefixCache:
             if evicted:
                 self._evictions.labels(cycle.request.model).inc(evicted)
 
+    def arriving(self, cycle: Cycle, pod: PodId) -> None:
+        """``pod`` was picked for ``cycle``: its blocks count as held there until it ends."""
+        tokens = self.prompt_tokens(cycle)
+        if tokens is not None:
+            self.arrivals.add(self._credit_keys(cycle, tokens), pod)
+
+    def settled(self, cycle: Cycle, pod: PodId) -> None:
+        """The request picked for ``pod`` ended (any outcome): its credit goes."""
+        if cycle.token_ids is not None:
+            self.arrivals.remove(self._credit_keys(cycle, cycle.token_ids), pod)
+
     def pods_changed(self, pods: Sequence[Pod]) -> None:
         self.approx.retain_pods(p.id for p in pods)
+        self.arrivals.forget_pods({p.id for p in pods})
         if self.subscriber is not None:
             self.subscriber.set_pods(pods)
