@@ -32,6 +32,7 @@ SYSTEM = "You answer questions about the routing of requests to model servers. "
 CHAT = {"model": "m", "messages": [{"role": "system", "content": SYSTEM},
         {"role": "user", "content": "Which pod holds my prompt?"}]}  # fmt: skip
 RESPONSES = {"model": "m", "input": SYSTEM + "Which pod holds my prompt?"}
+TOKEN_IDS = {"model": "m", "prompt": list(range(1000, 1000 + 4 * BS))}  # 4 whole blocks
 
 
 def precise_router() -> Router:
@@ -50,7 +51,9 @@ def plugins(router: Router) -> tuple[EstimatedTTFT, PrecisePrefixCache]:
 
 
 def make_cycle(body: dict[str, Any]) -> Cycle:
-    path = "/v1/responses" if "input" in body else "/v1/chat/completions"
+    path = {"input": "/v1/responses", "prompt": "/v1/completions"}.get(
+        next(k for k in ("input", "prompt", "messages") if k in body), "/v1/chat/completions"
+    )
     return Cycle(parse_request(path, orjson.dumps(body)))
 
 
@@ -82,7 +85,11 @@ def tokens_of(router: Router, body: dict[str, Any]) -> list[int]:
         ),
         pytest.param(
             CHAT, {1: 999}, None, set(), ["cold", ("exact", 999), "cold"],
-            id="whole-prompt-held-leaves-the-last-token",
+            id="whole-prompt-held",
+        ),
+        pytest.param(
+            TOKEN_IDS, {1: 4}, None, set(), ["cold", ("exact", 3), "cold"],
+            id="whole-blocks-held-leave-the-last-token",
         ),
         pytest.param(
             CHAT, {1: 3}, 0, {0}, ["own", ("exact", 3), "cold"], id="stale-pod-uses-own-view",
@@ -105,14 +112,14 @@ def test_the_cost_model_reads_exact_counts_and_falls_back_where_precise_does(
 ) -> None:
     router = precise_router()
     ttft, precise = plugins(router)
-    tokens = tokens_of(router, CHAT)
+    exact = body is not RESPONSES
+    tokens = tokens_of(router, body if exact else CHAT)
     for pod, blocks in events.items():
         store(precise, PODS[pod], tokens[: blocks * BS])
     if recorded is not None:
         ttft.record(make_cycle(body), PODS[recorded].id)
     for pod in stale:
         precise.index.mark_stale(PODS[pod].id)
-    exact = body is CHAT
     num_tokens = len(tokens) if exact else -(-make_cycle(body).num_prompt_bytes // BYTES_PER_TOKEN)
     want = []
     for kind in expected:
@@ -121,8 +128,7 @@ def test_the_cost_model_reads_exact_counts_and_falls_back_where_precise_does(
         elif kind == "own":
             want.append(0)
         else:
-            blocks = min(kind[1], (num_tokens - 1) // BS, len(tokens) // BS)
-            want.append(num_tokens - blocks * BS)
+            want.append(num_tokens - min(kind[1], len(tokens) // BS) * BS)
     assert uncached(router, body) == want
 
 
@@ -157,9 +163,6 @@ def test_a_pick_counts_as_cached_until_it_ends_then_only_events_tell(
 
 
 def test_a_burst_follows_its_first_pick_before_any_event() -> None:
-    router = precise_router()
-    ttft, _ = plugins(router)
-    ttft.arrivals = type(ttft.arrivals)()  # estimated-ttft's own credit out of the way
-    ttft.arriving = lambda cycle, pod: None  # type: ignore[method-assign]
+    router = precise_router()  # estimated-ttft's own credit is overruled by the events'
     picks = {route(router, f"r{i}").id for i in range(3)}
     assert len(picks) == 1  # the least loaded would differ without precise's credit
