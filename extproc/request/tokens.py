@@ -129,7 +129,8 @@ class SegmentTokenizer:
                 **self.special_tokens,
                 **(kwargs if isinstance(kwargs, dict) else {}),
             )
-        except jinja2.exceptions.TemplateError as exc:
+        except Exception as exc:  # noqa: BLE001 (the client's data runs the template: a
+            # clash with its own kwargs is a TypeError, iterating a bad `tools` too)
             raise NotExact(f"the chat template failed: {exc}") from None
 
     def request_tokens(self, api: Api, body: Mapping[str, Any]) -> list[int]:
