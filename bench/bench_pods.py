@@ -2,8 +2,14 @@
 
 Both give the extproc ``Pod`` list, their URLs, the counters read from each pod's own
 ``/metrics`` (``vllm:prefix_cache_hits_total``, ``..._queries_total``,
-``vllm:request_success_total``), and a way to empty every prefix cache between
-contenders so each starts cold.
+``vllm:request_success_total``), a way to empty every prefix cache between contenders so
+each starts cold, and what a precise-prefix-cache router needs: the ``extproc serve``
+flags that receive the pods' KV events, the tokenizer directory and the block size.
+
+Simulated pods tokenize with the real Qwen3 tokenizer of the vLLM pods' model
+(``sim-pods --tokenizer``, from ``python -m e2e.real_vllm.prepare``) and publish their
+KV events on a port each (extproc connects); vLLM pods publish to an endpoint each
+(extproc binds them).
 """
 
 from __future__ import annotations
@@ -11,39 +17,44 @@ from __future__ import annotations
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from e2e.real_vllm.pods import BLOCK_SIZE as VLLM_BLOCK_SIZE
 from e2e.real_vllm.pods import MODEL as VLLM_MODEL
-from e2e.real_vllm.pods import metric_sum, start_vllm_pods
+from e2e.real_vllm.pods import VllmPod, metric_sum, start_vllm_pods
+from e2e.real_vllm.prepare import model_dir
 from extproc.sim.harness import spawn_sim_pods
-from extproc.types import Pod, PodId
+from extproc.types import Pod
 
 SIM_MODEL = "sim-llm"
+SIM_BLOCK_SIZE = 16  # tokens, the simulated engine's default
 COUNTERS = {
     "hits": "vllm:prefix_cache_hits_total",
     "queries": "vllm:prefix_cache_queries_total",
     "served": "vllm:request_success_total",
 }
 RESET_TIMEOUT_S = 30.0
+EVENTS_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
 class PodSet:
     kind: str  # "sim" or "vllm"
     model: str
+    pods: list[Pod]
     urls: list[str]
     reset_cache: Callable[[int], None]  # by pod index; raises while the pod is busy
-
-    @property
-    def pods(self) -> list[Pod]:
-        return [
-            Pod(PodId("default", f"{self.kind}-{i}"), url.removeprefix("http://"),
-                frozenset({self.model}))
-            for i, url in enumerate(self.urls)
-        ]  # fmt: skip
+    events_args: list[str]  # ``extproc serve`` flags to receive the pods' KV events
+    flush_events: Callable[[int], None]  # make pod i publish a batch that clears its view
+    tokenizer_dir: Path
+    block_size: int
 
     def counters(self) -> list[dict[str, float]]:
         out = []
@@ -66,19 +77,84 @@ class PodSet:
                         raise
                     time.sleep(0.5)
 
+    def wait_events_trusted(self, metrics: Sequence[Callable[[], str]]) -> None:
+        wait_events_trusted(self.pods, self.flush_events, metrics)
+
+
+def wait_events_trusted(
+    pods: Sequence[Pod],
+    flush: Callable[[int], None],
+    metrics: Sequence[Callable[[], str]],
+    timeout_s: float = EVENTS_TIMEOUT_S,
+) -> None:
+    """Until every extproc (its ``/metrics`` page, one callable each) has events from
+    every pod and no stale view. A subscriber joins late (ZMQ drops what was sent
+    before), so its first batch from a running pod shows a gap and the view goes stale;
+    a cleared cache's ``AllBlocksCleared`` makes the view exact again. So each round
+    flushes one such batch out of every pod (``flush(i)``), then reads the pages."""
+    names = [str(p.id) for p in pods]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for i in range(len(pods)):
+            flush(i)
+        time.sleep(0.3)
+        missing = [n for page in (m() for m in metrics) for n in _untrusted(page, names)]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no trusted KV-events view of {sorted(set(missing))}")
+
+
+def _untrusted(page: str, pods: list[str]) -> list[str]:
+    """The pods of ``pods`` this extproc has no events from, or all if a view is stale."""
+    received: set[str] = set()
+    stale = 0.0
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            if sample.name == "extproc_kv_events_batches_received_total" and sample.value > 0:
+                received.add(sample.labels["pod"])
+            elif sample.name == "extproc_kv_events_stale_pods":
+                stale = sample.value
+    return list(pods) if stale else [p for p in pods if p not in received]
+
 
 @contextmanager
 def sim_pod_set(num_pods: int, engine_args: Sequence[str], log_dir: Path) -> Iterator[PodSet]:
+    tokenizer = model_dir()
+    if not (tokenizer / "tokenizer.json").exists():
+        raise FileNotFoundError("run `python -m e2e.real_vllm.prepare` first (the tokenizer)")
+    args = ["--model", SIM_MODEL, "--tokenizer", str(tokenizer),
+            "--kv-events-endpoint", "tcp://127.0.0.1:*", *engine_args]  # fmt: skip
     with (
         open(log_dir / "sim-pods.log", "wb") as log,
-        spawn_sim_pods(num_pods, args=["--model", SIM_MODEL, *engine_args], stderr=log) as sim,
+        spawn_sim_pods(num_pods, args=args, stderr=log) as sim,
     ):
-        yield PodSet("sim", SIM_MODEL, sim.urls, lambda i: sim.reset_cache(i))
+        yield PodSet(
+            "sim", SIM_MODEL, sim.as_pods(), sim.urls, sim.reset_cache,
+            ["--kv-events-topology", "connect"], sim.reset_cache, tokenizer, SIM_BLOCK_SIZE,
+        )  # fmt: skip
+
+
+def _flush_vllm(pod: VllmPod) -> None:
+    """vLLM sends a reset's ``AllBlocksCleared`` with its next step's events: one new
+    tiny request (a new prompt: a cached one would store nothing)."""
+    pod.reset_prefix_cache()
+    body = {"model": VLLM_MODEL, "prompt": f"flush {uuid.uuid4()}", "max_tokens": 1}
+    req = urllib.request.Request(
+        pod.url + "/v1/completions", orjson.dumps(body), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=60):
+        pass
 
 
 @contextmanager
 def vllm_pod_set(num_pods: int, log_dir: Path) -> Iterator[PodSet]:
     with start_vllm_pods(num_pods, log_dir) as pods:
+        events = ["--kv-events-topology", "bind"]
+        for p in pods:
+            events += ["--kv-events-bind", p.kv_events_endpoint]
         yield PodSet(
-            "vllm", VLLM_MODEL, [p.url for p in pods], lambda i: pods[i].reset_prefix_cache()
-        )
+            "vllm", VLLM_MODEL, [p.as_pod() for p in pods], [p.url for p in pods],
+            lambda i: pods[i].reset_prefix_cache(), events, lambda i: _flush_vllm(pods[i]),
+            model_dir(), VLLM_BLOCK_SIZE,
+        )  # fmt: skip

@@ -149,8 +149,8 @@ def run_pods(pods: PodSet, args: argparse.Namespace, log_dir: Path) -> list[dict
               f"{requests[-1].at_s:.0f} s, bound {bound:.3f}", flush=True)  # fmt: skip
         for rep, name in ((r, n) for r in range(args.repeat) for n in args.contenders):
             pods.reset_all()
-            before = pods.counters()
-            with CONTENDERS[name](pods.pods, log_dir) as url:
+            with CONTENDERS[name](pods, log_dir) as url:
+                before = pods.counters()  # after a contender's own start-up requests
                 outcomes, wall = asyncio.run(replay(url, requests, deadline_s=args.deadline_s))
             time.sleep(0.5)  # the last counters settle
             row = {"workload": workload, "contender": name, "bound": bound, "requests": len(requests),
@@ -168,8 +168,10 @@ def pod_sets(
 ) -> dict[str, tuple[str, str, Callable[[], AbstractContextManager[PodSet]]]]:
     sim_setup = (
         f"{args.sim_pods} simulated pods (`extproc sim-pods {' '.join(SIM_ENGINE)}`: 2,048 "
-        f"blocks of 16 tokens each, at most 8 running requests, GPU-like step times). Mooncake "
-        f"traces: first {args.trace_requests} requests, token counts / 16, clock x{args.speedup}."
+        f"blocks of 16 tokens each, at most 8 running requests, GPU-like step times; prompts "
+        f"tokenized by the vLLM pods' Qwen3 tokenizer and chat template, KV events published). "
+        f"Mooncake traces: first {args.trace_requests} requests, token counts / 16 (at 4 bytes "
+        f"a token), clock x{args.speedup}."
     )
     vllm_setup = (
         "3 real vLLM-CPU pods (tiny random Qwen3, 2 layers, blocks of 32 tokens, prefix "
@@ -192,8 +194,10 @@ with a scheduler configuration: `default` (shipped, `extproc/data/config.yaml`: 
 estimated-ttft cost model), `kthena` (`extproc/data/kthena.yaml`, Kthena's default and
 extproc's before: least-request filter; least-request, gpu-usage, least-latency and
 prefix-cache scores, weight 1 each), `cost-aware` (Kthena's plus cost-aware),
-`least-request` and `prefix-cache` alone (`bench/configs/`); extproc scrapes the pods'
-`/metrics` every 200 ms. `sglang-router` and `vllm-router` use `cache_aware` (cache
+`least-request` and `prefix-cache` alone (`bench/configs/`), `precise`
+(`extproc/data/precise.yaml`: the default's cost model reading precise-prefix-cache's
+exact cached-token counts from the pods' KV events; it starts serving once every pod's
+view is trusted); extproc scrapes the pods' `/metrics` every 200 ms. `sglang-router` and `vllm-router` use `cache_aware` (cache
 threshold 0.3, balance thresholds 64 / 1.5). The verdict of an `extproc-*` row: "win"
 when its hit ratio is at least the best peer's and its TTFT p99 at most the best peer's
 (each best taken separately), with no failed request; otherwise "loss".
@@ -205,9 +209,9 @@ think time, sessions starting 4 a second, so about 100 are open at once and thei
 histories (about 350,000 tokens) exceed the 8 pods' caches (262,144 tokens).
 Hit ratio: the pods' `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`
 over the run; bound: the same with unlimited cache and perfect routing, from the
-prompts, in blocks of the pods' size at 4 bytes a token (exact for the simulated
-tokenizer; the real Qwen3 tokenizer makes about 2.6 bytes a token and the chat template
-adds its own, so on real pods the bound is approximate and can be exceeded). TTFT:
+prompts, in blocks of the pods' size at 4 bytes a token (approximate: the Qwen3 tokenizer
+both pod kinds use makes about 2.6-2.7 bytes a token of these texts and the chat template
+adds its own, so the bound can be exceeded). TTFT:
 client side, streamed, through the router. All on one 2-core machine shared by client,
 router and pods (and other work: during the recorded runs other benchmarks and test
 suites ran beside it, load average 10-25), so absolute latencies include CPU contention
