@@ -184,6 +184,7 @@ class PrecisePrefixCache:
         return tokens
 
     def _credit_keys(self, cycle: Cycle, tokens: list[int]) -> list[int]:
+        """The keys a pick is credited with: in ``blockSize`` blocks, whatever the pod's."""
         return chain_keys(tokens, self.args.blockSize, cycle.request.cache_salt)
 
     def _precise(
@@ -192,8 +193,15 @@ class PrecisePrefixCache:
         """Per pod with a trusted view: (GPU blocks, offloaded blocks, full blocks), its
         credit for arriving blocks included; and the pods whose view is stale."""
         keys_by_size: dict[int, list[int]] = {}
-        salt = cycle.request.cache_salt
-        credit = self.arrivals.match(self._credit_keys(cycle, tokens)) if len(self.arrivals) else {}
+
+        def keys_of(size: int) -> list[int]:
+            keys = keys_by_size.get(size)
+            if keys is None:
+                keys = keys_by_size[size] = chain_keys(tokens, size, cycle.request.cache_salt)
+            return keys
+
+        credit_size = self.args.blockSize
+        credit = self.arrivals.match(keys_of(credit_size)) if len(self.arrivals) else {}
         out: dict[PodId, tuple[int, int, int]] = {}
         stale: list[PodId] = []
         now = time.monotonic()
@@ -203,11 +211,9 @@ class PrecisePrefixCache:
                 stale.append(pod)
                 continue
             size = (view.block_size if view else None) or self.args.blockSize
-            keys = keys_by_size.get(size)
-            if keys is None:
-                keys = keys_by_size[size] = chain_keys(tokens, size, salt)
+            keys = keys_of(size)
             gpu, offloaded = self.index.match(pod, keys)
-            arriving = credit.get(pod, 0) * self.args.blockSize // size
+            arriving = credit.get(pod, 0) * credit_size // size
             if arriving > gpu:  # the arriving blocks will be on the GPU
                 gpu, offloaded = arriving, max(0, gpu + offloaded - arriving)
             out[pod] = (gpu, offloaded, len(keys))
@@ -257,8 +263,8 @@ class PrecisePrefixCache:
     def matched_tokens(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
         """``exact_matches``' counts, and the approximate view's for the fallbacks."""
         exact = self.exact_matches(cycle, pods)
-        out = dict(exact.matched_tokens) if exact else {}
-        num_tokens = exact.num_prompt_tokens if exact else cycle.num_prompt_tokens
+        out = dict(exact.matched_tokens) if exact is not None else {}
+        num_tokens = exact.num_prompt_tokens if exact is not None else cycle.num_prompt_tokens
         approximate = [p.id for p in pods if p.id not in out]
         for pod, fraction in self._approx_fraction(cycle, approximate).items():
             out[pod] = int(fraction * num_tokens)
