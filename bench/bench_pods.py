@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
-from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.real_vllm.pods import BLOCK_SIZE as VLLM_BLOCK_SIZE
 from e2e.real_vllm.pods import MODEL as VLLM_MODEL
 from e2e.real_vllm.pods import VllmPod, metric_sum, start_vllm_pods
 from e2e.real_vllm.prepare import model_dir
 from extproc.sim.harness import spawn_sim_pods
+from extproc.sim.launch import wait_events_trusted
 from extproc.types import Pod
 
 SIM_MODEL = "sim-llm"
@@ -41,7 +41,6 @@ COUNTERS = {
     "served": "vllm:request_success_total",
 }
 RESET_TIMEOUT_S = 30.0
-EVENTS_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -78,44 +77,8 @@ class PodSet:
                     time.sleep(0.5)
 
     def wait_events_trusted(self, metrics: Sequence[Callable[[], str]]) -> None:
+        """Until every extproc (``/metrics`` pages) trusts its view of every pod."""
         wait_events_trusted(self.pods, self.flush_events, metrics)
-
-
-def wait_events_trusted(
-    pods: Sequence[Pod],
-    flush: Callable[[int], None],
-    metrics: Sequence[Callable[[], str]],
-    timeout_s: float = EVENTS_TIMEOUT_S,
-) -> None:
-    """Until every extproc (its ``/metrics`` page, one callable each) has events from
-    every pod and no stale view. A subscriber joins late (ZMQ drops what was sent
-    before), so its first batch from a running pod shows a gap and the view goes stale;
-    a cleared cache's ``AllBlocksCleared`` makes the view exact again. So each round
-    flushes one such batch out of every pod (``flush(i)``), then reads the pages."""
-    names = [str(p.id) for p in pods]
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for i in range(len(pods)):
-            flush(i)
-        time.sleep(0.3)
-        missing = [n for page in (m() for m in metrics) for n in _untrusted(page, names)]
-        if not missing:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no trusted KV-events view of {sorted(set(missing))}")
-
-
-def _untrusted(page: str, pods: list[str]) -> list[str]:
-    """The pods of ``pods`` this extproc has no events from, or all if a view is stale."""
-    received: set[str] = set()
-    stale = 0.0
-    for family in text_string_to_metric_families(page):
-        for sample in family.samples:
-            if sample.name == "extproc_kv_events_batches_received_total" and sample.value > 0:
-                received.add(sample.labels["pod"])
-            elif sample.name == "extproc_kv_events_stale_pods":
-                stale = sample.value
-    return list(pods) if stale else [p for p in pods if p not in received]
 
 
 @contextmanager

@@ -40,12 +40,12 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from prometheus_client import CollectorRegistry
 
-from bench.bench_pods import wait_events_trusted
 from bench.contenders import precise_config
 from extproc.routing.router import Router
 from extproc.scheduling.config import build_scheduler, load_config
 from extproc.sim.demo import SIM_ARGS, engine_counters, hit_ratio, make_workload
 from extproc.sim.harness import SimPods, spawn_sim_pods
+from extproc.sim.launch import wait_events_trusted
 from extproc.sim.replicas import run_replicas
 from extproc.types import Pod, PodId
 from extproc.wire.one_round import RouteHandler
