@@ -123,12 +123,10 @@ def test_the_cost_model_reads_exact_counts_and_falls_back_where_precise_does(
     num_tokens = len(tokens) if exact else -(-make_cycle(body).num_prompt_bytes // BYTES_PER_TOKEN)
     want = []
     for kind in expected:
-        if kind == "cold":
-            want.append(num_tokens)
-        elif kind == "own":
-            want.append(0)
-        else:
+        if isinstance(kind, tuple):
             want.append(num_tokens - min(kind[1], len(tokens) // BS) * BS)
+        else:
+            want.append({"cold": num_tokens, "own": 0}[kind])
     assert uncached(router, body) == want
 
 
