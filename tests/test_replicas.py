@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from extproc.routing.records import BadRecord, Record, Shared, decode_keys, encode_keys
 from extproc.routing.router import Router
 from extproc.routing.sharing import decode_shared, encode_shared
-from extproc.scheduling.config import build_scheduler, parse_config
+from extproc.scheduling.config import build_scheduler, default_config_text, parse_config
 from extproc.scheduling.sessions import SessionStore
 from extproc.types import PodId
 from extproc.wire.access_log import AccessLogHandler
@@ -43,10 +43,10 @@ PODS = [make_pod(f"p{i}", port=8000 + i) for i in range(4)]
 PROMPT = "You are the support assistant of a very large shop. " * 40
 
 
-def make_router(*, carry: bool = True, sessions: bool = False) -> Router:
+def make_router(*, carry: bool = True, sessions: bool = False, config: str = PREFIX_ONLY) -> Router:
     registry = CollectorRegistry()
     store = SessionStore() if sessions else None
-    scheduler = build_scheduler(parse_config(PREFIX_ONLY, "t.yaml"), registry, sessions=store)
+    scheduler = build_scheduler(parse_config(config, "t.yaml"), registry, sessions=store)
     return Router(scheduler, PODS, registry=registry, carry_records=carry)
 
 
@@ -109,8 +109,13 @@ def test_the_reply_routes_and_carries_the_record_in_its_own_namespace() -> None:
     }
 
 
-def test_a_replica_that_did_not_route_records_from_the_metadata() -> None:
-    routing, other = make_router(), make_router()
+@pytest.mark.parametrize(
+    "config",
+    [pytest.param(PREFIX_ONLY, id="prefix-cache"),
+     pytest.param(default_config_text(), id="default-estimated-ttft")],
+)  # fmt: skip
+def test_a_replica_that_did_not_route_records_from_the_metadata(config: str) -> None:
+    routing, other = make_router(config=config), make_router(config=config)
     reply = process(routing, "r1")
     served = (
         reply.dynamic_metadata.fields[DESTINATION_NAMESPACE]

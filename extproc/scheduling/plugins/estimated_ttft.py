@@ -100,6 +100,12 @@ class EstimatedTTFT:
     def from_args(cls, args: Any, ctx: PluginContext) -> EstimatedTTFT:
         return cls(load_args(EstimatedTTFTArgs, args), ctx)
 
+    @property
+    def block_geometry(self) -> tuple[int, int]:
+        """A ``BlockRecorder``: its records are the prompt's keys of this geometry, so a
+        record can travel to the other replicas (reply metadata, Redis)."""
+        return self.args.blockSizeToHash, self.args.maxBlocksToMatch
+
     def _keys(self, cycle: Cycle) -> Keys:
         return cycle.block_keys(self.args.blockSizeToHash, self.args.maxBlocksToMatch)
 
