@@ -63,9 +63,7 @@ def test_both_replicas_see_the_pods_caches(sim: SimPods, replicas: Replicas) -> 
             body = {"model": MODEL, "messages": messages, "max_tokens": 2}
             resp = client.post(f"{replicas.urls[0]}/v1/chat/completions", json=body)
             assert resp.status_code == 200, resp.text
-    routed = [
-        r.metric("extproc_completions_total", 'outcome="recorded"') for r in replicas.replicas
-    ]
+    routed = [r.metric("extproc_route_decisions_total") for r in replicas.replicas]
     assert all(routed), routed  # Envoy sent streams to both replicas
 
     def exact() -> bool:
