@@ -209,6 +209,9 @@ def markdown(
 ) -> str:
     tokens = (
         f" Prompts tokenized by the pods with `{tokenizer.name}`'s tokenizer and chat template."
+        " Rows without 'precise' run the default configuration (estimated-ttft on its"
+        " approximate view); 'precise' rows run `extproc/data/precise.yaml`, every replica"
+        " connected to every pod's KV events and serving once its views are trusted."
         if tokenizer
         else ""
     )
