@@ -9,6 +9,9 @@
 - ``extproc-default-2-replicas``: the default configuration on two extproc replicas
   behind one Envoy, records in the reply metadata, views shared through a redis-server
   (``extproc.sim.replicas``).
+- ``extproc-precise``: ``extproc/data/precise.yaml`` (the default's cost model reading
+  precise-prefix-cache's exact counts), its models map naming the pods' tokenizer,
+  receiving the pods' KV events; it serves once every pod's view is trusted.
 - ``sglang-router``, ``vllm-router``: the peers' Rust proxies with their ``cache_aware``
   policy and the thresholds of ``../shared/TOOLING.md``, each from its own venv
   (``python -m e2e.real_vllm.prepare --peers``).
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import extproc as extproc_package
+from bench.bench_pods import PodSet
 from e2e.real_vllm.prepare import peer_binary
 from extproc.envoyconf.build import EnvoyOptions, make_bootstrap
 from extproc.envoyconf.render import to_dict
@@ -36,7 +40,7 @@ CACHE_AWARE = [
     "--balance-abs-threshold", "64", "--balance-rel-threshold", "1.5",
 ]  # fmt: skip
 
-Serve = Callable[[Sequence[Pod], Path], AbstractContextManager[str]]
+Serve = Callable[[PodSet, Path], AbstractContextManager[str]]
 
 
 def envoy_alone_config(pods: list[Pod], options: EnvoyOptions) -> dict[str, Any]:
@@ -69,8 +73,8 @@ def start_envoy_alone(
 
 
 @contextmanager
-def envoy_rr(pods: Sequence[Pod], log_dir: Path) -> Iterator[str]:
-    proc, url = start_envoy_alone(pods, log_dir)
+def envoy_rr(pod_set: PodSet, log_dir: Path) -> Iterator[str]:
+    proc, url = start_envoy_alone(pod_set.pods, log_dir)
     try:
         yield url
     finally:
@@ -85,19 +89,39 @@ def extproc_with(config: Path | None) -> Serve:
     """Envoy + extproc with ``config`` (None: the shipped default)."""
 
     @contextmanager
-    def serve(pods: Sequence[Pod], log_dir: Path) -> Iterator[str]:
-        with run_stack(pods, config=config) as stack:
+    def serve(pod_set: PodSet, log_dir: Path) -> Iterator[str]:
+        with run_stack(pod_set.pods, config=config) as stack:
             yield stack.url
 
     return serve
+
+
+def precise_config(model: str, tokenizer_dir: Path, block_size: int, path: Path) -> Path:
+    """``precise.yaml`` with its models map naming ``model``'s tokenizer, written to ``path``."""
+    text = (EXTPROC_DATA / "precise.yaml").read_text()
+    text = text.replace("qwen3-tiny: /models/qwen3-tiny", f"{model}: {tokenizer_dir}")
+    path.write_text(text.replace("blockSize: 16", f"blockSize: {block_size}"))
+    return path
+
+
+@contextmanager
+def extproc_precise(pod_set: PodSet, log_dir: Path) -> Iterator[str]:
+    if pod_set.tokenizer_dir is None:
+        raise ValueError(f"the {pod_set.kind} pods were started without a tokenizer and events")
+    config = precise_config(
+        pod_set.model, pod_set.tokenizer_dir, pod_set.block_size, log_dir / "precise.yaml"
+    )
+    with run_stack(pod_set.pods, config=config, extproc_args=pod_set.events_args) as stack:
+        pod_set.wait_events_trusted([stack.metrics_text])
+        yield stack.url
 
 
 def extproc_replicas(num_replicas: int) -> Serve:
     """Envoy + ``num_replicas`` extprocs (default configuration) sharing through Redis."""
 
     @contextmanager
-    def serve(pods: Sequence[Pod], log_dir: Path) -> Iterator[str]:
-        with run_replicas(pods, num_replicas=num_replicas, redis=True) as stack:
+    def serve(pod_set: PodSet, log_dir: Path) -> Iterator[str]:
+        with run_replicas(pod_set.pods, num_replicas=num_replicas, redis=True) as stack:
             yield stack.urls[0]
 
     return serve
@@ -141,18 +165,18 @@ def sglang_argv(pods: Sequence[Pod], port: int) -> list[str]:
 
 
 @contextmanager
-def sglang_router(pods: Sequence[Pod], log_dir: Path) -> Iterator[str]:
+def sglang_router(pod_set: PodSet, log_dir: Path) -> Iterator[str]:
     port = free_port()
-    with _peer("sglang-router", sglang_argv(pods, port), port, log_dir) as url:
+    with _peer("sglang-router", sglang_argv(pod_set.pods, port), port, log_dir) as url:
         yield url
 
 
 @contextmanager
-def vllm_router(pods: Sequence[Pod], log_dir: Path) -> Iterator[str]:
+def vllm_router(pod_set: PodSet, log_dir: Path) -> Iterator[str]:
     port = free_port()
     argv = [
         str(peer_binary("vllm-router")), "--host", "127.0.0.1", "--port", str(port),
-        "--worker-urls", *[f"http://{p.address}" for p in pods], *CACHE_AWARE,
+        "--worker-urls", *[f"http://{p.address}" for p in pod_set.pods], *CACHE_AWARE,
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
     ]  # fmt: skip
     with _peer("vllm-router", argv, port, log_dir) as url:
@@ -167,6 +191,7 @@ CONTENDERS: dict[str, Serve] = {
     "extproc-kthena": extproc_with(EXTPROC_DATA / "kthena.yaml"),
     "extproc-cost-aware": extproc_with(EXTPROC_DATA / "cost-aware.yaml"),
     "extproc-default-2-replicas": extproc_replicas(2),
+    "extproc-precise": extproc_precise,
     "sglang-router": sglang_router,
     "vllm-router": vllm_router,
 }

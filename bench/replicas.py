@@ -11,6 +11,14 @@ reply and microseconds to build it, and to read it back, for 1 KB / 8 KB / 220 K
 
     python -m bench.replicas --json bench/results/replicas.json \
         --markdown bench/results/replicas.md
+
+The ``precise`` rows run ``extproc/data/precise.yaml``: every replica connects to every
+pod's KV events (the pods bind a port each) and serves once its views are trusted. They
+need ``--tokenizer DIR`` (the pods then tokenize with it, for every row of the run):
+
+    python -m bench.replicas --tokenizer ~/.cache/extproc-e2e/model/qwen3-tiny \
+        --only "1 replica (today)" --only "1 Envoy, metadata" --only precise \
+        --json bench/results/replicas-precise.json --markdown bench/results/replicas-precise.md
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -31,10 +40,12 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from prometheus_client import CollectorRegistry
 
+from bench.contenders import precise_config
 from extproc.routing.router import Router
 from extproc.scheduling.config import build_scheduler, load_config
 from extproc.sim.demo import SIM_ARGS, engine_counters, hit_ratio, make_workload
 from extproc.sim.harness import SimPods, spawn_sim_pods
+from extproc.sim.launch import wait_events_trusted
 from extproc.sim.replicas import run_replicas
 from extproc.types import Pod, PodId
 from extproc.wire.one_round import RouteHandler
@@ -49,6 +60,7 @@ class Contender:
     envoys: int
     metadata: bool
     redis: bool
+    precise: bool = False  # precise.yaml, the pods' KV events; else the default config
 
 
 CONTENDERS = (
@@ -59,6 +71,8 @@ CONTENDERS = (
     Contender("2 replicas, 2 Envoys (today)", 2, 2, False, False),
     Contender("2 replicas, 2 Envoys, metadata + Redis", 2, 2, True, True),
     Contender("3 replicas, 2 Envoys, metadata + Redis", 3, 2, True, True),
+    Contender("1 replica, precise", 1, 1, True, False, precise=True),
+    Contender("2 replicas, 1 Envoy, metadata, precise", 2, 1, True, False, precise=True),
 )
 
 
@@ -77,17 +91,31 @@ class Result:
 
 
 def run_contender(
-    sim: SimPods, c: Contender, seed: int, workload: list[tuple[str, dict[str, Any]]]
+    sim: SimPods,
+    c: Contender,
+    seed: int,
+    workload: list[tuple[str, dict[str, Any]]],
+    tokenizer: Path | None = None,
 ) -> Result:
     for pod in sim.pods:
         sim.reset_cache(pod.name)
-    with run_replicas(
-        sim.as_pods(),
-        num_replicas=c.replicas,
-        num_envoys=c.envoys,
-        redis=c.redis,
-        record_metadata=c.metadata,
-    ) as stack:
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-replicas-") as tmp,
+        run_replicas(
+            sim.as_pods(),
+            num_replicas=c.replicas,
+            num_envoys=c.envoys,
+            redis=c.redis,
+            record_metadata=c.metadata,
+            config=precise_config(sim.model, tokenizer, 16, Path(tmp) / "precise.yaml")
+            if c.precise and tokenizer
+            else None,  # the default
+            extproc_args=["--kv-events-topology", "connect"] if c.precise else [],
+        ) as stack,
+    ):
+        if c.precise:  # every replica hears every pod before the workload starts
+            metrics = [r.metrics_text for r in stack.replicas]
+            wait_events_trusted(sim.as_pods(), sim.reset_cache, metrics)
         before = engine_counters(sim)
         urls = stack.urls
         pods_of: dict[str, set[str]] = defaultdict(set)
@@ -176,7 +204,17 @@ def record_cost(prompt_bytes: int, repeat: int = 2000) -> dict[str, float]:
     }
 
 
-def markdown(results: Sequence[Result], costs: Sequence[dict[str, float]]) -> str:
+def markdown(
+    results: Sequence[Result], costs: Sequence[dict[str, float]], tokenizer: Path | None = None
+) -> str:
+    tokens = (
+        f" Prompts tokenized by the pods with `{tokenizer.name}`'s tokenizer and chat template."
+        " Rows without 'precise' run the default configuration (estimated-ttft on its"
+        " approximate view); 'precise' rows run `extproc/data/precise.yaml`, every replica"
+        " connected to every pod's KV events and serving once its views are trusted."
+        if tokenizer
+        else ""
+    )
     lines = [
         "# Several extproc replicas (bench.replicas)",
         "",
@@ -184,6 +222,7 @@ def markdown(results: Sequence[Result], costs: Sequence[dict[str, float]]) -> st
             "Simulated pods (4), real Envoys and extprocs, real redis-server; the demo's "
             f"workload ({results[0].requests} chat requests, 8 tenants), 8 at a time, round robin "
             "over the Envoys; caches emptied before each row. Counts summed over the replicas."
+            + tokens
         ),
         "",
         (
@@ -238,19 +277,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", action="append", help="contender names to run (substring)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--tokenizer", type=Path, help="the pods' tokenizer (precise rows)")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     contenders = [c for c in CONTENDERS if not args.only or any(o in c.name for o in args.only)]
+    if any(c.precise for c in contenders) and not args.tokenizer:
+        parser.error("the precise rows need --tokenizer DIR")
+    pod_args = [*SIM_ARGS]
+    if args.tokenizer:
+        pod_args += [
+            "--tokenizer",
+            str(args.tokenizer),
+            "--kv-events-endpoint",
+            "tcp://127.0.0.1:*",
+        ]
     results = []
-    with spawn_sim_pods(4, args=SIM_ARGS) as sim:
+    with spawn_sim_pods(4, args=pod_args) as sim:
         for seed in seeds:
             workload = make_workload(args.requests, seed)
             for contender in contenders:
-                result = run_contender(sim, contender, seed, workload)
+                result = run_contender(sim, contender, seed, workload, args.tokenizer)
                 print(result, flush=True)
                 results.append(result)
     costs = [record_cost(n) for n in (1_000, 8_000, 220_000)]
-    text = markdown(results, costs)
+    text = markdown(results, costs, args.tokenizer)
     print(text)
     if args.json:
         args.json.write_text(

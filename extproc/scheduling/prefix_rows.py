@@ -83,8 +83,3 @@ def per_row(
     found = positions[at] == rows
     out[at[found]] = np.fromiter(values.values(), dtype, len(values))[found]
     return out
-    rows = np.fromiter(map(table.position.get, values, repeat(-1)), np.int64, len(values))
-    at = np.minimum(np.searchsorted(positions, rows), len(positions) - 1)
-    found = positions[at] == rows
-    out[at[found]] = np.fromiter(values.values(), np.int64, len(values))[found]
-    return out

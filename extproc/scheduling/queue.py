@@ -16,19 +16,34 @@ class PodWork(NamedTuple):
     mean_tokens: float  # prefill tokens of each queued request
 
 
-def pod_work(cycle: Cycle, pod: Pod, held_bytes: int, in_flight: InFlight) -> PodWork:
-    """The pod's work ahead of ``cycle``'s prompt; records ``cycle.uncached_tokens``.
+def uncached_tokens(cycle: Cycle, held_bytes: int) -> int:
+    """Prompt tokens a pod holding ``held_bytes`` of the prompt's start would prefill,
+    estimated from bytes: ``ceil((prompt bytes - held bytes) / BYTES_PER_TOKEN)``."""
+    return -(-(cycle.num_prompt_bytes - held_bytes) // BYTES_PER_TOKEN)
 
-    ``uncached = ceil((prompt bytes - held bytes) / BYTES_PER_TOKEN)``; ``queued = waiting
-    + max(0, in_flight - waiting - running)`` (as least-request); ``mean_tokens``: the
-    router's in-flight prefill tokens over its in-flight requests (each counted with its
-    own uncached estimate, so queued hits on a warm prefix are cheap), or this prompt's
-    tokens when none are in flight.
+
+def pod_work(
+    cycle: Cycle,
+    pod: Pod,
+    uncached: int,
+    in_flight: InFlight,
+    num_prompt_tokens: int | None = None,
+) -> PodWork:
+    """The pod's work ahead of ``cycle``'s prompt, of which it would prefill ``uncached``
+    tokens; records ``cycle.uncached_tokens``.
+
+    ``queued = waiting + max(0, in_flight - waiting - running)`` (as least-request);
+    ``mean_tokens``: the router's in-flight prefill tokens over its in-flight requests
+    (each counted with its own uncached count, so queued hits on a warm prefix are
+    cheap), or this prompt's tokens (``num_prompt_tokens``, by default the cycle's
+    estimate) when none are in flight.
     """
-    uncached = -(-(cycle.num_prompt_bytes - held_bytes) // BYTES_PER_TOKEN)
     cycle.uncached_tokens[pod.id] = uncached
     waiting, running = pod.metrics.waiting, pod.metrics.running
     num_in_flight, in_flight_tokens = in_flight.get_count(pod.id)
     queued = waiting + max(0, num_in_flight - waiting - running)
-    mean_tokens = in_flight_tokens / num_in_flight if num_in_flight else cycle.num_prompt_tokens
+    if num_in_flight:
+        mean_tokens = in_flight_tokens / num_in_flight
+    else:
+        mean_tokens = cycle.num_prompt_tokens if num_prompt_tokens is None else num_prompt_tokens
     return PodWork(uncached, queued, mean_tokens)

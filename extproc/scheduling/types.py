@@ -14,21 +14,25 @@ configured name serves every role it has (a plugin may be both a Filter and a Sc
 * ``Preparer``: has slow work to do on a cycle before scoring it (tokenizing a prompt);
   says so cheaply (``prepare`` -> a ``Preparation``), so the router can run it off the
   thread that serves the other requests, or do without it when its pool is full.
+* ``ExactPrefix``: knows, for a request it can tokenize, the prompt's exact token count
+  and the tokens each pod will find cached (precise-prefix-cache, from the pods' KV
+  events), or says where it cannot.
 
 Filters and scorers may also work on a whole snapshot at once (``TableFilter``,
 ``TableScorer``: NumPy columns of a ``PodTable`` instead of ``Pod`` objects); the scheduler
 uses those when a plugin has them, so a request's cost hardly grows with the pods.
 
 Plugins get what they share when they are built, in ``PluginContext``: the router's
-``InFlight`` counters, the configured ``PrefixMatcher`` (the prefix-cache plugin,
-built first, which ``cost-aware`` reads) and the prefix-cache metrics.
+``InFlight`` counters, the configured ``PrefixMatcher`` (the prefix-cache plugin, built
+first, which ``cost-aware`` reads), the configured ``ExactPrefix`` (built before it,
+which ``estimated-ttft`` reads) and the prefix-cache metrics.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -123,16 +127,35 @@ class PrefixMatcher(Protocol):
         ...
 
 
+class ExactMatches(NamedTuple):
+    """A request's prompt as the engine counts it, and what pods hold of it."""
+
+    num_prompt_tokens: int
+    # Per pod whose view is exact: prompt tokens the engine will find cached (provisional
+    # credit included). A pod left out has no exact view (its events were lost).
+    matched_tokens: Mapping[PodId, int]
+
+
+@runtime_checkable
+class ExactPrefix(Protocol):
+    def exact_matches(self, cycle: Cycle, pods: Sequence[Pod]) -> ExactMatches | None:
+        """Exact counts for ``cycle`` on ``pods``; None when the request cannot be
+        tokenized as the engine will (then no pod's count is exact)."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class PluginContext:
     """What a plugin may use when it is built: where to register its metrics, the
-    router's in-flight counters, the prefix view, if a configured plugin offers one
-    (plugins that offer it are built before the others), and the spec's prefix-cache
-    series, one set for every plugin that emits them (None: the plugin makes its own)."""
+    router's in-flight counters, the prefix view and the exact prefix counts, if
+    configured plugins offer them (plugins that offer them are built before the others),
+    and the spec's prefix-cache series, one set for every plugin that emits them (None:
+    the plugin makes its own)."""
 
     registry: CollectorRegistry
     in_flight: InFlight = field(default_factory=InFlight)
     prefix: PrefixMatcher | None = None
+    exact: ExactPrefix | None = None
     prefix_metrics: PrefixCacheMetrics | None = None
 
 

@@ -9,9 +9,18 @@ Three endpoints, each plain or streamed (``"stream": true``, Server-Sent Events)
 - ``/v1/chat/completions``: ``messages`` rendered by ``tokenizer.render_chat``. The first
   chunk's delta is ``{"role": "assistant", "content": ""}``, then one chunk per token;
   usage chunk and ``[DONE]`` as above.
+
 - ``/v1/responses``: ``input`` (a string, or message items) after ``instructions`` (a
   system message). Streamed as ``event: <type>`` / ``data: <json>`` pairs from
   ``response.created`` to ``response.completed``, with no ``[DONE]``, as vLLM does.
+
+With a real tokenizer (``sim-pods --tokenizer DIR``: a Hugging Face ``tokenizer.json`` and
+``tokenizer_config.json``), prompts are rendered and tokenized as vLLM does, by
+``extproc.request.tokens`` (the model's chat template; a responses request as vLLM builds
+its messages, ``request.chat_input``), so a router that tokenizes with the same directory
+(the precise-prefix-cache plugin) sees the pod's token ids; a request that cannot be
+tokenized so is a 400. The output stays the simulated words, whose token ids are the
+pseudo-tokenizer's.
 
 Usage everywhere counts ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` and
 ``prompt_tokens_details.cached_tokens`` (Responses: ``input_tokens``,
@@ -35,6 +44,8 @@ from typing import Any, Literal
 
 import orjson
 
+from extproc.request.parse import Api
+from extproc.request.tokens import NotExact, SegmentTokenizer
 from extproc.sim.engine import FinishedRequest, TokenOutput
 from extproc.sim.tokenizer import VOCAB_SIZE, ChatMessage, render_chat, tokenize
 
@@ -83,9 +94,14 @@ class GenerationRequest:
 
 
 def parse_request(
-    kind: Kind, body: Any, served_model: str, default_max_tokens: int
+    kind: Kind,
+    body: Any,
+    served_model: str,
+    default_max_tokens: int,
+    tokenizer: SegmentTokenizer | None = None,
 ) -> GenerationRequest:
-    """Validate a request body as vLLM would and render its prompt to tokens.
+    """Validate a request body as vLLM would and render its prompt to tokens (with
+    ``tokenizer`` if given, else the pseudo-tokenizer).
 
     Raises:
         ApiError: 400 for a malformed body, 404 for a model this pod does not serve.
@@ -124,11 +140,17 @@ def parse_request(
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ApiError(400, "seed must be an integer", "seed")
     if kind == "completion":
-        tokens = _completion_prompt(body.get("prompt"))
-    elif kind == "chat":
-        tokens = render_chat(_chat_messages(body.get("messages")))
+        tokens = _completion_prompt(body.get("prompt"), tokenizer)
     else:
-        tokens = render_chat(_responses_messages(body.get("input"), body.get("instructions")))
+        if kind == "chat":
+            messages = _chat_messages(body.get("messages"))
+        else:
+            messages = _responses_messages(body.get("input"), body.get("instructions"))
+        if tokenizer is None:
+            tokens = render_chat(messages)
+        else:
+            api = Api.CHAT_COMPLETIONS if kind == "chat" else Api.RESPONSES
+            tokens = _exact_tokens(tokenizer, api, body)
     if not tokens:
         raise ApiError(400, "The prompt is empty.", "prompt")
     return GenerationRequest(
@@ -136,13 +158,23 @@ def parse_request(
     )
 
 
-def _completion_prompt(prompt: Any) -> list[int]:
+def _exact_tokens(tokenizer: SegmentTokenizer, api: Api, body: dict[str, Any]) -> list[int]:
+    try:
+        return tokenizer.request_tokens(api, body)
+    except NotExact as e:
+        raise ApiError(400, f"the prompt cannot be tokenized: {e}") from None
+
+
+def _completion_prompt(prompt: Any, tokenizer: SegmentTokenizer | None) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return tokenize(prompt)
+        if tokenizer is None:
+            return tokenize(prompt)
+        return _exact_tokens(tokenizer, Api.COMPLETIONS, {"prompt": prompt})
+    vocab_size = VOCAB_SIZE if tokenizer is None else tokenizer.tokenizer.get_vocab_size()
     if isinstance(prompt, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < VOCAB_SIZE for t in prompt
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt
     ):
         return prompt
     raise ApiError(

@@ -33,6 +33,7 @@ from typing import IO, Any
 import orjson
 
 import extproc
+from extproc.datalayer.kv_events import EVENTS_PORT_LABEL
 from extproc.sim.launch import START_TIMEOUT_S, STOP_TIMEOUT_S
 from extproc.sim.pods import GroupSettings, PodGroup
 from extproc.types import Pod, PodId
@@ -45,6 +46,7 @@ class SimPodInfo:
     name: str
     url: str  # http://127.0.0.1:PORT
     port: int
+    kv_events_endpoint: str | None = None  # where its KV events go (``--kv-events-endpoint``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,13 +60,23 @@ class SimPods:
 
     @classmethod
     def from_description(cls, desc: dict[str, Any], pid: int | None = None) -> SimPods:
-        pods = tuple(SimPodInfo(p["name"], p["url"], p["port"]) for p in desc["pods"])
+        pods = tuple(
+            SimPodInfo(p["name"], p["url"], p["port"], p.get("kv_events_endpoint"))
+            for p in desc["pods"]
+        )
         return cls(desc["model"], desc["admin_url"], pods, pid)
 
     def as_pods(self, namespace: str = "default") -> list[Pod]:
-        """The pods as extproc sees them (pods file, launch.run_stack): all ready."""
+        """The pods as extproc sees them (pods file, launch.run_stack): all ready; a pod
+        publishing KV events on a port of its own is labelled with it
+        (``EVENTS_PORT_LABEL``: extproc's connect topology reads it)."""
         return [
-            Pod(PodId(namespace, p.name), f"127.0.0.1:{p.port}", frozenset({self.model}))
+            Pod(
+                PodId(namespace, p.name),
+                f"127.0.0.1:{p.port}",
+                frozenset({self.model}),
+                labels=_events_label(p.kv_events_endpoint),
+            )
             for p in self.pods
         ]
 
@@ -103,6 +115,12 @@ class SimPods:
     def reset_cache(self, pod: str | int) -> None:
         """Empty the pod's prefix cache, as if it came back empty (HTTPError 409 if busy)."""
         self.admin("POST", f"/pods/{self.name_of(pod)}/reset_cache")
+
+
+def _events_label(endpoint: str | None) -> tuple[tuple[str, str], ...]:
+    """The pod's publisher port as a label, when it bound 127.0.0.1 (else none)."""
+    host, _, port = (endpoint or "").removeprefix("tcp://").rpartition(":")
+    return ((EVENTS_PORT_LABEL, port),) if host == "127.0.0.1" and port.isdigit() else ()
 
 
 @contextmanager

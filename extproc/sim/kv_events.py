@@ -20,7 +20,9 @@ publisher, from 0), and a msgpack payload ``[ts, [event, ...], data_parallel_ran
 
 Block hashes are unsigned 64-bit ints (vLLM's default integer form). As in vLLM, a
 concrete endpoint (``tcp://127.0.0.1:5557``) makes the publisher *connect*, so the
-subscriber binds; an endpoint with ``*`` or ``::``, or ``ipc://`` / ``inproc://``, binds.
+subscriber binds; an endpoint with ``*`` or ``::``, or ``ipc://`` / ``inproc://``, binds
+(``tcp://127.0.0.1:*``: a free port of its own, which ``endpoint`` then tells), so any
+number of subscribers can connect to it.
 """
 
 from __future__ import annotations
@@ -106,8 +108,10 @@ class ZmqEventPublisher:
         binds = "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
         if binds:
             self._pub.bind(endpoint)
+            endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         else:
             self._pub.connect(endpoint)
+        self.endpoint = endpoint  # as bound (the port chosen), or as connected to
 
     def publish(self, ts: float, events: Sequence[KVCacheEvent]) -> None:
         payload = encode_event_batch(ts, events, self.layout)

@@ -24,6 +24,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from extproc.errors import ConfigError
 from extproc.request.parse import DEFAULT_MAX_BODY_BYTES
+from extproc.request.tokens import SegmentTokenizer
 from extproc.sim.api import (
     ApiError,
     GenerationRequest,
@@ -90,6 +92,7 @@ class GroupSettings:
     faults: Faults = field(default_factory=Faults)  # a pod's faults at start
     fault_pods: frozenset[int] | None = None  # indexes of the pods ``faults`` applies to; None: all
     kv_events: KvEventsSettings | None = None
+    tokenizer: str | None = None  # a Hugging Face tokenizer's directory (``api``); None: pseudo
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_pods <= MAX_PODS:
@@ -116,6 +119,15 @@ class GroupSettings:
         return self.port + self.num_pods if self.port else 0
 
 
+@dataclass(frozen=True, slots=True)
+class Tokenizing:
+    """The group's real tokenizer and the one thread it runs on (its memo is not
+    thread-safe)."""
+
+    tokenizer: SegmentTokenizer
+    thread: ThreadPoolExecutor
+
+
 def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
 
@@ -123,11 +135,19 @@ def _json(obj: Any, status: int = 200) -> web.Response:
 class SimPod:
     """One pod: an engine, its runner, metrics, faults and HTTP site."""
 
-    def __init__(self, name: str, port: int, settings: GroupSettings, faults: Faults) -> None:
+    def __init__(
+        self,
+        name: str,
+        port: int,
+        settings: GroupSettings,
+        faults: Faults,
+        tokenizer: Tokenizing | None = None,
+    ) -> None:
         self.name = name
         self.port = port
         self.model = settings.model
         self._settings = settings
+        self._tokenizer = tokenizer
         engine_config = settings.engine
         if settings.kv_events is not None:
             engine_config = dataclasses.replace(engine_config, enable_kv_cache_events=True)
@@ -279,13 +299,30 @@ class SimPod:
         """vLLM's ``GenerateRequest`` (completions: a list of one), token ids and all."""
         try:
             body = orjson.loads(await request.read())
-            parsed = parse_request(kind, body, self.model, self._settings.default_max_tokens)
+            parsed = await self._parse(kind, body)
         except orjson.JSONDecodeError as e:
             return self._error(400, f"the body is not valid JSON: {e}")
         except ApiError as e:
             return _json(e.body(), e.status)
         rendered = render_body(parsed)
         return _json([rendered] if kind == "completion" else rendered)
+
+    async def _parse(self, kind: Kind, body: Any) -> GenerationRequest:
+        """``parse_request``; a real tokenizer's, which takes milliseconds on a long
+        prompt, runs off the pods' event loop (on the group's one tokenizing thread)."""
+        settings = self._settings
+        if self._tokenizer is None:
+            return parse_request(kind, body, self.model, settings.default_max_tokens)
+        tok = self._tokenizer
+        return await asyncio.get_running_loop().run_in_executor(
+            tok.thread,
+            parse_request,
+            kind,
+            body,
+            self.model,
+            settings.default_max_tokens,
+            tok.tokenizer,
+        )
 
     def _error(self, status: int, message: str, param: str | None = None) -> web.Response:
         return _json(error_body(status, message, param), status)
@@ -308,7 +345,7 @@ class SimPod:
             return self._error(faults.error_status, f"injected fault on pod {self.name}")
         try:
             body = orjson.loads(await request.read())
-            parsed = parse_request(kind, body, self.model, self._settings.default_max_tokens)
+            parsed = await self._parse(kind, body)
             req = SimRequest(
                 request_id=f"{kind}-{uuid.uuid4().hex}",
                 prompt_token_ids=parsed.prompt_token_ids,
@@ -457,12 +494,20 @@ class PodGroup:
 
     def __init__(self, settings: GroupSettings) -> None:
         self.settings = settings
+        self.tokenizing: Tokenizing | None = None
+        if settings.tokenizer is not None:
+            try:
+                tokenizer = SegmentTokenizer(settings.tokenizer)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            self.tokenizing = Tokenizing(tokenizer, ThreadPoolExecutor(1, "sim-tokenizer"))
         self.pods = [
             SimPod(
                 f"{settings.name_prefix}-{i}",
                 settings.pod_port(i),
                 settings,
                 settings.pod_faults(i),
+                self.tokenizing,
             )
             for i in range(settings.num_pods)
         ]
@@ -504,14 +549,23 @@ class PodGroup:
         for pod in self.pods:
             await pod.stop()
         await self._admin_runner.cleanup()
+        if self.tokenizing is not None:
+            self.tokenizing.thread.shutdown(wait=False)
 
     def describe(self) -> dict[str, Any]:
-        """What a client needs: pod names and URLs, the model, the admin URL."""
+        """What a client needs: pod names and URLs, the model, the admin URL, and where
+        each pod publishes its KV events (the endpoint it bound, or connects to)."""
         return {
             "model": self.settings.model,
             "admin_url": f"http://{HOST}:{self.admin_port}",
             "pods": [
-                {"name": p.name, "url": p.url, "port": p.port, "listening": p.listening}
+                {
+                    "name": p.name,
+                    "url": p.url,
+                    "port": p.port,
+                    "listening": p.listening,
+                    "kv_events_endpoint": p.publisher.endpoint if p.publisher else None,
+                }
                 for p in self.pods
             ],
         }

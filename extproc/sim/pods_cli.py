@@ -6,7 +6,8 @@
 Pods listen on ports PORT..PORT+N-1 (all free ports with ``--port 0``) and are named
 ``NAME_PREFIX-0`` .. ``NAME_PREFIX-{N-1}``; the admin port is PORT+N unless
 ``--admin-port`` says otherwise. When everything listens, one JSON line goes to stdout:
-``{"model": ..., "admin_url": ..., "pods": [{"name", "url", "port", "listening"}]}``.
+``{"model": ..., "admin_url": ..., "pods": [{"name", "url", "port", "listening",
+"kv_events_endpoint"}]}``.
 Engine settings are the fields of ``EngineConfig`` as flags; ``--error-rate`` and the
 other fault flags apply to every pod, or to those ``--fault-pods`` lists.
 """
@@ -36,9 +37,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name-prefix", default="sim", help="pods are PREFIX-0, PREFIX-1, ...")
     parser.add_argument("--default-max-tokens", type=int, default=16,
                         help="output tokens when a request sets no limit")  # fmt: skip
+    parser.add_argument("--tokenizer", metavar="DIR",
+                        help="render and tokenize prompts with this Hugging Face tokenizer "
+                        "(tokenizer.json, tokenizer_config.json) instead of the "
+                        "pseudo-tokenizer")  # fmt: skip
     add_engine_flags(parser.add_argument_group("engine"))
     kv = parser.add_argument_group("KV-cache events")
-    kv.add_argument("--kv-events-endpoint", help="ZMQ endpoint, e.g. tcp://127.0.0.1:5557")
+    kv.add_argument("--kv-events-endpoint",
+                    help="ZMQ endpoint: tcp://127.0.0.1:5557 connects to a subscriber; "
+                    "tcp://127.0.0.1:* binds a free port per pod, for subscribers to "
+                    "connect (the ready line names it)")  # fmt: skip
     kv.add_argument("--kv-events-topic", default="kv@{host}:{port}@{model}",
                     help="topic template: {host} {port} {model} {name}")  # fmt: skip
     kv.add_argument("--kv-events-layout", choices=("map", "array"), default="map",
@@ -90,6 +98,7 @@ def settings_from_args(args: argparse.Namespace) -> GroupSettings:
         faults=faults,
         fault_pods=fault_pods,
         kv_events=kv,
+        tokenizer=args.tokenizer,
     )
 
 

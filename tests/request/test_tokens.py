@@ -77,8 +77,16 @@ def test_a_conversations_history_is_tokenized_once(tok: SegmentTokenizer) -> Non
             id="multimodal",
         ),
         pytest.param({"messages": []}, id="no-messages"),
+        pytest.param(
+            {"messages": [{"role": "user", "content": "hi"}],
+             "chat_template_kwargs": {"messages": "clash"}},
+            id="kwargs-clash-with-the-templates-own",
+        ),
+        pytest.param(
+            {"messages": [{"role": "user", "content": "hi"}], "tools": 5}, id="tools-not-a-list"
+        ),
     ],
-)
+)  # fmt: skip
 def test_requests_that_cannot_be_exact_say_so(tok: SegmentTokenizer, body: dict) -> None:  # type: ignore[type-arg]
     with pytest.raises(NotExact):
         tok.request_tokens(Api.CHAT_COMPLETIONS, body)

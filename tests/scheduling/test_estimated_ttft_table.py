@@ -1,10 +1,13 @@
 """estimated-ttft's table path (``score_table``: NumPy columns) against its per-pod path
 (``score``: one pod at a time): the same costs, scores, uncached tokens and match ratio, to
-the last bit, on generated tables of pods, in-flight counts, records and arriving prompts."""
+the last bit, on generated tables of pods, in-flight counts, records and arriving prompts,
+alone or with exact counts (an ``ExactPrefix`` as precise-prefix-cache's, some pods
+without an exact view)."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT, EstimatedTTFTArgs
 from extproc.scheduling.podtable import PodTable
-from extproc.scheduling.types import Cycle, PluginContext
+from extproc.scheduling.types import Cycle, ExactMatches, PluginContext
 from extproc.types import Pod, PodId, PodMetrics
 from tests.factories import make_cycle
 
@@ -35,6 +38,21 @@ class Case:
     positions: list[int]  # the candidate rows (ascending)
     prompt: str
     args: EstimatedTTFTArgs
+    # precise-prefix-cache's counts: the prompt's tokens, and the cached tokens of the pods
+    # with an exact view (by index); None: not configured
+    exact: tuple[int, dict[int, int]] | None = None
+
+
+class FixedExact:
+    """An ``ExactPrefix`` answering the same counts for every cycle, on the pods asked."""
+
+    def __init__(self, pods: list[Pod], exact: tuple[int, dict[int, int]]) -> None:
+        self.num_tokens = exact[0]
+        self.matched = {pods[i].id: n for i, n in exact[1].items()}
+
+    def exact_matches(self, cycle: Cycle, pods: Sequence[Pod]) -> ExactMatches | None:
+        found = {p.id: self.matched[p.id] for p in pods if p.id in self.matched}
+        return ExactMatches(self.num_tokens, found)
 
 
 def prompt_starts() -> st.SearchStrategy[str]:
@@ -78,7 +96,15 @@ def cases(draw: st.DrawFn) -> Case:
         writtenMs=draw(st.sampled_from([300.0, 0.0]) | ms),
         writtenWindow=draw(st.sampled_from([1000, 1]) | st.integers(2, 10**6)),
     )
-    return Case(pods, in_flight, records, arriving, positions, prompt, args)
+    exact = draw(
+        st.none()
+        | st.integers(1, 12_000).flatmap(
+            lambda n: st.tuples(
+                st.just(n), st.dictionaries(pod, st.integers(0, n - 1) | st.just(n - 1))
+            )
+        )
+    )
+    return Case(pods, in_flight, records, arriving, positions, prompt, args, exact)
 
 
 def build(case: Case) -> tuple[EstimatedTTFT, CollectorRegistry]:
@@ -87,7 +113,8 @@ def build(case: Case) -> tuple[EstimatedTTFT, CollectorRegistry]:
     for pod, (n, tokens) in zip(case.pods, case.in_flight, strict=True):
         for i in range(n):
             counts.start(pod.id, tokens // n + (i < tokens % n))
-    plugin = EstimatedTTFT(case.args, PluginContext(registry, in_flight=counts))
+    exact = FixedExact(case.pods, case.exact) if case.exact is not None else None
+    plugin = EstimatedTTFT(case.args, PluginContext(registry, in_flight=counts, exact=exact))
     for idx, prompt in case.records:
         plugin.record(make_cycle(prompt), case.pods[idx].id)
     for idx, prompt in case.arriving:

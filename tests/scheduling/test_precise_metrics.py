@@ -1,6 +1,6 @@
 """precise-prefix-cache's own metrics move when their event happens: tokenizing time and
 the segment memo, the best pod's match ratio, the approximate view's entries and
-evictions. A small word-level tokenizer with a ChatML template (tests.factories) stands in
+evictions, the requests credited as arriving. A small word-level tokenizer with a ChatML template (tests.factories) stands in
 for a model's; the fallback reasons are in test_precise_prefix_cache.py."""
 
 from __future__ import annotations
@@ -93,6 +93,19 @@ def test_the_approximate_views_entries_and_evictions(
     assert get(registry, "extproc_precise_prefix_cache_evictions_total", model="m") == 2
 
 
+def test_the_arriving_requests_are_those_picked_and_not_ended(
+    plugin: PrecisePrefixCache, registry: CollectorRegistry
+) -> None:
+    first, second = chat("hello"), chat("world")
+    plugin.arriving(first, PODS[0].id)
+    plugin.arriving(second, PODS[1].id)
+    assert get(registry, "extproc_precise_prefix_arriving_requests") == 2
+    plugin.settled(first, PODS[0].id)
+    assert get(registry, "extproc_precise_prefix_arriving_requests") == 1
+    plugin.pods_changed([PODS[0]])  # the other pod left
+    assert get(registry, "extproc_precise_prefix_arriving_requests") == 0
+
+
 def test_every_precise_metric_is_in_the_readme(
     plugin: PrecisePrefixCache, registry: CollectorRegistry
 ) -> None:
@@ -103,5 +116,5 @@ def test_every_precise_metric_is_in_the_readme(
         f"{family.name}_total" if family.type == "counter" else family.name
         for family in registry.collect()
     ]
-    assert len(names) == 19
+    assert len(names) == 20
     assert [name for name in names if f"`{name}`" not in readme] == []

@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 
 from extproc.scheduling.args import load_args
 from extproc.scheduling.inflight import InFlight
-from extproc.scheduling.queue import pod_work
+from extproc.scheduling.queue import pod_work, uncached_tokens
 from extproc.scheduling.types import Cycle, PluginContext, PrefixMatcher
 from extproc.types import Pod, PodId
 
@@ -82,7 +82,8 @@ class CostAware:
         prefill_ms, decode_ms = self.args.prefillMsPerToken, self.args.decodeMsPerToken
         estimates: dict[PodId, float] = {}
         for pod in pods:
-            work = pod_work(cycle, pod, held.get(pod.id, 0), self.in_flight)
+            uncached = uncached_tokens(cycle, held.get(pod.id, 0))
+            work = pod_work(cycle, pod, uncached, self.in_flight)
             estimates[pod.id] = prefill_ms * (
                 work.queued * work.mean_tokens + work.uncached
             ) + decode_ms * (pod.metrics.running + work.queued)

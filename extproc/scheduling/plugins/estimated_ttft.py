@@ -5,6 +5,7 @@ first token on a pod is the wait behind the work queued there plus the prefill o
 prompt tokens the pod does not hold. Per candidate pod::
 
     matched  = prompt tokens the pod holds: its longest recorded or arriving prefix
+               (exact from precise-prefix-cache when configured; see below)
     uncached = prompt tokens - matched
     queued   = waiting + max(0, in_flight - waiting - running)   (as least-request)
     ahead    = queued * (in-flight prefill tokens / in-flight requests)
@@ -39,15 +40,28 @@ conversation to one pod); ``score = floor(100 * (max_cost - cost) / (max_cost
 - min_cost))`` (all 100 when equal). Ties are the scheduler's (least loaded first).
 
 The prefix view is this plugin's own per-pod LRU (``PrefixIndex``, Kthena's block hashing
-and eviction), recorded on success only. Between the pick and the end of a request its
-blocks are *arriving* at the picked pod (``Arrivals``): they count as held there for the
-next requests' scoring and are dropped when the request ends, however it ends; success
-then records them in the index for the pod that served. Side output: the candidates'
-uncached tokens in the cycle (``Cycle.num_prefill_tokens``), which the router passes to
-``InFlight.start`` for its pick.
+and eviction), recorded on success only, in bytes of the prompt: ``uncached =
+ceil((prompt bytes - held bytes) / 4)``, the prompt's tokens ``ceil(prompt bytes / 4)``
+and the match's share ``held bytes / prompt bytes``. Between the pick and the end of a
+request its blocks are *arriving* at the picked pod (``Arrivals``): they count as held
+there for the next requests' scoring and are dropped when the request ends, however it
+ends; success then records them in the index for the pod that served.
+
+With ``precise-prefix-cache`` configured too (``PluginContext.exact``), ``matched`` and
+the prompt's tokens are its exact counts, from the pods' own KV events (with its own
+provisional credit for picks whose events have not come yet), and the share is ``matched
+/ prompt tokens``. Where it has none, this plugin's view answers, exactly where
+precise-prefix-cache falls back: every pod of a request it cannot tokenize (in bytes, as
+above), a pod whose view is stale (``matched = prompt tokens * held bytes / prompt
+bytes``, so every pod of the request is counted in the same tokens). The rest of the
+arithmetic (the queue, the write cost, the hysteresis) is the same either way.
+
+Side output: the candidates' uncached tokens in the cycle (``Cycle.num_prefill_tokens``),
+which the router passes to ``InFlight.start`` for its pick.
 
 The scheduler scores with ``score_table`` (whole NumPy columns of the pod snapshot, one
-index match over the candidates' rows); ``score`` is the same arithmetic pod by pod.
+index match over the candidates' rows, and precise-prefix-cache's counts for them when it
+is configured); ``score`` is the same arithmetic pod by pod.
 Metrics: the spec's prefix-cache series for this view (``scheduling.prefix_metrics``: the
 match ratio counts a prefix held or arriving), the arriving requests and the entries.
 """
@@ -58,7 +72,7 @@ import threading
 from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -72,7 +86,13 @@ from extproc.scheduling.podtable import PodTable, Positions, RowValues
 from extproc.scheduling.prefix_metrics import PrefixCacheMetrics
 from extproc.scheduling.prefix_rows import match_lengths, per_row
 from extproc.scheduling.queue import pod_work
-from extproc.scheduling.types import BYTES_PER_TOKEN, Cycle, PluginContext, Scores
+from extproc.scheduling.types import (
+    BYTES_PER_TOKEN,
+    Cycle,
+    ExactMatches,
+    PluginContext,
+    Scores,
+)
 from extproc.types import Pod, PodId
 
 
@@ -123,6 +143,22 @@ class Written:
             self._pods = {pod: v for pod, v in self._pods.items() if pod in keep}
 
 
+class PromptLength(NamedTuple):
+    """The prompt's length in the unit the pods' matches are counted in (module doc):
+    bytes, ``BYTES_PER_TOKEN`` to a token, or exact tokens (precise-prefix-cache's)."""
+
+    units: int
+    units_per_token: int
+
+    @property
+    def num_tokens(self) -> int:
+        return -(-self.units // self.units_per_token)
+
+    def uncached(self, held: int) -> int:
+        """Tokens a pod holding ``held`` units of the prompt's start would prefill."""
+        return -(-(self.units - held) // self.units_per_token)
+
+
 class EstimatedTTFT:
     """Scores pods by estimated time to first token, with affinity hysteresis."""
 
@@ -131,6 +167,7 @@ class EstimatedTTFT:
     def __init__(self, args: EstimatedTTFTArgs, ctx: PluginContext) -> None:
         self.args = args
         self.in_flight = ctx.in_flight
+        self.exact = ctx.exact
         self.index = PrefixIndex(args.maxHashCacheSize)
         self.arrivals = Arrivals()
         self.written = Written(args.writtenWindow)
@@ -185,18 +222,41 @@ class EstimatedTTFT:
         size, limit = self.args.blockSizeToHash, cycle.num_prompt_bytes
         return {pod: min(blocks * size, limit) for pod, blocks in held.items()}
 
+    def _exact(self, cycle: Cycle, pods: Sequence[Pod]) -> ExactMatches | None:
+        """precise-prefix-cache's counts, when it is configured and has them."""
+        return None if self.exact is None else self.exact.exact_matches(cycle, pods)
+
+    def held(
+        self, cycle: Cycle, pods: Sequence[Pod], blocks: Mapping[PodId, int]
+    ) -> tuple[PromptLength, dict[PodId, int]]:
+        """The prompt's length and what each pod holds of it (pods holding none may be left
+        out), in bytes or exact tokens (module doc); ``blocks`` is ``matched_blocks``."""
+        held_bytes = self._held_bytes(cycle, blocks)
+        exact = self._exact(cycle, pods)
+        if exact is None:
+            return PromptLength(cycle.num_prompt_bytes, BYTES_PER_TOKEN), held_bytes
+        num_tokens, held = exact.num_prompt_tokens, dict(exact.matched_tokens)
+        num_bytes = max(1, cycle.num_prompt_bytes)
+        for pod, n in held_bytes.items():
+            if pod not in held:  # no exact view: this plugin's, in the prompt's tokens
+                held[pod] = num_tokens * n // num_bytes
+        return PromptLength(num_tokens, 1), held
+
     def estimate_ms(self, cycle: Cycle, pods: Sequence[Pod]) -> dict[PodId, float]:
         """Each pod's ``est_ms`` (module doc); records ``cycle.uncached_tokens``."""
-        return self._estimates(cycle, pods, self.matched_blocks(cycle, pods))
+        return self._estimates(
+            cycle, pods, *self.held(cycle, pods, self.matched_blocks(cycle, pods))
+        )
 
     def _estimates(
-        self, cycle: Cycle, pods: Sequence[Pod], held: Mapping[PodId, int]
+        self, cycle: Cycle, pods: Sequence[Pod], length: PromptLength, held: Mapping[PodId, int]
     ) -> dict[PodId, float]:
-        held_bytes = self._held_bytes(cycle, held)
         a = self.args
+        num_tokens = length.num_tokens
         estimates: dict[PodId, float] = {}
         for pod in pods:
-            work = pod_work(cycle, pod, held_bytes.get(pod.id, 0), self.in_flight)
+            uncached = length.uncached(held.get(pod.id, 0))
+            work = pod_work(cycle, pod, uncached, self.in_flight, num_tokens)
             estimates[pod.id] = (
                 a.prefillMsPerToken * (work.queued * work.mean_tokens + work.uncached)
                 + a.queuedMs * (1 + work.queued)
@@ -204,13 +264,18 @@ class EstimatedTTFT:
             )
         return estimates
 
-    def write_ms(self, cycle: Cycle, pods: Iterable[PodId]) -> dict[PodId, float]:
-        """Each pod's ``write_ms`` (module doc); needs ``estimate_ms`` run on the cycle."""
+    def write_ms(
+        self, cycle: Cycle, pods: Iterable[PodId], num_tokens: int | None = None
+    ) -> dict[PodId, float]:
+        """Each pod's ``write_ms`` (module doc); needs ``estimate_ms`` run on the cycle.
+        ``num_tokens``: the prompt's tokens (by default estimated from its bytes)."""
         written = {pod: self.written.get(pod) for pod in pods}
         most = max(written.values(), default=0.0)
         if most <= 0:
             return dict.fromkeys(written, 0.0)
-        per_token = self.args.writtenMs / (most * max(1, cycle.num_prompt_tokens))
+        if num_tokens is None:
+            num_tokens = cycle.num_prompt_tokens
+        per_token = self.args.writtenMs / (most * max(1, num_tokens))
         return {pod: per_token * w * cycle.num_prefill_tokens(pod) for pod, w in written.items()}
 
     def costs(self, cycle: Cycle, pods: Sequence[Pod]) -> dict[PodId, float]:
@@ -218,20 +283,18 @@ class EstimatedTTFT:
         return self._costs(cycle, pods, self.matched_blocks(cycle, pods))
 
     def _costs(
-        self, cycle: Cycle, pods: Sequence[Pod], held: Mapping[PodId, int]
+        self, cycle: Cycle, pods: Sequence[Pod], blocks: Mapping[PodId, int]
     ) -> dict[PodId, float]:
-        estimates = self._estimates(cycle, pods, held)
-        for pod, ms in self.write_ms(cycle, estimates).items():
+        length, held = self.held(cycle, pods, blocks)
+        estimates = self._estimates(cycle, pods, length, held)
+        for pod, ms in self.write_ms(cycle, estimates, length.num_tokens).items():
             estimates[pod] += ms
         longest = max(held.values(), default=0)
         a = self.args
-        share = min(longest * a.blockSizeToHash, cycle.num_prompt_bytes) / max(
-            1, cycle.num_prompt_bytes
-        )
-        if longest <= 0 or share < a.affinityMinMatch:
+        if longest <= 0 or longest / max(1, length.units) < a.affinityMinMatch:
             return estimates
-        for pod, blocks in held.items():
-            if blocks == longest:
+        for pod, units in held.items():
+            if units == longest:
                 est = estimates[pod]
                 estimates[pod] = min(est - a.affinityMarginMs, est / a.affinityRatio)
         return estimates
@@ -267,19 +330,24 @@ class EstimatedTTFT:
     def _table_costs(
         self, cycle: Cycle, table: PodTable, positions: Positions
     ) -> tuple[npt.NDArray[np.float64], int]:
-        """The costs, and the longest prefix a candidate holds or has arriving, in blocks;
-        leaves the candidates' uncached tokens in ``cycle.uncached_rows``."""
+        """The costs, and the longest prefix a candidate holds or has arriving in this
+        plugin's view, in blocks; leaves the candidates' uncached tokens in
+        ``cycle.uncached_rows``."""
         keys = self._keys(cycle)
-        held = np.zeros(len(positions), dtype=np.int64)
+        blocks = np.zeros(len(positions), dtype=np.int64)
         if len(keys):
-            held = match_lengths(self.index, keys, table, positions)
+            blocks = match_lengths(self.index, keys, table, positions)
             arriving = self.arrivals.match(keys)
             if arriving:
-                np.maximum(held, per_row(table, positions, arriving), out=held)
+                np.maximum(blocks, per_row(table, positions, arriving), out=blocks)
         a = self.args
         num_bytes = cycle.num_prompt_bytes
-        held_bytes = np.minimum(held * a.blockSizeToHash, num_bytes)
-        uncached = -((held_bytes - num_bytes) // BYTES_PER_TOKEN)
+        length = PromptLength(num_bytes, BYTES_PER_TOKEN)
+        held = np.minimum(blocks * a.blockSizeToHash, num_bytes)
+        exact = self._exact(cycle, table.take(positions)) if self.exact is not None else None
+        if exact is not None:
+            length, held = self._exact_rows(exact, table, positions, held, num_bytes)
+        uncached = -((held - length.units) // length.units_per_token)
         cycle.uncached_rows.append(RowValues(table, positions, uncached))
         requests, tokens = self.in_flight.counts_at(table.position, len(table))
         num_in_flight, in_flight_tokens = requests[positions], tokens[positions]
@@ -288,7 +356,7 @@ class EstimatedTTFT:
         mean_tokens = np.where(
             num_in_flight > 0,
             in_flight_tokens / np.maximum(num_in_flight, 1),
-            float(cycle.num_prompt_tokens),
+            float(length.num_tokens),
         )
         costs: npt.NDArray[np.float64] = (
             a.prefillMsPerToken * (queued * mean_tokens + uncached)
@@ -298,14 +366,30 @@ class EstimatedTTFT:
         written = per_row(table, positions, self.written.snapshot(), np.float64)
         most = written.max(initial=0.0)
         if most > 0:
-            costs += a.writtenMs / (most * max(1, cycle.num_prompt_tokens)) * written * uncached
+            costs += a.writtenMs / (most * max(1, length.num_tokens)) * written * uncached
         longest = int(held.max(initial=0))
-        share = min(longest * a.blockSizeToHash, num_bytes) / max(1, num_bytes)
-        if longest > 0 and share >= a.affinityMinMatch:
+        if longest > 0 and longest / max(1, length.units) >= a.affinityMinMatch:
             affinity = held == longest
             est = costs[affinity]
             costs[affinity] = np.minimum(est - a.affinityMarginMs, est / a.affinityRatio)
-        return costs, longest
+        return costs, int(blocks.max(initial=0))
+
+    @staticmethod
+    def _exact_rows(
+        exact: ExactMatches,
+        table: PodTable,
+        positions: Positions,
+        held_bytes: npt.NDArray[np.int64],
+        num_bytes: int,
+    ) -> tuple[PromptLength, npt.NDArray[np.int64]]:
+        """``held`` on the table path with precise-prefix-cache's counts: exact tokens per
+        row, this plugin's view in the prompt's tokens where a pod has no exact view."""
+        num_tokens, matched = exact.num_prompt_tokens, exact.matched_tokens
+        held = num_tokens * held_bytes // max(1, num_bytes)
+        if matched:
+            known = per_row(table, positions, dict.fromkeys(matched, 1)).astype(np.bool_)
+            held[known] = per_row(table, positions, matched)[known]
+        return PromptLength(num_tokens, 1), held
 
     def _observe(self, cycle: Cycle, longest: int) -> None:
         """The spec's match ratio: the longest prefix held or arriving, over the blocks."""

@@ -16,8 +16,14 @@ as their own KV events say (``datalayer.kv_events`` -> ``prefix.precise.index``)
   (``busy``), and a pod whose view is stale (events lost) are scored from an approximate
   view, prefix-cache's own (``PrefixIndex`` over recorded prompts), which this plugin
   keeps too;
-* exact counts for the cost model: ``matched_tokens`` is what vLLM will find cached
-  (whole blocks, never the prompt's last token), ``prompt_tokens`` the prompt's length.
+* exact counts for the cost model: ``exact_matches`` (``ExactPrefix``, which
+  estimated-ttft reads) gives the prompt's length and, per pod with a trusted view, the
+  tokens vLLM will find cached (whole blocks, never the prompt's last token);
+  ``matched_tokens`` adds the fallbacks' estimates;
+* provisional credit: events come after the prefill, not at the pick, so from the pick
+  until the request ends the prompt's blocks count as held on the picked pod
+  (``Arrivals`` over this plugin's keys in ``blockSize`` blocks; the view's own match
+  wins where it is longer). A stale pod gets no credit: it is scored approximately.
 """
 
 from __future__ import annotations
@@ -36,15 +42,18 @@ from prometheus_client.registry import Collector
 
 from extproc.datalayer.kv_events import KvEventsSubscriber
 from extproc.errors import ConfigError
+from extproc.prefix.hashing import Keys, as_keys
 from extproc.prefix.index import PrefixIndex
 from extproc.prefix.precise.index import PreciseIndex
 from extproc.prefix.precise.keys import chain_keys
 from extproc.request.tokens import NotExact, Segments, SegmentTokenizer
 from extproc.scheduling.args import load_args
+from extproc.scheduling.arrivals import Arrivals
 from extproc.scheduling.prefix_metrics import MATCH_RATIO_BUCKETS
 from extproc.scheduling.types import (
     BYTES_PER_TOKEN,
     Cycle,
+    ExactMatches,
     PluginContext,
     Preparation,
     TokenIds,
@@ -108,6 +117,7 @@ class PrecisePrefixCache:
         except ValueError as exc:
             raise ConfigError(f"precise-prefix-cache: {exc}") from None
         self.subscriber: KvEventsSubscriber | None = None
+        self.arrivals = Arrivals()
         registry = ctx.registry
         ratio = Histogram(
             "extproc_precise_prefix_cache_match_ratio",
@@ -146,6 +156,11 @@ class PrecisePrefixCache:
             registry=registry,
         )
         entries.set_function(lambda: self.approx.num_entries)
+        Gauge(
+            "extproc_precise_prefix_arriving_requests",
+            "Routed requests whose prompt counts as cached on their pick (not ended yet).",
+            registry=registry,
+        ).set_function(lambda: self.arrivals.num_requests)
         registry.register(_MemoCollector(self.tokenizers))
 
     @classmethod
@@ -215,13 +230,27 @@ class PrecisePrefixCache:
         cycle.tokenized = True  # token_ids stays None: scored from the approximate view
         self._fallbacks(reason).inc()
 
+    def _credit_keys(self, cycle: Cycle, tokens: TokenIds) -> Keys:
+        """The keys a pick is credited with: in ``blockSize`` blocks, whatever the pod's."""
+        return as_keys(chain_keys(tokens, self.args.blockSize, cycle.request.cache_salt))
+
     def _precise(
         self, cycle: Cycle, tokens: TokenIds, pods: Iterable[PodId]
     ) -> tuple[dict[PodId, tuple[int, int, int]], list[PodId]]:
-        """Per pod with a trusted view: (GPU blocks, offloaded blocks, full blocks);
-        and the pods whose view is stale."""
+        """Per pod with a trusted view: (GPU blocks, offloaded blocks, full blocks), its
+        credit for arriving blocks included; and the pods whose view is stale."""
         keys_by_size: dict[int, list[int]] = {}
-        salt = cycle.request.cache_salt
+
+        def keys_of(size: int) -> list[int]:
+            keys = keys_by_size.get(size)
+            if keys is None:
+                keys = keys_by_size[size] = chain_keys(tokens, size, cycle.request.cache_salt)
+            return keys
+
+        credit_size = self.args.blockSize
+        credit: dict[PodId, int] = {}
+        if len(self.arrivals) and (credit_keys := keys_of(credit_size)):
+            credit = self.arrivals.match(as_keys(credit_keys))
         out: dict[PodId, tuple[int, int, int]] = {}
         stale: list[PodId] = []
         now = time.monotonic()
@@ -231,10 +260,11 @@ class PrecisePrefixCache:
                 stale.append(pod)
                 continue
             size = (view.block_size if view else None) or self.args.blockSize
-            keys = keys_by_size.get(size)
-            if keys is None:
-                keys = keys_by_size[size] = chain_keys(tokens, size, salt)
+            keys = keys_of(size)
             gpu, offloaded = self.index.match(pod, keys)
+            arriving = credit.get(pod, 0) * credit_size // size
+            if arriving > gpu:  # the arriving blocks will be on the GPU
+                gpu, offloaded = arriving, max(0, gpu + offloaded - arriving)
             out[pod] = (gpu, offloaded, len(keys))
         return out, stale
 
@@ -264,20 +294,27 @@ class PrecisePrefixCache:
         self._ratio(cycle.request.model).observe(best[0][1] if best else 0.0)
         return {pod: int(fraction * 100) for pod, fraction in best}
 
-    def matched_tokens(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
-        """Prompt tokens each pod will find cached, as vLLM counts them (whole GPU blocks,
-        at most the prompt's length less one); approximate for fallbacks."""
+    def exact_matches(self, cycle: Cycle, pods: Sequence[Pod]) -> ExactMatches | None:
+        """``ExactPrefix``: prompt tokens each pod with a trusted view will find cached,
+        as vLLM counts them (whole GPU blocks, at most the prompt's length less one)."""
         tokens = self.prompt_tokens(cycle)
-        ids = [p.id for p in pods]
-        out: dict[PodId, int] = {}
-        approximate: list[PodId] = ids
-        if tokens is not None:
-            precise, approximate = self._precise(cycle, tokens, ids)
-            for pod, (gpu, _, _) in precise.items():
-                view = self.index.views.get(pod)
-                size = (view.block_size if view else None) or self.args.blockSize
-                out[pod] = min(gpu, max(0, len(tokens) - 1) // size) * size
-        num_tokens = len(tokens) if tokens is not None else cycle.num_prompt_tokens
+        if tokens is None:
+            return None
+        precise, _ = self._precise(cycle, tokens, [p.id for p in pods])
+        limit = max(0, len(tokens) - 1)
+        matched: dict[PodId, int] = {}
+        for pod, (gpu, _, _) in precise.items():
+            view = self.index.views.get(pod)
+            size = (view.block_size if view else None) or self.args.blockSize
+            matched[pod] = min(gpu, limit // size) * size
+        return ExactMatches(len(tokens), matched)
+
+    def matched_tokens(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
+        """``exact_matches``' counts, and the approximate view's for the fallbacks."""
+        exact = self.exact_matches(cycle, pods)
+        out = dict(exact.matched_tokens) if exact is not None else {}
+        num_tokens = exact.num_prompt_tokens if exact is not None else cycle.num_prompt_tokens
+        approximate = [p.id for p in pods if p.id not in out]
         for pod, fraction in self._approx_fraction(cycle, approximate).items():
             out[pod] = int(fraction * num_tokens)
         return out
@@ -300,7 +337,20 @@ class PrecisePrefixCache:
             if evicted:
                 self._evictions.labels(cycle.request.model).inc(evicted)
 
+    def arriving(self, cycle: Cycle, pod: PodId) -> None:
+        """``pod`` was picked for ``cycle``: its blocks count as held there until it ends."""
+        tokens = self.prompt_tokens(cycle)
+        if tokens is not None and len(keys := self._credit_keys(cycle, tokens)):
+            self.arrivals.add(keys, pod)
+
+    def settled(self, cycle: Cycle, pod: PodId) -> None:
+        """The request picked for ``pod`` ended (any outcome): its credit goes."""
+        tokens = cycle.token_ids
+        if tokens is not None and len(keys := self._credit_keys(cycle, tokens)):
+            self.arrivals.remove(keys, pod)
+
     def pods_changed(self, pods: Sequence[Pod]) -> None:
         self.approx.retain_pods(p.id for p in pods)
+        self.arrivals.forget_pods({p.id for p in pods})
         if self.subscriber is not None:
             self.subscriber.set_pods(pods)
