@@ -108,7 +108,7 @@ def test_tenants_is_the_benchmarks_tenants_shape() -> None:
     assert len(set(tenant)) == 8
     assert all(10 <= len(i.sim.prompt_token_ids) - 600 <= 50 for i in items)
     steady, burst = items[:200], items[200:]
-    hot, num_hot = Counter(tenant[200:]).most_common(1)[0]
+    _hot, num_hot = Counter(tenant[200:]).most_common(1)[0]
     assert num_hot / len(burst) > 0.75  # 0.8 + 0.2 / 8
     assert 15 < steady[-1].arrival_s < 25 and 8 < burst[-1].arrival_s - burst[0].arrival_s < 12
     assert dict(workload.engine_defaults) == {"num_gpu_blocks": 2048, "max_num_seqs": 8}
