@@ -127,16 +127,17 @@ class Written:
             value, at = self._pods.get(pod, (0.0, self.tick))
             self._pods[pod] = (value * self.decay ** (self.tick - at) + tokens, self.tick)
 
+    def _decayed(self, value: float, at: int) -> float:
+        return value * self.decay ** (self.tick - at)
+
     def get(self, pod: PodId) -> float:
         with self._lock:
-            value, at = self._pods.get(pod, (0.0, self.tick))
-            return value * self.decay ** (self.tick - at)
+            return self._decayed(*self._pods.get(pod, (0.0, self.tick)))
 
     def snapshot(self) -> dict[PodId, float]:
-        """``get`` for every pod written to."""
+        """``get`` for every pod written to, under one lock."""
         with self._lock:
-            tick, decay = self.tick, self.decay
-            return {pod: v * decay ** (tick - at) for pod, (v, at) in self._pods.items()}
+            return {pod: self._decayed(v, at) for pod, (v, at) in self._pods.items()}
 
     def forget_pods(self, keep: set[PodId]) -> None:
         with self._lock:
@@ -269,7 +270,8 @@ class EstimatedTTFT:
     ) -> dict[PodId, float]:
         """Each pod's ``write_ms`` (module doc); needs ``estimate_ms`` run on the cycle.
         ``num_tokens``: the prompt's tokens (by default estimated from its bytes)."""
-        written = {pod: self.written.get(pod) for pod in pods}
+        snapshot = self.written.snapshot()
+        written = {pod: snapshot.get(pod, 0.0) for pod in pods}
         most = max(written.values(), default=0.0)
         if most <= 0:
             return dict.fromkeys(written, 0.0)
