@@ -72,7 +72,9 @@ def chart(rows: list[dict[str, Any]], out: Path, title: str) -> None:
 
 
 def write(results: dict[str, Any], out_dir: Path, notes: str) -> Path:
-    """Write ``routing_quality.md`` and its charts into ``out_dir``; returns the file."""
+    """Write ``routing_quality.md`` and its charts into ``out_dir``; returns the file. Each
+    section (pod set) of ``results["runs"]`` comes with the command, configuration and
+    UTC times of the run that made it."""
     out_dir.mkdir(parents=True, exist_ok=True)
     parts = ["# Routing quality: extproc against Envoy round robin and the peer routers", ""]
     parts += [notes, ""]
@@ -80,9 +82,24 @@ def write(results: dict[str, Any], out_dir: Path, notes: str) -> Path:
         png = f"routing_quality_{kind}.png"
         chart(section["rows"], out_dir / png, section["title"])
         parts += [f"## {section['title']}", "", section["setup"], "", table(section["rows"]), "",
-                  f"![{kind}]({png})", ""]  # fmt: skip
-    parts += ["## Configuration", "", "```", results["command"], "```", "", "```json",
-              results["config_json"], "```", ""]  # fmt: skip
+                  f"![{kind}]({png})", "", f"Run {section.get('utc', '(time not recorded)')}:",
+                  "", "```", section["command"], "```", "", "```json", section["config_json"],
+                  "```", ""]  # fmt: skip
     path = out_dir / "routing_quality.md"
     path.write_text("\n".join(parts))
     return path
+
+
+def merged(new: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
+    """``new``'s sections with ``old``'s of the pod sets this run did not touch, in the
+    order of their names (a file of the earlier layout lends its one command and
+    configuration to each of its sections)."""
+    old = old or {}
+    runs = {
+        kind: {"command": old.get("command", ""), "config_json": old.get("config_json", "{}"),
+               **section}
+        for kind, section in old.get("runs", {}).items()
+        if kind not in new["runs"]
+    }  # fmt: skip
+    runs.update(new["runs"])
+    return {"runs": dict(sorted(runs.items()))}

@@ -200,9 +200,14 @@ def pod_sets(
         f"caching) on 2 shared cores. Mooncake traces: first {args.vllm_trace_requests} "
         f"requests, token counts / 64, prompts cut to ~280 tokens, clock x{args.vllm_speedup}."
     )
+    # The simulated pods with events are another pod set: their section does not replace
+    # the one of the pods without.
+    sim_kind, sim_title = (
+        ("sim-events", "Simulated pods with KV events") if precise else ("sim", "Simulated pods")
+    )
     return {
-        "sim": ("Simulated pods", sim_setup,
-                lambda: sim_pod_set(args.sim_pods, SIM_ENGINE, log_dir, precise)),
+        sim_kind: (sim_title, sim_setup,
+                   lambda: sim_pod_set(args.sim_pods, SIM_ENGINE, log_dir, precise)),
         "vllm": ("Real vLLM pods", vllm_setup, lambda: vllm_pod_set(3, log_dir)),
     }  # fmt: skip
 
@@ -274,15 +279,24 @@ def main() -> None:
     runs: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
         for kind, (title, setup, start) in pod_sets(args, Path(tmp)).items():
-            if kind not in args.pods.split(","):
+            if kind.partition("-")[0] not in args.pods.split(","):
                 continue
+            started = utc_now()
             with start() as pods:
                 each = run_pods(pods, args, Path(tmp))
-                runs[kind] = {"title": title, "setup": setup, "runs": each, "rows": aggregate(each)}
-    results = {"command": command, "config_json": json.dumps(config, indent=1), "runs": runs}
+            runs[kind] = {"title": title, "setup": setup, "runs": each, "rows": aggregate(each),
+                          "command": command, "config_json": json.dumps(config, indent=1),
+                          "utc": f"{started} to {utc_now()}"}  # fmt: skip
+    # Another pod set's section, from an earlier run into the same directory, stays.
+    path = args.out / "routing_quality.json"
+    results = report.merged({"runs": runs}, json.loads(path.read_text()) if path.exists() else None)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "routing_quality.json").write_text(json.dumps(results, indent=1))
+    path.write_text(json.dumps(results, indent=1))
     print("wrote", report.write(results, args.out, NOTES))
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 
 
 if __name__ == "__main__":

@@ -35,7 +35,10 @@ def test_the_sim_pods_tokenize_for_precise_only_when_it_runs(
 ) -> None:
     args = run_args(contenders, flag)
     assert sim_precise(args) is precise
-    setup = pod_sets(args, tmp_path)["sim"][1]
+    sets = pod_sets(args, tmp_path)
+    kind = "sim-events" if precise else "sim"  # one section each in the results
+    assert set(sets) == {kind, "vllm"}
+    setup = sets[kind][1]
     assert ("Qwen3" in setup) is precise
     assert ("pseudo-tokenizer, no KV events" in setup) is not precise
     assert setup.startswith(f"8 simulated pods (`extproc sim-pods {' '.join(SIM_ENGINE)}")
