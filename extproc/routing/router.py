@@ -275,8 +275,9 @@ class Router:
         """A routed request ended; record it for the pod that served if it succeeded.
 
         ``carried``: reads the record the request brought back (access-log metadata),
-        called only when this replica did not route it. Returns whether anything was
-        recorded.
+        called only when this replica did not route it (another replica's pick applied
+        here just ends: the request is recorded from what it brought, once, and its end
+        published). Returns whether anything was recorded.
         """
         if attempts > 1:
             self.metrics.retries.inc(attempts - 1)

@@ -61,7 +61,7 @@ from extproc.routing.router import Router
 log = logging.getLogger("extproc.sharing")
 
 DEFAULT_STREAM = "extproc:records"
-DEFAULT_MAXLEN = 20_000  # entries kept in Redis (about 3 KB each at most)
+DEFAULT_MAXLEN = 20_000  # entries kept in Redis, two a request (keys: 1.4 KB per 128)
 QUEUE_MAX = 10_000  # entries waiting for Redis; beyond, the oldest are dropped
 BATCH = 256  # entries per XADD pipeline / XREAD / catch-up page
 READ_BLOCK_MS = 1000
