@@ -14,6 +14,7 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
+from extproc.request.parse import parse_request
 from extproc.routing.records import Record, Shared, Started
 from extproc.routing.router import Router
 from extproc.routing.sharing import RedisSharing, encode_shared, encode_started
@@ -195,8 +196,7 @@ def chat(prompt: str) -> bytes:
 def held(router: Router, body: bytes, pods: Sequence[Pod]) -> dict[PodId, int]:
     """What ``router`` scores each pod as holding of ``body``'s prompt: precise-prefix-
     cache's exact tokens (precise.yaml), else estimated-ttft's blocks (records and picks)."""
-    path = "/v1/chat/completions"
-    cycle = Cycle(router._begin(path, body, None, None)[0].request)
+    cycle = Cycle(parse_request("/v1/chat/completions", body))
     for plugin in router.scheduler.provisional:
         if isinstance(plugin, PrecisePrefixCache):
             exact = plugin.exact_matches(cycle, pods)
