@@ -73,6 +73,7 @@ CONTENDERS = (
     Contender("3 replicas, 2 Envoys, metadata + Redis", 3, 2, True, True),
     Contender("1 replica, precise", 1, 1, True, False, precise=True),
     Contender("2 replicas, 1 Envoy, metadata, precise", 2, 1, True, False, precise=True),
+    Contender("2 replicas, 1 Envoy, metadata + Redis, precise", 2, 1, True, True, precise=True),
 )
 
 

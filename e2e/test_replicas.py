@@ -95,7 +95,7 @@ def test_a_replica_killed_under_load_and_restarted_catches_up(replicas: Replicas
         assert statuses == {200: len(load.outcomes)}, statuses
     else:  # the few streams sent before the health check marks it down fail (500)
         assert statuses[200] >= 0.95 * len(load.outcomes), statuses
-    assert first.metric("extproc_sharing_applied_total") > 0  # caught up
+    assert first.metric("extproc_sharing_applied_total", 'kind="end"') > 0  # caught up
     assert wait_until_true(lambda: converged(replicas), timeout_s=20), views(replicas)
     assert second.metric("extproc_completions_total", 'outcome="unknown_request"') == 0
 

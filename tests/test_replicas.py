@@ -17,9 +17,18 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import struct_pb2
 from prometheus_client import CollectorRegistry
 
-from extproc.routing.records import BadRecord, Record, Shared, decode_keys, encode_keys
+from extproc.routing.records import (
+    MAX_CREDIT_BLOCKS,
+    BadRecord,
+    Record,
+    Shared,
+    Started,
+    decode_keys,
+    encode_credit_keys,
+    encode_keys,
+)
 from extproc.routing.router import Router
-from extproc.routing.sharing import decode_shared, encode_shared
+from extproc.routing.sharing import decode_entry, encode_shared, encode_started
 from extproc.scheduling.config import build_scheduler, default_config_text, parse_config
 from extproc.scheduling.sessions import SessionStore
 from extproc.types import PodId
@@ -237,8 +246,10 @@ def test_shared_entries_round_trip() -> None:
     record = Record("m", {GEOMETRY: np.array([1, -2, 3], np.int64)}, "sess")
     shared = Shared("a", "r1", record, PodId("ns", "p0"), PodId("ns", "p1"))
     fields = {k.encode(): v.encode() for k, v in encode_shared(shared).items()}
-    back = decode_shared(fields, [GEOMETRY])
-    assert back.record is not None and back.record.session_key == "sess"
+    back = decode_entry(fields, [GEOMETRY])
+    assert (
+        isinstance(back, Shared) and back.record is not None and back.record.session_key == "sess"
+    )
     assert (back.origin, back.request_id, back.pod, back.prefill) == (
         "a",
         "r1",
@@ -246,22 +257,51 @@ def test_shared_entries_round_trip() -> None:
         PodId("ns", "p1"),
     )
     assert np.array_equal(back.record.keys[GEOMETRY], record.keys[GEOMETRY])
-    assert decode_shared({b"o": b"a", b"r": b"r2"}, [GEOMETRY]).record is None
+    assert decode_entry({b"o": b"a", b"r": b"r2"}, [GEOMETRY]).record is None
     with pytest.raises(BadRecord):
-        decode_shared({b"r": b"r2"}, [GEOMETRY])
+        decode_entry({b"r": b"r2"}, [GEOMETRY])
+
+
+def test_started_entries_round_trip_and_malformed_ones_are_refused() -> None:
+    credit = np.arange(MAX_CREDIT_BLOCKS, dtype=np.int64)
+    record = Record("m", {GEOMETRY: np.array([1, -2], np.int64)}, "sess", credit)
+    started = Started("a", "r1", record, PodId("ns", "p0"), 900, PodId("ns", "p1"), 40)
+    fields = {k.encode(): v.encode() for k, v in encode_started(started).items()}
+    back = decode_entry(fields, [GEOMETRY])
+    assert isinstance(back, Started) and back.record.credit_keys is not None
+    assert np.array_equal(back.record.credit_keys, credit)
+    assert (back.pick, back.tokens, back.prefill, back.prefill_tokens) == (
+        PodId("ns", "p0"),
+        900,
+        PodId("ns", "p1"),
+        40,
+    )
+    too_many = encode_credit_keys(np.arange(MAX_CREDIT_BLOCKS + 1, dtype=np.int64)).encode()
+    for field, value, reason in [
+        (b"e", b"begin", "kind"),
+        (b"n", b"-1", "tokens"),
+        (b"c", too_many, "credit_keys"),
+        (b"c", b"not base64!", "credit_keys"),
+    ]:
+        with pytest.raises(BadRecord) as raised:
+            decode_entry({**fields, field: value}, [GEOMETRY])
+        assert raised.value.reason == reason
 
 
 def test_ends_published_by_one_router_are_applied_by_another_without_echo() -> None:
     a, b = make_router(sessions=True), make_router(sessions=True)
-    published_a: list[Shared] = []
-    published_b: list[Shared] = []
+    published_a: list[Shared | Started] = []
+    published_b: list[Shared | Started] = []
     a.share, b.share = published_a.append, published_b.append
     reply = process(b, "r1", session="s1")  # b routes, a hears the end
+    assert [type(p) for p in published_b] == [Started]  # its pick
+    published_b.clear()
     pick = b.pending.pop("r1")
     assert pick is not None
     b.pending.add("r1", pick)
     AccessLogHandler(a).complete(log_entry("r1", PODS[2].address, reply.dynamic_metadata))
-    assert len(published_a) == 1 and published_a[0].pod == PODS[2].id
+    assert len(published_a) == 1
+    assert isinstance(published_a[0], Shared) and published_a[0].pod == PODS[2].id
     assert b.in_flight.get(pick.pick) == 1
     assert b.apply_shared(published_a[0]) is True
     assert b.in_flight.get(pick.pick) == 0 and len(b.pending) == 0  # ended elsewhere
@@ -278,22 +318,23 @@ def test_a_shared_record_for_an_unknown_pod_is_skipped() -> None:
     router = make_router()
     record = Record("m", {GEOMETRY: np.array([1], np.int64)})
     assert router.apply_shared(Shared("x", "r9", record, PodId("default", "gone"))) is False
-    assert router.metrics.shared_unknown_pod._value.get() == 1
+    assert router.metrics.shared_unknown_pod["end"]._value.get() == 1
 
 
-def test_a_failed_end_is_published_only_for_requests_routed_elsewhere() -> None:
+def test_a_failed_end_is_published_whoever_routed_it() -> None:
     a, b = make_router(), make_router()
-    published: list[Shared] = []
+    published: list[Shared | Started] = []
     a.share = published.append
     process(a, "mine")
     reply = process(b, "theirs")
     handler = AccessLogHandler(a)
     handler.complete(log_entry("mine", PODS[0].address, None, code=503))
-    assert published == []  # routed here: nobody else counts it in flight
     handler.complete(log_entry("theirs", PODS[0].address, reply.dynamic_metadata, code=503))
-    assert [(s.request_id, s.record) for s in published] == [("theirs", None)]
+    ends = [p for p in published if isinstance(p, Shared)]
+    # Routed here: the others applied its pick; elsewhere: its router counts it in flight.
+    assert [(s.request_id, s.record) for s in ends] == [("mine", None), ("theirs", None)]
     pick = b.pending.pop("theirs")
     assert pick is not None
     b.pending.add("theirs", pick)
-    b.apply_shared(published[0])
+    b.apply_shared(ends[1])
     assert b.in_flight.get(pick.pick) == 0 and len(b.pending) == 0

@@ -1,21 +1,32 @@
 """Routers sharing their view through a real ``redis-server`` (started on a free port):
-convergence, no echo, Redis killed and restarted, a late replica catching up."""
+convergence, no echo, Redis killed and restarted, a late replica catching up; one
+replica's picks credited and counted in flight on another until their end."""
 
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
+import orjson
 import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
+from extproc.request.parse import parse_request
+from extproc.routing.records import Record, Shared, Started
 from extproc.routing.router import Router
-from extproc.routing.sharing import RedisSharing
+from extproc.routing.sharing import RedisSharing, encode_shared, encode_started
+from extproc.scheduling.config import build_scheduler, default_config_text, parse_config
+from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT
+from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
+from extproc.scheduling.types import Cycle
 from extproc.sim.replicas import RedisServer, run_redis, wait_until_true
-from extproc.types import PodId
-from tests.test_replicas import PODS, make_router
+from extproc.types import Pod, PodId
+from extproc.wire.access_log import AccessLogHandler
+from tests.factories import make_pod
+from tests.test_replicas import GEOMETRY, PODS, log_entry, make_router, process
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,6 +41,11 @@ def sharing(router: Router, server: RedisServer, maxlen: int = 1000) -> RedisSha
     shared = RedisSharing(router, server.url, maxlen=maxlen, registry=CollectorRegistry())
     shared.start()
     return shared
+
+
+def applied(shared: RedisSharing) -> int:
+    """Entries applied, starts and ends."""
+    return sum(int(c._value.get()) for c in shared.applied.values())
 
 
 def entries(router: Router, pod: PodId = PODS[1].id) -> int:
@@ -51,10 +67,10 @@ def test_records_converge_without_echo(server: RedisServer) -> None:
         assert wait_until_true(lambda: entries(b) == entries(a) > 0)
         serve(b, "r2", "tenant two " * 40)
         assert wait_until_true(lambda: entries(a) == entries(b))
-        assert wait_until_true(lambda: share_a.applied._value.get() == 1)
-        assert share_b.applied._value.get() == 1  # each applied the other's only
+        assert wait_until_true(lambda: share_a.applied["end"]._value.get() == 1)
+        assert share_b.applied["end"]._value.get() == 1  # each applied the other's only
         client = redis.Redis.from_url(server.url)
-        assert client.xlen(share_a.stream) == 2  # applied entries were not published again
+        assert client.xlen(share_a.stream) == 4  # a start and an end each, none again
     finally:
         share_a.stop()
         share_b.stop()
@@ -86,12 +102,12 @@ def test_entries_written_just_before_redis_died_are_written_again(server: RedisS
     try:
         serve(a, "r1", "written, then lost with redis " * 40)
         client = redis.Redis.from_url(server.url)
-        assert wait_until_true(lambda: client.xlen(share_a.stream) == 1)
+        assert wait_until_true(lambda: client.xlen(share_a.stream) == 2)  # a start, an end
         server.stop(signal.SIGKILL)
         serve(a, "r2", "during the outage " * 40)
         assert wait_until_true(lambda: share_a.up._value.get() == 0)
         server.start()  # same port, empty
-        assert wait_until_true(lambda: client.xlen(share_a.stream) == 2, timeout_s=30)
+        assert wait_until_true(lambda: client.xlen(share_a.stream) == 4, timeout_s=30)
         b = make_router()  # reads the new stream from its start: both records
         share_b = sharing(b, server)
         try:
@@ -109,16 +125,16 @@ def test_a_late_replica_catches_up_from_the_bounded_window(server: RedisServer) 
         for i in range(400):
             serve(a, f"r{i}", f"prompt {i} " * 20, pod=i % 4)
         client = redis.Redis.from_url(server.url)
-        assert wait_until_true(lambda: share_a.published._value.get() == 400)
-        assert client.xlen(share_a.stream) < 400  # trimmed: about maxlen, by whole nodes
+        assert wait_until_true(lambda: share_a.published["end"]._value.get() == 400)
+        assert client.xlen(share_a.stream) < 800  # trimmed: about maxlen, by whole nodes
         late = make_router()
         share_late = sharing(late, server, maxlen=50)
         try:
             window = client.xlen(share_a.stream)
-            assert wait_until_true(lambda: share_late.applied._value.get() == window)
+            assert wait_until_true(lambda: applied(share_late) == window)
             assert 0 < sum(entries(late, p.id) for p in PODS) < sum(entries(a, p.id) for p in PODS)
             serve(a, "after", "after the catch-up " * 20)  # then it follows the tail
-            assert wait_until_true(lambda: share_late.applied._value.get() == window + 1)
+            assert wait_until_true(lambda: applied(share_late) == window + 2)
         finally:
             share_late.stop()
     finally:
@@ -133,7 +149,7 @@ def test_malformed_entries_are_counted_and_skipped(server: RedisServer) -> None:
         client.xadd(share_a.stream, {"o": "x", "r": "r1", "m": "m", "p": "no-slash"})
         client.xadd(share_a.stream, {"r": "r2"})
         client.xadd(share_a.stream, {"o": "x", "r": "r3"})  # a valid end without a record
-        assert wait_until_true(lambda: share_a.applied._value.get() == 1)
+        assert wait_until_true(lambda: share_a.applied["end"]._value.get() == 1)
         assert share_a.invalid.labels("pod")._value.get() == 1
         assert share_a.invalid.labels("origin")._value.get() == 1
     finally:
@@ -151,3 +167,123 @@ def test_malformed_entries_are_counted_and_skipped(server: RedisServer) -> None:
 def test_log_lines_name_redis_without_its_password(url: str, logged: str) -> None:
     sharing = RedisSharing(make_router(), url, registry=CollectorRegistry())
     assert sharing.where == logged
+
+
+MODEL_DIR = Path.home() / ".cache/extproc-e2e/model/qwen3-tiny"
+PRECISE_PODS = [make_pod(f"p{i}", model="qwen3-tiny", port=8000 + i) for i in range(4)]
+needs_tokenizer = pytest.mark.skipif(
+    not (MODEL_DIR / "tokenizer.json").exists(), reason="run `python -m e2e.real_vllm.prepare`"
+)
+
+
+def configured_router(precise: bool) -> Router:
+    """The default configuration (estimated-ttft), or precise.yaml with qwen3-tiny."""
+    registry = CollectorRegistry()
+    if precise:
+        text = Path("extproc/data/precise.yaml").read_text()
+        text = text.replace("/models/qwen3-tiny", str(MODEL_DIR))
+    else:
+        text = default_config_text()
+    scheduler = build_scheduler(parse_config(text, "t.yaml"), registry)
+    return Router(scheduler, PRECISE_PODS, registry=registry, carry_records=True)
+
+
+def chat(prompt: str) -> bytes:
+    message = {"role": "user", "content": prompt}
+    return orjson.dumps({"model": "qwen3-tiny", "messages": [message]})
+
+
+def held(router: Router, body: bytes, pods: Sequence[Pod]) -> dict[PodId, int]:
+    """What ``router`` scores each pod as holding of ``body``'s prompt: precise-prefix-
+    cache's exact tokens (precise.yaml), else estimated-ttft's blocks (records and picks)."""
+    cycle = Cycle(parse_request("/v1/chat/completions", body))
+    for plugin in router.scheduler.provisional:
+        if isinstance(plugin, PrecisePrefixCache):
+            exact = plugin.exact_matches(cycle, pods)
+            assert exact is not None
+            return {p: n for p, n in exact.matched_tokens.items() if n}
+    plugin = next(p for p in router.scheduler.provisional if isinstance(p, EstimatedTTFT))
+    return plugin.matched_blocks(cycle, pods)
+
+
+def arriving(router: Router) -> int:
+    return sum(
+        p.arrivals.num_requests  # type: ignore[attr-defined]
+        for p in router.scheduler.provisional
+    )
+
+
+@pytest.mark.parametrize(
+    "precise",
+    [pytest.param(False, id="default"), pytest.param(True, id="precise", marks=needs_tokenizer)],
+)
+def test_a_pick_is_credited_on_the_other_replica_until_its_end(
+    server: RedisServer, precise: bool
+) -> None:
+    a, b = configured_router(precise), configured_router(precise)
+    pods = PRECISE_PODS
+    share_a, share_b = sharing(a, server), sharing(b, server)
+    try:
+        body = chat("a new tenant's long system prompt, " * 60)
+        assert held(b, body, pods) == {}
+        decision = a.route("/v1/chat/completions", body, request_id="r1")
+        pick = decision.pods[0]
+        assert wait_until_true(lambda: share_b.applied["start"]._value.get() == 1)
+        # Before any record or KV event: b scores a's pick as holding the prompt.
+        assert list(held(b, body, pods)) == [pick.id]
+        assert b.route("/v1/chat/completions", body).pods[0] == pick
+        assert b.in_flight.get_count(pick.id) == a.in_flight.get_count(pick.id)
+        assert b.in_flight.get(pick.id) == 1 and arriving(b) == arriving(a) > 0
+        assert a.complete("r1", pick.address, succeeded=True)
+        assert wait_until_true(lambda: share_b.applied["end"]._value.get() == 1)
+        assert b.in_flight.get(pick.id) == 0 and len(b.pending) == 0 and arriving(b) == 0
+        assert b.metrics.ended_elsewhere._value.get() == 0  # not routed by b
+    finally:
+        share_a.stop()
+        share_b.stop()
+
+
+def test_a_pick_heard_after_its_end_is_dropped(server: RedisServer) -> None:
+    b = make_router()
+    share_b = sharing(b, server)
+    try:
+        record = Record("m", {GEOMETRY: np.array([1, 2], np.int64)}, None, np.array([5], np.int64))
+        client = redis.Redis.from_url(server.url)
+        client.xadd(share_b.stream, encode_shared(Shared("a", "late")))  # type: ignore[arg-type]
+        for request_id in ("late", "next"):
+            started = Started("a", request_id, record, PODS[0].id, 100)
+            client.xadd(share_b.stream, encode_started(started))  # type: ignore[arg-type]
+        assert wait_until_true(lambda: share_b.applied["start"]._value.get() == 1)  # "next"
+        assert list(b.pending._items) == ["next"] and b.in_flight.get(PODS[0].id) == 1
+        unknown = Started("a", "gone", record, PodId("default", "gone"), 100)
+        client.xadd(share_b.stream, encode_started(unknown))  # type: ignore[arg-type]
+        assert wait_until_true(lambda: b.metrics.shared_unknown_pod["start"]._value.get() == 1)
+        assert share_b.applied["start"]._value.get() == 1 and len(b.pending) == 1
+    finally:
+        share_b.stop()
+
+
+def test_an_end_heard_by_a_replica_holding_the_others_pick_is_recorded_once(
+    server: RedisServer,
+) -> None:
+    a, b = make_router(), make_router()
+    share_a, share_b = sharing(a, server), sharing(b, server)
+    try:
+        reply = process(a, "r1")  # a routes, b applies its pick, then hears the end
+        assert wait_until_true(lambda: len(b.pending) == 1)
+        pick = next(iter(b.pending._items.values())).pick
+        entry = log_entry("r1", PODS[2].address, reply.dynamic_metadata)
+        AccessLogHandler(b).complete(entry)
+        outcomes = b.metrics.outcome
+        assert outcomes["recorded_from_metadata"]._value.get() == 1
+        assert outcomes["recorded"]._value.get() == outcomes["unknown_request"]._value.get() == 0
+        assert len(b.pending) == 0 and b.in_flight.get(pick) == 0
+        assert wait_until_true(lambda: share_a.applied["end"]._value.get() == 1)
+        assert share_b.published["end"]._value.get() == 1  # published once (before a read it)
+        assert a.metrics.ended_elsewhere._value.get() == 1
+        assert len(a.pending) == 0 and a.in_flight.get(pick) == 0
+        assert entries(a, PODS[2].id) == entries(b, PODS[2].id) > 0  # recorded once each
+        assert a.metrics.outcome["recorded"]._value.get() == 0
+    finally:
+        share_a.stop()
+        share_b.stop()

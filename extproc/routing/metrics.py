@@ -60,11 +60,14 @@ class RouterMetrics:
             "Requests routed here whose end another replica reported (through Redis).",
             registry=registry,
         )
-        self.shared_unknown_pod = Counter(
+        unknown_pod = Counter(
             "extproc_shared_records_unknown_pod",
-            "Records from other replicas for pods this replica does not know (skipped).",
+            "Other replicas' picks (start) and records (end) for pods this replica does "
+            "not know (skipped).",
+            ["kind"],
             registry=registry,
         )
+        self.shared_unknown_pod = {k: unknown_pod.labels(k) for k in ("start", "end")}
         self.pods_ready = Gauge(
             "extproc_pods_ready", "Known pods that are ready to take requests.", registry=registry
         )

@@ -25,6 +25,7 @@ class Pending:
     prefill_tokens: int
     prefill: PodId | None
     prefill_pod_tokens: int = 0  # the prefill pod's in-flight tokens (PD)
+    foreign: bool = False  # another replica's pick (``Router.apply_started``)
 
 
 class PendingRecords:

@@ -9,7 +9,9 @@ the prompt's block keys of each geometry the recorders use) rides along:
 * in the ext_proc reply's dynamic metadata (``wire.record_metadata``), which Envoy's
   access log hands back to whichever replica receives it: ``Carried``;
 * on a Redis stream (``routing.sharing``), from the replica that recorded it to all the
-  others: ``Shared``.
+  others: ``Shared``; and at the pick, from the replica that routed it, so the others
+  credit the pick and count it in flight until its end: ``Started`` (its record also
+  holds the pick's credit keys, ``Cycle.credit_keys``, at most ``MAX_CREDIT_BLOCKS``).
 
 The keys are sent as they are (int64, base64 in text): at most ``maxBlocksToMatch`` of
 them per geometry whatever the prompt's size (128 keys: 1,368 characters). Everything
@@ -33,6 +35,9 @@ from extproc.types import PodId
 MAX_TEXT_CHARS = 1024  # a model name, session key, origin or pod id read back
 MAX_GEOMETRIES = 8
 MAX_PODS_LISTED = 64  # the pick and its fallbacks
+# A pick's credit keys that travel: a prompt longer than this is credited elsewhere for
+# its first blocks only (a lower bound of what the pick will hold).
+MAX_CREDIT_BLOCKS = 128
 
 
 class BadRecord(ValueError):
@@ -50,15 +55,24 @@ class Record:
     model: str
     keys: Mapping[tuple[int, int], Keys]  # (block size, max blocks) -> block keys
     session_key: str | None = None
+    credit_keys: Keys | None = None  # a pick's (``Started``): ``Cycle.credit_keys``, capped
 
     @classmethod
-    def of(cls, cycle: Cycle, geometries: Iterable[tuple[int, int]]) -> Record:
+    def of(
+        cls, cycle: Cycle, geometries: Iterable[tuple[int, int]], *, credit: bool = False
+    ) -> Record:
+        """``cycle``'s record; with ``credit``, its pick's credit keys too (capped)."""
         request = cycle.request
         keys = {g: cycle.block_keys(*g) for g in geometries}
-        return cls(request.model, keys, request.session_key)
+        credit_keys = cycle.credit_keys
+        if credit and credit_keys is not None:
+            credit_keys = credit_keys[:MAX_CREDIT_BLOCKS]
+        else:
+            credit_keys = None
+        return cls(request.model, keys, request.session_key, credit_keys)
 
     def cycle(self) -> Cycle:
-        return Cycle.replayed(self.model, self.session_key, self.keys)
+        return Cycle.replayed(self.model, self.session_key, self.keys, self.credit_keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +94,41 @@ class Shared:
     record: Record | None = None  # None: the request ended without a record
     pod: PodId | None = None
     prefill: PodId | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """One replica's pick, for the others to credit and count in flight until its end."""
+
+    origin: str
+    request_id: str
+    record: Record  # with the pick's credit keys
+    pick: PodId
+    tokens: int  # the pick's in-flight tokens (``InFlight.start``)
+    prefill: PodId | None = None
+    prefill_tokens: int = 0
+
+
+def encode_credit_keys(keys: Keys) -> str:
+    """Base64 of the little-endian int64 keys."""
+    return base64.b64encode(keys.astype("<i8", copy=False).tobytes()).decode()
+
+
+def decode_credit_keys(text: str) -> Keys:
+    """``encode_credit_keys`` read back.
+
+    Raises:
+        BadRecord: not base64 of at most ``MAX_CREDIT_BLOCKS`` int64 keys.
+    """
+    if len(text) > 4 * -(-8 * MAX_CREDIT_BLOCKS // 3):
+        raise BadRecord("credit_keys", f"more than {MAX_CREDIT_BLOCKS} keys")
+    try:
+        raw = binascii.a2b_base64(text, strict_mode=True)
+    except (binascii.Error, ValueError):
+        raise BadRecord("credit_keys", "not base64") from None
+    if len(raw) % 8:
+        raise BadRecord("credit_keys", f"{len(raw)} bytes is not a whole number of keys")
+    return np.frombuffer(raw, "<i8").astype(np.int64)
 
 
 def encode_keys(keys: Mapping[tuple[int, int], Keys]) -> list[str]:

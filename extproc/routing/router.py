@@ -18,16 +18,21 @@ the end, however it ends, both go; only a success is recorded, for the pod that 
 Several replicas (``routing.records``): with ``carry_records`` each decision carries its
 ``Record``, which the wire layer puts in the reply's metadata and Envoy's access log
 brings back, so a replica that did not route a request still records it from there
-(outcome ``recorded_from_metadata``). With ``share`` set (``routing.sharing``) every end
-is published, and ``apply_shared`` takes the other replicas' ends: their records enter
-this view, and a request routed here but ended elsewhere stops counting in flight.
+(outcome ``recorded_from_metadata``). With ``share`` set (``routing.sharing``) every pick
+and every end is published: ``apply_started`` takes the other replicas' picks (counted in
+flight and credited as arriving here too, as a pending request of theirs), and
+``apply_shared`` their ends: their records enter this view, and a request ends here,
+however it was routed. A pick heard after its end (ids of recent ends are kept) is
+dropped, and one whose end never comes expires with the pending table.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -40,13 +45,15 @@ from extproc.request.render import Rendering
 from extproc.routing.metrics import RouterMetrics
 from extproc.routing.pending import Pending, PendingRecords
 from extproc.routing.preparing import PreparePool
-from extproc.routing.records import Carried, Record, Shared
+from extproc.routing.records import Carried, Record, Shared, Started
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.scheduler import Scheduler
 from extproc.scheduling.types import Cycle
 from extproc.types import Pod, PodId
 
 log = logging.getLogger("extproc.routing")
+
+RECENT_ENDS = 10_000  # ids of the latest ends, so a pick heard after its end is dropped
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +104,10 @@ class Router:
         self.carry_records = carry_records
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self.geometries = scheduler.block_geometries
-        # Told of every end when replicas share their view (``routing.sharing``).
-        self.share: Callable[[Shared], object] | None = None
+        # Told of every pick and end when replicas share their view (``routing.sharing``).
+        self.share: Callable[[Shared | Started], object] | None = None
+        self._ended: OrderedDict[str, None] = OrderedDict()  # with ``share``: RECENT_ENDS
+        self._ended_lock = threading.Lock()  # an id's end and its pick heard at once
         self.pods: tuple[Pod, ...] = ()
         self._pod_ids: frozenset[PodId] = frozenset()
         self.set_pods(pods)
@@ -233,6 +242,19 @@ class Router:
             self.pending.add(request_id, pending)
             if self.carry_records:
                 record = Record.of(cycle, self.geometries)
+            if self.share is not None:
+                credited = Record.of(cycle, self.geometries, credit=True)
+                self.share(
+                    Started(
+                        self.replica_id,
+                        request_id,
+                        credited,
+                        pick,
+                        tokens,
+                        pending.prefill,
+                        prefill_tokens,
+                    )
+                )
         self.metrics.decided(cycle.request.model)
         self.metrics.scheduling.observe(time.perf_counter() - started)
         return RouteDecision(chosen, prefill, record)
@@ -253,22 +275,30 @@ class Router:
         """A routed request ended; record it for the pod that served if it succeeded.
 
         ``carried``: reads the record the request brought back (access-log metadata),
-        called only when this replica did not route it. Returns whether anything was
-        recorded.
+        called only when this replica did not route it (another replica's pick applied
+        here just ends: the request is recorded from what it brought, once, and its end
+        published). Returns whether anything was recorded.
         """
         if attempts > 1:
             self.metrics.retries.inc(attempts - 1)
-        pending = self.pending.pop(request_id)
+        pending = self._pop(request_id)
+        if pending is not None and pending.foreign:  # another replica's pick, heard here
+            self._end(pending)
+            pending = None
+            foreign = True
+        else:
+            foreign = False
         brought = carried() if pending is None and carried is not None else None
         if pending is None and brought is None:
             self.metrics.outcome["unknown_request"].inc()
+            if foreign:  # its router stops counting it in flight
+                self._publish(Shared(self.replica_id, request_id))
             return False
         if pending is not None:
             self._end(pending)
         if not succeeded:
             self.metrics.outcome["failed"].inc()
-            if pending is None:  # routed by another replica: its in-flight count ends
-                self._publish(Shared(self.replica_id, request_id))
+            self._publish(Shared(self.replica_id, request_id))
             return False
         pod_by_address: Mapping[str, PodId]
         if pending is not None:
@@ -285,8 +315,7 @@ class Router:
             log.warning(
                 "request %s was served by %s, which is no known pod", request_id, served_address
             )
-            if pending is None:
-                self._publish(Shared(self.replica_id, request_id))
+            self._publish(Shared(self.replica_id, request_id))
             return False
         if pending is not None:
             self.scheduler.record(pending.cycle, pod, prefill)
@@ -302,20 +331,66 @@ class Router:
         return True
 
     def apply_shared(self, shared: Shared) -> bool:
-        """Another replica's end: a request routed here stops counting in flight, and its
-        record (if any) enters this view, not published again. Returns whether recorded."""
-        pending = self.pending.pop(shared.request_id)
+        """Another replica's end: the request (routed here, or another's pick applied
+        here) stops counting in flight, and its record (if any) enters this view, not
+        published again. Returns whether recorded."""
+        pending = self._pop(shared.request_id)
         if pending is not None:
             self._end(pending)
-            self.metrics.ended_elsewhere.inc()
+            if not pending.foreign:
+                self.metrics.ended_elsewhere.inc()
         if shared.record is None or shared.pod is None:
             return False
         pods = (shared.pod,) if shared.prefill is None else (shared.pod, shared.prefill)
         if not self._pod_ids.issuperset(pods):
-            self.metrics.shared_unknown_pod.inc()
+            self.metrics.shared_unknown_pod["end"].inc()
             return False
         self.scheduler.record(shared.record.cycle(), shared.pod, shared.prefill)
         return True
+
+    def apply_started(self, started: Started) -> bool:
+        """Another replica's pick: counted in flight and credited as arriving here too
+        until its end (``apply_shared``, or ``complete`` if its end is heard here), as a
+        pending request of its own. Returns whether applied: not for an unknown pod, nor
+        for a request whose end came first."""
+        pods = (started.pick,) if started.prefill is None else (started.pick, started.prefill)
+        if not self._pod_ids.issuperset(pods):
+            self.metrics.shared_unknown_pod["start"].inc()
+            return False
+        cycle = started.record.cycle()
+        cycle.uncached_tokens[started.pick] = started.tokens  # num_prefill_tokens
+        if started.prefill is not None:
+            cycle.uncached_tokens[started.prefill] = started.prefill_tokens
+        pending = Pending(
+            cycle,
+            {},
+            time.monotonic(),
+            started.pick,
+            started.tokens,
+            started.prefill,
+            started.prefill_tokens,
+            foreign=True,
+        )
+        with self._ended_lock:
+            if started.request_id in self._ended:
+                return False
+            self.in_flight.start(started.pick, started.tokens)
+            if started.prefill is not None:
+                self.in_flight.start(started.prefill, started.prefill_tokens)
+            self.scheduler.arriving(cycle, started.pick)
+            self.pending.add(started.request_id, pending)
+        return True
+
+    def _pop(self, request_id: str) -> Pending | None:
+        """The request ended: its pending entry, if any; with ``share``, its id is kept
+        a while so that its pick, heard late from another replica, is dropped."""
+        if self.share is None:
+            return self.pending.pop(request_id)
+        with self._ended_lock:
+            self._ended[request_id] = None
+            if len(self._ended) > RECENT_ENDS:
+                self._ended.popitem(last=False)
+            return self.pending.pop(request_id)
 
     def _publish(self, shared: Shared) -> None:
         if self.share is not None:
@@ -324,10 +399,11 @@ class Router:
     def abandon(self, request_id: str) -> None:
         """The route was never used (Envoy gave up waiting for it): forget it now rather
         than when it expires, and stop counting it in flight."""
-        pending = self.pending.pop(request_id)
+        pending = self._pop(request_id)
         if pending is not None:
             self._end(pending)
             self.metrics.outcome["abandoned"].inc()
+            self._publish(Shared(self.replica_id, request_id))
 
     def _end(self, pending: Pending) -> None:
         """The request ended (completed, abandoned or expired): it leaves the pick's

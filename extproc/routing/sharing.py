@@ -1,12 +1,21 @@
-"""One view across replicas: each replica publishes the ends it hears of to a Redis
-stream and applies the others' (``--redis-url``; off by default).
+"""One view across replicas: each replica publishes its picks and the ends it hears of
+to a Redis stream and applies the others' (``--redis-url``; off by default).
 
-Every end a replica hears (Envoy's access log) becomes a stream entry: the request id
-(whoever routed it stops counting it in flight) and, when it was recorded, the record
-and the serving pod (``routing.records.Shared``). A reader thread applies the other
-replicas' entries through ``Router.apply_shared`` (the scheduler's record path, whose
-index and session store have their own locks), never publishing them again; a replica's
-own entries are skipped by its id.
+Two kinds of stream entries (field ``e``):
+
+* ``start``, every pick a replica makes (``routing.records.Started``): the request id,
+  the pick (and prefill pod) with its in-flight tokens, and the record with the pick's
+  credit keys; the others count it in flight and credit it as arriving until its end
+  (``Router.apply_started``), so a burst of one new prefix routed by several replicas
+  lands where the first went, as with one replica;
+* ``end``, every end a replica hears (Envoy's access log): the request id (whoever
+  routed it, or applied its pick, stops counting it in flight) and, when it was
+  recorded, the record and the serving pod (``routing.records.Shared``).
+
+A reader thread applies the other replicas' entries through ``Router.apply_started`` and
+``Router.apply_shared`` (the scheduler's paths, whose index, arrivals and session store
+have their own locks), never publishing them again; a replica's own entries are skipped
+by its id.
 
 * Bounded: the stream is trimmed to about ``maxlen`` entries (``XADD MAXLEN ~``); a
   replica that starts reads that window (oldest first) and then follows the tail, so it
@@ -38,8 +47,11 @@ from extproc.routing.records import (
     BadRecord,
     Record,
     Shared,
+    Started,
     check_text,
+    decode_credit_keys,
     decode_keys,
+    encode_credit_keys,
     encode_keys,
     parse_pod,
     pod_text,
@@ -49,7 +61,7 @@ from extproc.routing.router import Router
 log = logging.getLogger("extproc.sharing")
 
 DEFAULT_STREAM = "extproc:records"
-DEFAULT_MAXLEN = 20_000  # entries kept in Redis (about 1.5 KB each at most)
+DEFAULT_MAXLEN = 20_000  # entries kept in Redis, two a request (keys: 1.4 KB per 128)
 QUEUE_MAX = 10_000  # entries waiting for Redis; beyond, the oldest are dropped
 BATCH = 256  # entries per XADD pipeline / XREAD / catch-up page
 READ_BLOCK_MS = 1000
@@ -60,6 +72,8 @@ MAX_BACKOFF_S = 5.0
 # yet. A duplicate is harmless (the same blocks recorded again; the request ended).
 RESEND_WINDOW_S = 5.0
 
+
+KINDS = ("start", "end")
 
 Entry = tuple[bytes, Mapping[bytes, bytes]]  # a stream entry: its id and fields
 
@@ -94,26 +108,62 @@ def encode_shared(shared: Shared) -> dict[str, str]:
     return fields
 
 
-def decode_shared(fields: Mapping[bytes, bytes], geometries: Sequence[tuple[int, int]]) -> Shared:
-    """``encode_shared`` read back.
+def encode_started(started: Started) -> dict[str, str]:
+    """A start entry's fields (text): an end's, and the kind, tokens and credit keys."""
+    record = started.record
+    fields = encode_shared(
+        Shared(started.origin, started.request_id, record, started.pick, started.prefill)
+    )
+    fields["e"] = "start"
+    fields["n"] = str(started.tokens)
+    if started.prefill is not None:
+        fields["nf"] = str(started.prefill_tokens)
+    if record.credit_keys is not None:
+        fields["c"] = encode_credit_keys(record.credit_keys)
+    return fields
+
+
+def _tokens(text: str, field: str) -> int:
+    if not text.isdigit() or len(text) > 12:
+        raise BadRecord(field, f"expected a token count, got {text[:40]!r}")
+    return int(text)
+
+
+def decode_entry(
+    fields: Mapping[bytes, bytes], geometries: Sequence[tuple[int, int]]
+) -> Shared | Started:
+    """``encode_shared`` or ``encode_started`` read back (an entry without a kind is an
+    end).
 
     Raises:
         BadRecord: a field is missing or malformed.
     """
     text = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in fields.items()}
+    kind = text.get("e", "end")
+    if kind not in ("start", "end"):
+        raise BadRecord("kind", f"expected start or end, got {kind[:40]!r}")
     origin = check_text(text.get("o", ""), "origin")
-    request_id = check_text(text.get("r", ""), "request_id", empty=True)
+    request_id = check_text(text.get("r", ""), "request_id", empty=kind == "end")
     if "p" not in text:
+        if kind == "start":
+            raise BadRecord("pod", "a start without its pick")
         return Shared(origin, request_id)
     keys = decode_keys(text.get("k", "").split(), geometries)
     session = check_text(text["s"], "session") if "s" in text else None
-    record = Record(check_text(text.get("m", ""), "model"), keys, session)
+    model = check_text(text.get("m", ""), "model")
+    pod = parse_pod(text["p"])
     prefill = parse_pod(text["f"]) if "f" in text else None
-    return Shared(origin, request_id, record, parse_pod(text["p"]), prefill)
+    if kind == "end":
+        return Shared(origin, request_id, Record(model, keys, session), pod, prefill)
+    credit = decode_credit_keys(text["c"]) if "c" in text else None
+    record = Record(model, keys, session, credit)
+    tokens = _tokens(text.get("n", ""), "tokens")
+    prefill_tokens = _tokens(text["nf"], "tokens") if "nf" in text else 0
+    return Started(origin, request_id, record, pod, tokens, prefill, prefill_tokens)
 
 
 class RedisSharing:
-    """Publishes this router's ends to a Redis stream and applies the others'."""
+    """Publishes this router's picks and ends to a Redis stream and applies the others'."""
 
     def __init__(
         self,
@@ -151,14 +201,21 @@ class RedisSharing:
             "(routing goes on with the local view).",
             registry=registry,
         )
-        self.published = Counter(
-            "extproc_sharing_published", "Entries written to the Redis stream.", registry=registry
-        )
-        self.applied = Counter(
-            "extproc_sharing_applied",
-            "Other replicas' entries applied from the Redis stream.",
+        published = Counter(
+            "extproc_sharing_published",
+            "Entries written to the Redis stream, by kind (start: a pick; end).",
+            ["kind"],
             registry=registry,
         )
+        applied = Counter(
+            "extproc_sharing_applied",
+            "Other replicas' entries applied from the Redis stream, by kind (start: a pick, "
+            "not counted when its end came first or its pod is unknown; end).",
+            ["kind"],
+            registry=registry,
+        )
+        self.published = {k: published.labels(k) for k in KINDS}
+        self.applied = {k: applied.labels(k) for k in KINDS}
         self.dropped = Counter(
             "extproc_sharing_dropped",
             "Entries never published: the queue was full while Redis was unreachable.",
@@ -175,9 +232,9 @@ class RedisSharing:
         )
         queued.set_function(lambda: len(self._queue))
 
-    def publish(self, shared: Shared) -> None:
-        """Queue one end for the others (never blocks; ``Router.share``)."""
-        fields = encode_shared(shared)
+    def publish(self, news: Shared | Started) -> None:
+        """Queue one pick or end for the others (never blocks; ``Router.share``)."""
+        fields = encode_started(news) if isinstance(news, Started) else encode_shared(news)
         with self._lock:
             self._queue.append(fields)
             if len(self._queue) > QUEUE_MAX:
@@ -233,7 +290,9 @@ class RedisSharing:
                         return
                     backoff = min(backoff * 2, MAX_BACKOFF_S)
                     continue
-                self.published.inc(len(batch))
+                num_started = sum(f.get("e") == "start" for f in batch)
+                self.published["start"].inc(num_started)
+                self.published["end"].inc(len(batch) - num_started)
                 last_ok_s = time.monotonic()
                 self._recent.extend((last_ok_s, fields) for fields in batch)
                 while self._recent[0][0] < last_ok_s - RESEND_WINDOW_S:
@@ -285,18 +344,23 @@ class RedisSharing:
             if fields.get(b"o", b"").decode(errors="replace") == self.router.replica_id:
                 continue
             try:
-                shared = decode_shared(fields, self.router.geometries)
+                news = decode_entry(fields, self.router.geometries)
             except BadRecord as exc:
                 self.invalid.labels(exc.reason).inc()
                 log.warning("redis stream entry %s skipped: %s", entry_id.decode(), exc)
                 continue
             try:
-                self.router.apply_shared(shared)
+                if isinstance(news, Started):
+                    if not self.router.apply_started(news):
+                        continue
+                    self.applied["start"].inc()
+                else:
+                    self.router.apply_shared(news)
+                    self.applied["end"].inc()
             except Exception:
                 log.exception("applying redis stream entry %s", entry_id.decode())
                 continue
             num_applied += 1
-        self.applied.inc(num_applied)
         return num_applied
 
     def _set_up(self, side: str, up: bool, error: Exception | None = None) -> None:

@@ -66,6 +66,10 @@ class Cycle:
     # not a list: the cycle lives until the request ends, and a list costs twice the memory.
     token_ids: TokenIds | None = None
     tokenized: bool = False
+    # The keys a ``Provisional`` plugin credited the pick with, in its own blocks (precise-
+    # prefix-cache's, from the token ids), kept to take the credit back at the end; they
+    # travel with the pick to other replicas (``routing.records.Started``).
+    credit_keys: Keys | None = None
     uncached_rows: list[RowValues] = field(default_factory=list)
     _keys: dict[tuple[int, int], Keys] = field(default_factory=dict)
     _num_prompt_bytes: int = -1
@@ -100,13 +104,18 @@ class Cycle:
 
     @classmethod
     def replayed(
-        cls, model: str, session_key: str | None, keys: Mapping[tuple[int, int], Keys]
+        cls,
+        model: str,
+        session_key: str | None,
+        keys: Mapping[tuple[int, int], Keys],
+        credit_keys: Keys | None = None,
     ) -> Cycle:
         """A cycle rebuilt from a record made elsewhere (another replica, or Envoy's
-        access log): only what ``BlockRecorder``s read, its model, session and block keys;
-        the prompt itself did not travel."""
+        access log): only what ``BlockRecorder``s read, its model, session and block keys,
+        and for a pick its credit keys; the prompt itself did not travel (nothing to
+        tokenize)."""
         request = InferenceRequest(Api.COMPLETIONS, model, "", session_key=session_key)
-        return cls(request, _keys=dict(keys))
+        return cls(request, tokenized=True, credit_keys=credit_keys, _keys=dict(keys))
 
     def block_keys(self, block_size: int, max_blocks: int) -> Keys:
         """The prompt's chained block hashes (``prefix.hashing``), as the int64 array

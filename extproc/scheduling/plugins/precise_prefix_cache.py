@@ -22,7 +22,8 @@ as their own KV events say (``datalayer.kv_events`` -> ``prefix.precise.index``)
   ``matched_tokens`` adds the fallbacks' estimates;
 * provisional credit: events come after the prefill, not at the pick, so from the pick
   until the request ends the prompt's blocks count as held on the picked pod
-  (``Arrivals`` over this plugin's keys in ``blockSize`` blocks; the view's own match
+  (``Arrivals`` over this plugin's keys in ``blockSize`` blocks, kept in
+  ``Cycle.credit_keys``, which another replica's pick brings along; the view's own match
   wins where it is longer). A stale pod gets no credit: it is scored approximately.
 """
 
@@ -338,15 +339,21 @@ class PrecisePrefixCache:
                 self._evictions.labels(cycle.request.model).inc(evicted)
 
     def arriving(self, cycle: Cycle, pod: PodId) -> None:
-        """``pod`` was picked for ``cycle``: its blocks count as held there until it ends."""
-        tokens = self.prompt_tokens(cycle)
-        if tokens is not None and len(keys := self._credit_keys(cycle, tokens)):
+        """``pod`` was picked for ``cycle``: its blocks count as held there until it ends
+        (the keys another replica's pick carried, for a replayed cycle)."""
+        keys = cycle.credit_keys
+        if keys is None:
+            tokens = self.prompt_tokens(cycle)
+            if tokens is None:
+                return
+            keys = cycle.credit_keys = self._credit_keys(cycle, tokens)
+        if len(keys):
             self.arrivals.add(keys, pod)
 
     def settled(self, cycle: Cycle, pod: PodId) -> None:
         """The request picked for ``pod`` ended (any outcome): its credit goes."""
-        tokens = cycle.token_ids
-        if tokens is not None and len(keys := self._credit_keys(cycle, tokens)):
+        keys = cycle.credit_keys
+        if keys is not None and len(keys):
             self.arrivals.remove(keys, pod)
 
     def pods_changed(self, pods: Sequence[Pod]) -> None:
