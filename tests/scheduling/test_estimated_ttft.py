@@ -342,6 +342,42 @@ def test_written_decays_by_one_over_the_window_each_pick() -> None:
     assert written.get(a) == 0.0
 
 
+def test_written_rows_follow_every_pick_and_a_new_table() -> None:
+    """The table path's per-row values: the pods' shares as ``get`` gives them, kept up to
+    date pick by pick for one table, and rebuilt for a table with other pods."""
+    written = Written(window=4)
+    a, b, c = (make_pod(n).id for n in "abc")
+    rows = {a: 0, b: 1}
+    written.add(a, 1000)
+    first = written.relative_rows(rows, 2)
+    written.add(b, 100)  # after the rows were built: kept up to date
+    written.add(c, 50)  # no row in this table
+    values = written.relative_rows(rows, 2)
+    assert values[1] / values[0] == pytest.approx(written.get(b) / written.get(a))
+    assert first[1] == 0.0  # a copy, not the live array
+    other = {c: 0, a: 1}  # a new table: rebuilt from every pod's value
+    values = written.relative_rows(other, 2)
+    assert values[0] / values[1] == pytest.approx(written.get(c) / written.get(a))
+    written.forget_pods({a})
+    assert list(written.relative_rows(other, 2)) == [0.0, pytest.approx(values[1])]
+
+
+def test_written_survives_its_common_factor_growing_past_the_rebase() -> None:
+    """A window of 2 doubles the common factor every pick: 1,200 picks would overflow it."""
+    written = Written(window=2)
+    a, b = make_pod("a").id, make_pod("b").id
+    rows = {a: 0, b: 1}
+    written.relative_rows(rows, 2)
+    for _ in range(600):
+        written.add(a, 100)
+        written.add(b, 300)
+    assert written.get(a) == pytest.approx(100 * 0.5 / (1 - 0.25))  # one pick older than b's
+    assert written.get(b) == pytest.approx(300 / (1 - 0.25))
+    values = written.relative_rows(rows, 2)
+    assert np.isfinite(values).all()
+    assert values[1] / values[0] == pytest.approx(written.get(b) / written.get(a))
+
+
 @pytest.mark.parametrize(
     ("held_blocks", "expected_write_ms"),
     [

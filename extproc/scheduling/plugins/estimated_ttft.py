@@ -113,35 +113,71 @@ class EstimatedTTFTArgs:
 
 class Written:
     """Uncached prompt tokens each pod was picked to prefill (so to write into its cache),
-    decayed by ``1 - 1/window`` at every pick. Thread-safe."""
+    decayed by ``1 - 1/window`` at every pick. Thread-safe.
+
+    Every pod decays alike, so the values are kept multiplied by a factor common to all
+    (``decay ** -picks``): a pick adds its tokens times that factor, and nothing decays
+    pod by pod. The write cost reads only each pod's share of the most written, which the
+    factor does not change (``relative``, ``relative_rows``); ``get`` divides it out.
+    """
+
+    REBASE = 1e150  # past this factor the values are divided by it (it would overflow)
 
     def __init__(self, window: int) -> None:
         self.decay = 1.0 - 1.0 / window
-        self.tick = 0
-        self._pods: dict[PodId, tuple[float, int]] = {}
+        self._scale = 1.0  # the common factor: what a token written now weighs
+        self._pods: dict[PodId, float] = {}
+        # The values of one pod table's rows (its ``position``), kept up to date by ``add``
+        # and rebuilt when the table's pods change: no step per pod on the request path.
+        self._rows: tuple[Mapping[PodId, int], npt.NDArray[np.float64]] | None = None
         self._lock = threading.Lock()
 
     def add(self, pod: PodId, tokens: int) -> None:
         with self._lock:
-            self.tick += 1
-            value, at = self._pods.get(pod, (0.0, self.tick))
-            self._pods[pod] = (value * self.decay ** (self.tick - at) + tokens, self.tick)
+            if self.decay == 0.0:  # a window of 1: only the last pick counts
+                self._pods = {}
+                if self._rows is not None:
+                    self._rows[1][:] = 0.0
+            else:
+                self._scale /= self.decay
+                if self._scale > self.REBASE:
+                    self._rebase()
+            weighted = tokens * self._scale
+            self._pods[pod] = self._pods.get(pod, 0.0) + weighted
+            if self._rows is not None and (row := self._rows[0].get(pod)) is not None:
+                self._rows[1][row] += weighted
 
-    def _decayed(self, value: float, at: int) -> float:
-        return value * self.decay ** (self.tick - at)
+    def _rebase(self) -> None:
+        scale, self._scale = self._scale, 1.0
+        self._pods = {pod: v / scale for pod, v in self._pods.items()}
+        if self._rows is not None:
+            self._rows[1][:] /= scale
 
     def get(self, pod: PodId) -> float:
+        """Tokens written to ``pod``, decayed."""
         with self._lock:
-            return self._decayed(*self._pods.get(pod, (0.0, self.tick)))
+            return self._pods.get(pod, 0.0) / self._scale
 
-    def snapshot(self) -> dict[PodId, float]:
-        """``get`` for every pod written to, under one lock."""
+    def relative(self, pods: Iterable[PodId]) -> dict[PodId, float]:
+        """Each pod's written tokens times the common factor."""
         with self._lock:
-            return {pod: self._decayed(v, at) for pod, (v, at) in self._pods.items()}
+            return {pod: self._pods.get(pod, 0.0) for pod in pods}
+
+    def relative_rows(self, rows: Mapping[PodId, int], num_rows: int) -> npt.NDArray[np.float64]:
+        """``relative`` per row of a pod table (``rows``: its pod -> row; others 0)."""
+        with self._lock:
+            if self._rows is None or self._rows[0] is not rows:
+                values = np.zeros(num_rows, dtype=np.float64)
+                for pod, v in self._pods.items():
+                    if (row := rows.get(pod)) is not None:
+                        values[row] = v
+                self._rows = (rows, values)
+            return self._rows[1].copy()
 
     def forget_pods(self, keep: set[PodId]) -> None:
         with self._lock:
             self._pods = {pod: v for pod, v in self._pods.items() if pod in keep}
+            self._rows = None
 
 
 class PromptLength(NamedTuple):
@@ -270,8 +306,7 @@ class EstimatedTTFT:
     ) -> dict[PodId, float]:
         """Each pod's ``write_ms`` (module doc); needs ``estimate_ms`` run on the cycle.
         ``num_tokens``: the prompt's tokens (by default estimated from its bytes)."""
-        snapshot = self.written.snapshot()
-        written = {pod: snapshot.get(pod, 0.0) for pod in pods}
+        written = self.written.relative(pods)
         most = max(written.values(), default=0.0)
         if most <= 0:
             return dict.fromkeys(written, 0.0)
@@ -365,7 +400,7 @@ class EstimatedTTFT:
             + a.queuedMs * (1 + queued)
             + a.runningMs * running
         )
-        written = per_row(table, positions, self.written.snapshot(), np.float64)
+        written = self.written.relative_rows(table.position, len(table))[positions]
         most = written.max(initial=0.0)
         if most > 0:
             costs += a.writtenMs / (most * max(1, length.num_tokens)) * written * uncached
