@@ -24,7 +24,7 @@ from extproc.routing.records import (
     Shared,
     Started,
     decode_keys,
-    encode_credit_keys,
+    encode_key_array,
     encode_keys,
 )
 from extproc.routing.router import Router
@@ -276,7 +276,7 @@ def test_started_entries_round_trip_and_malformed_ones_are_refused() -> None:
         PodId("ns", "p1"),
         40,
     )
-    too_many = encode_credit_keys(np.arange(MAX_CREDIT_BLOCKS + 1, dtype=np.int64)).encode()
+    too_many = encode_key_array(np.arange(MAX_CREDIT_BLOCKS + 1, dtype=np.int64)).encode()
     for field, value, reason in [
         (b"e", b"begin", "kind"),
         (b"n", b"-1", "tokens"),

@@ -109,34 +109,32 @@ class Started:
     prefill_tokens: int = 0
 
 
-def encode_credit_keys(keys: Keys) -> str:
-    """Base64 of the little-endian int64 keys."""
+def encode_key_array(keys: Keys) -> str:
+    """Base64 of the little-endian int64 keys (a geometry's in ``encode_keys``; a pick's
+    credit keys in a start entry)."""
     return base64.b64encode(keys.astype("<i8", copy=False).tobytes()).decode()
 
 
-def decode_credit_keys(text: str) -> Keys:
-    """``encode_credit_keys`` read back.
+def decode_key_array(encoded: str, max_keys: int, reason: str) -> Keys:
+    """``encode_key_array`` read back.
 
     Raises:
-        BadRecord: not base64 of at most ``MAX_CREDIT_BLOCKS`` int64 keys.
+        BadRecord(reason): not base64 of at most ``max_keys`` int64 keys.
     """
-    if len(text) > 4 * -(-8 * MAX_CREDIT_BLOCKS // 3):
-        raise BadRecord("credit_keys", f"more than {MAX_CREDIT_BLOCKS} keys")
+    if len(encoded) > 4 * -(-8 * max_keys // 3):
+        raise BadRecord(reason, f"more than {max_keys} keys")
     try:
-        raw = binascii.a2b_base64(text, strict_mode=True)
+        raw = binascii.a2b_base64(encoded, strict_mode=True)
     except (binascii.Error, ValueError):
-        raise BadRecord("credit_keys", "not base64") from None
+        raise BadRecord(reason, "not base64") from None
     if len(raw) % 8:
-        raise BadRecord("credit_keys", f"{len(raw)} bytes is not a whole number of keys")
+        raise BadRecord(reason, f"{len(raw)} bytes is not a whole number of int64 keys")
     return np.frombuffer(raw, "<i8").astype(np.int64)
 
 
 def encode_keys(keys: Mapping[tuple[int, int], Keys]) -> list[str]:
     """``"<block size>:<max blocks>:<base64 of the little-endian int64 keys>"`` each."""
-    return [
-        f"{size}:{limit}:{base64.b64encode(k.astype('<i8', copy=False).tobytes()).decode()}"
-        for (size, limit), k in keys.items()
-    ]
+    return [f"{size}:{limit}:{encode_key_array(k)}" for (size, limit), k in keys.items()]
 
 
 def decode_keys(
@@ -159,15 +157,10 @@ def decode_keys(
         geometry = (int(size_text), int(limit_text))
         if geometry not in wanted:
             continue  # a geometry this replica's configuration does not record
-        if len(encoded) > 4 * -(-8 * geometry[1] // 3):
-            raise BadRecord("keys", f"more than {geometry[1]} keys")
-        try:
-            raw = binascii.a2b_base64(encoded, strict_mode=True)
-        except (binascii.Error, ValueError):
-            raise BadRecord("keys", "not base64") from None
-        if not raw or len(raw) % 8:
-            raise BadRecord("keys", f"{len(raw)} bytes is not a whole number of int64 keys")
-        out[geometry] = np.frombuffer(raw, "<i8").astype(np.int64)
+        keys = decode_key_array(encoded, geometry[1], "keys")
+        if not len(keys):
+            raise BadRecord("keys", "0 bytes is not a whole number of int64 keys")
+        out[geometry] = keys
     return out
 
 

@@ -44,14 +44,15 @@ import redis
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from extproc.routing.records import (
+    MAX_CREDIT_BLOCKS,
     BadRecord,
     Record,
     Shared,
     Started,
     check_text,
-    decode_credit_keys,
+    decode_key_array,
     decode_keys,
-    encode_credit_keys,
+    encode_key_array,
     encode_keys,
     parse_pod,
     pod_text,
@@ -119,7 +120,7 @@ def encode_started(started: Started) -> dict[str, str]:
     if started.prefill is not None:
         fields["nf"] = str(started.prefill_tokens)
     if record.credit_keys is not None:
-        fields["c"] = encode_credit_keys(record.credit_keys)
+        fields["c"] = encode_key_array(record.credit_keys)
     return fields
 
 
@@ -140,7 +141,7 @@ def decode_entry(
     """
     text = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in fields.items()}
     kind = text.get("e", "end")
-    if kind not in ("start", "end"):
+    if kind not in KINDS:
         raise BadRecord("kind", f"expected start or end, got {kind[:40]!r}")
     origin = check_text(text.get("o", ""), "origin")
     request_id = check_text(text.get("r", ""), "request_id", empty=kind == "end")
@@ -155,7 +156,7 @@ def decode_entry(
     prefill = parse_pod(text["f"]) if "f" in text else None
     if kind == "end":
         return Shared(origin, request_id, Record(model, keys, session), pod, prefill)
-    credit = decode_credit_keys(text["c"]) if "c" in text else None
+    credit = decode_key_array(text["c"], MAX_CREDIT_BLOCKS, "credit_keys") if "c" in text else None
     record = Record(model, keys, session, credit)
     tokens = _tokens(text.get("n", ""), "tokens")
     prefill_tokens = _tokens(text["nf"], "tokens") if "nf" in text else 0
