@@ -21,6 +21,8 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.real_vllm.pods import MODEL, VllmPod
+from extproc.datalayer.engine_metrics import SAMPLE_NAMES, PageParser, read_samples
+from extproc.datalayer.scrape import FILTERED_PAGE
 from extproc.sim.harness import SimPods, run_sim_pods
 from extproc.sim.launch import free_port
 from extproc.sim.pods import GroupSettings, KvEventsSettings
@@ -90,6 +92,27 @@ def test_sim_metrics_have_vllms_names_and_types(
     real = {f.name: f.type for f in text_string_to_metric_families(pages["vllm"])}
     sim = {f.name: f.type for f in text_string_to_metric_families(pages["sim"])}
     assert {n: real.get(n) for n in sim} == sim
+
+
+def test_filtered_metrics_page_is_served_alike(
+    vllm_pods: list[VllmPod], sim_pod: tuple[SimPods, str]
+) -> None:
+    """extproc's scraper asks for ``/metrics/?name[]=...``: on vLLM (and the sim) that
+    page holds just those samples and reads the same as the full page; ``/metrics``
+    ignores the filter, which is why the scraper does not ask there."""
+    for name, url in both(vllm_pods, sim_pod).items():
+        filtered = httpx.get(url + FILTERED_PAGE).text
+        full = httpx.get(url + "/metrics").text
+        ignored = httpx.get(url + FILTERED_PAGE.replace("/metrics/", "/metrics", 1)).text
+        names = {s.name for f in text_string_to_metric_families(filtered) for s in f.samples}
+        assert names <= SAMPLE_NAMES, name
+        assert {"vllm:num_requests_waiting", "vllm:cache_config_info"} <= names, name
+        assert len(filtered) * 5 < len(full) and "_bucket" in ignored, name
+        models = frozenset({MODEL})
+        readings = [
+            read_samples(PageParser().samples(p.encode()), models) for p in (filtered, full)
+        ]
+        assert readings[0] is not None and readings[0] == readings[1], name
 
 
 @pytest.mark.parametrize("api", list(BODIES))

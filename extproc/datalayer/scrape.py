@@ -19,6 +19,15 @@ stay fresh for ``STALE_SWEEPS`` sweeps, not just ``stale_after_s``. The interval
 force is the gauge ``extproc_scrape_interval_seconds``; a warning says when it first
 stretches.
 
+The page asked for is ``/metrics/?name[]=...``, one ``name[]`` per series we read
+(``engine_metrics.SAMPLE_NAMES``): prometheus_client's exposition then renders just those
+(``restricted_registry``). vLLM mounts prometheus_client's app under ``/metrics/``, while
+its plain ``/metrics`` route ignores the parameter, so a filtered page costs the pod's API
+server a tenth of the CPU of the full one, on the event loop that serves its requests
+(README, Performance). A pod whose filtered page is refused (not 200) or carries none of
+our series is asked for the full ``/metrics`` at once, and from then on while it stays
+(``extproc_scrape_full_page_pods``): any engine serving a plain page still works.
+
 Failures never leave the loop: each is counted in
 ``extproc_scrape_errors_total{pod, reason}`` with ``reason`` one of ``connect`` (the
 pod is unreachable: not ready at once), ``timeout``, ``http_status``, ``read``,
@@ -36,19 +45,22 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Final
+from urllib.parse import urlencode
 
 import aiohttp
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from extproc.datalayer.engine_metrics import PageParser, PodReader
+from extproc.datalayer.engine_metrics import SAMPLE_NAMES, PageParser, PodReader
 from extproc.datalayer.store import MetricsUpdate, PodStore
-from extproc.types import Pod, PodId
+from extproc.types import Pod, PodId, PodMetrics
 
 log = logging.getLogger("extproc.datalayer.scrape")
 
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 MAX_PAGE_BYTES: Final = 8 << 20  # real pages are 50-150 KB; this only bounds a broken one
 STALE_SWEEPS: Final = 3  # with a stretched interval, pods stay fresh this many sweeps
+FULL_PAGE: Final = "/metrics"
+FILTERED_PAGE: Final = "/metrics/?" + urlencode([("name[]", n) for n in sorted(SAMPLE_NAMES)])
 
 
 class _ScrapeError(Exception):
@@ -75,6 +87,12 @@ class ScrapeMetrics:
             "extproc_scrape_interval_seconds",
             "Time between sweeps over every pod: --scrape-interval-s, or longer to keep "
             "scraping within --scrape-cpu-budget.",
+            registry=registry,
+        )
+        self.full_page_pods = Gauge(
+            "extproc_scrape_full_page_pods",
+            "Pods scraped by their full /metrics page: their /metrics/?name[]= page was "
+            "refused or carried none of the series extproc reads.",
             registry=registry,
         )
 
@@ -112,6 +130,8 @@ class MetricsScraper:
         self.metrics.interval.set(interval_s)
         self._parser = parser or PageParser()
         self._readers: dict[PodId, PodReader] = {}
+        self._full_page: set[PodId] = set()  # pods whose filtered page failed (module doc)
+        self.metrics.full_page_pods.set_function(lambda: len(self._full_page))
         self._error_labels: set[tuple[str, str]] = set()
         self._known: tuple[Pod, ...] | None = None
         self._thread: threading.Thread | None = None
@@ -232,6 +252,7 @@ class MetricsScraper:
             pending.pop(pod_id).cancel()
         for pod_id in [i for i in self._readers if i not in ids]:
             del self._readers[pod_id]
+        self._full_page &= ids
         names = {str(i) for i in ids}
         for labels in [lb for lb in self._error_labels if lb[0] not in names]:
             self._error_labels.discard(labels)
@@ -243,12 +264,7 @@ class MetricsScraper:
         """Fetch and read one pod's page; never raises."""
         started = time.perf_counter()
         try:
-            body = await self._fetch(session, pod)
-            reader = self._reader(pod)
-            metrics = reader.read(self._parser.samples(body), time.monotonic())
-            if metrics is None:
-                raise _ScrapeError("no_metrics")
-            return MetricsUpdate(pod.id, metrics)
+            return MetricsUpdate(pod.id, await self._read(session, pod))
         except _ScrapeError as exc:
             return self._failed(pod, exc.reason)
         except TimeoutError:
@@ -265,8 +281,35 @@ class MetricsScraper:
         finally:
             self.metrics.duration.observe(time.perf_counter() - started)
 
-    async def _fetch(self, session: aiohttp.ClientSession, pod: Pod) -> bytes:
-        url = f"http://{pod.address}/metrics"
+    async def _read(self, session: aiohttp.ClientSession, pod: Pod) -> PodMetrics:
+        """The pod's metrics from its filtered page, or from its full page (module doc)."""
+        if pod.id not in self._full_page:
+            try:
+                metrics = await self._read_page(session, pod, FILTERED_PAGE)
+            except _ScrapeError as exc:
+                if exc.reason != "http_status":
+                    raise
+                metrics = None
+            if metrics is not None:
+                return metrics
+        metrics = await self._read_page(session, pod, FULL_PAGE)
+        if metrics is None:
+            raise _ScrapeError("no_metrics")
+        if pod.id not in self._full_page:
+            self._full_page.add(pod.id)
+            log.info(
+                "%s (%s) ignores /metrics/?name[]=: scraping its full page", pod.id, pod.address
+            )
+        return metrics
+
+    async def _read_page(
+        self, session: aiohttp.ClientSession, pod: Pod, page: str
+    ) -> PodMetrics | None:
+        body = await self._fetch(session, pod, page)
+        return self._reader(pod).read(self._parser.samples(body), time.monotonic())
+
+    async def _fetch(self, session: aiohttp.ClientSession, pod: Pod, page: str) -> bytes:
+        url = f"http://{pod.address}{page}"
         async with session.get(url, headers={"Accept-Encoding": "identity"}) as resp:
             if resp.status != 200:
                 raise _ScrapeError("http_status")

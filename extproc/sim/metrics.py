@@ -9,7 +9,7 @@ the latency histograms are observed as tokens are sampled.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -131,5 +131,8 @@ class PodMetrics:
             self._e2e.observe(fin.e2e_s)
             self._queue.observe(fin.queue_s)
 
-    def render(self) -> bytes:
+    def render(self, names: Sequence[str] = ()) -> bytes:
+        """The page; with ``names``, only those samples (vLLM's ``/metrics/?name[]=``)."""
+        if names:
+            return generate_latest(self.registry.restricted_registry(names))
         return generate_latest(self.registry)

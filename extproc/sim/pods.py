@@ -174,6 +174,7 @@ class SimPod:
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_get("/metrics", self._metrics)
+        self.app.router.add_get("/metrics/", self._metrics)
         add_admin_routes(self.app.router, "/admin", lambda _: self)
         self._app_runner = web.AppRunner(
             self.app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S
@@ -285,8 +286,11 @@ class SimPod:
             return web.Response(status=500, text="metrics unavailable")
         if self.faults.metrics == "garbage":
             return web.Response(body=GARBAGE_METRICS, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        # As vLLM: prometheus_client's app under /metrics/ honours name[]; the plain
+        # /metrics route renders everything.
+        names = request.query.getall("name[]", []) if request.path == "/metrics/" else []
         return web.Response(
-            body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST}
+            body=self.metrics.render(names), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
     def _render_handler(self, kind: Kind) -> Callable[[web.Request], Awaitable[web.Response]]:

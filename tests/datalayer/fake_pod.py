@@ -3,7 +3,10 @@
 ``mode`` switches what it answers: ``ok`` (``page``), ``error`` (HTTP 500), ``garbage``
 (a 200 HTML page), ``malformed`` (a broken wanted line) or ``slow`` (``page`` after
 ``delay_s``); ``down()`` closes the listener and every connection, ``up()`` listens on
-the same port again.
+the same port again. Like vLLM, ``/metrics/?name[]=N`` answers only the samples named N
+(``/metrics`` ignores the parameter); with ``filters=False`` there is no ``/metrics/``
+(404), as on an engine that serves its page only at ``/metrics``. ``paths`` lists the
+paths with query asked for.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ Mode = Literal["ok", "error", "garbage", "malformed", "slow"]
 
 
 class FakePod:
-    def __init__(self, page: str, *, delay_s: float = 2.0) -> None:
+    def __init__(self, page: str, *, delay_s: float = 2.0, filters: bool = True) -> None:
         self.page = page
+        self.filters = filters
+        self.paths: list[str] = []
         self.mode: Mode = "ok"
         self.delay_s = delay_s
         self.num_requests = 0
@@ -55,6 +60,7 @@ class FakePod:
     async def _up(self) -> None:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/metrics/", self._metrics)
         self._runner = web.AppRunner(app, shutdown_timeout=0.1)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
@@ -68,6 +74,9 @@ class FakePod:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         self.num_requests += 1
+        self.paths.append(request.path_qs)
+        if request.path == "/metrics/" and not self.filters:
+            raise web.HTTPNotFound()
         if self.mode == "error":
             return web.Response(status=500, text="engine dead")
         if self.mode == "garbage":
@@ -76,4 +85,16 @@ class FakePod:
             return web.Response(text='vllm:num_requests_waiting{engine="0" 1\n')
         if self.mode == "slow":
             await asyncio.sleep(self.delay_s)
-        return web.Response(text=self.page)
+        names = request.query.getall("name[]", [])
+        if request.path != "/metrics/" or not names:
+            return web.Response(text=self.page)
+        wanted = set(names)
+        lines = [line for line in self.page.splitlines() if _sample_name(line) in wanted]
+        return web.Response(text="".join(f"{line}\n" for line in lines))
+
+
+def _sample_name(line: str) -> str:
+    """A sample line's metric name ("" for comments and blank lines)."""
+    if line.startswith("#"):
+        return ""
+    return line.split("{", 1)[0].split(" ", 1)[0]

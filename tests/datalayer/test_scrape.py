@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from prometheus_client import CollectorRegistry
 
+from extproc.datalayer.engine_metrics import SAMPLE_NAMES
 from extproc.datalayer.scrape import MetricsScraper
 from extproc.datalayer.store import PodStore
 from extproc.types import Pod, PodId
@@ -83,6 +85,58 @@ def test_scrapes_every_pod_into_the_store(rig: Rig) -> None:
     assert all(p.ready and p.metrics.running == 1 for p in rig.snapshot)
     count = rig.registry.get_sample_value("extproc_scrape_duration_seconds_count")
     assert count is not None and count >= 2
+
+
+def full_page_pods(rig: Rig) -> float | None:
+    return rig.registry.get_sample_value("extproc_scrape_full_page_pods")
+
+
+def test_asks_for_just_the_series_it_reads(rig: Rig, fake_pods: list[FakePod]) -> None:
+    fake_pods[0].page = REAL_VLLM_PAGE.read_text()
+    wait_for(lambda: rig.pod(0).metrics.kv_capacity_tokens == 65536 * 32)
+    paths = {urlsplit(p).path for p in fake_pods[0].paths}
+    assert paths == {"/metrics/"}  # never the full page
+    names = parse_qs(urlsplit(fake_pods[0].paths[-1]).query)["name[]"]
+    assert sorted(names) == sorted(SAMPLE_NAMES)
+    assert rig.pod(0).ready and rig.pod(0).metrics.waiting == 0
+    assert full_page_pods(rig) == 0
+
+
+def test_a_pod_without_the_filtered_page_is_scraped_by_its_full_page(
+    fake_pods: list[FakePod],
+) -> None:
+    fake_pods[0].filters = False
+    rig = Rig(fake_pods)
+    rig.scraper.start()
+    try:
+        wait_for(lambda: bool(rig.snapshot) and rig.pod(0).metrics.waiting == 1)
+        asked = fake_pods[0].num_requests
+        wait_for(lambda: fake_pods[0].num_requests >= asked + 3)
+        # one refused filtered page, then the full page only, and no error counted
+        assert [urlsplit(p).path for p in fake_pods[0].paths].count("/metrics/") == 1
+        assert fake_pods[0].paths[-1] == "/metrics"
+        assert rig.errors(0, "http_status") == 0 and rig.pod(0).ready
+        assert {urlsplit(p).path for p in fake_pods[1].paths} == {"/metrics/"}
+        assert full_page_pods(rig) == 1
+        rig.store.set_pods(rig.pods[1:])
+        wait_for(lambda: full_page_pods(rig) == 0)
+    finally:
+        rig.scraper.stop()
+
+
+def test_a_page_without_our_series_is_an_error_and_the_filter_stays(
+    rig: Rig, fake_pods: list[FakePod]
+) -> None:
+    wait_for(lambda: rig.pod(0).ready)
+    fake_pods[0].page = "# nothing of ours\nsome_other_metric 1\n"
+    wait_for(lambda: rig.errors(0, "no_metrics") >= 2)
+    assert full_page_pods(rig) == 0  # the full page failed too: no reason to give up the filter
+    assert urlsplit(fake_pods[0].paths[-1]).path in {"/metrics/", "/metrics"}
+    fake_pods[0].page = make_vllm_page([EngineState(waiting=5)])
+    wait_for(lambda: rig.pod(0).metrics.waiting == 5)
+    asked = len(fake_pods[0].paths)
+    wait_for(lambda: len(fake_pods[0].paths) >= asked + 2)
+    assert urlsplit(fake_pods[0].paths[-1]).path == "/metrics/"
 
 
 def test_kv_capacity_from_a_real_vllm_page(rig: Rig, fake_pods: list[FakePod]) -> None:

@@ -10,7 +10,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from extproc.datalayer.engine_metrics import PageParser, PodReader
+from extproc.datalayer.engine_metrics import SAMPLE_NAMES, PageParser, PodReader
+from extproc.datalayer.scrape import FILTERED_PAGE
 from extproc.sim.engine import EngineConfig
 from extproc.sim.harness import SimPods, run_sim_pods
 from extproc.sim.metrics import ITL_BUCKETS, TTFT_BUCKETS
@@ -47,6 +48,21 @@ def value(metrics: dict[str, tuple[str, list[Sample]]], sample_name: str) -> flo
     family = sample_name.removesuffix("_total").removesuffix("_count").removesuffix("_sum")
     (sample,) = [s for s in metrics[family][1] if s.name == sample_name]
     return sample.value
+
+
+def test_metrics_slash_honours_name_filters_as_vllm_does() -> None:
+    """vLLM serves prometheus_client's app at /metrics/ (``name[]`` filters the samples)
+    and a route of its own at /metrics (the parameter is ignored)."""
+    with run_sim_pods(GroupSettings(num_pods=1, engine=EngineConfig(num_gpu_blocks=1000))) as pods:
+        url = pods.pods[0].url
+        filtered = httpx.get(url + FILTERED_PAGE).text
+        ignored = httpx.get(url + FILTERED_PAGE.replace("/metrics/", "/metrics", 1)).text
+        full = httpx.get(url + "/metrics").text
+    names = {s.name for f in text_string_to_metric_families(filtered) for s in f.samples}
+    assert names and names <= SAMPLE_NAMES
+    assert {"vllm:num_requests_waiting", "vllm:cache_config_info"} <= names
+    assert "_bucket" not in filtered and len(filtered) * 5 < len(full)
+    assert "_bucket" in ignored
 
 
 def test_names_types_labels_and_buckets_are_vllms() -> None:
