@@ -26,6 +26,7 @@ class Outcome:
     e2e_s: float
     completion_tokens: int
     error: str = ""
+    at_s: float = 0.0  # when it was due, from the start of the replay
 
 
 def _has_text(chunk: dict[str, Any]) -> bool:
@@ -62,8 +63,9 @@ async def _one(client: httpx.AsyncClient, req: TimedRequest) -> Outcome:
                 if chunk.get("usage"):
                     tokens = chunk["usage"].get("completion_tokens", 0)
     except (httpx.HTTPError, orjson.JSONDecodeError) as e:
-        return Outcome(False, ttft, time.perf_counter() - start, tokens, type(e).__name__)
-    return Outcome(done, ttft, time.perf_counter() - start, tokens, "" if done else "no [DONE]")
+        return Outcome(False, ttft, time.perf_counter() - start, tokens, type(e).__name__, req.at_s)
+    error = "" if done else "no [DONE]"
+    return Outcome(done, ttft, time.perf_counter() - start, tokens, error, req.at_s)
 
 
 async def replay(

@@ -99,7 +99,17 @@ def summarize(
         "errors": sorted({o.error for o in outcomes if not o.ok}),
         "per_pod": [a["served"] - b["served"] for a, b in zip(after, before, strict=True)],
         "wall_s": wall_s,
+        "slowest": slowest(ok),
     }
+
+
+def slowest(outcomes: list[Outcome], n: int = 3) -> list[dict[str, float]]:
+    """The ``n`` longest TTFTs and when their requests were due: tells a tail made of a
+    few stalls (a run's start, one moment) from a tail spread over the run."""
+    timed = sorted((o for o in outcomes if o.ttft_s is not None), key=lambda o: -(o.ttft_s or 0))
+    return [
+        {"at_s": round(o.at_s, 2), "ttft_ms": round((o.ttft_s or 0) * 1000, 1)} for o in timed[:n]
+    ]
 
 
 PEERS = ("sglang-router", "vllm-router")
@@ -160,7 +170,8 @@ def run_pods(pods: PodSet, args: argparse.Namespace, log_dir: Path) -> list[dict
                    "rep": rep, **summarize(outcomes, wall, before, pods.counters())}  # fmt: skip
             print(f"  {rep} {name:14s} hit {row['hit_ratio']:.3f}  ttft p50 {row['ttft_p50_ms']:.0f} "
                   f"p99 {row['ttft_p99_ms']:.0f} ms  {row['req_per_s']:.1f} req/s  "
-                  f"failed {row['failed']} {row['errors']}  per pod {row['per_pod']}",
+                  f"failed {row['failed']} {row['errors']}  per pod {row['per_pod']}  "
+                  f"slowest (due s, ms) {[(s['at_s'], s['ttft_ms']) for s in row['slowest']]}",
                   flush=True)  # fmt: skip
             rows.append(row)
     return rows

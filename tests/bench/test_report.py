@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.replay import Outcome
 from bench.report import merged
+from bench.routing_quality import slowest
 
 
 def section(rows: str, command: str | None = None) -> dict[str, Any]:
@@ -40,3 +42,13 @@ def test_the_earlier_layout_lends_its_command_to_each_kept_section() -> None:
 
 def test_no_earlier_file() -> None:
     assert list(merged({"runs": {"vllm": section("v", "run")}}, None)["runs"]) == ["vllm"]
+
+
+def test_slowest_lists_the_longest_ttfts_with_when_they_were_due() -> None:
+    outcomes = [
+        Outcome(True, ttft, 1.0, 4, at_s=at) for at, ttft in ((0.0, 0.02), (1.5, 0.9), (3.0, None))
+    ] + [Outcome(True, 0.05, 1.0, 4, at_s=2.0), Outcome(True, 0.4, 1.0, 4, at_s=2.5)]
+    assert slowest(outcomes, 2) == [
+        {"at_s": 1.5, "ttft_ms": 900.0},
+        {"at_s": 2.5, "ttft_ms": 400.0},
+    ]
