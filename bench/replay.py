@@ -27,6 +27,9 @@ class Outcome:
     completion_tokens: int
     error: str = ""
     at_s: float = 0.0  # when it was due, from the start of the replay
+    session: int | None = None  # the request's chat (``TimedRequest.session``)
+    prompt_tokens: int | None = None  # from the usage chunk, when the server sent one
+    cached_tokens: int | None = None  # usage's prompt_tokens_details, when the server sent it
 
 
 def _has_text(chunk: dict[str, Any]) -> bool:
@@ -40,16 +43,14 @@ async def _one(client: httpx.AsyncClient, req: TimedRequest) -> Outcome:
     body = {**req.body, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     ttft: float | None = None
-    tokens = 0
+    usage: dict[str, Any] = {}
     done = False
     try:
         async with client.stream("POST", req.path, content=orjson.dumps(body),
                                  headers={"content-type": "application/json"}) as resp:  # fmt: skip
             if resp.status_code != 200:
                 await resp.aread()
-                return Outcome(
-                    False, None, time.perf_counter() - start, 0, f"http {resp.status_code}"
-                )
+                return _outcome(req, False, None, start, {}, f"http {resp.status_code}")
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -61,11 +62,25 @@ async def _one(client: httpx.AsyncClient, req: TimedRequest) -> Outcome:
                 if ttft is None and _has_text(chunk):
                     ttft = time.perf_counter() - start
                 if chunk.get("usage"):
-                    tokens = chunk["usage"].get("completion_tokens", 0)
+                    usage = chunk["usage"]
     except (httpx.HTTPError, orjson.JSONDecodeError) as e:
-        return Outcome(False, ttft, time.perf_counter() - start, tokens, type(e).__name__, req.at_s)
-    error = "" if done else "no [DONE]"
-    return Outcome(done, ttft, time.perf_counter() - start, tokens, error, req.at_s)
+        return _outcome(req, False, ttft, start, usage, type(e).__name__)
+    return _outcome(req, done, ttft, start, usage, "" if done else "no [DONE]")
+
+
+def _outcome(
+    req: TimedRequest,
+    ok: bool,
+    ttft: float | None,
+    start: float,
+    usage: dict[str, Any],
+    error: str,
+) -> Outcome:
+    details = usage.get("prompt_tokens_details") or {}
+    return Outcome(
+        ok, ttft, time.perf_counter() - start, usage.get("completion_tokens", 0), error,
+        req.at_s, req.session, usage.get("prompt_tokens"), details.get("cached_tokens"),
+    )  # fmt: skip
 
 
 async def replay(

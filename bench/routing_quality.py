@@ -29,6 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ from bench.workloads import (
 )
 
 WORKLOADS = ("conversation", "synthetic", "tenants", "multiturn", "longchat")
-SIM_BLOCKS, SIM_BLOCK_TOKENS = 2048, 16
+SIM_BLOCKS = 2048
 SIM_ENGINE = ["--num-gpu-blocks", str(SIM_BLOCKS), "--max-num-seqs", "8"]
 
 
@@ -83,7 +84,7 @@ def _pct(values: list[float], q: float) -> float:
 
 def summarize(
     outcomes: list[Outcome], wall_s: float, before: list[dict[str, float]],
-    after: list[dict[str, float]],
+    after: list[dict[str, float]], block_tokens: int,
 ) -> dict[str, Any]:  # fmt: skip
     hits = sum(a["hits"] - b["hits"] for a, b in zip(after, before, strict=True))
     queries = sum(a["queries"] - b["queries"] for a, b in zip(after, before, strict=True))
@@ -100,6 +101,7 @@ def summarize(
         "per_pod": [a["served"] - b["served"] for a, b in zip(after, before, strict=True)],
         "wall_s": wall_s,
         "slowest": slowest(ok),
+        **lost_histories(ok, block_tokens),
     }
 
 
@@ -112,7 +114,37 @@ def slowest(outcomes: list[Outcome], n: int = 3) -> list[dict[str, float]]:
     ]
 
 
+def lost_histories(outcomes: list[Outcome], block_tokens: int) -> dict[str, int]:
+    """Chat turns that did not find their own history cached: a turn sent after its
+    session's previous turn ended should be served from a cache holding that turn's prompt
+    (its whole blocks, one block of slack for the chat template's last tokens); when its
+    ``cached_tokens`` are fewer, its chat moved to another pod or the pod evicted it.
+    Tells a hit-ratio gap made of moved chats from one made of copies of a shared prefix.
+    Empty when the workload has no sessions or the pods report no cached tokens."""
+    turns: dict[int, list[Outcome]] = {}
+    for o in outcomes:
+        if o.session is not None and o.prompt_tokens is not None and o.cached_tokens is not None:
+            turns.setdefault(o.session, []).append(o)
+    checked = lost = 0
+    for session in turns.values():
+        session.sort(key=lambda o: o.at_s)
+        for prev, turn in pairwise(session):
+            if turn.at_s < prev.at_s + prev.e2e_s:
+                continue  # sent while its previous turn still ran
+            held = (prev.prompt_tokens or 0) // block_tokens * block_tokens - block_tokens
+            checked += 1
+            lost += (turn.cached_tokens or 0) < held
+    return {"history_turns": checked, "history_lost": lost} if checked else {}
+
+
 PEERS = ("sglang-router", "vllm-router")
+
+
+def _summed(reps: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, Any]:
+    """``keys`` summed over the repetitions, when every one has them."""
+    if not all(k in r for r in reps for k in keys):
+        return {}
+    return {k: sum(r[k] for r in reps) for k in keys}
 
 
 def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -135,6 +167,7 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "out_tok_per_s": statistics.fmean(r["out_tok_per_s"] for r in reps),
             "failed": sum(r["failed"] for r in reps),
             "per_pod": [sum(c) for c in zip(*(r["per_pod"] for r in reps), strict=True)],
+            **_summed(reps, ("history_turns", "history_lost")),
         })  # fmt: skip
     for row in rows:
         peers = [r for r in rows if r["workload"] == row["workload"] and r["contender"] in PEERS]
@@ -154,7 +187,7 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_pods(pods: PodSet, args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
     rows = []
-    block_bytes = (SIM_BLOCK_TOKENS if pods.kind == "sim" else 32) * BYTES_PER_TOKEN
+    block_bytes = pods.block_size * BYTES_PER_TOKEN
     for workload in args.workloads:
         requests = build_workload(workload, pods.kind, args)
         bound = prefix_bound(requests, block_bytes)
@@ -167,12 +200,13 @@ def run_pods(pods: PodSet, args: argparse.Namespace, log_dir: Path) -> list[dict
                 outcomes, wall = asyncio.run(replay(url, requests, deadline_s=args.deadline_s))
             time.sleep(0.5)  # the last counters settle
             row = {"workload": workload, "contender": name, "bound": bound, "requests": len(requests),
-                   "rep": rep, **summarize(outcomes, wall, before, pods.counters())}  # fmt: skip
+                   "rep": rep, **summarize(outcomes, wall, before, pods.counters(), pods.block_size)}  # fmt: skip
             print(f"  {rep} {name:14s} hit {row['hit_ratio']:.3f}  ttft p50 {row['ttft_p50_ms']:.0f} "
                   f"p99 {row['ttft_p99_ms']:.0f} ms  {row['req_per_s']:.1f} req/s  "
                   f"failed {row['failed']} {row['errors']}  per pod {row['per_pod']}  "
-                  f"slowest (due s, ms) {[(s['at_s'], s['ttft_ms']) for s in row['slowest']]}",
-                  flush=True)  # fmt: skip
+                  f"slowest (due s, ms) {[(s['at_s'], s['ttft_ms']) for s in row['slowest']]}"
+                  + (f"  history lost {row['history_lost']} of {row['history_turns']} turns"
+                     if "history_turns" in row else ""), flush=True)  # fmt: skip
             rows.append(row)
     return rows
 

@@ -34,6 +34,7 @@ class TimedRequest:
     path: str
     body: dict[str, Any]
     prompt: str  # the text whose prefix sharing bounds the hit ratio
+    session: int | None = None  # a chat's number (its turns re-send its history), else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +84,15 @@ def chatml(messages: list[dict[str, str]]) -> str:
     return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
 
 
-def _chat(sizing: Sizing, at_s: float, messages: list[dict[str, str]], out: int) -> TimedRequest:
+def _chat(
+    sizing: Sizing,
+    at_s: float,
+    messages: list[dict[str, str]],
+    out: int,
+    session: int | None = None,
+) -> TimedRequest:
     body = {"model": sizing.model, "messages": messages, "max_tokens": out}
-    return TimedRequest(at_s, "/v1/chat/completions", body, chatml(messages))
+    return TimedRequest(at_s, "/v1/chat/completions", body, chatml(messages), session)
 
 
 def multi_tenant_burst(
@@ -149,7 +156,8 @@ def multi_turn(
                 *messages,
                 {"role": "user", "content": words(seed_s, turn_tokens * BYTES_PER_TOKEN)},
             ]
-            out.append(_chat(sizing, at, messages, rng.randint(4, sizing.max_output_tokens)))
+            max_tokens = rng.randint(4, sizing.max_output_tokens)
+            out.append(_chat(sizing, at, messages, max_tokens, session=s))
             answer = words(seed_s + 500, turn_tokens * BYTES_PER_TOKEN // 2)
             messages = [*messages, {"role": "assistant", "content": answer}]
             at += rng.expovariate(1 / think_s)
