@@ -27,6 +27,7 @@ from typing import Any
 
 import extproc as extproc_package
 from bench.bench_pods import PodSet
+from bench.envoy_timings import LOG_NAME, timing_log
 from e2e.real_vllm.prepare import peer_binary
 from extproc.envoyconf.build import EnvoyOptions, make_bootstrap
 from extproc.envoyconf.render import to_dict
@@ -90,7 +91,8 @@ def extproc_with(config: Path | None) -> Serve:
 
     @contextmanager
     def serve(pod_set: PodSet, log_dir: Path) -> Iterator[str]:
-        with run_stack(pod_set.pods, config=config) as stack:
+        timings = timing_log(log_dir / LOG_NAME)
+        with run_stack(pod_set.pods, config=config, envoy_transform=timings) as stack:
             yield stack.url
 
     return serve
@@ -111,7 +113,10 @@ def extproc_precise(pod_set: PodSet, log_dir: Path) -> Iterator[str]:
     config = precise_config(
         pod_set.model, pod_set.tokenizer_dir, pod_set.block_size, log_dir / "precise.yaml"
     )
-    with run_stack(pod_set.pods, config=config, extproc_args=pod_set.events_args) as stack:
+    timings = timing_log(log_dir / LOG_NAME)
+    with run_stack(
+        pod_set.pods, config=config, extproc_args=pod_set.events_args, envoy_transform=timings
+    ) as stack:
         pod_set.wait_events_trusted([stack.metrics_text])
         yield stack.url
 

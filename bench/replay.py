@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import orjson
 
+from bench.envoy_timings import REQUEST_HEADER
 from bench.workloads import TimedRequest
 
 
@@ -30,6 +31,7 @@ class Outcome:
     session: int | None = None  # the request's chat (``TimedRequest.session``)
     prompt_tokens: int | None = None  # from the usage chunk, when the server sent one
     cached_tokens: int | None = None  # usage's prompt_tokens_details, when the server sent it
+    index: int | None = None  # the request's place in the replayed list (``REQUEST_HEADER``)
 
 
 def _has_text(chunk: dict[str, Any]) -> bool:
@@ -39,18 +41,21 @@ def _has_text(chunk: dict[str, Any]) -> bool:
     return False
 
 
-async def _one(client: httpx.AsyncClient, req: TimedRequest) -> Outcome:
+async def _one(client: httpx.AsyncClient, req: TimedRequest, index: int | None = None) -> Outcome:
     body = {**req.body, "stream": True, "stream_options": {"include_usage": True}}
+    headers = {"content-type": "application/json"}
+    if index is not None:
+        headers[REQUEST_HEADER] = str(index)
     start = time.perf_counter()
     ttft: float | None = None
     usage: dict[str, Any] = {}
     done = False
     try:
         async with client.stream("POST", req.path, content=orjson.dumps(body),
-                                 headers={"content-type": "application/json"}) as resp:  # fmt: skip
+                                 headers=headers) as resp:  # fmt: skip
             if resp.status_code != 200:
                 await resp.aread()
-                return _outcome(req, False, None, start, {}, f"http {resp.status_code}")
+                return _outcome(req, False, None, start, {}, f"http {resp.status_code}", index)
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -64,8 +69,8 @@ async def _one(client: httpx.AsyncClient, req: TimedRequest) -> Outcome:
                 if chunk.get("usage"):
                     usage = chunk["usage"]
     except (httpx.HTTPError, orjson.JSONDecodeError) as e:
-        return _outcome(req, False, ttft, start, usage, type(e).__name__)
-    return _outcome(req, done, ttft, start, usage, "" if done else "no [DONE]")
+        return _outcome(req, False, ttft, start, usage, type(e).__name__, index)
+    return _outcome(req, done, ttft, start, usage, "" if done else "no [DONE]", index)
 
 
 def _outcome(
@@ -75,11 +80,12 @@ def _outcome(
     start: float,
     usage: dict[str, Any],
     error: str,
+    index: int | None,
 ) -> Outcome:
     details = usage.get("prompt_tokens_details") or {}
     return Outcome(
         ok, ttft, time.perf_counter() - start, usage.get("completion_tokens", 0), error,
-        req.at_s, req.session, usage.get("prompt_tokens"), details.get("cached_tokens"),
+        req.at_s, req.session, usage.get("prompt_tokens"), details.get("cached_tokens"), index,
     )  # fmt: skip
 
 
@@ -93,12 +99,12 @@ async def replay(
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
         start = time.perf_counter()
 
-        async def launch(req: TimedRequest) -> Outcome:
+        async def launch(index: int, req: TimedRequest) -> Outcome:
             await asyncio.sleep(max(0.0, req.at_s - (time.perf_counter() - start)))
             async with gate:
-                return await _one(client, req)
+                return await _one(client, req, index)
 
-        tasks = [asyncio.create_task(launch(r)) for r in requests]
+        tasks = [asyncio.create_task(launch(i, r)) for i, r in enumerate(requests)]
         finished, pending = await asyncio.wait(tasks, timeout=deadline_s)
         for task in pending:
             task.cancel()

@@ -27,8 +27,9 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
+from dataclasses import asdict
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from typing import Any
 from bench import report
 from bench.bench_pods import PodSet, sim_pod_set, vllm_pod_set
 from bench.contenders import CONTENDERS
+from bench.envoy_timings import LOG_NAME, RequestTiming, read_timings
 from bench.replay import Outcome, replay
 from bench.workloads import (
     BYTES_PER_TOKEN,
@@ -85,6 +87,7 @@ def _pct(values: list[float], q: float) -> float:
 def summarize(
     outcomes: list[Outcome], wall_s: float, before: list[dict[str, float]],
     after: list[dict[str, float]], block_tokens: int,
+    timings: Mapping[int, RequestTiming] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     hits = sum(a["hits"] - b["hits"] for a, b in zip(after, before, strict=True))
     queries = sum(a["queries"] - b["queries"] for a, b in zip(after, before, strict=True))
@@ -100,18 +103,37 @@ def summarize(
         "errors": sorted({o.error for o in outcomes if not o.ok}),
         "per_pod": [a["served"] - b["served"] for a, b in zip(after, before, strict=True)],
         "wall_s": wall_s,
-        "slowest": slowest(ok),
+        "slowest": slowest(ok, timings=timings or {}),
         **lost_histories(ok, block_tokens),
     }
 
 
-def slowest(outcomes: list[Outcome], n: int = 3) -> list[dict[str, float]]:
+def slowest(
+    outcomes: list[Outcome], n: int = 3, timings: Mapping[int, RequestTiming] | None = None
+) -> list[dict[str, Any]]:
     """The ``n`` longest TTFTs and when their requests were due: tells a tail made of a
-    few stalls (a run's start, one moment) from a tail spread over the run."""
+    few stalls (a run's start, one moment) from a tail spread over the run. With Envoy's
+    ``timings`` (``bench.envoy_timings``), each also says where its time went."""
     timed = sorted((o for o in outcomes if o.ttft_s is not None), key=lambda o: -(o.ttft_s or 0))
-    return [
-        {"at_s": round(o.at_s, 2), "ttft_ms": round((o.ttft_s or 0) * 1000, 1)} for o in timed[:n]
-    ]
+    out: list[dict[str, Any]] = []
+    for o in timed[:n]:
+        entry: dict[str, Any] = {
+            "at_s": round(o.at_s, 2),
+            "ttft_ms": round((o.ttft_s or 0) * 1000, 1),
+        }
+        if timings and o.index is not None and (t := timings.get(o.index)) is not None:
+            entry |= asdict(t)
+        out.append(entry)
+    return out
+
+
+def _slow_text(entry: dict[str, Any]) -> str:
+    """A slowest entry for the log line: due time and TTFT, and Envoy's spans if known."""
+    text = f"{entry['at_s']} s: {entry['ttft_ms']} ms"
+    if "pod" in entry:
+        text += (f" (picker {entry['picker_ms']}, pod headers {entry['pod_ms']} ms, {entry['pod']},"
+                 f" {entry['attempts']} attempts, flags {entry['flags']})")  # fmt: skip
+    return text
 
 
 def lost_histories(outcomes: list[Outcome], block_tokens: int) -> dict[str, int]:
@@ -195,16 +217,18 @@ def run_pods(pods: PodSet, args: argparse.Namespace, log_dir: Path) -> list[dict
               f"{requests[-1].at_s:.0f} s, bound {bound:.3f}", flush=True)  # fmt: skip
         for rep, name in ((r, n) for r in range(args.repeat) for n in args.contenders):
             pods.reset_all()
+            (log_dir / LOG_NAME).unlink(missing_ok=True)
             with CONTENDERS[name](pods, log_dir) as url:
                 before = pods.counters()  # after a contender's own start-up requests
                 outcomes, wall = asyncio.run(replay(url, requests, deadline_s=args.deadline_s))
             time.sleep(0.5)  # the last counters settle
             row = {"workload": workload, "contender": name, "bound": bound, "requests": len(requests),
-                   "rep": rep, **summarize(outcomes, wall, before, pods.counters(), pods.block_size)}  # fmt: skip
+                   "rep": rep, **summarize(outcomes, wall, before, pods.counters(), pods.block_size,
+                                           read_timings(log_dir / LOG_NAME))}  # fmt: skip
             print(f"  {rep} {name:14s} hit {row['hit_ratio']:.3f}  ttft p50 {row['ttft_p50_ms']:.0f} "
                   f"p99 {row['ttft_p99_ms']:.0f} ms  {row['req_per_s']:.1f} req/s  "
                   f"failed {row['failed']} {row['errors']}  per pod {row['per_pod']}  "
-                  f"slowest (due s, ms) {[(s['at_s'], s['ttft_ms']) for s in row['slowest']]}"
+                  f"slowest {[_slow_text(s) for s in row['slowest']]}"
                   + (f"  history lost {row['history_lost']} of {row['history_turns']} turns"
                      if "history_turns" in row else ""), flush=True)  # fmt: skip
             rows.append(row)
