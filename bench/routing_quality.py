@@ -317,8 +317,12 @@ makes about 2.6-2.7 bytes a token of these texts and the chat template adds its 
 there the bound is approximate and can be exceeded). TTFT:
 client side, streamed, through the router. All on one 2-core machine shared by client,
 router and pods, so absolute latencies include CPU contention
-and single p99 values are noisy; compare contenders within a run. The README's "Routing
-quality" section reads the results."""
+and single p99 values are noisy; compare contenders within a run. Chat turns lost history
+(chat workloads): turns sent after their session's previous turn ended whose cached tokens
+(the pods' `usage.prompt_tokens_details`) are fewer than that turn's whole blocks less one,
+of those checked: a chat moved or evicted. The JSON keeps each run's three slowest TTFTs
+with when they were due and, behind Envoy + extproc, Envoy's spans for each
+(`bench/envoy_timings.py`). The README's "Routing quality" section reads the results."""
 
 
 def main() -> None:
