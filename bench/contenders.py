@@ -27,7 +27,7 @@ from typing import Any
 
 import extproc as extproc_package
 from bench.bench_pods import PodSet
-from bench.envoy_timings import LOG_NAME, timing_log
+from bench.envoy_timings import LOG_NAME, http_managers, timing_log
 from e2e.real_vllm.prepare import peer_binary
 from extproc.envoyconf.build import EnvoyOptions, make_bootstrap
 from extproc.envoyconf.render import to_dict
@@ -47,14 +47,11 @@ Serve = Callable[[PodSet, Path], AbstractContextManager[str]]
 def envoy_alone_config(pods: list[Pod], options: EnvoyOptions) -> dict[str, Any]:
     """The generated bootstrap without extproc: router only, no access log."""
     config = to_dict(make_bootstrap(pods, options))
-    for listener in config["static_resources"]["listeners"]:
-        for chain in listener["filter_chains"]:
-            for f in chain["filters"]:
-                hcm = f["typed_config"]
-                hcm["http_filters"] = [
-                    h for h in hcm["http_filters"] if h["name"].endswith("router")
-                ]
-                hcm.pop("access_log", None)
+    for manager in http_managers(config):
+        manager["http_filters"] = [
+            h for h in manager["http_filters"] if h["name"].endswith("router")
+        ]
+        manager.pop("access_log", None)
     config["static_resources"]["clusters"] = [
         c for c in config["static_resources"]["clusters"] if c["name"] != "extproc"
     ]

@@ -15,7 +15,7 @@ So a stall in a run's slowest requests can be told apart: the picker, the pod, o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,21 +43,27 @@ class RequestTiming:
     pod_ms: int | None
 
 
+def http_managers(config: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The HTTP connection managers of a bootstrap's static listeners, to edit in place."""
+    for listener in config["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for f in chain["filters"]:
+                if f["typed_config"].get("@type") == HCM:
+                    yield f["typed_config"]
+
+
 def timing_log(path: Path) -> Callable[[dict[str, Any]], dict[str, Any]]:
     """An ``envoy_transform`` adding the timing log at ``path`` to every HTTP listener."""
 
     def transform(config: dict[str, Any]) -> dict[str, Any]:
-        for listener in config["static_resources"]["listeners"]:
-            for chain in listener["filter_chains"]:
-                for f in chain["filters"]:
-                    if f["typed_config"].get("@type") == HCM:
-                        f["typed_config"].setdefault("access_log", []).append({
-                            "name": "envoy.access_loggers.file",
-                            "typed_config": {
-                                "@type": FILE_LOGGER, "path": str(path),
-                                "log_format": {"text_format_source": {"inline_string": FORMAT}},
-                            },
-                        })  # fmt: skip
+        for manager in http_managers(config):
+            manager.setdefault("access_log", []).append({
+                "name": "envoy.access_loggers.file",
+                "typed_config": {
+                    "@type": FILE_LOGGER, "path": str(path),
+                    "log_format": {"text_format_source": {"inline_string": FORMAT}},
+                },
+            })  # fmt: skip
         return config
 
     return transform

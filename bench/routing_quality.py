@@ -103,7 +103,7 @@ def summarize(
         "errors": sorted({o.error for o in outcomes if not o.ok}),
         "per_pod": [a["served"] - b["served"] for a, b in zip(after, before, strict=True)],
         "wall_s": wall_s,
-        "slowest": slowest(ok, timings=timings or {}),
+        "slowest": slowest(ok, timings=timings),
         **lost_histories(ok, block_tokens),
     }
 
