@@ -170,17 +170,25 @@ def _summed(reps: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, Any]
     return {k: sum(r[k] for r in reps) for k in keys}
 
 
+def _slowest_of(reps: list[dict[str, Any]], n: int = 3) -> list[dict[str, Any]]:
+    """The ``n`` slowest requests over every repetition, each with its repetition."""
+    entries = [{**e, "rep": r["rep"]} for r in reps for e in r["slowest"]]
+    return sorted(entries, key=lambda e: -e["ttft_ms"])[:n]
+
+
 def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (workload, contender) over its repetitions: mean hit ratio, median
-    TTFT p50 and p99 (with each repetition's p99), summed failures and requests per pod;
-    each ``extproc-*`` row gets its verdict against the best peer of the same workload."""
+    TTFT p50 and p99 (with each repetition's p99), summed failures, errors and requests
+    per pod, the slowest requests of all; each ``extproc-*`` row gets its verdict against
+    the best peer of the same workload."""
     keys = list(dict.fromkeys((r["workload"], r["contender"]) for r in runs))
     rows = []
     for workload, contender in keys:
         reps = [r for r in runs if (r["workload"], r["contender"]) == (workload, contender)]
         p99s = [r["ttft_p99_ms"] for r in reps]
+        first = {k: v for k, v in reps[0].items() if k not in ("rep", "wall_s")}
         rows.append({
-            **reps[0],
+            **first,
             "repetitions": len(reps),
             "hit_ratio": statistics.fmean(r["hit_ratio"] for r in reps),
             "ttft_p50_ms": statistics.median(r["ttft_p50_ms"] for r in reps),
@@ -189,6 +197,8 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "req_per_s": statistics.fmean(r["req_per_s"] for r in reps),
             "out_tok_per_s": statistics.fmean(r["out_tok_per_s"] for r in reps),
             "failed": sum(r["failed"] for r in reps),
+            "errors": sorted({e for r in reps for e in r["errors"]}),
+            "slowest": _slowest_of(reps),
             "per_pod": [sum(c) for c in zip(*(r["per_pod"] for r in reps), strict=True)],
             **_summed(reps, ("history_turns", "history_lost")),
         })  # fmt: skip

@@ -12,6 +12,7 @@ from bench.replay import Outcome, _one
 from bench.report import table
 from bench.routing_quality import aggregate, lost_histories
 from bench.workloads import TimedRequest
+from tests.bench.rows import run_row
 
 BLOCK = 16
 
@@ -50,18 +51,12 @@ def test_nothing_without_sessions_or_cached_tokens() -> None:
     assert lost_histories(no_usage, BLOCK) == {}
 
 
-def run(rep: int, **extra: int) -> dict[str, object]:
-    return {"workload": "chat", "contender": "extproc-default", "bound": 0.8, "rep": rep,
-            "hit_ratio": 0.7, "ttft_p50_ms": 20.0, "ttft_p99_ms": 50.0, "req_per_s": 3.0,
-            "out_tok_per_s": 10.0, "failed": 0, "per_pod": [1, 2], **extra}  # fmt: skip
-
-
 def test_repetitions_are_summed_and_the_table_shows_lost_of_checked() -> None:
-    rows = aggregate([run(0, history_turns=10, history_lost=1),
-                      run(1, history_turns=12, history_lost=2)])  # fmt: skip
+    rows = aggregate([run_row(rep=0, history_turns=10, history_lost=1),
+                      run_row(rep=1, history_turns=12, history_lost=2)])  # fmt: skip
     assert (rows[0]["history_turns"], rows[0]["history_lost"]) == (22, 3)
     assert "| 3 of 22 |" in table(rows)
-    assert "| 1 2 |  |" in table(aggregate([run(0)]))  # a workload without chats: empty
+    assert "| 1 2 |  |" in table(aggregate([run_row()]))  # a workload without chats: empty
 
 
 def sse(*chunks: dict[str, object]) -> bytes:

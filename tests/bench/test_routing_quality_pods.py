@@ -14,6 +14,7 @@ from bench.contenders import CACHE_AWARE, CONTENDERS, sglang_argv
 from bench.routing_quality import SIM_ENGINE, aggregate, pod_sets, sim_precise
 from e2e.real_vllm.prepare import model_dir
 from extproc.datalayer.kv_events import EVENTS_PORT_LABEL
+from tests.bench.rows import run_row
 from tests.factories import make_pod
 
 
@@ -94,19 +95,26 @@ def test_sglang_round_robin_is_the_same_proxy_without_the_cache_policy() -> None
     assert {"sglang-router", "sglang-rr"} <= set(CONTENDERS)
 
 
-def run_row(contender: str, hit: float, p99: float) -> dict[str, object]:
-    return {
-        "workload": "w", "contender": contender, "hit_ratio": hit, "ttft_p50_ms": 1.0,
-        "ttft_p99_ms": p99, "req_per_s": 1.0, "out_tok_per_s": 1.0, "failed": 0, "per_pod": [1],
-    }  # fmt: skip
-
-
 def test_a_round_robin_baseline_is_no_peer_of_the_verdict() -> None:
     """sglang-rr is a baseline like envoy-rr: its better p99 does not decide the verdict."""
     rows = aggregate([
-        run_row("extproc-default", 0.8, 50.0), run_row("sglang-router", 0.7, 60.0),
-        run_row("sglang-rr", 0.6, 40.0), run_row("envoy-rr", 0.6, 30.0),
+        run_row("extproc-default", hit_ratio=0.8, ttft_p99_ms=50.0),
+        run_row("sglang-router", hit_ratio=0.7, ttft_p99_ms=60.0),
+        run_row("sglang-rr", hit_ratio=0.6, ttft_p99_ms=40.0),
+        run_row("envoy-rr", hit_ratio=0.6, ttft_p99_ms=30.0),
     ])  # fmt: skip
     verdicts = {r["contender"]: r.get("verdict") for r in rows}
     assert str(verdicts["extproc-default"]).startswith("win")
     assert verdicts["sglang-rr"] is None
+
+
+def test_a_row_keeps_the_slowest_requests_and_errors_of_every_repetition() -> None:
+    slow = [{"at_s": 1.0, "ttft_ms": 90.0}, {"at_s": 2.0, "ttft_ms": 20.0}]
+    rows = aggregate([
+        run_row(rep=0, slowest=slow, errors=["HTTP 503"]),
+        run_row(rep=1, slowest=[{"at_s": 5.0, "ttft_ms": 300.0}], errors=["timeout"]),
+    ])  # fmt: skip
+    (row,) = rows
+    assert [(e["ttft_ms"], e["rep"]) for e in row["slowest"]] == [(300.0, 1), (90.0, 0), (20.0, 0)]
+    assert row["errors"] == ["HTTP 503", "timeout"]
+    assert "rep" not in row and "wall_s" not in row  # a repetition's own, not the row's
