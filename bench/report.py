@@ -24,7 +24,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             r["workload"], r["contender"], f"{r['hit_ratio']:.3f}", f"{r['bound']:.3f}",
             f"{r['ttft_p50_ms']:.0f}", _p99(r), f"{r['req_per_s']:.1f}",
             f"{r['out_tok_per_s']:.0f}", str(r["failed"]),
-            " ".join(str(int(n)) for n in r["per_pod"]), _history(r), r.get("verdict", ""),
+            " ".join(str(int(n)) for n in r["per_pod"]), history_cell(r), r.get("verdict", ""),
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -37,7 +37,7 @@ def _p99(row: dict[str, Any]) -> str:
     return median if len(each) < 2 else f"{median} ({' / '.join(f'{v:.0f}' for v in each)})"
 
 
-def _history(row: dict[str, Any]) -> str:
+def history_cell(row: dict[str, Any]) -> str:
     """Chat turns that did not find their own history cached, of those checked
     (``routing_quality.lost_histories``); empty for a workload without chats."""
     if "history_turns" not in row:

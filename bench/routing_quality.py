@@ -240,8 +240,8 @@ def run_pods(pods: PodSet, args: argparse.Namespace, log_dir: Path) -> list[dict
                   f"p99 {row['ttft_p99_ms']:.0f} ms  {row['req_per_s']:.1f} req/s  "
                   f"failed {row['failed']} {row['errors']}  per pod {row['per_pod']}  "
                   f"slowest {[_slow_text(s) for s in row['slowest']]}"
-                  + (f"  history lost {row['history_lost']} of {row['history_turns']} turns"
-                     if "history_turns" in row else ""), flush=True)  # fmt: skip
+                  + (f"  history lost {cell} turns" if (cell := report.history_cell(row)) else ""),
+                  flush=True)  # fmt: skip
             rows.append(row)
     return rows
 
