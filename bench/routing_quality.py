@@ -49,6 +49,7 @@ from bench.workloads import (
     multi_turn,
     prefix_bound,
 )
+from e2e.real_vllm.pods import cores_shared
 
 WORKLOADS = ("conversation", "synthetic", "tenants", "multiturn", "longchat")
 SIM_BLOCKS = 2048
@@ -275,10 +276,9 @@ def pod_sets(
             f"pseudo-tokenizer, no KV events). Mooncake traces: first {args.trace_requests} "
             f"requests, token counts / 16, clock x{args.speedup}."
         )
-    cores = os.cpu_count() or 1
     binding = (
-        f"on {cores} shared cores"
-        if args.vllm_pods > cores
+        f"on {os.cpu_count() or 1} shared cores"
+        if cores_shared(args.vllm_pods)
         else "each engine bound to its own core (client, Envoy and routers on all of them)"
     )
     vllm_setup = (

@@ -141,13 +141,23 @@ def vllm_argv(
     ]  # fmt: skip
 
 
+def engine_core(index: int) -> int:
+    """The core pod ``index`` binds its engine to: one core per pod, round robin."""
+    return index % (os.cpu_count() or 1)
+
+
+def cores_shared(num_pods: int) -> bool:
+    """Whether ``num_pods`` engines share cores (more pods than the machine has)."""
+    return num_pods > (os.cpu_count() or 1)
+
+
 def _start_one(index: int, log_dir: Path, extra_args: Sequence[str], replay: bool) -> VllmPod:
     port, kv_port = free_port(), free_port()
     replay_port = free_port() if replay else None
     endpoint = f"tcp://127.0.0.1:{kv_port}"
     replay_endpoint = f"tcp://127.0.0.1:{replay_port}" if replay_port else None
-    # One core per pod, round robin: by default every engine binds core 0.
-    env = {**ENV, "VLLM_CPU_OMP_THREADS_BIND": str(index % (os.cpu_count() or 1))}
+    # By default every engine binds core 0.
+    env = {**ENV, "VLLM_CPU_OMP_THREADS_BIND": str(engine_core(index))}
     name = f"vllm-{index}"
     topic = f"kv@127.0.0.1:{port}@{MODEL}"
     argv = vllm_argv(port, endpoint, topic, replay_endpoint, extra_args)

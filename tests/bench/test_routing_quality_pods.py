@@ -12,6 +12,7 @@ import pytest
 from bench.bench_pods import sim_pod_set
 from bench.contenders import CACHE_AWARE, CONTENDERS, sglang_argv
 from bench.routing_quality import SIM_ENGINE, aggregate, pod_sets, sim_precise
+from e2e.real_vllm.pods import cores_shared, engine_core
 from e2e.real_vllm.prepare import model_dir
 from extproc.datalayer.kv_events import EVENTS_PORT_LABEL
 from tests.bench.rows import run_row
@@ -80,6 +81,12 @@ def test_the_vllm_setup_says_how_many_pods_and_how_they_share_the_cores(
     setup = pod_sets(args, tmp_path)["vllm"][1]
     assert setup.startswith(f"{num_pods} real vLLM-CPU pods")
     assert binding in setup
+
+
+def test_vllm_engines_take_the_cores_round_robin(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert [engine_core(i) for i in range(3)] == [0, 1, 0]
+    assert not cores_shared(2) and cores_shared(3)
 
 
 def test_sglang_round_robin_is_the_same_proxy_without_the_cache_policy() -> None:
