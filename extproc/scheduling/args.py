@@ -5,9 +5,9 @@
   and of two keys naming one field the later wins.
 * An omitted, zero, negative or infinite number uses the default, unless the field declares a
   closed range (``field(metadata={"range": (lo, hi)})``, as Kthena's
-  ``TTFTTPOTWeightFactor`` in [0, 1]): then any value in the range is used, and one
-  outside it (or NaN) uses the default and logs ``Invalid <key> <value>, using default
-  value <default>``.
+  ``TTFTTPOTWeightFactor`` in [0, 1], or ``ZERO_UP`` where 0 turns a term off): then any
+  finite value in the range is used, and one outside it (or NaN, or infinite) uses the
+  default and logs ``Invalid <key> <value>, using default value <default>``.
 * An args block that cannot be parsed (not a mapping, or a value of the wrong type such
   as a string) falls back to all defaults and logs
   ``Failed to unmarshal <ArgsType>, using default values``, or the args type's own
@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 log = logging.getLogger("extproc.scheduling.config")
 
 T = TypeVar("T")
+
+ZERO_UP = (0.0, math.inf)  # a range: any finite value from 0 up (0 means "off")
 
 
 class _Unparseable(Exception):
@@ -63,7 +65,7 @@ def _parse(args_type: type[Any], raw: Any) -> dict[str, Any]:
         if bounds is None:
             if value > 0 and math.isfinite(value):
                 values[f.name] = value
-        elif bounds[0] <= value <= bounds[1]:
+        elif math.isfinite(value) and bounds[0] <= value <= bounds[1]:
             values[f.name] = value
         else:
             log.warning("Invalid %s %s, using default value %s", f.name, value, f.default)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -458,3 +459,32 @@ scheduler:
     scheduler.schedule(make_cycle(PROMPT), pods)  # each scores: two observations
     count = "kthena_router_prefix_cache_match_ratio_count"
     assert registry.get_sample_value(count, {"model": "m"}) == 2
+
+
+@pytest.mark.parametrize("name", ["writtenMs", "affinityMarginMs"])
+def test_a_zero_write_cost_or_margin_turns_the_term_off(name: str) -> None:
+    """Unlike Kthena's arguments (0 means the default), these two take 0."""
+    args = EstimatedTTFT.from_args({name: 0}, PluginContext(CollectorRegistry())).args
+    assert getattr(args, name) == 0.0
+    assert EstimatedTTFT.from_args({"queuedMs": 0}, PluginContext(CollectorRegistry())).args == A
+
+
+@pytest.mark.parametrize("value", [-1.0, math.inf, math.nan])
+def test_a_negative_or_infinite_write_cost_uses_the_default_and_logs(
+    value: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="extproc.scheduling.config"):
+        args = EstimatedTTFT.from_args({"writtenMs": value}, PluginContext(CollectorRegistry()))
+    assert args.args.writtenMs == A.writtenMs
+    assert f"Invalid writtenMs {value}, using default value 300.0" in caplog.text
+
+
+def test_no_write_cost_leaves_only_the_estimate() -> None:
+    """writtenMs 0: the busiest writer pays nothing more than a pod never written to."""
+    pods = [make_pod("a"), make_pod("b")]
+    ctx = PluginContext(CollectorRegistry(), in_flight=InFlight())
+    p = EstimatedTTFT.from_args({"writtenMs": 0}, ctx)
+    p.written.add(pods[0].id, 4000)
+    cycle = make_cycle(PROMPT)
+    assert p.costs(cycle, pods) == p.estimate_ms(cycle, pods)
+    assert p.write_ms(cycle, [pod.id for pod in pods]) == {pods[0].id: 0.0, pods[1].id: 0.0}

@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Container, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any, ClassVar, NamedTuple
 
@@ -80,7 +80,7 @@ from prometheus_client import Gauge
 
 from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PrefixIndex
-from extproc.scheduling.args import load_args
+from extproc.scheduling.args import ZERO_UP, load_args
 from extproc.scheduling.arrivals import Arrivals
 from extproc.scheduling.podtable import PodTable, Positions, RowValues
 from extproc.scheduling.prefix_metrics import PrefixCacheMetrics
@@ -104,10 +104,12 @@ class EstimatedTTFTArgs:
     prefillMsPerToken: float = 0.1  # ms of one step per uncached prompt token
     queuedMs: float = 30.0  # ms each request queued ahead adds beyond its prefill (steps, a slot)
     runningMs: float = 5.0  # ms each running request adds (its decode share of each step)
-    affinityMarginMs: float = 50.0  # the affinity pod yields only past this many ms ...
+    # the affinity pod yields only past this many ms (0: the ratio alone) ...
+    affinityMarginMs: float = field(default=50.0, metadata={"range": ZERO_UP})
     affinityRatio: float = 1.5  # ... and past this many times the other's estimate
     affinityMinMatch: float = 0.3  # no affinity for a match under this share of the prompt
-    writtenMs: float = 300.0  # the most a pod's recent cache writes add to its cost ...
+    # the most a pod's recent cache writes add to its cost (0: no write cost) ...
+    writtenMs: float = field(default=300.0, metadata={"range": ZERO_UP})
     writtenWindow: int = 1000  # ... counted over about this many picks (decayed)
 
 
