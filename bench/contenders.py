@@ -42,6 +42,7 @@ CACHE_AWARE = [
     "--policy", "cache_aware", "--cache-threshold", "0.3",
     "--balance-abs-threshold", "64", "--balance-rel-threshold", "1.5",
 ]  # fmt: skip
+ROUND_ROBIN = ["--policy", "round_robin"]
 
 Serve = Callable[[PodSet, Path], AbstractContextManager[str]]
 
@@ -205,6 +206,6 @@ CONTENDERS: dict[str, Serve] = {
     "extproc-default-2-replicas": extproc_replicas(2),
     "extproc-precise": extproc_precise,
     "sglang-router": sglang_with(CACHE_AWARE),
-    "sglang-rr": sglang_with(["--policy", "round_robin"]),
+    "sglang-rr": sglang_with(ROUND_ROBIN),
     "vllm-router": vllm_router,
 }

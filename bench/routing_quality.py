@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shlex
 import signal
 import statistics
@@ -49,7 +48,7 @@ from bench.workloads import (
     multi_turn,
     prefix_bound,
 )
-from e2e.real_vllm.pods import cores_shared
+from e2e.real_vllm.pods import cores_shared, num_cores
 
 WORKLOADS = ("conversation", "synthetic", "tenants", "multiturn", "longchat")
 SIM_BLOCKS = 2048
@@ -277,7 +276,7 @@ def pod_sets(
             f"requests, token counts / 16, clock x{args.speedup}."
         )
     binding = (
-        f"on {os.cpu_count() or 1} shared cores"
+        f"on {num_cores()} shared cores"
         if cores_shared(args.vllm_pods)
         else "each engine bound to its own core (client, Envoy and routers on all of them)"
     )

@@ -141,14 +141,19 @@ def vllm_argv(
     ]  # fmt: skip
 
 
+def num_cores() -> int:
+    """The machine's cores, which the engines take round robin."""
+    return os.cpu_count() or 1
+
+
 def engine_core(index: int) -> int:
     """The core pod ``index`` binds its engine to: one core per pod, round robin."""
-    return index % (os.cpu_count() or 1)
+    return index % num_cores()
 
 
 def cores_shared(num_pods: int) -> bool:
     """Whether ``num_pods`` engines share cores (more pods than the machine has)."""
-    return num_pods > (os.cpu_count() or 1)
+    return num_pods > num_cores()
 
 
 def _start_one(index: int, log_dir: Path, extra_args: Sequence[str], replay: bool) -> VllmPod:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.bench_pods import sim_pod_set
-from bench.contenders import CACHE_AWARE, CONTENDERS, sglang_argv
+from bench.contenders import CACHE_AWARE, CONTENDERS, ROUND_ROBIN, sglang_argv
 from bench.routing_quality import SIM_ENGINE, aggregate, pod_sets, sim_precise
 from e2e.real_vllm.pods import cores_shared, engine_core
 from e2e.real_vllm.prepare import model_dir
@@ -94,7 +94,7 @@ def test_sglang_round_robin_is_the_same_proxy_without_the_cache_policy() -> None
     pods = [make_pod("a"), make_pod("b")]
     cache_aware, round_robin = (
         sglang_argv(pods, 1),
-        sglang_argv(pods, 1, ["--policy", "round_robin"]),
+        sglang_argv(pods, 1, ROUND_ROBIN),
     )
     assert cache_aware[cache_aware.index("--policy") + 1] == "cache_aware"
     assert set(CACHE_AWARE) <= set(cache_aware)
