@@ -27,7 +27,7 @@ peers: $(STAMP)
 
 # Debian packages the tests run (as root, as CI is): prometheus brings prometheus and
 # promtool for the Grafana dashboard's PromQL and e2e/test_prometheus.py; redis-server the
-# Redis that replicas share their view through (tests/test_sharing.py, e2e/test_replicas.py).
+# Redis that replicas share their view through (tests/routing/test_sharing.py, e2e/test_replicas.py).
 system-deps:
 	command -v prometheus >/dev/null && command -v promtool >/dev/null && \
 	  command -v redis-server >/dev/null || \

@@ -26,8 +26,8 @@ from e2e.conftest import (
 )
 from extproc.sim.harness import SimPods
 from extproc.sim.launch import Stack, run_stack
-from tests.test_server import Client, log_entry
 from tests.tls_certs import CertAuthority, Issued, served_certificate
+from tests.wire.test_server import Client, log_entry
 
 
 class Certs:

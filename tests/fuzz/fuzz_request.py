@@ -7,7 +7,7 @@ the raw body (bytes libFuzzer mutates, seeded with ``seeds/``), or a JSON reques
 from it field by field (``FuzzedDataProvider``), which reaches deep into the renderer
 without having to guess valid JSON. ``oracle.check_body`` decides what is a crash.
 A crash makes libFuzzer write the input (``-artifact_prefix``) and exit non-zero; put it
-in ``regressions/`` and ``tests/test_fuzz.py`` replays it for good.
+in ``regressions/`` and ``tests/fuzz/test_fuzz.py`` replays it for good.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What must hold for any request body, however malformed: shared by the hypothesis
-properties (``tests/test_fuzz.py``) and the atheris target (``fuzz_request.py``).
+properties (``tests/fuzz/test_fuzz.py``) and the atheris target (``fuzz_request.py``).
 
 ``check_body`` parses one body: it either routes (a model, a prompt that is valid UTF-8
 and hashes) or fails with an ``ExtProcError`` whose status is 400 or 413 and whose body is

@@ -24,7 +24,7 @@ from extproc.scheduling.types import Cycle, PluginContext
 from extproc.sim.api import ApiError, parse_request
 from extproc.sim.harness import SimPods, run_sim_pods
 from extproc.sim.pods import GroupSettings, KvEventsSettings
-from tests.scheduling.test_precise_prefix_cache import MODEL_DIR
+from tests.scheduling.plugins.test_precise_prefix_cache import MODEL_DIR
 from tests.sim.conftest import FAST
 
 pytestmark = pytest.mark.skipif(

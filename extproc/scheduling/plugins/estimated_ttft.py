@@ -349,7 +349,7 @@ class EstimatedTTFT:
 
     def score_table(self, cycle: Cycle, table: PodTable, positions: Positions) -> Scores:
         """``score`` on whole columns: the same arithmetic, in the same order, in float64
-        (``tests/scheduling/test_estimated_ttft_table.py`` checks they agree)."""
+        (``tests/scheduling/plugins/test_estimated_ttft_table.py`` checks they agree)."""
         costs, longest = self._table_costs(cycle, table, positions)
         self._observe(cycle, longest)
         if not len(costs):

@@ -111,7 +111,7 @@ def test_every_precise_metric_is_in_the_readme(
 ) -> None:
     """The README's metrics table names each family the plugin and the subscriber export."""
     KvEventsSubscriber(plugin.index, EventsSettings(), registry)  # not started: no sockets
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     names = [
         f"{family.name}_total" if family.type == "counter" else family.name
         for family in registry.collect()

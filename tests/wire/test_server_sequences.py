@@ -32,7 +32,7 @@ from extproc.wire.grpc_loop import Answer
 from extproc.wire.protocol import EXT_PROC_SERVICE
 from extproc.wire.server import make_grpc_server
 from tests.factories import PREFIX_ONLY, make_scheduler
-from tests.test_server import PODS, Client, destination, error_of, log_entry
+from tests.wire.test_server import PODS, Client, destination, error_of, log_entry
 
 BODY = orjson.dumps({"model": "m", "prompt": "a prompt long enough to hash " * 4})
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED

@@ -23,8 +23,8 @@ from extproc.routing.router import Router
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.types import Pod, PodId
 from tests.factories import make_scheduler
-from tests.test_server import destination, error_of
-from tests.test_server_sequences import (
+from tests.wire.test_server import destination, error_of
+from tests.wire.test_server_sequences import (
     Server,
     body,
     eventually,

@@ -26,7 +26,7 @@ from extproc.sim.replicas import RedisServer, run_redis, wait_until_true
 from extproc.types import Pod, PodId
 from extproc.wire.access_log import AccessLogHandler
 from tests.factories import make_pod
-from tests.test_replicas import GEOMETRY, PODS, log_entry, make_router, process
+from tests.routing.test_replicas import GEOMETRY, PODS, log_entry, make_router, process
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -22,7 +22,7 @@ from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.scheduling.types import BYTES_PER_TOKEN, Cycle, TokenIds
 from extproc.types import Pod
 from tests.factories import make_pod
-from tests.scheduling.test_precise_prefix_cache import BS, MODEL_DIR, store
+from tests.scheduling.plugins.test_precise_prefix_cache import BS, MODEL_DIR, store
 
 pytestmark = pytest.mark.skipif(
     not (MODEL_DIR / "tokenizer.json").exists(), reason="run `python -m e2e.real_vllm.prepare`"

@@ -31,7 +31,7 @@ from extproc.types import Pod, PodId
 from extproc.wire.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE, header_attribute
 from tests.tls_certs import CertAuthority
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENVOY_DIR = REPO / "envoy"
 ENVOY = Path(sys.executable).with_name("envoy")
 

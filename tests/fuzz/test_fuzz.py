@@ -23,7 +23,7 @@ from extproc.request.parse import Api, InferenceRequest, parse_request
 from extproc.request.render import Rendering
 from tests.fuzz.oracle import FIELDS, PATHS, check_body
 
-FUZZ_DIR = Path(__file__).with_name("fuzz")
+FUZZ_DIR = Path(__file__).parent
 
 paths = st.sampled_from(PATHS)
 keys = st.one_of(st.sampled_from(FIELDS), st.text(max_size=6))
@@ -202,7 +202,7 @@ def test_atheris_finds_no_crash_in_a_bounded_run(tmp_path: Path) -> None:
         text=True,
         timeout=120,
         check=False,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
     )
     crashes = sorted(p.name for p in tmp_path.glob("crash-*"))
     assert result.returncode == 0 and not crashes, (crashes, result.stderr[-3000:])
