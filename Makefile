@@ -49,7 +49,7 @@ demo: $(STAMP)
 check: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy extproc tests e2e bench
+	$(VENV)/bin/mypy extproc testkit tests e2e bench
 
 # Unit, property, integration, packaging (the image's build replayed into fresh venvs)
 # and end-to-end tests (real Envoy, simulated and real vLLM pods).
