@@ -30,9 +30,9 @@ from e2e.real_vllm.pods import BLOCK_SIZE as VLLM_BLOCK_SIZE
 from e2e.real_vllm.pods import MODEL as VLLM_MODEL
 from e2e.real_vllm.pods import VllmPod, metric_sum, start_vllm_pods
 from e2e.real_vllm.prepare import model_dir
+from extproc.pods import Pod
 from extproc.sim.harness import spawn_sim_pods
 from extproc.sim.launch import wait_events_trusted
-from extproc.types import Pod
 
 SIM_MODEL = "sim-llm"
 SIM_BLOCK_SIZE = 16  # tokens, the simulated engine's default

@@ -33,9 +33,9 @@ from bench.envoy_timings import LOG_NAME, http_managers, timing_log
 from e2e.real_vllm.prepare import peer_binary
 from extproc.envoyconf.build import EnvoyOptions, make_bootstrap
 from extproc.envoyconf.render import to_dict
+from extproc.pods import Pod
 from extproc.sim.launch import Proc, free_port, run_stack, spawn, start_envoy_config, wait_until
 from extproc.sim.replicas import run_replicas
-from extproc.types import Pod
 
 PEER_START_TIMEOUT_S = 60.0
 CACHE_AWARE = [

@@ -42,8 +42,8 @@ from bench.loadgen import Load, make_workload, run_wrk
 from bench.picker import Target, warm_up
 from bench.picker_report import machine, publish
 from bench.upstreams import start_upstreams
+from extproc.pods import Pod
 from extproc.sim.launch import run_stack
-from extproc.types import Pod
 
 START_TIMEOUT_S = 240.0  # importing extproc under valgrind is slow
 # Under callgrind extproc runs ~50x slower, more still just after instrumentation is

@@ -48,8 +48,8 @@ from bench.loadgen import Load, Workload, make_workload, run_wrk
 from bench.picker_report import ENVOY, EXTPROC, SGLANG, machine, markdown, medians, ratios
 from bench.upstreams import start_upstreams
 from e2e.real_vllm.prepare import peer_binary, prepare_peer
+from extproc.pods import Pod
 from extproc.sim.launch import Stack, free_port, run_stack
-from extproc.types import Pod
 
 WARM_RUN_S = 2  # one warm-up wrk run; runs repeat until every prefix was sent
 MAX_WARM_RUNS = 40

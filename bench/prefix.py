@@ -26,11 +26,11 @@ from typing import Any
 import orjson
 from prometheus_client import CollectorRegistry
 
+from extproc.pods import PodId
 from extproc.prefix import PrefixIndex, hash_prompt
 from extproc.request.parse import parse_request
+from extproc.scheduling.interfaces import Cycle, PluginContext
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheScorer
-from extproc.scheduling.types import Cycle, PluginContext
-from extproc.types import PodId
 from tests.factories import make_pod
 
 BLOCKS = 128

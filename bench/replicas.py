@@ -41,13 +41,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from prometheus_client import CollectorRegistry
 
 from bench.contenders import precise_config
+from extproc.pods import Pod, PodId
 from extproc.routing.router import Router
 from extproc.scheduling.config import build_scheduler, load_config
 from extproc.sim.demo import SIM_ARGS, engine_counters, hit_ratio, make_workload
 from extproc.sim.harness import SimPods, spawn_sim_pods
 from extproc.sim.launch import wait_events_trusted
 from extproc.sim.replicas import run_replicas
-from extproc.types import Pod, PodId
 from extproc.wire.one_round import RouteHandler
 from extproc.wire.protocol import ATTRIBUTES_KEY, PATH_ATTRIBUTE, REQUEST_ID_ATTRIBUTE
 from extproc.wire.record_metadata import carried_record, record_reply

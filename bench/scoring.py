@@ -36,10 +36,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from bench.prefix import BLOCKS, chat_body_8kb
+from extproc.pods import Pod, PodId, PodMetrics
 from extproc.routing.router import Router
 from extproc.scheduling.config import build_scheduler, default_config_text, parse_config
 from extproc.scheduling.inflight import InFlight
-from extproc.types import Pod, PodId, PodMetrics
 
 PATH = "/v1/chat/completions"
 NUM_CONVERSATIONS = 32  # distinct prompts sent in turn, all sharing a ~3 KB system prompt

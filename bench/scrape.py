@@ -40,7 +40,7 @@ from extproc.datalayer.engine_metrics import (
 )
 from extproc.datalayer.scrape import MetricsScraper
 from extproc.datalayer.store import PodStore
-from extproc.types import Pod, PodId
+from extproc.pods import Pod, PodId
 from tests.datalayer.metrics_pages import EngineState, make_vllm_page
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

@@ -23,8 +23,8 @@ from typing import Any
 
 import orjson
 
+from extproc.pods import Pod, PodId
 from extproc.sim.launch import Proc, start_envoy_config
-from extproc.types import Pod, PodId
 
 MODEL = "bench"
 # What an idle vLLM pod's /metrics says, so the picker's scraper reads real series.

@@ -31,9 +31,9 @@ from e2e.conftest import (
 )
 from e2e.test_faults import ENTRIES, FAILED
 from e2e.test_routing import body_for, send_and_wait_recorded
+from extproc.pods import Pod, PodId
 from extproc.sim.harness import SimPods, spawn_sim_pods
 from extproc.sim.launch import Stack, free_port, run_stack, write_pods_file
-from extproc.types import Pod, PodId
 
 API = "/v1/completions"
 READY = ("extproc_pods_ready", "")

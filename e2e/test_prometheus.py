@@ -32,13 +32,13 @@ import yaml
 
 from e2e.conftest import MODEL, NUM_PODS, metric, unique_prefix
 from extproc.datalayer.kv_events import EVENTS_PORT_LABEL
+from extproc.pods import Pod, PodId
 from extproc.request.parse import Api
 from extproc.request.tokens import SegmentTokenizer
 from extproc.scheduling.config import named_config_text
 from extproc.sim.harness import SimPods
 from extproc.sim.kv_cache import BlockStored, hash_request_tokens
 from extproc.sim.launch import Proc, Stack, free_port, run_stack, spawn, wait_until
-from extproc.types import Pod, PodId
 from tests.charts.conftest import PRECISE, find, render
 from tests.charts.dashboard import PRECISE_ROW, queries, require_binary
 from tests.datalayer.kv_publisher import TOPIC, Publisher

@@ -9,9 +9,9 @@ import httpx
 import pytest
 
 from e2e.conftest import MODEL, RECORDED, metric, wait_for
+from extproc.pods import PodRole
 from extproc.sim.harness import SimPods
 from extproc.sim.launch import Stack, run_stack
-from extproc.types import PodRole
 
 
 @pytest.fixture(scope="module")

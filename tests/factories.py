@@ -10,11 +10,11 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
+from extproc.pods import Pod, PodId, PodMetrics
 from extproc.request.parse import Api, InferenceRequest
 from extproc.scheduling.config import build_scheduler, parse_config
+from extproc.scheduling.interfaces import Cycle
 from extproc.scheduling.scheduler import Scheduler
-from extproc.scheduling.types import Cycle
-from extproc.types import Pod, PodId, PodMetrics
 
 
 def make_pod(

@@ -12,11 +12,11 @@ import orjson
 
 from e2e.conftest import wait_for
 from e2e.real_vllm.pods import BLOCK_SIZE, MODEL, VllmPod
+from extproc.pods import PodId
 from extproc.prefix.precise.keys import chain_keys
 from extproc.request.parse import Api, parse_request
+from extproc.scheduling.interfaces import Cycle
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
-from extproc.scheduling.types import Cycle
-from extproc.types import PodId
 
 EVENTS_TIMEOUT_S = 30.0
 MAX_TOKENS = 4

@@ -29,8 +29,8 @@ from e2e.real_vllm.prepare import model_dir
 from extproc.datalayer.kv_events import EventsSettings, KvEventsSubscriber
 from extproc.request.parse import Api
 from extproc.request.tokens import SegmentTokenizer
+from extproc.scheduling.interfaces import PluginContext
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
-from extproc.scheduling.types import PluginContext
 from tests.request.test_chat_input import CHAT_CASES, RESPONSES_CASES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_vllm, pytest.mark.timeout(900)]

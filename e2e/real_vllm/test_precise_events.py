@@ -39,8 +39,8 @@ from e2e.real_vllm.pods import BLOCK_SIZE, MODEL, VllmPod, start_vllm_pods
 from e2e.real_vllm.prepare import model_dir, prepare
 from extproc.datalayer.kv_events import EventsSettings, KvEventsSubscriber
 from extproc.request.parse import parse_request
+from extproc.scheduling.interfaces import Cycle, PluginContext
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
-from extproc.scheduling.types import Cycle, PluginContext
 from extproc.sim.launch import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_vllm, pytest.mark.timeout(600)]

@@ -5,6 +5,6 @@ pods by label selector or through an InferencePool (on the lightkube client, wit
 ``reflector``, ``kubeconfig``, ``k8s_objects``); ``sources`` picks one from ``extproc serve``'s flags.
 ``scrape`` reads each pod's ``/metrics`` (``engine_metrics`` parses the page); ``store``
 merges the source's pods and their load into the immutable ``tuple[Pod, ...]`` the
-router reads without locks. Modules here import only ``extproc.types``,
+router reads without locks. Modules here import only ``extproc.pods``,
 ``extproc.errors``, each other and third-party libraries.
 """

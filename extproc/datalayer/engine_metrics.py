@@ -46,7 +46,7 @@ from typing import NamedTuple
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.types import PodMetrics
+from extproc.pods import PodMetrics
 
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")

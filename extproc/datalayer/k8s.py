@@ -74,7 +74,7 @@ from extproc.datalayer.k8s_objects import (
 from extproc.datalayer.kubeconfig import describe, make_client
 from extproc.datalayer.reflector import DEFAULT_WATCH_TIMEOUT_S, Backoff, KubeApiError, Reflector
 from extproc.errors import ConfigError
-from extproc.types import Pod, PodId
+from extproc.pods import Pod, PodId
 
 log = logging.getLogger(__name__)
 

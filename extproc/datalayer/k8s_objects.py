@@ -41,7 +41,7 @@ from lightkube.core.client import LabelSelector
 from lightkube.resources.core_v1 import Pod as K8sPod
 
 from extproc.datalayer.pods_file import parse_address
-from extproc.types import Pod, PodId, PodRole
+from extproc.pods import Pod, PodId, PodRole
 
 DEFAULT_MODEL_ANNOTATION = "extproc.io/models"
 DEFAULT_MODEL_LABEL = "extproc.io/model"

@@ -41,7 +41,7 @@ from lightkube.config.kubeconfig import KubeConfig, SingleConfig
 from lightkube.config.models import Cluster, User
 
 from extproc.errors import ConfigError
-from extproc.types import DEFAULT_NAMESPACE
+from extproc.pods import DEFAULT_NAMESPACE
 
 log = logging.getLogger(__name__)
 

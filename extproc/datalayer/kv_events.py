@@ -37,8 +37,8 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from extproc.pods import Pod, PodId
 from extproc.prefix.precise.index import PreciseIndex
-from extproc.types import Pod, PodId
 
 log = logging.getLogger("extproc.kv_events")
 

@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 
 from extproc.errors import ConfigError
-from extproc.types import DEFAULT_NAMESPACE, Pod, PodId, PodRole
+from extproc.pods import DEFAULT_NAMESPACE, Pod, PodId, PodRole
 
 logger = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 from extproc.datalayer.engine_metrics import SAMPLE_NAMES, PageParser, PodReader
 from extproc.datalayer.store import MetricsUpdate, PodStore
-from extproc.types import Pod, PodId, PodMetrics
+from extproc.pods import Pod, PodId, PodMetrics
 
 log = logging.getLogger("extproc.datalayer.scrape")
 

@@ -32,7 +32,7 @@ from extproc.datalayer.k8s_objects import (
 from extproc.datalayer.kubeconfig import load_kube_config
 from extproc.datalayer.pods_file import DEFAULT_PODS_FILE, PodsFileWatcher
 from extproc.errors import ConfigError
-from extproc.types import Pod
+from extproc.pods import Pod
 
 
 class PodsSource(Protocol):

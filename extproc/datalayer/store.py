@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from extproc.types import Pod, PodId, PodMetrics
+from extproc.pods import Pod, PodId, PodMetrics
 
 
 @dataclass(frozen=True, slots=True)

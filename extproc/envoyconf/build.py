@@ -55,8 +55,8 @@ from envoy.type.metadata.v3 import metadata_pb2
 from google.protobuf import any_pb2, duration_pb2, message, wrappers_pb2
 
 from extproc.datalayer.pods_file import parse_address
+from extproc.pods import Pod
 from extproc.request.parse import DEFAULT_MAX_BODY_BYTES
-from extproc.types import Pod
 from extproc.wire.protocol import (
     ACCESS_LOG_NAME,
     DESTINATION_KEY,

@@ -3,7 +3,7 @@
 ``hash_prompt`` is the public, Kthena-compatible hash function for tools and checks.
 """
 
-from extproc.prefix.hashing import BlockHash, hash_prompt
+from extproc.prefix.hashing import PromptBlockHash, hash_prompt
 from extproc.prefix.index import PrefixIndex
 
-__all__ = ["BlockHash", "PrefixIndex", "hash_prompt"]
+__all__ = ["PrefixIndex", "PromptBlockHash", "hash_prompt"]

@@ -32,7 +32,7 @@ import xxhash
 
 from extproc.memo import FifoMemo
 
-BlockHash = NewType("BlockHash", int)  # an unsigned 64-bit XXH64 digest
+PromptBlockHash = NewType("PromptBlockHash", int)  # XXH64 of a block of prompt bytes, chained
 Keys = npt.NDArray[np.int64]  # block hashes as int64 with the same bits (``PrefixIndex``)
 
 # Seed for the salted chain start only; any value but 0 (the chain's seed) would do.
@@ -52,7 +52,7 @@ def chain_start(model: str, salt: str | None = None) -> int:
     return _xxh64(b"%d\x00cache_salt=%s" % (start, salt.encode()), SALT_SEED)
 
 
-def hash_blocks(start: int, data: bytes, block_size: int, max_blocks: int) -> list[BlockHash]:
+def hash_blocks(start: int, data: bytes, block_size: int, max_blocks: int) -> list[PromptBlockHash]:
     """Chain ``data``'s blocks from ``start``; see the module docstring for the rule."""
     prev = start
     out: list[int] = []
@@ -61,7 +61,7 @@ def hash_blocks(start: int, data: bytes, block_size: int, max_blocks: int) -> li
     for offset in range(0, end, block_size):
         prev = _xxh64(b"%d" % prev + data[offset : offset + block_size])
         append(prev)
-    return out  # type: ignore[return-value]  # BlockHash is int at run time
+    return out  # type: ignore[return-value]  # PromptBlockHash is int at run time
 
 
 def hash_prompt(
@@ -70,7 +70,7 @@ def hash_prompt(
     block_size: int = 64,
     max_blocks: int = 128,
     salt: str | None = None,
-) -> list[BlockHash]:
+) -> list[PromptBlockHash]:
     """The prompt's block hashes as Kthena's router computes them (salt: see module doc).
 
     Args:
@@ -83,7 +83,7 @@ def hash_prompt(
     Returns:
         One hash per block, in prompt order; empty for an empty prompt.
     """
-    hashes: list[BlockHash] = (
+    hashes: list[PromptBlockHash] = (
         prompt_keys(model, prompt, block_size, max_blocks, salt).view(np.uint64).tolist()
     )
     return hashes
@@ -115,7 +115,7 @@ def as_keys(hashes: Sequence[int] | Keys) -> Keys:
     return np.fromiter(hashes, dtype=np.uint64, count=len(hashes)).view(np.int64)
 
 
-def _memo_keys(hashes: list[BlockHash]) -> Keys:
+def _memo_keys(hashes: list[PromptBlockHash]) -> Keys:
     keys = as_keys(hashes)
     keys.flags.writeable = False  # shared by every request with this prompt start
     return keys

@@ -59,8 +59,8 @@ from cykhash import (
     update_int64toint64map,
 )
 
+from extproc.pods import PodId
 from extproc.prefix.hashing import Keys, as_keys
-from extproc.types import PodId
 
 SLOTS_PER_PAGE = 63  # bit 63 would make a mask negative
 MAX_PAGES = 63

@@ -12,8 +12,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from extproc.scheduling.types import Cycle
-from extproc.types import PodId
+from extproc.pods import PodId
+from extproc.scheduling.interfaces import Cycle
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""The router's preparing threads: a request's slow preparation (``scheduling.types.
+"""The router's preparing threads: a request's slow preparation (``scheduling.interfaces.
 Preparer``: precise-prefix-cache encoding a prompt's new segments, about 3 us a token)
 runs here, not on the thread that serves every other request (the gRPC loop).
 

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from extproc.pods import PodId
 from extproc.prefix.hashing import Keys
-from extproc.scheduling.types import Cycle
-from extproc.types import PodId
+from extproc.scheduling.interfaces import Cycle
 
 MAX_TEXT_CHARS = 1024  # a model name, session key, origin or pod id read back
 MAX_GEOMETRIES = 8

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from extproc.errors import ExtProcError, NoReadyPods
+from extproc.pods import Pod, PodId
 from extproc.request.parse import DEFAULT_MAX_BODY_BYTES, parse_request
 from extproc.request.render import Rendering
 from extproc.routing.metrics import RouterMetrics
@@ -47,9 +48,8 @@ from extproc.routing.pending import Pending, PendingRecords
 from extproc.routing.preparing import PreparePool
 from extproc.routing.records import Carried, Record, Shared, Started
 from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.interfaces import Cycle
 from extproc.scheduling.scheduler import Scheduler
-from extproc.scheduling.types import Cycle
-from extproc.types import Pod, PodId
 
 log = logging.getLogger("extproc.routing")
 

@@ -18,8 +18,8 @@ from collections.abc import Container
 import numpy as np
 import numpy.typing as npt
 
+from extproc.pods import PodId
 from extproc.prefix.hashing import Keys
-from extproc.types import PodId
 
 MIN_ROWS = 4
 

@@ -45,13 +45,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from extproc.errors import ConfigError
 from extproc.scheduling.inflight import InFlight
-from extproc.scheduling.pdgroup import PDGroup
-from extproc.scheduling.plugins.least_latency import LeastLatency, check_least_latency_args
-from extproc.scheduling.prefix_metrics import PrefixCacheMetrics
-from extproc.scheduling.registry import BUILTIN
-from extproc.scheduling.scheduler import PluginTimer, Scheduler, WeightedScorer
-from extproc.scheduling.sessions import SessionStore
-from extproc.scheduling.types import (
+from extproc.scheduling.interfaces import (
     ExactPrefix,
     Filter,
     Plugin,
@@ -63,6 +57,12 @@ from extproc.scheduling.types import (
     Recorder,
     Scorer,
 )
+from extproc.scheduling.pdgroup import PDGroup
+from extproc.scheduling.plugins.least_latency import LeastLatency, check_least_latency_args
+from extproc.scheduling.prefix_metrics import PrefixCacheMetrics
+from extproc.scheduling.registry import BUILTIN
+from extproc.scheduling.scheduler import PluginTimer, Scheduler, WeightedScorer
+from extproc.scheduling.sessions import SessionStore
 
 log = logging.getLogger("extproc.scheduling.config")
 

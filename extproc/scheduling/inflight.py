@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from extproc.types import PodId
+from extproc.pods import PodId
 
 log = logging.getLogger("extproc.scheduling")
 

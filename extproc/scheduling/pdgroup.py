@@ -27,8 +27,8 @@ import numpy as np
 import numpy.typing as npt
 
 from extproc.errors import ConfigError
+from extproc.pods import Pod
 from extproc.scheduling.podtable import PodTable
-from extproc.types import Pod
 
 Labels = tuple[tuple[str, str], ...]
 

@@ -35,7 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from extproc.errors import ModelNotFound, NoReadyPods
-from extproc.types import Pod, PodId, PodRole
+from extproc.pods import Pod, PodId, PodRole
 
 T = TypeVar("T")
 Positions = npt.NDArray[np.int64]

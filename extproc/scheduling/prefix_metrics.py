@@ -23,9 +23,9 @@ from functools import cache
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from extproc.pods import PodId
 from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PrefixIndex
-from extproc.types import PodId
 
 MATCH_RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)  # Kthena's
 

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from extproc.pods import PodId
 from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PodSet, PrefixIndex
 from extproc.scheduling.podtable import PodTable, Positions
-from extproc.types import PodId
 
 MAX_EXCLUDED = 64  # candidates matched as "every pod but these" up to this many left out
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from extproc.pods import Pod
 from extproc.scheduling.inflight import InFlight
-from extproc.scheduling.types import BYTES_PER_TOKEN, Cycle
-from extproc.types import Pod
+from extproc.scheduling.interfaces import BYTES_PER_TOKEN, Cycle
 
 
 class PodWork(NamedTuple):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from extproc.scheduling.interfaces import Plugin
 from extproc.scheduling.plugins.cost_aware import CostAware
 from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT
 from extproc.scheduling.plugins.gpu_usage import GPUCacheUsage
@@ -9,7 +10,6 @@ from extproc.scheduling.plugins.least_latency import LeastLatency
 from extproc.scheduling.plugins.least_request import LeastRequest
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheScorer
-from extproc.scheduling.types import Plugin
 
 BUILTIN: dict[str, type[Plugin]] = {
     cls.type_name: cls

@@ -44,11 +44,9 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Histogram
 
 from extproc.errors import NoCapacity, NoReadyPods
+from extproc.pods import Pod, PodId
 from extproc.scheduling.inflight import InFlight
-from extproc.scheduling.pdgroup import PDColumns, PDGroup
-from extproc.scheduling.podtable import PodTable, Positions
-from extproc.scheduling.sessions import Binding, SessionStore
-from extproc.scheduling.types import (
+from extproc.scheduling.interfaces import (
     BlockRecorder,
     Cycle,
     Filter,
@@ -62,7 +60,9 @@ from extproc.scheduling.types import (
     TableFilter,
     TableScorer,
 )
-from extproc.types import Pod, PodId
+from extproc.scheduling.pdgroup import PDColumns, PDGroup
+from extproc.scheduling.podtable import PodTable, Positions
+from extproc.scheduling.sessions import Binding, SessionStore
 
 log = logging.getLogger("extproc.scheduling")
 

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from extproc.types import PodId
+from extproc.pods import PodId
 
 
 @dataclass(frozen=True, slots=True)

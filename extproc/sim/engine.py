@@ -40,10 +40,10 @@ from dataclasses import dataclass, field, fields
 
 from extproc.errors import ConfigError
 from extproc.sim.kv_cache import (
-    BlockHash,
     BlockPool,
     KVCacheBlock,
     KVCacheEvent,
+    TokenBlockHash,
     extend_block_hashes,
 )
 from extproc.sim.tokenizer import generate_words, word_token
@@ -186,7 +186,7 @@ class _Request:
     arrival_s: float
     words: list[str]
     token_ids: list[int]  # prompt, then every sampled token
-    block_hashes: list[BlockHash]
+    block_hashes: list[TokenBlockHash]
     blocks: list[KVCacheBlock] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_hashed_blocks: int = 0  # blocks already offered to the cache
@@ -254,7 +254,7 @@ class Engine:
         if not self.has_work():
             self.clock = max(self.clock, now)  # an idle engine's next step starts at arrival
         prompt = list(req.prompt_token_ids)
-        hashes: list[BlockHash] = []
+        hashes: list[TokenBlockHash] = []
         extend_block_hashes(hashes, prompt, cfg.block_size, req.cache_salt)
         words = generate_words(req.prompt_token_ids, req.max_tokens, req.seed)
         self._waiting.append(_Request(req, now, words, prompt, hashes))

@@ -34,9 +34,9 @@ import orjson
 
 import extproc
 from extproc.datalayer.kv_events import EVENTS_PORT_LABEL
+from extproc.pods import Pod, PodId
 from extproc.sim.launch import START_TIMEOUT_S, STOP_TIMEOUT_S
 from extproc.sim.pods import GroupSettings, PodGroup
-from extproc.types import Pod, PodId
 
 ADMIN_TIMEOUT_S = 10.0
 

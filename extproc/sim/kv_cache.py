@@ -30,24 +30,27 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NewType
 
-BlockHash = NewType("BlockHash", int)  # low 64 bits of a SHA-256 digest
+# vLLM's hash of one block of token ids: the low 64 bits of a SHA-256 digest
+TokenBlockHash = NewType("TokenBlockHash", int)
 
-NONE_HASH = BlockHash(int.from_bytes(hashlib.sha256(b"extproc-sim-none-hash").digest()[-8:], "big"))
+NONE_HASH = TokenBlockHash(
+    int.from_bytes(hashlib.sha256(b"extproc-sim-none-hash").digest()[-8:], "big")
+)
 
 
 def hash_block_tokens(
-    parent_block_hash: BlockHash, token_ids: Sequence[int], cache_salt: str | None = None
-) -> BlockHash:
+    parent_block_hash: TokenBlockHash, token_ids: Sequence[int], cache_salt: str | None = None
+) -> TokenBlockHash:
     """One link of the chain (module docstring); ``cache_salt`` only for block 0."""
     h = hashlib.sha256(parent_block_hash.to_bytes(8, "big"))
     h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
     if cache_salt is not None:
         h.update(b"cache_salt=" + cache_salt.encode())
-    return BlockHash(int.from_bytes(h.digest()[-8:], "big"))
+    return TokenBlockHash(int.from_bytes(h.digest()[-8:], "big"))
 
 
 def extend_block_hashes(
-    block_hashes: list[BlockHash],
+    block_hashes: list[TokenBlockHash],
     token_ids: Sequence[int],
     block_size: int,
     cache_salt: str | None = None,
@@ -61,9 +64,9 @@ def extend_block_hashes(
 
 def hash_request_tokens(
     token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
-) -> list[BlockHash]:
+) -> list[TokenBlockHash]:
     """The hashes of every full block of ``token_ids``."""
-    out: list[BlockHash] = []
+    out: list[TokenBlockHash] = []
     extend_block_hashes(out, token_ids, block_size, cache_salt)
     return out
 
@@ -72,8 +75,8 @@ def hash_request_tokens(
 class BlockStored:
     """Blocks newly cached, consecutive in one request's chain."""
 
-    block_hashes: tuple[BlockHash, ...]
-    parent_block_hash: BlockHash | None  # None when the first stored block is block 0
+    block_hashes: tuple[TokenBlockHash, ...]
+    parent_block_hash: TokenBlockHash | None  # None when the first stored block is block 0
     token_ids: tuple[int, ...]
     block_size: int
     extra_keys: tuple[tuple[str, ...] | None, ...]  # per block: (salt,) on block 0 if salted
@@ -83,7 +86,7 @@ class BlockStored:
 class BlockRemoved:
     """One cached block evicted."""
 
-    block_hashes: tuple[BlockHash, ...]
+    block_hashes: tuple[TokenBlockHash, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +101,7 @@ KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: BlockHash | None = None
+    block_hash: TokenBlockHash | None = None
 
 
 class BlockPool:
@@ -111,7 +114,7 @@ class BlockPool:
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks
         )
-        self._cached: dict[BlockHash, KVCacheBlock] = {}
+        self._cached: dict[TokenBlockHash, KVCacheBlock] = {}
         self._events: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None
         self.num_evicted_blocks = 0
 
@@ -127,11 +130,11 @@ class BlockPool:
         """vLLM's KV-cache usage: the share of blocks that are not free (0.0-1.0)."""
         return 1.0 - len(self._free) / self.num_gpu_blocks
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+    def get_cached_block(self, block_hash: TokenBlockHash) -> KVCacheBlock | None:
         return self._cached.get(block_hash)
 
     def find_longest_cache_hit(
-        self, block_hashes: Sequence[BlockHash], num_tokens: int, block_size: int
+        self, block_hashes: Sequence[TokenBlockHash], num_tokens: int, block_size: int
     ) -> list[KVCacheBlock]:
         """Cached blocks from the start, stopping at the first miss.
 
@@ -185,7 +188,7 @@ class BlockPool:
     def cache_full_blocks(
         self,
         blocks: Sequence[KVCacheBlock],
-        block_hashes: Sequence[BlockHash],
+        block_hashes: Sequence[TokenBlockHash],
         num_cached_blocks: int,
         num_full_blocks: int,
         token_ids: Sequence[int],

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.envoyconf.build import DEFAULT_MESSAGE_TIMEOUT_S, EnvoyOptions, make_bootstrap
 from extproc.envoyconf.render import to_dict
-from extproc.types import Pod
+from extproc.pods import Pod
 
 START_TIMEOUT_S = 30.0
 EVENTS_TIMEOUT_S = 60.0

@@ -33,11 +33,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from extproc.errors import ExtProcError
+from extproc.pods import Pod, PodId, PodMetrics
 from extproc.scheduling.config import SchedulerConfig
 from extproc.sim.engine import Engine, EngineConfig, FinishedRequest, RequestRejected
 from extproc.sim.policies import Policy, make_policy
 from extproc.sim.workloads import WorkItem, Workload
-from extproc.types import Pod, PodId, PodMetrics
 
 POD_NAMESPACE = "sim"
 

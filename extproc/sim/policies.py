@@ -54,14 +54,14 @@ from typing import ClassVar, Protocol
 
 from prometheus_client import CollectorRegistry
 
+from extproc.pods import Pod, PodId
 from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PrefixIndex
 from extproc.scheduling.config import SchedulerConfig, build_scheduler
 from extproc.scheduling.inflight import InFlight
-from extproc.scheduling.types import BYTES_PER_TOKEN, Cycle
+from extproc.scheduling.interfaces import BYTES_PER_TOKEN, Cycle
 from extproc.sim.engine import EngineConfig
 from extproc.sim.workloads import WorkItem
-from extproc.types import Pod, PodId
 
 VIEW_BLOCK_BYTES = 64  # Kthena's default blockSizeToHash
 VIEW_MAX_BLOCKS = 4096  # 256 KB of prompt, past any prompt the engines accept by default

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from extproc.envoyconf.build import EnvoyOptions
+from extproc.pods import Pod
 from extproc.sim.launch import (
     Proc,
     _wait_or_stop,
@@ -30,7 +31,6 @@ from extproc.sim.launch import (
     start_extproc,
     write_pods_file,
 )
-from extproc.types import Pod
 
 
 def redis_binary() -> str:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from extproc.sim.kv_cache import BlockHash, BlockStored
+from extproc.pods import Pod, PodId
+from extproc.sim.kv_cache import BlockStored, TokenBlockHash
 from extproc.sim.kv_events import ZmqEventPublisher
 from extproc.sim.launch import free_port, start_extproc, write_pods_file
-from extproc.types import Pod, PodId
 
 MODEL_DIR = Path.home() / ".cache/extproc-e2e/model/qwen3-tiny"
 pytestmark = pytest.mark.skipif(
@@ -61,7 +61,11 @@ def test_serve_feeds_the_view_from_the_pods_events(tmp_path: Path) -> None:
                 0.0,
                 [
                     BlockStored(
-                        (BlockHash(1), BlockHash(2)), None, tuple(range(32)), 16, (None, None)
+                        (TokenBlockHash(1), TokenBlockHash(2)),
+                        None,
+                        tuple(range(32)),
+                        16,
+                        (None, None),
                     )
                 ],
             )

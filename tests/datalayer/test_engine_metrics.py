@@ -21,7 +21,7 @@ from extproc.datalayer.engine_metrics import (
     Sample,
     select_lines,
 )
-from extproc.types import PodMetrics
+from extproc.pods import PodMetrics
 from tests.datalayer.metrics_pages import EngineState, make_sglang_page, make_vllm_page
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

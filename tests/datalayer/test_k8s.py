@@ -17,7 +17,7 @@ from lightkube.config.models import Cluster
 from extproc.datalayer.k8s import KubePodSource, WatchTiming
 from extproc.datalayer.k8s_objects import PodTarget
 from extproc.errors import ConfigError
-from extproc.types import Pod
+from extproc.pods import Pod
 from tests.datalayer.fake_kube import FakeKube, inference_pool, k8s_pod
 
 PODS = "/api/v1/namespaces/ns/pods"

@@ -13,12 +13,12 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from extproc.datalayer.kv_events import EventsSettings, IndexCollector, KvEventsSubscriber
+from extproc.pods import Pod, PodId
 from extproc.prefix.precise.index import PreciseIndex
 from extproc.prefix.precise.keys import chain_keys
 from extproc.sim.kv_cache import BlockStored, hash_request_tokens
 from extproc.sim.kv_events import ZmqEventPublisher, encode_event_batch
 from extproc.sim.launch import free_port
-from extproc.types import Pod, PodId
 from tests.datalayer.kv_publisher import TOPIC, Publisher
 
 BS = 4

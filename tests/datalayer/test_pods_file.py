@@ -21,7 +21,7 @@ from extproc.datalayer.pods_file import (
     parse_pods,
 )
 from extproc.errors import ConfigError
-from extproc.types import Pod, PodId, PodRole
+from extproc.pods import Pod, PodId, PodRole
 
 
 def make_entry(name: str = "p0", **fields: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from extproc.datalayer.engine_metrics import SAMPLE_NAMES
 from extproc.datalayer.scrape import MetricsScraper
 from extproc.datalayer.store import PodStore
-from extproc.types import Pod, PodId
+from extproc.pods import Pod, PodId
 from tests.datalayer.fake_pod import FakePod
 from tests.datalayer.metrics_pages import EngineState, make_vllm_page
 from tests.datalayer.test_engine_metrics import REAL_VLLM_PAGE

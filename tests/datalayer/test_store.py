@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from extproc.datalayer.store import MetricsUpdate, PodStore
-from extproc.types import Pod, PodMetrics
+from extproc.pods import Pod, PodMetrics
 from tests.factories import make_pod
 
 

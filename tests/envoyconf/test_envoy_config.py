@@ -27,7 +27,7 @@ from extproc.envoyconf.build import (
     split_host_port,
 )
 from extproc.envoyconf.render import render_bootstrap, render_snippet, to_dict, to_yaml
-from extproc.types import Pod, PodId
+from extproc.pods import Pod, PodId
 from extproc.wire.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE, header_attribute
 from tests.tls_certs import CertAuthority
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from extproc.memo import FifoMemo
 from extproc.prefix import hash_prompt, hashing
-from extproc.prefix.hashing import BlockHash, chain_start, hash_blocks, prompt_keys
+from extproc.prefix.hashing import PromptBlockHash, chain_start, hash_blocks, prompt_keys
 
 
 def reference_chain(model: str, data: bytes, block_size: int) -> list[int]:
@@ -137,7 +137,7 @@ def test_the_memo_keeps_models_salts_and_geometries_apart() -> None:
 def test_the_memo_is_bounded_and_forgets_the_oldest_first(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    memo: FifoMemo[tuple[str, str | None, int, int, int], tuple[BlockHash, ...]] = FifoMemo(3)
+    memo: FifoMemo[tuple[str, str | None, int, int, int], tuple[PromptBlockHash, ...]] = FifoMemo(3)
     monkeypatch.setattr(hashing, "_CHAINS", memo)
     for i in range(5):
         hash_prompt("m", f"prompt {i}")
@@ -146,7 +146,7 @@ def test_the_memo_is_bounded_and_forgets_the_oldest_first(
         key = ("m", None, 64, 128, xxhash.xxh3_128_intdigest(b"prompt %d" % i))
         assert (key in memo) == (i >= 2)
     returned = hash_prompt("m", "prompt 4")
-    returned.append(BlockHash(0))  # a caller's list is its own
+    returned.append(PromptBlockHash(0))  # a caller's list is its own
     assert hash_prompt("m", "prompt 4") == reference_chain("m", b"prompt 4", 64)
 
 

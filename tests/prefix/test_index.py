@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from extproc.pods import PodId
 from extproc.prefix import PrefixIndex, hash_prompt
 from extproc.prefix.index import PodSet
-from extproc.types import PodId
 
 A, B, C, D = (PodId("ns", n) for n in "abcd")
 

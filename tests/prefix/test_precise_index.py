@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.datalayer.kv_events import apply_event, decode_batch
+from extproc.pods import PodId
 from extproc.prefix.precise.index import PreciseIndex
 from extproc.prefix.precise.keys import chain_keys
 from extproc.sim.kv_cache import BlockPool, hash_request_tokens
 from extproc.sim.kv_events import encode_event_batch
-from extproc.types import PodId
 
 POD = PodId("default", "p0")
 BS = 4

@@ -17,6 +17,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import struct_pb2
 from prometheus_client import CollectorRegistry
 
+from extproc.pods import PodId
 from extproc.routing.records import (
     MAX_CREDIT_BLOCKS,
     BadRecord,
@@ -31,7 +32,6 @@ from extproc.routing.router import Router
 from extproc.routing.sharing import decode_entry, encode_shared, encode_started
 from extproc.scheduling.config import build_scheduler, default_config_text, parse_config
 from extproc.scheduling.sessions import SessionStore
-from extproc.types import PodId
 from extproc.wire.access_log import AccessLogHandler
 from extproc.wire.one_round import RouteHandler
 from extproc.wire.protocol import (

@@ -14,16 +14,16 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
+from extproc.pods import Pod, PodId
 from extproc.request.parse import parse_request
 from extproc.routing.records import Record, Shared, Started
 from extproc.routing.router import Router
 from extproc.routing.sharing import RedisSharing, encode_shared, encode_started
 from extproc.scheduling.config import build_scheduler, default_config_text, parse_config
+from extproc.scheduling.interfaces import Cycle
 from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
-from extproc.scheduling.types import Cycle
 from extproc.sim.replicas import RedisServer, run_redis, wait_until_true
-from extproc.types import Pod, PodId
 from extproc.wire.access_log import AccessLogHandler
 from tests.factories import make_pod
 from tests.routing.test_replicas import GEOMETRY, PODS, log_entry, make_router, process

@@ -10,13 +10,13 @@ from dataclasses import replace
 import pytest
 from prometheus_client import CollectorRegistry
 
+from extproc.pods import Pod, PodId, PodMetrics, PodRole
 from extproc.routing.router import Router
 from extproc.scheduling.config import build_scheduler, named_config_text, parse_config
 from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.interfaces import Cycle
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheScorer
 from extproc.scheduling.scheduler import Scheduler
-from extproc.scheduling.types import Cycle
-from extproc.types import Pod, PodId, PodMetrics, PodRole
 from tests.factories import PREFIX_ONLY, make_cycle, make_pod, make_scheduler
 
 SYSTEM = "You are a helpful assistant. " * 40

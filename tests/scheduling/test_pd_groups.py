@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 
 from extproc.errors import ConfigError, NoReadyPods
+from extproc.pods import Pod, PodRole
 from extproc.routing.router import Router
 from extproc.scheduling.config import parse_config
+from extproc.scheduling.interfaces import Cycle
 from extproc.scheduling.sessions import Binding, SessionStore
-from extproc.scheduling.types import Cycle
-from extproc.types import Pod, PodRole
 from tests.factories import PREFIX_ONLY, make_cycle, make_pod, make_scheduler
 
 GROUP = "modelserving.volcano.sh/group-name"

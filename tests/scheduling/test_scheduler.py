@@ -12,9 +12,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.errors import ModelNotFound, NoCapacity, NoReadyPods
+from extproc.pods import Pod, PodId
+from extproc.scheduling.interfaces import Cycle, Preparation
 from extproc.scheduling.scheduler import Scheduler, WeightedScorer
-from extproc.scheduling.types import Cycle, Preparation
-from extproc.types import Pod, PodId
 from tests.factories import PREFIX_ONLY, make_cycle, make_pod, make_scheduler
 
 

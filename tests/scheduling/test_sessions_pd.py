@@ -9,11 +9,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.errors import NoReadyPods
+from extproc.pods import Pod, PodId, PodRole
 from extproc.request.parse import Api, InferenceRequest
+from extproc.scheduling.interfaces import Cycle
 from extproc.scheduling.scheduler import Scheduler
 from extproc.scheduling.sessions import Binding, SessionStore
-from extproc.scheduling.types import Cycle
-from extproc.types import Pod, PodId, PodRole
 from tests.factories import PREFIX_ONLY, make_pod, make_scheduler
 
 

@@ -14,9 +14,9 @@ import zmq
 from extproc.sim.harness import SimPods, run_sim_pods
 from extproc.sim.kv_cache import (
     AllBlocksCleared,
-    BlockHash,
     BlockRemoved,
     BlockStored,
+    TokenBlockHash,
     hash_request_tokens,
 )
 from extproc.sim.kv_events import decode_event_batch, encode_event_batch
@@ -24,7 +24,7 @@ from extproc.sim.pods import GroupSettings, KvEventsSettings
 from extproc.sim.tokenizer import tokenize
 from tests.sim.conftest import FAST
 
-H1, H2 = BlockHash(2**64 - 1), BlockHash(7)
+H1, H2 = TokenBlockHash(2**64 - 1), TokenBlockHash(7)
 STORED = BlockStored((H1, H2), None, tuple(range(8)), 4, (("salt",), None))
 
 

@@ -19,8 +19,8 @@ from extproc.datalayer.kv_events import EVENTS_PORT_LABEL, EventsSettings, KvEve
 from extproc.prefix.precise.keys import chain_keys
 from extproc.request.parse import parse_request as parse_for_routing
 from extproc.request.tokens import SegmentTokenizer
+from extproc.scheduling.interfaces import Cycle, PluginContext
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
-from extproc.scheduling.types import Cycle, PluginContext
 from extproc.sim.api import ApiError, parse_request
 from extproc.sim.harness import SimPods, run_sim_pods
 from extproc.sim.pods import GroupSettings, KvEventsSettings

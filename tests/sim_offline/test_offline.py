@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
+from extproc.pods import Pod
 from extproc.prefix.index import PrefixIndex
 from extproc.scheduling.config import parse_config
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheScorer
@@ -33,7 +34,6 @@ from extproc.sim.workloads import (
     burst_workload,
     chat_workload,
 )
-from extproc.types import Pod
 from tests.sim_offline.factories import (
     default_scheduler_config,
     make_item,

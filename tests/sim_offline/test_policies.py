@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from extproc.pods import Pod, PodMetrics
 from extproc.sim.engine import EngineConfig
 from extproc.sim.offline import make_pods
 from extproc.sim.policies import (
@@ -16,7 +17,6 @@ from extproc.sim.policies import (
     RoundRobin,
     make_policy,
 )
-from extproc.types import Pod, PodMetrics
 from tests.sim_offline.factories import MODEL, default_scheduler_config, make_item, random_words
 
 SYSTEM = random_words(1, 400)  # 1,600 bytes: exactly 25 view blocks of 64 bytes

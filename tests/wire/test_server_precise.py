@@ -18,10 +18,10 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from prometheus_client import CollectorRegistry
 
+from extproc.pods import Pod, PodId
 from extproc.routing.preparing import PreparePool
 from extproc.routing.router import Router
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
-from extproc.types import Pod, PodId
 from tests.factories import make_scheduler
 from tests.wire.test_server import destination, error_of
 from tests.wire.test_server_sequences import (

@@ -22,8 +22,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from extproc.pods import PodId
 from extproc.prefix.precise.keys import ROOT, block_key, token_bytes
-from extproc.types import PodId
 
 GPU = "GPU"
 

@@ -36,11 +36,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from extproc.pods import Pod, PodId
 from extproc.scheduling.args import load_args
 from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.interfaces import Cycle, PluginContext, PrefixMatcher
 from extproc.scheduling.queue import pod_work, uncached_tokens
-from extproc.scheduling.types import Cycle, PluginContext, PrefixMatcher
-from extproc.types import Pod, PodId
 
 log = logging.getLogger("extproc.scheduling")
 

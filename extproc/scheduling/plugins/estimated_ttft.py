@@ -78,22 +78,22 @@ import numpy as np
 import numpy.typing as npt
 from prometheus_client import Gauge
 
+from extproc.pods import Pod, PodId
 from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PrefixIndex
 from extproc.scheduling.args import ZERO_UP, load_args
 from extproc.scheduling.arrivals import Arrivals
-from extproc.scheduling.podtable import PodTable, Positions, RowValues
-from extproc.scheduling.prefix_metrics import PrefixCacheMetrics
-from extproc.scheduling.prefix_rows import match_lengths, per_row
-from extproc.scheduling.queue import pod_work
-from extproc.scheduling.types import (
+from extproc.scheduling.interfaces import (
     BYTES_PER_TOKEN,
     Cycle,
     ExactMatches,
     PluginContext,
     Scores,
 )
-from extproc.types import Pod, PodId
+from extproc.scheduling.podtable import PodTable, Positions, RowValues
+from extproc.scheduling.prefix_metrics import PrefixCacheMetrics
+from extproc.scheduling.prefix_rows import match_lengths, per_row
+from extproc.scheduling.queue import pod_work
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,9 +12,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from extproc.pods import Pod, PodId
+from extproc.scheduling.interfaces import Cycle, PluginContext, Scores
 from extproc.scheduling.podtable import PodTable, Positions
-from extproc.scheduling.types import Cycle, PluginContext, Scores
-from extproc.types import Pod, PodId
 
 
 class GPUCacheUsage:

@@ -26,10 +26,10 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
+from extproc.pods import Pod, PodId
 from extproc.scheduling.args import load_args
+from extproc.scheduling.interfaces import Cycle, PluginContext, Scores
 from extproc.scheduling.podtable import PodTable, Positions
-from extproc.scheduling.types import Cycle, PluginContext, Scores
-from extproc.types import Pod, PodId
 
 NO_DATA_SCORE = 50  # Kthena's int(MaxScore / 2)
 

@@ -24,11 +24,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from extproc.pods import Pod, PodId
 from extproc.scheduling.args import load_args
 from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.interfaces import Cycle, PluginContext, Scores
 from extproc.scheduling.podtable import PodTable, Positions
-from extproc.scheduling.types import Cycle, PluginContext, Scores
-from extproc.types import Pod, PodId
 
 QUEUED_WEIGHT = 100
 

@@ -43,6 +43,7 @@ from prometheus_client.registry import Collector
 
 from extproc.datalayer.kv_events import KvEventsSubscriber
 from extproc.errors import ConfigError
+from extproc.pods import Pod, PodId
 from extproc.prefix.hashing import Keys, as_keys
 from extproc.prefix.index import PrefixIndex
 from extproc.prefix.precise.index import PreciseIndex
@@ -50,8 +51,7 @@ from extproc.prefix.precise.keys import chain_keys
 from extproc.request.tokens import NotExact, Segments, SegmentTokenizer
 from extproc.scheduling.args import load_args
 from extproc.scheduling.arrivals import Arrivals
-from extproc.scheduling.prefix_metrics import MATCH_RATIO_BUCKETS
-from extproc.scheduling.types import (
+from extproc.scheduling.interfaces import (
     BYTES_PER_TOKEN,
     Cycle,
     ExactMatches,
@@ -59,7 +59,7 @@ from extproc.scheduling.types import (
     Preparation,
     TokenIds,
 )
-from extproc.types import Pod, PodId
+from extproc.scheduling.prefix_metrics import MATCH_RATIO_BUCKETS
 
 log = logging.getLogger("extproc.scheduling.precise")
 

@@ -23,14 +23,14 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, ClassVar
 
+from extproc.pods import Pod, PodId
 from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PrefixIndex
 from extproc.scheduling.args import load_args
+from extproc.scheduling.interfaces import Cycle, PluginContext, Scores
 from extproc.scheduling.podtable import PodTable, Positions
 from extproc.scheduling.prefix_metrics import PrefixCacheMetrics
 from extproc.scheduling.prefix_rows import match_rows, per_row
-from extproc.scheduling.types import Cycle, PluginContext, Scores
-from extproc.types import Pod, PodId
 
 
 @dataclass(frozen=True, slots=True)

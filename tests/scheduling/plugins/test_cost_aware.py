@@ -7,11 +7,11 @@ from dataclasses import replace
 import pytest
 from prometheus_client import CollectorRegistry
 
+from extproc.pods import PodMetrics
 from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.interfaces import PluginContext
 from extproc.scheduling.plugins.cost_aware import CostAware, CostAwareArgs
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheScorer
-from extproc.scheduling.types import PluginContext
-from extproc.types import PodMetrics
 from tests.factories import make_cycle, make_pod
 
 PROMPT = "w" * 4000  # 1,000 tokens at 4 bytes per token

@@ -12,15 +12,15 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
+from extproc.pods import PodId, PodMetrics
 from extproc.routing.pending import PendingRecords
 from extproc.routing.router import Router
 from extproc.scheduling.arrivals import Arrivals
 from extproc.scheduling.config import build_scheduler, load_config
 from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.interfaces import PluginContext
 from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT, EstimatedTTFTArgs, Written
 from extproc.scheduling.scheduler import Scheduler
-from extproc.scheduling.types import PluginContext
-from extproc.types import PodId, PodMetrics
 from tests.factories import PREFIX_ONLY, make_cycle, make_pod, make_scheduler
 
 PROMPT = "w" * 4000  # 1,000 tokens at 4 bytes a token, 62.5 blocks of 64 bytes

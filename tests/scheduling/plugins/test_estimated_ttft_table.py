@@ -16,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
+from extproc.pods import Pod, PodId, PodMetrics
 from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.interfaces import Cycle, ExactMatches, PluginContext
 from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT, EstimatedTTFTArgs
 from extproc.scheduling.podtable import PodTable
-from extproc.scheduling.types import Cycle, ExactMatches, PluginContext
-from extproc.types import Pod, PodId, PodMetrics
 from tests.factories import make_cycle
 
 SYSTEM = "You are a terse assistant. Answer in one line. " * 12  # ~9 blocks

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
+from extproc.pods import PodMetrics
+from extproc.scheduling.interfaces import PluginContext
 from extproc.scheduling.plugins.gpu_usage import GPUCacheUsage
-from extproc.scheduling.types import PluginContext
-from extproc.types import PodMetrics
 from tests.factories import make_cycle, make_pod
 
 

@@ -9,10 +9,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.errors import ConfigError
+from extproc.pods import PodMetrics
 from extproc.scheduling.config import parse_config
+from extproc.scheduling.interfaces import PluginContext
 from extproc.scheduling.plugins.least_latency import LeastLatency, LeastLatencyArgs
-from extproc.scheduling.types import PluginContext
-from extproc.types import PodMetrics
 from tests.factories import make_cycle, make_pod
 
 Latency = tuple[float | None, float | None]  # (ttft_s, itl_s)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
+from extproc.pods import PodMetrics
 from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.interfaces import PluginContext
 from extproc.scheduling.plugins.least_request import LeastRequest, LeastRequestArgs
-from extproc.scheduling.types import PluginContext
-from extproc.types import PodMetrics
 from tests.factories import make_cycle, make_pod
 
 

@@ -12,10 +12,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.datalayer.kv_events import EventsSettings, KvEventsSubscriber
+from extproc.pods import Pod, PodId
 from extproc.request.parse import parse_request
+from extproc.scheduling.interfaces import Cycle, PluginContext
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
-from extproc.scheduling.types import Cycle, PluginContext
-from extproc.types import Pod, PodId
 from tests.factories import write_tokenizer
 
 BS = 4

@@ -10,12 +10,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.errors import ConfigError
+from extproc.pods import Pod, PodId
 from extproc.prefix.precise.keys import Tokens
 from extproc.request.parse import parse_request
 from extproc.scheduling.config import build_scheduler, parse_config
+from extproc.scheduling.interfaces import Cycle, PluginContext
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
-from extproc.scheduling.types import Cycle, PluginContext
-from extproc.types import Pod, PodId
 
 MODEL_DIR = Path.home() / ".cache/extproc-e2e/model/qwen3-tiny"
 pytestmark = pytest.mark.skipif(

@@ -13,14 +13,14 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
+from extproc.pods import Pod
 from extproc.request.parse import parse_request
 from extproc.routing.router import Router
 from extproc.scheduling.config import build_scheduler, parse_config
 from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.interfaces import BYTES_PER_TOKEN, Cycle, TokenIds
 from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
-from extproc.scheduling.types import BYTES_PER_TOKEN, Cycle, TokenIds
-from extproc.types import Pod
 from tests.factories import make_pod
 from tests.scheduling.plugins.test_precise_prefix_cache import BS, MODEL_DIR, store
 

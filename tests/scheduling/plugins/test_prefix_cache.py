@@ -6,9 +6,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.scheduling.config import build_scheduler, parse_config
+from extproc.scheduling.interfaces import PluginContext
 from extproc.scheduling.plugins.cost_aware import CostAware
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheArgs, PrefixCacheScorer
-from extproc.scheduling.types import PluginContext
 from tests.factories import make_cycle, make_pod
 
 
