@@ -93,13 +93,13 @@ class GatewayHandler:
         return _EppStream(self)
 
     def handle(
-        self, x: _Exchange, message: ep.ProcessingRequest
+        self, exchange: _Exchange, message: ep.ProcessingRequest
     ) -> Iterator[ep.ProcessingResponse]:
         kind = message.WhichOneof("request")
         if kind == "request_headers":
-            yield from self._on_request_headers(x, message)
+            yield from self._on_request_headers(exchange, message)
         elif kind == "request_body":
-            replies = self.on_request_body(x, message, defer=False)
+            replies = self.on_request_body(exchange, message, defer=False)
             assert not isinstance(replies, Future)  # only ``route_or_defer`` defers
             yield from replies
         elif kind == "request_trailers":
@@ -109,53 +109,53 @@ class GatewayHandler:
             status = next(
                 (_header_value(h) for h in hdrs.headers.headers if h.key == ":status"), ""
             )
-            x.status = int(status) if status.isdigit() else 0
-            x.served = _served(message) or x.served
+            exchange.status = int(status) if status.isdigit() else 0
+            exchange.served = _served(message) or exchange.served
             if hdrs.end_of_stream:
-                self._complete(x, ok=True)
+                self._complete(exchange, ok=True)
             yield ep.ProcessingResponse(response_headers=ep.HeadersResponse())
         elif kind == "response_body":
             if message.response_body.end_of_stream:
-                self._complete(x, ok=True)
+                self._complete(exchange, ok=True)
             yield ep.ProcessingResponse(response_body=ep.BodyResponse())
         elif kind == "response_trailers":
-            self._complete(x, ok=True)
+            self._complete(exchange, ok=True)
             yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
 
     def _on_request_headers(
-        self, x: _Exchange, message: ep.ProcessingRequest
+        self, exchange: _Exchange, message: ep.ProcessingRequest
     ) -> Iterator[ep.ProcessingResponse]:
         for h in message.request_headers.headers.headers:
-            x.headers[h.key.lower()] = _header_value(h)
-        x.path = x.headers.get(":path", "")
-        x.request_id = x.headers.get("x-request-id") or f"epp-{uuid.uuid4()}"
-        x.full_duplex = message.protocol_config.request_body_mode == FULL_DUPLEX
-        x.subset = subset_hint(message)
+            exchange.headers[h.key.lower()] = _header_value(h)
+        exchange.path = exchange.headers.get(":path", "")
+        exchange.request_id = exchange.headers.get("x-request-id") or f"epp-{uuid.uuid4()}"
+        exchange.full_duplex = message.protocol_config.request_body_mode == FULL_DUPLEX
+        exchange.subset = subset_hint(message)
         if message.request_headers.end_of_stream:
             raise BadRequest(
                 "the request has no body: extproc routes OpenAI-style JSON requests",
                 code="invalid_json",
             )
-        if not x.full_duplex:  # BUFFERED: Envoy waits for this answer before the body
+        if not exchange.full_duplex:  # BUFFERED: Envoy waits for this answer before the body
             yield ep.ProcessingResponse(
                 request_headers=ep.HeadersResponse(response=self._strip_internal())
             )
 
     def on_request_body(
-        self, x: _Exchange, message: ep.ProcessingRequest, *, defer: bool
+        self, exchange: _Exchange, message: ep.ProcessingRequest, *, defer: bool
     ) -> list[ep.ProcessingResponse] | Future[list[ep.ProcessingResponse]]:
         """The replies to a body message; at the body's end the request is routed (with
         ``defer``, on the router's preparing threads when it needs them: a Future)."""
         body = message.request_body
-        if x.decision is not None:  # routed already: a second body is not routed again
+        if exchange.decision is not None:  # routed already: a second body is not routed again
             return [ep.ProcessingResponse(request_body=ep.BodyResponse())]
-        x.body += body.body
-        if len(x.body) > self.router.max_body_bytes:  # Envoy sets no limit in full duplex
+        exchange.body += body.body
+        if len(exchange.body) > self.router.max_body_bytes:  # Envoy sets no limit in full duplex
             raise BodyTooLarge(
                 f"request body is over the limit of {self.router.max_body_bytes} bytes"
             )
         if not body.end_of_stream:
-            if not x.full_duplex:
+            if not exchange.full_duplex:
                 raise BadRequest(
                     "extproc needs the whole request body (ext_proc body mode BUFFERED or "
                     "FULL_DUPLEX_STREAMED)",
@@ -164,23 +164,25 @@ class GatewayHandler:
             return []
         # Keyed by stream: the completion comes on this stream, and a request id repeated
         # by a client (gateways may keep it) must not cross two streams' records.
-        x.key = f"{x.request_id}/{next(self._streams)}"
+        exchange.key = f"{exchange.request_id}/{next(self._streams)}"
         route = self.router.route_or_defer if defer else self.router.route
         decided = route(
-            x.path,
-            bytes(x.body),
-            request_id=x.key,
-            headers=x.headers,
-            subset=x.subset,
+            exchange.path,
+            bytes(exchange.body),
+            request_id=exchange.key,
+            headers=exchange.headers,
+            subset=exchange.subset,
         )
         if isinstance(decided, Future):
-            return then(decided, lambda result: list(self._routed(x, result())))
-        return list(self._routed(x, decided))
+            return then(decided, lambda result: list(self._routed(exchange, result())))
+        return list(self._routed(exchange, decided))
 
-    def _routed(self, x: _Exchange, decision: RouteDecision) -> Iterator[ep.ProcessingResponse]:
+    def _routed(
+        self, exchange: _Exchange, decision: RouteDecision
+    ) -> Iterator[ep.ProcessingResponse]:
         """The replies carrying the pick: header and metadata (and the body back, in full
         duplex)."""
-        x.decision = decision
+        exchange.decision = decision
         common = self._strip_internal()
         common.header_mutation.set_headers.append(
             _set_header(DESTINATION_KEY, decision.destination)
@@ -192,7 +194,7 @@ class GatewayHandler:
         metadata = route_metadata(
             decision.destination, decision.prefill.address if decision.prefill else None
         )
-        if x.full_duplex:
+        if exchange.full_duplex:
             yield ep.ProcessingResponse(
                 request_headers=ep.HeadersResponse(response=common), dynamic_metadata=metadata
             )
@@ -201,7 +203,7 @@ class GatewayHandler:
                     response=ep.CommonResponse(
                         body_mutation=ep.BodyMutation(
                             streamed_response=ep.StreamedBodyResponse(
-                                body=bytes(x.body), end_of_stream=True
+                                body=bytes(exchange.body), end_of_stream=True
                             )
                         )
                     )
@@ -211,7 +213,7 @@ class GatewayHandler:
             yield ep.ProcessingResponse(
                 request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata
             )
-        x.body = bytearray()
+        exchange.body = bytearray()
 
     @staticmethod
     def _strip_internal() -> ep.CommonResponse:
@@ -219,18 +221,18 @@ class GatewayHandler:
         common.header_mutation.remove_headers.extend(INTERNAL_HEADERS)
         return common
 
-    def _complete(self, x: _Exchange, ok: bool) -> None:
-        if x.decision is None or x.done:
+    def _complete(self, exchange: _Exchange, ok: bool) -> None:
+        if exchange.decision is None or exchange.done:
             return
-        x.done = True
-        served = x.served or x.decision.pods[0].address
-        self.router.complete(x.key, served, ok and 200 <= x.status < 300)
+        exchange.done = True
+        served = exchange.served or exchange.decision.pods[0].address
+        self.router.complete(exchange.key, served, ok and 200 <= exchange.status < 300)
 
-    def finish(self, x: _Exchange) -> None:
+    def finish(self, exchange: _Exchange) -> None:
         """The stream ended: a routed request without a successful end failed."""
-        if x.decision is not None and not x.done:
-            x.done = True
-            self.router.complete(x.key, None, False)
+        if exchange.decision is not None and not exchange.done:
+            exchange.done = True
+            self.router.complete(exchange.key, None, False)
 
 
 def _served(message: ep.ProcessingRequest) -> str | None:
@@ -245,32 +247,32 @@ def _served(message: ep.ProcessingRequest) -> str | None:
 class _EppStream:
     """One EPP stream: its request's messages in, replies out as the protocol asks."""
 
-    __slots__ = ("_handler", "_x")
+    __slots__ = ("_exchange", "_handler")
 
     def __init__(self, handler: GatewayHandler) -> None:
         self._handler = handler
-        self._x = _Exchange()
+        self._exchange = _Exchange()
 
     def on_message(self, message: ep.ProcessingRequest) -> Answer | Future[Answer]:
         body = message.request_body
-        if body.end_of_stream and len(self._x.body) + len(body.body) >= OFF_LOOP_BODY_BYTES:
+        if body.end_of_stream and len(self._exchange.body) + len(body.body) >= OFF_LOOP_BODY_BYTES:
             return run_off_loop(lambda: self._answer(message))
         if message.WhichOneof("request") != "request_body":
             return self._answer(message)
         try:
-            replies = self._handler.on_request_body(self._x, message, defer=True)
+            replies = self._handler.on_request_body(self._exchange, message, defer=True)
         except Exception as exc:  # noqa: BLE001 - every error is answered
             return self._failed(exc)
         if isinstance(replies, Future):
             return then(replies, self._replies)
-        return Answer(replies, end=self._x.done)
+        return Answer(replies, end=self._exchange.done)
 
     def _answer(self, message: ep.ProcessingRequest) -> Answer:
-        return self._replies(lambda: list(self._handler.handle(self._x, message)))
+        return self._replies(lambda: list(self._handler.handle(self._exchange, message)))
 
     def _replies(self, replies: Callable[[], list[ep.ProcessingResponse]]) -> Answer:
         try:
-            return Answer(replies(), end=self._x.done)
+            return Answer(replies(), end=self._exchange.done)
         except Exception as exc:  # noqa: BLE001 - every error is answered
             return self._failed(exc)
 
@@ -279,16 +281,16 @@ class _EppStream:
         logged (call it from the ``except`` block, for the trace) and answered 500."""
         if isinstance(exc, ExtProcError):
             return Answer((error_response(exc),), end=True)
-        log.exception("request %s: unexpected error while routing", self._x.request_id)
-        return Answer((internal_error_response(self._x.request_id),), end=True)
+        log.exception("request %s: unexpected error while routing", self._exchange.request_id)
+        return Answer((internal_error_response(self._exchange.request_id),), end=True)
 
     def on_input_end(self) -> Answer:
         return Answer(end=True)
 
     def on_close(self, delivered: bool) -> None:
         if not delivered:
-            log.debug("request %s: ext_proc stream ended early", self._x.request_id)
-        self._handler.finish(self._x)
+            log.debug("request %s: ext_proc stream ended early", self._exchange.request_id)
+        self._handler.finish(self._exchange)
 
 
 def epp_process(router: Router) -> Method:
