@@ -31,8 +31,8 @@ from e2e.real_vllm.pods import MODEL as VLLM_MODEL
 from e2e.real_vllm.pods import VllmPod, metric_sum, start_vllm_pods
 from e2e.real_vllm.prepare import model_dir
 from extproc.pods import Pod
-from extproc.sim.harness import spawn_sim_pods
-from extproc.sim.launch import wait_events_trusted
+from extproc.sim.launch import spawn_sim_pods
+from testkit.kv_events import wait_events_trusted
 
 SIM_MODEL = "sim-llm"
 SIM_BLOCK_SIZE = 16  # tokens, the simulated engine's default

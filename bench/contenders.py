@@ -8,7 +8,7 @@
   and ``cost-aware`` (``extproc/data/cost-aware.yaml``: Kthena's default plus cost-aware).
 - ``extproc-default-2-replicas``: the default configuration on two extproc replicas
   behind one Envoy, records in the reply metadata, views shared through a redis-server
-  (``extproc.sim.replicas``).
+  (``testkit.replicas``).
 - ``extproc-precise``: ``extproc/data/precise.yaml`` (the default's cost model reading
   precise-prefix-cache's exact counts), its models map naming the pods' tokenizer,
   receiving the pods' KV events; it serves once every pod's view is trusted.
@@ -35,7 +35,7 @@ from extproc.envoyconf.build import EnvoyOptions, make_bootstrap
 from extproc.envoyconf.render import to_dict
 from extproc.pods import Pod
 from extproc.sim.launch import Proc, free_port, run_stack, spawn, start_envoy_config, wait_until
-from extproc.sim.replicas import run_replicas
+from testkit.replicas import run_replicas
 
 PEER_START_TIMEOUT_S = 60.0
 CACHE_AWARE = [

@@ -24,8 +24,7 @@ import httpx
 import orjson
 
 from extproc.request.parse import DEFAULT_MAX_BODY_BYTES
-from extproc.sim.harness import spawn_sim_pods
-from extproc.sim.launch import run_stack
+from extproc.sim.launch import run_stack, spawn_sim_pods
 
 MODEL = "sim-llm"
 HEADER = "x-ext-proc-round-ms"

@@ -45,12 +45,12 @@ from extproc.pods import Pod, PodId
 from extproc.routing.router import Router
 from extproc.scheduling.config import build_scheduler, load_config
 from extproc.sim.demo import SIM_ARGS, engine_counters, hit_ratio, make_workload
-from extproc.sim.harness import SimPods, spawn_sim_pods
-from extproc.sim.launch import wait_events_trusted
-from extproc.sim.replicas import run_replicas
+from extproc.sim.launch import SimPods, spawn_sim_pods
 from extproc.wire.one_round import RouteHandler
 from extproc.wire.protocol import ATTRIBUTES_KEY, PATH_ATTRIBUTE, REQUEST_ID_ATTRIBUTE
 from extproc.wire.record_metadata import carried_record, record_reply
+from testkit.kv_events import wait_events_trusted
+from testkit.replicas import run_replicas
 
 
 @dataclass(frozen=True)

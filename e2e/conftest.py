@@ -15,8 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from extproc.sim.harness import SimPods, spawn_sim_pods
-from extproc.sim.launch import Stack, run_stack
+from extproc.sim.launch import SimPods, Stack, run_stack, spawn_sim_pods
 
 MODEL = "sim-llm"
 RECORDED = ("extproc_completions_total", 'outcome="recorded"')

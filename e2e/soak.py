@@ -37,8 +37,8 @@ import httpx
 
 from e2e.conftest import MODEL, metric, wait_for
 from e2e.test_routing import body_for
-from extproc.sim.harness import spawn_sim_pods
-from extproc.sim.launch import Stack, Usage, run_stack
+from extproc.sim.launch import Stack, run_stack, spawn_sim_pods
+from testkit.usage import Usage, usage_of
 
 MB = 1024 * 1024
 APIS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
@@ -155,7 +155,7 @@ def _send(client: httpx.Client, api: str, body: dict[str, object], stream: bool)
 
 
 def _sample(stack: Stack, answered: int, started: float) -> Sample:
-    usage: Usage = stack.extproc.usage()
+    usage: Usage = usage_of(stack.extproc.pid)
     return Sample(
         answered,
         round(time.monotonic() - started, 2),

@@ -19,6 +19,7 @@ import pytest
 
 from e2e.conftest import MODEL, RECORDED, metric
 from extproc.sim.launch import Stack
+from testkit.usage import usage_of
 
 C, CHAT, R = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 MB = 1024 * 1024
@@ -250,17 +251,17 @@ def test_repeated_corpus_keeps_extproc_up_and_its_memory_flat(
     bodies, which move RSS by tens of MB either way as the allocator keeps or returns
     them: survived, and reported."""
     recorded = metric(stack, *RECORDED)
-    before = stack.extproc.usage()
+    before = usage_of(stack.extproc.pid)
     for i in range(10):
         run_corpus(corpus_client, SMALL)
-        warm, before = before, stack.extproc.usage()
+        warm, before = before, usage_of(stack.extproc.pid)
         if i >= 3 and abs(before.rss_bytes - warm.rss_bytes) < MB:
             break
     for _ in range(4):
         run_corpus(corpus_client, SMALL)
-    after = stack.extproc.usage()
+    after = usage_of(stack.extproc.pid)
     run_corpus(corpus_client, list(CORPUS))
-    big = stack.extproc.usage()
+    big = usage_of(stack.extproc.pid)
     assert stack.extproc.alive()
     print(
         f"extproc after warm-up: RSS {before.rss_bytes / MB:.1f} MB, {before.threads} threads, "

@@ -32,8 +32,7 @@ from e2e.conftest import (
 from e2e.test_faults import ENTRIES, FAILED
 from e2e.test_routing import body_for, send_and_wait_recorded
 from extproc.pods import Pod, PodId
-from extproc.sim.harness import SimPods, spawn_sim_pods
-from extproc.sim.launch import Stack, free_port, run_stack, write_pods_file
+from extproc.sim.launch import SimPods, Stack, free_port, run_stack, spawn_sim_pods, write_pods_file
 
 API = "/v1/completions"
 READY = ("extproc_pods_ready", "")

@@ -25,8 +25,7 @@ from e2e.conftest import (
     wait_for,
 )
 from e2e.slow_scheduler import marker
-from extproc.sim.harness import SimPods
-from extproc.sim.launch import Stack, run_stack
+from extproc.sim.launch import SimPods, Stack, run_stack
 
 API = "/v1/completions"
 ABANDONED = ("extproc_completions_total", 'outcome="abandoned"')

@@ -6,8 +6,7 @@ import httpx
 
 from e2e.conftest import MODEL, NUM_PODS, RECORDED, metric, unique_prefix, wait_for
 from e2e.test_routing import body_for, send_and_wait_recorded, served_by
-from extproc.sim.harness import SimPods
-from extproc.sim.launch import Stack
+from extproc.sim.launch import SimPods, Stack
 
 API = "/v1/completions"
 ENTRIES = ("kthena_router_prefix_cache_entries", "")

@@ -22,8 +22,7 @@ from e2e.test_retry_order import (
 )
 from e2e.test_routing import body_for
 from e2e.test_security import client_routing_headers
-from extproc.sim.harness import SimPods
-from extproc.sim.launch import Stack, run_stack
+from extproc.sim.launch import SimPods, Stack, run_stack
 from extproc.wire.epp import SERVED_KEY
 from extproc.wire.protocol import DESTINATION_NAMESPACE, INTERNAL_HEADERS
 

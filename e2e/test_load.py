@@ -11,8 +11,7 @@ import httpx
 import pytest
 
 from e2e.conftest import MODEL, metric, wait_for
-from extproc.sim.harness import SimPods, spawn_sim_pods
-from extproc.sim.launch import Stack, run_stack
+from extproc.sim.launch import SimPods, Stack, run_stack, spawn_sim_pods
 
 # One request at a time, about 0.6 s each (60 decode steps of 10 ms): a queue builds fast.
 SLOW_POD_ARGS = ["--model", MODEL, "--max-num-seqs", "1"]

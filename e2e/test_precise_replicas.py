@@ -13,9 +13,9 @@ import pytest
 from bench.contenders import precise_config
 from e2e.conftest import wait_for
 from e2e.real_vllm.prepare import model_dir
-from extproc.sim.harness import SimPods, spawn_sim_pods
-from extproc.sim.launch import wait_events_trusted
-from extproc.sim.replicas import Replicas, run_replicas
+from extproc.sim.launch import SimPods, spawn_sim_pods
+from testkit.kv_events import wait_events_trusted
+from testkit.replicas import Replicas, run_replicas
 
 pytestmark = [
     pytest.mark.timeout(300),

@@ -36,9 +36,8 @@ from extproc.pods import Pod, PodId
 from extproc.request.parse import Api
 from extproc.request.tokens import SegmentTokenizer
 from extproc.scheduling.config import named_config_text
-from extproc.sim.harness import SimPods
 from extproc.sim.kv_cache import BlockStored, hash_request_tokens
-from extproc.sim.launch import Proc, Stack, free_port, run_stack, spawn, wait_until
+from extproc.sim.launch import Proc, SimPods, Stack, free_port, run_stack, spawn, wait_until
 from tests.charts.conftest import PRECISE, find, render
 from tests.charts.dashboard import PRECISE_ROW, queries, require_binary
 from tests.datalayer.kv_publisher import TOPIC, Publisher

@@ -14,8 +14,7 @@ import pytest
 
 from e2e.conftest import MODEL, RECORDED, metric, unique_prefix, wait_for
 from e2e.slow_scheduler import marker
-from extproc.sim.harness import SimPods
-from extproc.sim.launch import Stack, run_stack
+from extproc.sim.launch import SimPods, Stack, run_stack
 
 ARRIVING = ("extproc_estimated_ttft_arriving_requests", "")
 ENTRIES = ("extproc_estimated_ttft_entries", "")

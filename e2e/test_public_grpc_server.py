@@ -9,8 +9,7 @@ import httpx
 import pytest
 
 from e2e.conftest import MODEL, PREFIX_CONFIG, RECORDED, metric, unique_prefix, wait_for
-from extproc.sim.harness import SimPods
-from extproc.sim.launch import Stack, run_stack
+from extproc.sim.launch import SimPods, Stack, run_stack
 
 
 @pytest.fixture(scope="module")

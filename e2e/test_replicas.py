@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from e2e.conftest import MODEL, PREFIX_CONFIG, background_load
-from extproc.sim.harness import SimPods
-from extproc.sim.replicas import Replicas, run_replicas, wait_until_true
+from extproc.sim.launch import SimPods
+from testkit.replicas import Replicas, run_replicas, wait_until_true
 
 pytestmark = pytest.mark.timeout(300)
 

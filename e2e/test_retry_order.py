@@ -22,8 +22,7 @@ import pytest
 from e2e.conftest import PREFIX_CONFIG, metric, unique_prefix, wait_for
 from e2e.test_routing import body_for
 from extproc.pods import Pod
-from extproc.sim.harness import SimPods
-from extproc.sim.launch import Stack, run_stack, write_pods_file
+from extproc.sim.launch import SimPods, Stack, run_stack, write_pods_file
 from extproc.wire.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE
 
 API = "/v1/completions"

@@ -8,8 +8,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from e2e.conftest import MODEL, RECORDED, metric, unique_prefix, wait_for
-from extproc.sim.harness import SimPods
-from extproc.sim.launch import Stack
+from extproc.sim.launch import SimPods, Stack
 
 
 def body_for(api: str, prefix: str, question: str, **extra: object) -> dict[str, object]:

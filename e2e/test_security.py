@@ -15,8 +15,7 @@ import httpx
 
 from e2e.conftest import RECORDED, metric, unique_prefix, wait_for
 from e2e.test_routing import body_for, send_and_wait_recorded, served_by
-from extproc.sim.harness import SimPods
-from extproc.sim.launch import Stack
+from extproc.sim.launch import SimPods, Stack
 from extproc.wire.protocol import INTERNAL_HEADERS
 
 API = "/v1/completions"

@@ -10,8 +10,7 @@ import pytest
 
 from e2e.conftest import MODEL, RECORDED, metric, wait_for
 from extproc.pods import PodRole
-from extproc.sim.harness import SimPods
-from extproc.sim.launch import Stack, run_stack
+from extproc.sim.launch import SimPods, Stack, run_stack
 
 
 @pytest.fixture(scope="module")

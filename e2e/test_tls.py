@@ -24,8 +24,7 @@ from e2e.conftest import (
     unique_prefix,
     wait_for,
 )
-from extproc.sim.harness import SimPods
-from extproc.sim.launch import Stack, run_stack
+from extproc.sim.launch import SimPods, Stack, run_stack
 from tests.tls_certs import CertAuthority, Issued, served_certificate
 from tests.wire.test_server import Client, log_entry
 

@@ -23,9 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from e2e.real_vllm.pods import MODEL, VllmPod
 from extproc.datalayer.engine_metrics import SAMPLE_NAMES, PageParser, read_samples
 from extproc.datalayer.scrape import FILTERED_PAGE
-from extproc.sim.harness import SimPods, run_sim_pods
-from extproc.sim.launch import free_port
+from extproc.sim.launch import SimPods, free_port
 from extproc.sim.pods import GroupSettings, KvEventsSettings
+from testkit.harness import run_sim_pods
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_vllm, pytest.mark.timeout(900)]
 

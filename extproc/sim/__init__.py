@@ -10,7 +10,8 @@
     faults.py     injected failures: errors, refused connections, cut streams, delay
     pods.py       N pods on N ports of 127.0.0.1 (aiohttp) plus an admin port
     pods_cli.py   ``extproc sim-pods``
-    harness.py    start pods from tests: in a thread, or as a subprocess
+    launch.py     start pods, extproc and Envoy as local processes (``extproc demo``)
+    demo.py       ``extproc demo``
     workloads.py  seeded workloads for the offline simulator: multi-tenant burst, chats
     traces.py     Mooncake request traces as workloads
     policies.py   routing policies that see pods as a router does, the real scheduler one

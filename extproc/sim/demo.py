@@ -19,8 +19,7 @@ from typing import Any
 
 import httpx
 
-from extproc.sim.harness import SimPods, spawn_sim_pods
-from extproc.sim.launch import run_stack
+from extproc.sim.launch import SimPods, run_stack, spawn_sim_pods
 
 TENANTS = ("acme", "globex", "initech", "umbrella", "hooli", "wonka", "stark", "wayne")
 # Each pod holds 192 blocks of 16 tokens, about four tenants' system prompts: round robin

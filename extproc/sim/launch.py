@@ -1,13 +1,21 @@
-"""Start extproc and Envoy as local processes, wait until they serve, stop them by PID.
+"""Start simulated pods, extproc and Envoy as local processes, wait until they serve,
+stop them by PID.
 
-Used by ``extproc demo`` and the end-to-end tests: everything binds 127.0.0.1 on free
-ports, every wait is bounded, and leaving the ``with`` stops what it started.
+    with spawn_sim_pods(3, args=["--time-scale", "0.01"]) as sim:   # ``extproc sim-pods``
+        with run_stack(sim.as_pods()) as stack:                     # extproc + Envoy
+            httpx.post(stack.url + "/v1/completions", json=...)
+        sim.stats("sim-1")["engine"]["prefix_cache_hits"]
+
+Used by ``extproc demo``, and by the tests and benchmarks (their own helpers are in
+``testkit/``): everything binds 127.0.0.1 on free ports, every wait is bounded, and
+leaving the ``with`` stops what it started.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import selectors
 import shutil
 import signal
 import socket
@@ -21,17 +29,19 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+import orjson
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
+import extproc
+from extproc.datalayer.kv_events import EVENTS_PORT_LABEL
 from extproc.envoyconf.build import DEFAULT_MESSAGE_TIMEOUT_S, EnvoyOptions, make_bootstrap
 from extproc.envoyconf.render import to_dict
-from extproc.pods import Pod
+from extproc.pods import Pod, PodId
 
+ADMIN_TIMEOUT_S = 10.0
 START_TIMEOUT_S = 30.0
-EVENTS_TIMEOUT_S = 60.0
 EXTPROC_COMMAND = (sys.executable, "-m", "extproc")
 STOP_TIMEOUT_S = 15.0
 
@@ -77,25 +87,6 @@ def envoy_binary() -> str:
     return found
 
 
-@dataclass(frozen=True, slots=True)
-class Usage:
-    """What a process holds, from ``/proc`` (Linux)."""
-
-    rss_bytes: int
-    threads: int
-    fds: int
-
-
-def usage_of(pid: int) -> Usage:
-    status = Path(f"/proc/{pid}/status").read_text()
-    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    return Usage(
-        rss_bytes=int(fields["VmRSS"].split()[0]) * 1024,
-        threads=int(fields["Threads"]),
-        fds=len(os.listdir(f"/proc/{pid}/fd")),
-    )
-
-
 @dataclass
 class Proc:
     """A started process and where its output goes."""
@@ -111,10 +102,6 @@ class Proc:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
-    def usage(self) -> Usage:
-        """Its resident memory, threads and open file descriptors now."""
-        return usage_of(self.pid)
-
     def log_tail(self, num_bytes: int = 4000) -> str:
         try:
             return self.log_path.read_bytes()[-num_bytes:].decode(errors="replace")
@@ -122,14 +109,21 @@ class Proc:
             return ""
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S) -> int:
-        if self.alive():
-            self.popen.send_signal(sig)
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout_s)
-        return self.popen.returncode
+        return stop_process(self.popen, sig, timeout_s)
+
+
+def stop_process(
+    popen: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S
+) -> int:
+    """Send ``sig`` by PID, then SIGKILL if it lingers; always reaped. Returns the exit code."""
+    if popen.poll() is None:
+        popen.send_signal(sig)
+        try:
+            popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait(timeout_s)
+    return popen.returncode
 
 
 def spawn(name: str, argv: Sequence[str], log_dir: Path, env: dict[str, str] | None = None) -> Proc:
@@ -160,7 +154,7 @@ def wait_until(check: object, proc: Proc, what: str, timeout_s: float = START_TI
     raise TimeoutError(f"{what} not ready after {timeout_s} s:\n{proc.log_tail()}")
 
 
-def _wait_or_stop(check: object, proc: Proc, what: str, timeout_s: float = START_TIMEOUT_S) -> None:
+def wait_or_stop(check: object, proc: Proc, what: str, timeout_s: float = START_TIMEOUT_S) -> None:
     """``wait_until``; a process that did not get ready is stopped, not left running."""
     try:
         wait_until(check, proc, what, timeout_s)
@@ -193,6 +187,144 @@ def write_pods_file(pods: Sequence[Pod], path: Path) -> Path:
     }
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
+
+
+@dataclass(frozen=True, slots=True)
+class SimPodInfo:
+    name: str
+    url: str  # http://127.0.0.1:PORT
+    port: int
+    kv_events_endpoint: str | None = None  # where its KV events go (``--kv-events-endpoint``)
+
+
+@dataclass(frozen=True, slots=True)
+class SimPods:
+    """Running pods and their admin port; ``pod`` arguments take a name or an index."""
+
+    model: str
+    admin_url: str
+    pods: tuple[SimPodInfo, ...]
+    pid: int | None = None  # the subprocess, for spawn_sim_pods
+
+    @classmethod
+    def from_description(cls, desc: dict[str, Any], pid: int | None = None) -> SimPods:
+        pods = tuple(
+            SimPodInfo(p["name"], p["url"], p["port"], p.get("kv_events_endpoint"))
+            for p in desc["pods"]
+        )
+        return cls(desc["model"], desc["admin_url"], pods, pid)
+
+    def as_pods(self, namespace: str = "default") -> list[Pod]:
+        """The pods as extproc sees them (pods file, ``run_stack``): all ready; a pod
+        publishing KV events on a port of its own is labelled with it
+        (``EVENTS_PORT_LABEL``: extproc's connect topology reads it)."""
+        return [
+            Pod(
+                PodId(namespace, p.name),
+                f"127.0.0.1:{p.port}",
+                frozenset({self.model}),
+                labels=_events_label(p.kv_events_endpoint),
+            )
+            for p in self.pods
+        ]
+
+    @property
+    def urls(self) -> list[str]:
+        return [p.url for p in self.pods]
+
+    def name_of(self, pod: str | int) -> str:
+        return self.pods[pod].name if isinstance(pod, int) else pod
+
+    def admin(self, method: str, path: str, body: Any = None) -> Any:
+        """One admin request; returns the decoded JSON answer.
+
+        Raises:
+            urllib.error.HTTPError: the admin port answered an error status.
+        """
+        data = orjson.dumps(body) if body is not None else None
+        req = urllib.request.Request(self.admin_url + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        with urllib.request.urlopen(req, timeout=ADMIN_TIMEOUT_S) as resp:
+            return orjson.loads(resp.read())
+
+    def faults(self, pod: str | int) -> dict[str, Any]:
+        return self.admin("GET", f"/pods/{self.name_of(pod)}/faults")  # type: ignore[no-any-return]
+
+    def set_faults(self, pod: str | int, **changes: Any) -> dict[str, Any]:
+        """Merge ``changes`` into the pod's faults (see faults.py) and return them all."""
+        return self.admin("POST", f"/pods/{self.name_of(pod)}/faults", changes)  # type: ignore[no-any-return]
+
+    def clear_faults(self, pod: str | int) -> dict[str, Any]:
+        return self.admin("DELETE", f"/pods/{self.name_of(pod)}/faults")  # type: ignore[no-any-return]
+
+    def stats(self, pod: str | int) -> dict[str, Any]:
+        return self.admin("GET", f"/pods/{self.name_of(pod)}/stats")  # type: ignore[no-any-return]
+
+    def reset_cache(self, pod: str | int) -> None:
+        """Empty the pod's prefix cache, as if it came back empty (HTTPError 409 if busy)."""
+        self.admin("POST", f"/pods/{self.name_of(pod)}/reset_cache")
+
+
+def _events_label(endpoint: str | None) -> tuple[tuple[str, str], ...]:
+    """The pod's publisher port as a label, when it bound 127.0.0.1 (else none)."""
+    host, _, port = (endpoint or "").removeprefix("tcp://").rpartition(":")
+    return ((EVENTS_PORT_LABEL, port),) if host == "127.0.0.1" and port.isdigit() else ()
+
+
+def _child_env() -> dict[str, str]:
+    """This process's environment, with the ``extproc`` package we run from first on the path."""
+    env = dict(os.environ)
+    root = str(Path(extproc.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+@contextmanager
+def spawn_sim_pods(
+    num_pods: int = 2,
+    *,
+    args: Sequence[str] = (),
+    port: int = 0,
+    timeout_s: float = START_TIMEOUT_S,
+    stderr: IO[bytes] | None = None,
+) -> Iterator[SimPods]:
+    """Run ``python -m extproc.sim.pods_cli --pods N --port PORT ARGS`` and wait until it serves.
+
+    Args:
+        num_pods: pods to start.
+        args: more ``sim-pods`` flags (not ``--pods``/``--port``).
+        port: the first pod's port; 0 (the default): free ports, the admin port too. A
+            pod started again on its old port comes back with an empty cache.
+        timeout_s: how long to wait for the ready line.
+        stderr: where the process's stderr goes (default: this process's).
+
+    Raises:
+        RuntimeError: the process exited or stayed silent before serving.
+    """
+    cmd = [sys.executable, "-m", "extproc.sim.pods_cli", "--pods", str(num_pods)]
+    cmd += ["--port", str(port), "--admin-port", "0"]  # a free admin port
+    proc = subprocess.Popen(
+        [*cmd, *args],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        stderr=stderr,
+        env=_child_env(),
+    )
+    try:
+        assert proc.stdout is not None
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            ready = sel.select(timeout_s)
+        line = proc.stdout.readline() if ready else b""
+        if not line:
+            raise RuntimeError(
+                f"sim-pods did not start within {timeout_s} s (exit code {proc.poll()})"
+            )
+        yield SimPods.from_description(orjson.loads(line), proc.pid)
+    finally:
+        stop_process(proc)
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 @dataclass
@@ -251,7 +383,7 @@ def start_extproc(
         *extra_args,
     ]  # fmt: skip
     proc = spawn(name, argv, log_dir)
-    _wait_or_stop(
+    wait_or_stop(
         lambda: port_open(grpc_port) and port_open(metrics_port), proc, name, start_timeout_s
     )
     return proc
@@ -288,7 +420,7 @@ def start_envoy_config(
         with urllib.request.urlopen(url, timeout=1) as r:
             return bool(r.status == 200)
 
-    _wait_or_stop(ready, proc, name)
+    wait_or_stop(ready, proc, name)
     return proc
 
 
@@ -361,44 +493,3 @@ def run_stack(
                 stack.extproc.stop()
             else:
                 picker.stop()
-
-
-def wait_events_trusted(
-    pods: Sequence[Pod],
-    flush: Callable[[int], None],
-    metrics: Sequence[Callable[[], str]],
-    timeout_s: float = EVENTS_TIMEOUT_S,
-) -> None:
-    """Until every extproc (its ``/metrics`` page, one callable each) has KV events from
-    every pod and no stale view. A subscriber joins late (ZMQ drops what was sent
-    before), so its first batch from a running pod shows a gap and the view goes stale;
-    a cleared cache's ``AllBlocksCleared`` makes the view exact again. So each round
-    flushes one such batch out of every pod (``flush(i)``), then reads the pages.
-
-    Raises:
-        TimeoutError: some view is still missing or stale after ``timeout_s``.
-    """
-    names = [str(p.id) for p in pods]
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for i in range(len(pods)):
-            flush(i)
-        time.sleep(0.3)
-        missing = [n for page in (m() for m in metrics) for n in _untrusted(page, names)]
-        if not missing:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no trusted KV-events view of {sorted(set(missing))}")
-
-
-def _untrusted(page: str, pods: list[str]) -> list[str]:
-    """The pods of ``pods`` this extproc has no events from, or all if a view is stale."""
-    received: set[str] = set()
-    stale = 0.0
-    for family in text_string_to_metric_families(page):
-        for sample in family.samples:
-            if sample.name == "extproc_kv_events_batches_received_total" and sample.value > 0:
-                received.add(sample.labels["pod"])
-            elif sample.name == "extproc_kv_events_stale_pods":
-                stale = sample.value
-    return list(pods) if stale else [p for p in pods if p not in received]

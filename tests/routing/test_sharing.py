@@ -23,8 +23,8 @@ from extproc.scheduling.config import build_scheduler, default_config_text, pars
 from extproc.scheduling.interfaces import Cycle
 from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
-from extproc.sim.replicas import RedisServer, run_redis, wait_until_true
 from extproc.wire.access_log import AccessLogHandler
+from testkit.replicas import RedisServer, run_redis, wait_until_true
 from tests.factories import make_pod
 from tests.routing.test_replicas import GEOMETRY, PODS, log_entry, make_router, process
 

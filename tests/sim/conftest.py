@@ -7,8 +7,9 @@ from collections.abc import Iterator
 import pytest
 
 from extproc.sim.engine import EngineConfig
-from extproc.sim.harness import SimPods, run_sim_pods
+from extproc.sim.launch import SimPods
 from extproc.sim.pods import GroupSettings
+from testkit.harness import run_sim_pods
 
 FAST = EngineConfig(time_scale=0.01)  # a 16-token answer takes about 2 ms
 

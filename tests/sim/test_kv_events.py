@@ -11,7 +11,6 @@ import msgpack
 import pytest
 import zmq
 
-from extproc.sim.harness import SimPods, run_sim_pods
 from extproc.sim.kv_cache import (
     AllBlocksCleared,
     BlockRemoved,
@@ -20,8 +19,10 @@ from extproc.sim.kv_cache import (
     hash_request_tokens,
 )
 from extproc.sim.kv_events import decode_event_batch, encode_event_batch
+from extproc.sim.launch import SimPods
 from extproc.sim.pods import GroupSettings, KvEventsSettings
 from extproc.sim.tokenizer import tokenize
+from testkit.harness import run_sim_pods
 from tests.sim.conftest import FAST
 
 H1, H2 = TokenBlockHash(2**64 - 1), TokenBlockHash(7)

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from extproc.sim.harness import SimPods
+from extproc.sim.launch import SimPods
 from extproc.sim.tokenizer import ChatMessage, render_chat, tokenize
 
 

@@ -9,7 +9,7 @@ import sys
 import httpx
 import pytest
 
-from extproc.sim.harness import spawn_sim_pods
+from extproc.sim.launch import spawn_sim_pods
 
 
 def test_spawned_pods_serve_and_stop_on_sigterm() -> None:

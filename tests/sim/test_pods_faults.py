@@ -11,8 +11,9 @@ import httpx
 import pytest
 
 from extproc.sim.engine import EngineConfig
-from extproc.sim.harness import SimPods, run_sim_pods
+from extproc.sim.launch import SimPods
 from extproc.sim.pods import GroupSettings
+from testkit.harness import run_sim_pods
 from tests.sim.conftest import FAST
 
 BODY = {"prompt": "fault " * 20, "max_tokens": 4}

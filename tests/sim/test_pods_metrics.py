@@ -13,9 +13,10 @@ from prometheus_client.samples import Sample
 from extproc.datalayer.engine_metrics import SAMPLE_NAMES, PageParser, PodReader
 from extproc.datalayer.scrape import FILTERED_PAGE
 from extproc.sim.engine import EngineConfig
-from extproc.sim.harness import SimPods, run_sim_pods
+from extproc.sim.launch import SimPods
 from extproc.sim.metrics import ITL_BUCKETS, TTFT_BUCKETS
 from extproc.sim.pods import GroupSettings
+from testkit.harness import run_sim_pods
 
 LABELS = {"model_name": "sim-llm", "engine": "0"}
 EXPECTED_TYPES = {

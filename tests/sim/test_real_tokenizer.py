@@ -22,8 +22,9 @@ from extproc.request.tokens import SegmentTokenizer
 from extproc.scheduling.interfaces import Cycle, PluginContext
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.sim.api import ApiError, parse_request
-from extproc.sim.harness import SimPods, run_sim_pods
+from extproc.sim.launch import SimPods
 from extproc.sim.pods import GroupSettings, KvEventsSettings
+from testkit.harness import run_sim_pods
 from tests.scheduling.plugins.test_precise_prefix_cache import MODEL_DIR
 from tests.sim.conftest import FAST
 

@@ -24,11 +24,11 @@ from extproc.envoyconf.build import EnvoyOptions
 from extproc.pods import Pod
 from extproc.sim.launch import (
     Proc,
-    _wait_or_stop,
     free_port,
     spawn,
     start_envoy,
     start_extproc,
+    wait_or_stop,
     write_pods_file,
 )
 
@@ -64,7 +64,7 @@ class RedisServer:
             "--save", "", "--appendonly", "no", "--protected-mode", "yes",
         ]  # fmt: skip
         self.proc = spawn("redis", argv, self.log_dir)
-        _wait_or_stop(lambda: _redis_ping(self.port), self.proc, "redis-server")
+        wait_or_stop(lambda: _redis_ping(self.port), self.proc, "redis-server")
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None:
