@@ -59,7 +59,7 @@ from extproc.scheduling.interfaces import (
 )
 from extproc.scheduling.pdgroup import PDGroup
 from extproc.scheduling.plugins.least_latency import LeastLatency, check_least_latency_args
-from extproc.scheduling.prefix_metrics import PrefixCacheMetrics
+from extproc.scheduling.plugins.prefix_metrics import PrefixCacheMetrics
 from extproc.scheduling.registry import BUILTIN
 from extproc.scheduling.scheduler import PluginTimer, Scheduler, WeightedScorer
 from extproc.scheduling.sessions import SessionStore

@@ -42,8 +42,8 @@ from extproc.pods import Pod, PodId
 from extproc.prefix.hashing import Keys, prompt_keys
 from extproc.request.parse import Api, InferenceRequest
 from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.plugins.prefix_metrics import PrefixCacheMetrics
 from extproc.scheduling.podtable import PodTable, Positions, RowValues
-from extproc.scheduling.prefix_metrics import PrefixCacheMetrics
 
 Scores = npt.NDArray[np.int64]  # one score per row of the ``Positions`` scored
 TokenIds = npt.NDArray[np.uint32]  # a prompt's token ids: 4 bytes each, as keys hash them

@@ -40,7 +40,7 @@ from extproc.pods import Pod, PodId
 from extproc.scheduling.args import load_args
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.interfaces import Cycle, PluginContext, PrefixMatcher
-from extproc.scheduling.queue import pod_work, uncached_tokens
+from extproc.scheduling.plugins.pod_work import pod_work, uncached_tokens
 
 log = logging.getLogger("extproc.scheduling")
 

@@ -62,7 +62,7 @@ which the router passes to ``InFlight.start`` for its pick.
 The scheduler scores with ``score_table`` (whole NumPy columns of the pod snapshot, one
 index match over the candidates' rows, and precise-prefix-cache's counts for them when it
 is configured); ``score`` is the same arithmetic pod by pod.
-Metrics: the spec's prefix-cache series for this view (``scheduling.prefix_metrics``: the
+Metrics: the spec's prefix-cache series for this view (``scheduling.plugins.prefix_metrics``: the
 match ratio counts a prefix held or arriving), the arriving requests and the entries.
 """
 
@@ -82,7 +82,6 @@ from extproc.pods import Pod, PodId
 from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PrefixIndex
 from extproc.scheduling.args import ZERO_UP, load_args
-from extproc.scheduling.arrivals import Arrivals
 from extproc.scheduling.interfaces import (
     BYTES_PER_TOKEN,
     Cycle,
@@ -90,10 +89,11 @@ from extproc.scheduling.interfaces import (
     PluginContext,
     Scores,
 )
+from extproc.scheduling.plugins.arrivals import Arrivals
+from extproc.scheduling.plugins.pod_work import pod_work
+from extproc.scheduling.plugins.prefix_metrics import PrefixCacheMetrics
+from extproc.scheduling.plugins.prefix_rows import match_lengths, per_row
 from extproc.scheduling.podtable import PodTable, Positions, RowValues
-from extproc.scheduling.prefix_metrics import PrefixCacheMetrics
-from extproc.scheduling.prefix_rows import match_lengths, per_row
-from extproc.scheduling.queue import pod_work
 
 
 @dataclass(frozen=True, slots=True)

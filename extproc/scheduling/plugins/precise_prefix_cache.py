@@ -50,7 +50,6 @@ from extproc.prefix.precise.index import PreciseIndex
 from extproc.prefix.precise.keys import chain_keys
 from extproc.request.tokens import NotExact, Segments, SegmentTokenizer
 from extproc.scheduling.args import load_args
-from extproc.scheduling.arrivals import Arrivals
 from extproc.scheduling.interfaces import (
     BYTES_PER_TOKEN,
     Cycle,
@@ -59,7 +58,8 @@ from extproc.scheduling.interfaces import (
     Preparation,
     TokenIds,
 )
-from extproc.scheduling.prefix_metrics import MATCH_RATIO_BUCKETS
+from extproc.scheduling.plugins.arrivals import Arrivals
+from extproc.scheduling.plugins.prefix_metrics import MATCH_RATIO_BUCKETS
 
 log = logging.getLogger("extproc.scheduling.precise")
 

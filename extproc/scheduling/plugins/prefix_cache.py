@@ -13,7 +13,7 @@ Kthena's prefix-cache plugin, to the letter (``kthena-prefix-cache-plugin.txt``)
 * metrics: ``kthena_router_prefix_cache_match_ratio{model}`` (best pod's fraction, each
   time the plugin scores; Kthena's buckets), ``..._evictions_total{model}`` (counted as
   Kthena counts them, labelled with the evicted entry's model), ``..._entries``
-  (``scheduling.prefix_metrics``, shared with estimated-ttft's view).
+  (``scheduling.plugins.prefix_metrics``, shared with estimated-ttft's view).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PrefixIndex
 from extproc.scheduling.args import load_args
 from extproc.scheduling.interfaces import Cycle, PluginContext, Scores
+from extproc.scheduling.plugins.prefix_metrics import PrefixCacheMetrics
+from extproc.scheduling.plugins.prefix_rows import match_rows, per_row
 from extproc.scheduling.podtable import PodTable, Positions
-from extproc.scheduling.prefix_metrics import PrefixCacheMetrics
-from extproc.scheduling.prefix_rows import match_rows, per_row
 
 
 @dataclass(frozen=True, slots=True)

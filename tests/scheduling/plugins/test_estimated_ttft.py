@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from extproc.pods import PodId, PodMetrics
-from extproc.routing.pending import PendingRecords
+from extproc.routing.pending import DEFAULT_PENDING_TTL_S
 from extproc.routing.router import Router
-from extproc.scheduling.arrivals import Arrivals
 from extproc.scheduling.config import build_scheduler, load_config
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.interfaces import PluginContext
+from extproc.scheduling.plugins.arrivals import Arrivals
 from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT, EstimatedTTFTArgs, Written
 from extproc.scheduling.scheduler import Scheduler
 from tests.factories import PREFIX_ONLY, make_cycle, make_pod, make_scheduler
@@ -238,12 +238,16 @@ def test_pods_that_come_and_go_do_not_grow_the_arrivals_tables() -> None:
     assert len(arrivals._rows_of) == 2  # slots of pods without prompts are reused
 
 
-def default_router(pending: PendingRecords | None = None, num_pods: int = 4) -> Router:
+def default_router(pending_ttl_s: float = DEFAULT_PENDING_TTL_S, num_pods: int = 4) -> Router:
     in_flight = InFlight()
     scheduler = build_scheduler(load_config(), CollectorRegistry(), in_flight)
     pods = [make_pod(f"p{i}", port=8000 + i) for i in range(num_pods)]
     return Router(
-        scheduler, pods, pending=pending, in_flight=in_flight, registry=CollectorRegistry()
+        scheduler,
+        pods,
+        pending_ttl_s=pending_ttl_s,
+        in_flight=in_flight,
+        registry=CollectorRegistry(),
     )
 
 
@@ -275,8 +279,7 @@ def test_a_burst_with_a_new_prefix_follows_its_first_pick_before_any_response() 
     ],
 )
 def test_provisional_credit_goes_at_the_end_and_only_success_records(end: str) -> None:
-    pending = PendingRecords(ttl_s=0.0) if end == "timeout" else None
-    router = default_router(pending)
+    router = default_router(0.0 if end == "timeout" else DEFAULT_PENDING_TTL_S)
     plugin_ = ttft_plugin(router)
     decision = router.route("/v1/completions", body("q0"), request_id="r0")
     pick, other = decision.pods[0], decision.pods[1]
