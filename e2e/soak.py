@@ -35,8 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from e2e.conftest import MODEL, metric, wait_for
-from e2e.test_routing import body_for
+from e2e.support import MODEL, body_for, metric, wait_for
 from extproc.sim.launch import Stack, run_stack, spawn_sim_pods
 from testkit.usage import Usage, usage_of
 

@@ -17,7 +17,7 @@ import httpx
 import orjson
 import pytest
 
-from e2e.conftest import MODEL, RECORDED, metric
+from e2e.support import MODEL, RECORDED, metric
 from extproc.sim.launch import Stack
 from testkit.usage import usage_of
 

@@ -20,17 +20,19 @@ from contextlib import AbstractContextManager
 import httpx
 import pytest
 
-from e2e.conftest import (
+from e2e.support import (
+    ENTRIES,
+    FAILED,
     MODEL,
     PREFIX_CONFIG,
     RECORDED,
     background_load,
+    body_for,
     metric,
+    send_and_wait_recorded,
     unique_prefix,
     wait_for,
 )
-from e2e.test_faults import ENTRIES, FAILED
-from e2e.test_routing import body_for, send_and_wait_recorded
 from extproc.pods import Pod, PodId
 from extproc.sim.launch import SimPods, Stack, free_port, run_stack, spawn_sim_pods, write_pods_file
 

@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from e2e.conftest import (
+from e2e.slow_scheduler import marker
+from e2e.support import (
     MODEL,
     PREFIX_CONFIG,
     RECORDED,
@@ -24,7 +25,6 @@ from e2e.conftest import (
     unique_prefix,
     wait_for,
 )
-from e2e.slow_scheduler import marker
 from extproc.sim.launch import SimPods, Stack, run_stack
 
 API = "/v1/completions"

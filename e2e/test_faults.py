@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import httpx
 
-from e2e.conftest import MODEL, NUM_PODS, RECORDED, metric, unique_prefix, wait_for
-from e2e.test_routing import body_for, send_and_wait_recorded, served_by
+from e2e.support import (
+    ENTRIES,
+    FAILED,
+    MODEL,
+    NUM_PODS,
+    RECORDED,
+    body_for,
+    metric,
+    send_and_wait_recorded,
+    served_by,
+    unique_prefix,
+    wait_for,
+)
 from extproc.sim.launch import SimPods, Stack
 
 API = "/v1/completions"
-ENTRIES = ("kthena_router_prefix_cache_entries", "")
-FAILED = ("extproc_completions_total", 'outcome="failed"')
 
 
 def test_streaming_records_only_after_the_stream_ends(stack: Stack, sim: SimPods) -> None:

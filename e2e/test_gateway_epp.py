@@ -11,17 +11,22 @@ from typing import Any
 import httpx
 import pytest
 
-from e2e.conftest import MODEL, PREFIX_CONFIG, RECORDED, metric, unique_prefix, wait_for
-from e2e.test_retry_order import (
+from e2e.support import (
     API,
     LIST_HEADER,
     MAX_REQUESTS,
+    MODEL,
+    PREFIX_CONFIG,
+    RECORDED,
     TRIES_HEADER,
     answer_says_list_and_tries,
+    body_for,
+    client_routing_headers,
+    metric,
     names_by_address,
+    unique_prefix,
+    wait_for,
 )
-from e2e.test_routing import body_for
-from e2e.test_security import client_routing_headers
 from extproc.sim.launch import SimPods, Stack, run_stack
 from extproc.wire.epp import SERVED_KEY
 from extproc.wire.protocol import DESTINATION_NAMESPACE, INTERNAL_HEADERS

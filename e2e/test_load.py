@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e.conftest import MODEL, metric, wait_for
+from e2e.support import MODEL, metric, wait_for
 from extproc.sim.launch import SimPods, Stack, run_stack, spawn_sim_pods
 
 # One request at a time, about 0.6 s each (60 decode steps of 10 ms): a queue builds fast.

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from bench.contenders import precise_config
-from e2e.conftest import wait_for
 from e2e.real_vllm.prepare import model_dir
+from e2e.support import wait_for
 from extproc.sim.launch import SimPods, spawn_sim_pods
 from testkit.kv_events import wait_events_trusted
 from testkit.replicas import Replicas, run_replicas

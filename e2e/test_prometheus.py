@@ -30,7 +30,7 @@ import httpx
 import pytest
 import yaml
 
-from e2e.conftest import MODEL, NUM_PODS, metric, unique_prefix
+from e2e.support import MODEL, NUM_PODS, metric, unique_prefix
 from extproc.datalayer.kv_events import EVENTS_PORT_LABEL
 from extproc.pods import Pod, PodId
 from extproc.request.parse import Api

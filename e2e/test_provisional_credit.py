@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from e2e.conftest import MODEL, RECORDED, metric, unique_prefix, wait_for
 from e2e.slow_scheduler import marker
+from e2e.support import MODEL, RECORDED, metric, unique_prefix, wait_for
 from extproc.sim.launch import SimPods, Stack, run_stack
 
 ARRIVING = ("extproc_estimated_ttft_arriving_requests", "")

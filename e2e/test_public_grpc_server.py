@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from e2e.conftest import MODEL, PREFIX_CONFIG, RECORDED, metric, unique_prefix, wait_for
+from e2e.support import MODEL, PREFIX_CONFIG, RECORDED, metric, unique_prefix, wait_for
 from extproc.sim.launch import SimPods, Stack, run_stack
 
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from e2e.conftest import MODEL, PREFIX_CONFIG, background_load
+from e2e.support import MODEL, PREFIX_CONFIG, background_load
 from extproc.sim.launch import SimPods
 from testkit.replicas import Replicas, run_replicas, wait_until_true
 

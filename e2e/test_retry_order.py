@@ -14,35 +14,25 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
 
-from e2e.conftest import PREFIX_CONFIG, metric, unique_prefix, wait_for
-from e2e.test_routing import body_for
+from e2e.support import (
+    API,
+    LIST_HEADER,
+    MAX_REQUESTS,
+    PREFIX_CONFIG,
+    TRIES_HEADER,
+    answer_says_list_and_tries,
+    body_for,
+    metric,
+    names_by_address,
+    unique_prefix,
+    wait_for,
+)
 from extproc.pods import Pod
 from extproc.sim.launch import SimPods, Stack, run_stack, write_pods_file
-from extproc.wire.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE
-
-API = "/v1/completions"
-LIST_HEADER = "x-test-destination"
-TRIES_HEADER = "x-test-tries"
-MAX_REQUESTS = 80  # fresh prefixes tie (random lists, least loaded first): every case comes up
-
-
-def answer_says_list_and_tries(config: dict[str, Any]) -> dict[str, Any]:
-    """The generated bootstrap, with extproc's list and Envoy's try count on every answer."""
-    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    for host in hcm["typed_config"]["route_config"]["virtual_hosts"]:
-        host["response_headers_to_add"] = [
-            {"header": {"key": key, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
-            for key, value in (
-                (LIST_HEADER, f"%DYNAMIC_METADATA({DESTINATION_NAMESPACE}:{DESTINATION_KEY})%"),
-                (TRIES_HEADER, "%UPSTREAM_REQUEST_ATTEMPT_COUNT%"),
-            )
-        ]
-    return config
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +41,6 @@ def order_stack(sim: SimPods) -> Iterator[Stack]:
         sim.as_pods(), config=PREFIX_CONFIG, envoy_transform=answer_says_list_and_tries
     ) as stack:
         yield stack
-
-
-def names_by_address(sim: SimPods) -> dict[str, str]:
-    return {f"127.0.0.1:{p.port}": p.name for p in sim.pods}
 
 
 def tries_per_pod(sim: SimPods) -> dict[str, int]:

@@ -7,37 +7,8 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from e2e.conftest import MODEL, RECORDED, metric, unique_prefix, wait_for
+from e2e.support import MODEL, body_for, metric, send_and_wait_recorded, served_by, unique_prefix
 from extproc.sim.launch import SimPods, Stack
-
-
-def body_for(api: str, prefix: str, question: str, **extra: object) -> dict[str, object]:
-    if api == "/v1/completions":
-        return {"model": MODEL, "prompt": prefix + question, "max_tokens": 4, **extra}
-    if api == "/v1/chat/completions":
-        messages = [{"role": "system", "content": prefix}, {"role": "user", "content": question}]
-        return {"model": MODEL, "messages": messages, "max_tokens": 4, **extra}
-    return {
-        "model": MODEL,
-        "instructions": prefix,
-        "input": question,
-        "max_output_tokens": 4,
-        **extra,
-    }
-
-
-def served_by(resp: httpx.Response) -> str:
-    assert resp.status_code == 200, resp.text
-    return resp.headers["x-sim-pod"]
-
-
-def send_and_wait_recorded(
-    stack: Stack, client: httpx.Client, api: str, body: dict[str, object]
-) -> str:
-    before = metric(stack, *RECORDED)
-    pod = served_by(client.post(api, json=body))
-    assert wait_for(lambda: metric(stack, *RECORDED) > before), "the success was not recorded"
-    return pod
 
 
 @pytest.mark.parametrize("api", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])

@@ -13,21 +13,21 @@ from pathlib import Path
 
 import httpx
 
-from e2e.conftest import RECORDED, metric, unique_prefix, wait_for
-from e2e.test_routing import body_for, send_and_wait_recorded, served_by
+from e2e.support import (
+    RECORDED,
+    body_for,
+    client_routing_headers,
+    metric,
+    send_and_wait_recorded,
+    served_by,
+    unique_prefix,
+    wait_for,
+)
 from extproc.sim.launch import SimPods, Stack
 from extproc.wire.protocol import INTERNAL_HEADERS
 
 API = "/v1/completions"
 MISSES = ("kthena_router_prefix_cache_match_ratio_bucket", 'le="0.0",model="sim-llm"')
-
-
-def client_routing_headers(target: str) -> dict[str, str]:
-    """Every header extproc or the route sets, and the neighbours a client might try."""
-    headers = dict.fromkeys(INTERNAL_HEADERS, target)
-    headers["x-gateway-destination-endpoint-subset"] = target
-    headers["x-envoy-original-dst-host"] = target
-    return headers
 
 
 def test_client_routing_headers_never_steer_and_never_reach_a_pod(

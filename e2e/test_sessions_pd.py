@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from e2e.conftest import MODEL, RECORDED, metric, wait_for
+from e2e.support import MODEL, RECORDED, metric, wait_for
 from extproc.pods import PodRole
 from extproc.sim.launch import SimPods, Stack, run_stack
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from cryptography import x509
 
-from e2e.conftest import (
+from e2e.support import (
     MODEL,
     PREFIX_CONFIG,
     RECORDED,

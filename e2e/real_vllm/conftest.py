@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e.conftest import PREFIX_CONFIG
 from e2e.real_vllm.pods import VllmPod, start_vllm_pods
 from e2e.real_vllm.prepare import prepare
+from e2e.support import PREFIX_CONFIG
 from extproc.sim.launch import Stack, run_stack
 
 NUM_PODS = 3

@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import orjson
 
-from e2e.conftest import wait_for
 from e2e.real_vllm.pods import BLOCK_SIZE, MODEL, VllmPod
+from e2e.support import wait_for
 from extproc.pods import PodId
 from extproc.prefix.precise.keys import chain_keys
 from extproc.request.parse import Api, parse_request

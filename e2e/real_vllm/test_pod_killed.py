@@ -14,15 +14,15 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from e2e.conftest import RECORDED, metric, wait_for
 from e2e.real_vllm.pods import VllmPod
-from e2e.real_vllm.test_routing import (
+from e2e.real_vllm.support import (
     chat,
     delta,
     long_prefix,
     send_recorded,
     snapshot,
 )
+from e2e.support import RECORDED, metric, wait_for
 from extproc.sim.launch import Stack
 
 pytestmark = [

@@ -22,10 +22,10 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from e2e.conftest import wait_for
 from e2e.real_vllm.exact import check, post, start_exact
 from e2e.real_vllm.pods import BLOCK_SIZE, MODEL, VllmPod
 from e2e.real_vllm.prepare import model_dir
+from e2e.support import wait_for
 from extproc.datalayer.kv_events import EventsSettings, KvEventsSubscriber
 from extproc.request.parse import Api
 from extproc.request.tokens import SegmentTokenizer

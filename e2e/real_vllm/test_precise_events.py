@@ -33,10 +33,10 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
-from e2e.conftest import wait_for
 from e2e.real_vllm.exact import EVENTS_TIMEOUT_S, check, post, start_exact, with_max_tokens
 from e2e.real_vllm.pods import BLOCK_SIZE, MODEL, VllmPod, start_vllm_pods
 from e2e.real_vllm.prepare import model_dir, prepare
+from e2e.support import wait_for
 from extproc.datalayer.kv_events import EventsSettings, KvEventsSubscriber
 from extproc.request.parse import parse_request
 from extproc.scheduling.interfaces import Cycle, PluginContext

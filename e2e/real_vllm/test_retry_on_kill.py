@@ -15,9 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from e2e.conftest import RECORDED, metric, wait_for
 from e2e.real_vllm.pods import VllmPod, metric_sum
-from e2e.real_vllm.test_routing import chat, delta, long_prefix, send_recorded, snapshot
+from e2e.real_vllm.support import chat, delta, long_prefix, send_recorded, snapshot
+from e2e.support import RECORDED, metric, wait_for
 from extproc.sim.launch import Stack
 
 pytestmark = [

@@ -14,7 +14,7 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from e2e.conftest import wait_for
+from e2e.support import wait_for
 from extproc.datalayer.kv_events import EVENTS_PORT_LABEL, EventsSettings, KvEventsSubscriber
 from extproc.prefix.precise.keys import chain_keys
 from extproc.request.parse import parse_request as parse_for_routing

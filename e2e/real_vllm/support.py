@@ -1,0 +1,41 @@
+"""What the real-vLLM tests share besides their fixtures (those are in ``conftest.py``):
+chat bodies with a fresh prefix, sending one and waiting until extproc records it, and
+the pods' own counters before and after."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+
+from e2e.real_vllm.pods import MODEL, VllmPod, metric_sum
+from e2e.support import RECORDED, metric, wait_for
+from extproc.sim.launch import Stack
+
+COUNTERS = ("vllm:request_success_total", "vllm:prefix_cache_hits_total")
+
+
+def long_prefix() -> str:
+    """A system prompt no other test sends: about 250 Qwen tokens, 7 blocks of 32."""
+    return f"[{uuid.uuid4()}] " + "You are a meticulous assistant for the routing team. " * 24
+
+
+def snapshot(pods: list[VllmPod]) -> list[dict[str, float]]:
+    return [{name: metric_sum(p.metrics_text(), name) for name in COUNTERS} for p in pods]
+
+
+def delta(before: list[dict[str, float]], after: list[dict[str, float]], name: str) -> list[float]:
+    return [a[name] - b[name] for a, b in zip(after, before, strict=True)]
+
+
+def chat(prefix: str, question: str, **extra: object) -> dict[str, object]:
+    messages = [{"role": "system", "content": prefix}, {"role": "user", "content": question}]
+    return {"model": MODEL, "messages": messages, "max_tokens": 4, "ignore_eos": True, **extra}
+
+
+def send_recorded(stack: Stack, client: httpx.Client, body: dict[str, object]) -> httpx.Response:
+    before = metric(stack, *RECORDED)
+    resp = client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    assert wait_for(lambda: metric(stack, *RECORDED) > before), "the success was not recorded"
+    return resp
