@@ -3,15 +3,20 @@
 * A misspelled (unknown) key is ignored, so its default is used. Keys match
   case-insensitively (Go decodes the args as JSON, whose field matching folds case),
   and of two keys naming one field the later wins.
-* An omitted, zero, negative or infinite number uses the default, unless the field declares a
-  closed range (``field(metadata={"range": (lo, hi)})``, as Kthena's
-  ``TTFTTPOTWeightFactor`` in [0, 1], or ``ZERO_UP`` where 0 turns a term off): then any
-  finite value in the range is used, and one outside it (or NaN, or infinite) uses the
-  default and logs ``Invalid <key> <value>, using default value <default>``.
+* An omitted, zero, negative or infinite number uses the default, unless the argument
+  has a closed range (as Kthena's ``TTFTTPOTWeightFactor``, 0 to 1, or one from 0 up
+  where 0 turns a term off): then any finite value in the range is used, and one outside
+  it (or NaN, or infinite) uses the default and logs
+  ``Invalid <key> <value>, using default value <default>``.
 * An args block that cannot be parsed (not a mapping, or a value of the wrong type such
   as a string) falls back to all defaults and logs
-  ``Failed to unmarshal <ArgsType>, using default values``, or the args type's own
-  ``UNPARSEABLE`` message (Kthena's plugins word it differently).
+  ``Failed to unmarshal <ArgsType>, using default values``, or the plugin's own message
+  (the args type's ``UNPARSEABLE``: Kthena's plugins word it differently).
+
+A plugin's arguments are the fields of its args dataclass (the plugin's ``args_type``),
+each declared with ``arg``: its default, its meaning and, if closed, its range
+(``ZERO_UP``: from 0 up). The plugin reference (``docs/reference/plugins.md``) is
+generated from them; an argument the plugin reads itself is listed in ``EXTRA_ARGS``.
 """
 
 from __future__ import annotations
@@ -19,13 +24,31 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 log = logging.getLogger("extproc.scheduling.config")
 
 T = TypeVar("T")
 
 ZERO_UP = (0.0, math.inf)  # a range: any finite value from 0 up (0 means "off")
+
+
+def arg(default: T, help: str, *, within: tuple[float, float] | None = None) -> T:
+    """An args dataclass field: its default, its one-line meaning for the plugin
+    reference and, if any, the closed range its values must be in."""
+    metadata: dict[str, Any] = {"help": help}
+    if within is not None:
+        metadata["range"] = within
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+class ExtraArg(NamedTuple):
+    """An argument a plugin reads itself, not through ``load_args`` (for the reference)."""
+
+    key: str
+    type: str
+    default: str
+    help: str
 
 
 class _Unparseable(Exception):

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from extproc.pods import Pod, PodId
-from extproc.scheduling.args import load_args
+from extproc.scheduling.args import arg, load_args
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.interfaces import Cycle, PluginContext, PrefixMatcher
 from extproc.scheduling.plugins.pod_work import pod_work, uncached_tokens
@@ -47,14 +47,23 @@ log = logging.getLogger("extproc.scheduling")
 
 @dataclass(frozen=True, slots=True)
 class CostAwareArgs:
-    prefillMsPerToken: float = 0.025
-    decodeMsPerToken: float = 0.2
+    prefillMsPerToken: float = arg(
+        0.025,
+        "Milliseconds of prefill per token: of the prompt's uncached tokens and of "
+        "the prompts queued ahead on the pod.",
+    )
+    decodeMsPerToken: float = arg(
+        0.2,
+        "Milliseconds each running or queued request adds to the first token (one "
+        "decoded token per engine step).",
+    )
 
 
 class CostAware:
     """Scores pods by estimated time to first token, queue and prefix cache included."""
 
     type_name: ClassVar[str] = "cost-aware"
+    args_type: ClassVar[type[CostAwareArgs]] = CostAwareArgs
 
     def __init__(
         self, args: CostAwareArgs, in_flight: InFlight, prefix: PrefixMatcher | None
@@ -67,7 +76,7 @@ class CostAware:
 
     @classmethod
     def from_args(cls, args: Any, ctx: PluginContext) -> CostAware:
-        return cls(load_args(CostAwareArgs, args), ctx.in_flight, ctx.prefix)
+        return cls(load_args(cls.args_type, args), ctx.in_flight, ctx.prefix)
 
     def score(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
         estimates = self.estimate_ms(cycle, pods)

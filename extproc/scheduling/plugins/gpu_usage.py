@@ -21,6 +21,7 @@ class GPUCacheUsage:
     """Scores each pod by the share of its KV cache that is free."""
 
     type_name: ClassVar[str] = "gpu-usage"
+    args_type: ClassVar[None] = None  # no arguments
 
     @classmethod
     def from_args(cls, args: Any, ctx: PluginContext) -> GPUCacheUsage:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, ClassVar
 
@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from extproc.pods import Pod, PodId
-from extproc.scheduling.args import load_args
+from extproc.scheduling.args import arg, load_args
 from extproc.scheduling.interfaces import Cycle, PluginContext, Scores
 from extproc.scheduling.podtable import PodTable, Positions
 
@@ -36,7 +36,12 @@ NO_DATA_SCORE = 50  # Kthena's int(MaxScore / 2)
 
 @dataclass(frozen=True, slots=True)
 class LeastLatencyArgs:
-    TTFTTPOTWeightFactor: float = field(default=0.5, metadata={"range": (0.0, 1.0)})
+    TTFTTPOTWeightFactor: float = arg(
+        0.5,
+        "Weight of TTFT against ITL (Kthena's TPOT) in the score: 0 ranks by ITL only, 1 by "
+        "TTFT only; a value outside 0 to 1 stops start-up.",
+        within=(0.0, 1.0),
+    )
 
 
 def check_least_latency_args(raw: Any) -> str | None:
@@ -110,13 +115,14 @@ class LeastLatency:
     """Scores pods by recent TTFT and ITL, normalised over the candidates."""
 
     type_name: ClassVar[str] = "least-latency"
+    args_type: ClassVar[type[LeastLatencyArgs]] = LeastLatencyArgs
 
     def __init__(self, args: LeastLatencyArgs) -> None:
         self.args = args
 
     @classmethod
     def from_args(cls, args: Any, ctx: PluginContext) -> LeastLatency:
-        return cls(load_args(LeastLatencyArgs, args))
+        return cls(load_args(cls.args_type, args))
 
     def score(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
         table = PodTable(pods)

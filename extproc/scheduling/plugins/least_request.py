@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from extproc.pods import Pod, PodId
-from extproc.scheduling.args import load_args
+from extproc.scheduling.args import arg, load_args
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.interfaces import Cycle, PluginContext, Scores
 from extproc.scheduling.podtable import PodTable, Positions
@@ -35,7 +35,9 @@ QUEUED_WEIGHT = 100
 
 @dataclass(frozen=True, slots=True)
 class LeastRequestArgs:
-    maxWaitingRequests: int = 10
+    maxWaitingRequests: int = arg(
+        10, "The filter removes the pods whose scraped waiting queue has this many requests."
+    )
     UNPARSEABLE: ClassVar[str] = "Unmarshal LeastRequestArgs error, setting default value"
 
 
@@ -43,6 +45,7 @@ class LeastRequest:
     """Filters out pods with a full queue and scores the least loaded highest."""
 
     type_name: ClassVar[str] = "least-request"
+    args_type: ClassVar[type[LeastRequestArgs]] = LeastRequestArgs
 
     def __init__(self, args: LeastRequestArgs, in_flight: InFlight) -> None:
         self.args = args
@@ -50,7 +53,7 @@ class LeastRequest:
 
     @classmethod
     def from_args(cls, args: Any, ctx: PluginContext) -> LeastRequest:
-        return cls(load_args(LeastRequestArgs, args), ctx.in_flight)
+        return cls(load_args(cls.args_type, args), ctx.in_flight)
 
     def filter(self, cycle: Cycle, pods: Sequence[Pod]) -> Sequence[Pod]:
         limit = self.args.maxWaitingRequests

@@ -49,7 +49,7 @@ from extproc.prefix.index import PrefixIndex
 from extproc.prefix.precise.index import PreciseIndex
 from extproc.prefix.precise.keys import chain_keys
 from extproc.request.tokens import NotExact, Segments, SegmentTokenizer
-from extproc.scheduling.args import load_args
+from extproc.scheduling.args import ExtraArg, arg, load_args
 from extproc.scheduling.interfaces import (
     BYTES_PER_TOKEN,
     Cycle,
@@ -68,16 +68,40 @@ TOKENIZE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.
 
 @dataclass(frozen=True, slots=True)
 class PreciseArgs:
-    blockSize: int = 16  # tokens a block, until a pod's events tell its own
-    capacityBlocks: int = 200_000  # a pod's view is never larger (per medium)
-    staleSeconds: float = 30.0  # a pod's view is distrusted this long after lost events
-    cpuWeight: float = 0.5  # an offloaded block's worth against a GPU block
-    topKMatches: int = 5
-    memoTokens: int = 4_000_000  # tokens of memoized segments, across models
+    blockSize: int = arg(16, "Tokens per KV block, until a pod's events tell its own.")
+    capacityBlocks: int = arg(
+        200_000,
+        "Blocks a pod's view holds at most, per medium (GPU, CPU); beyond, the "
+        "oldest are dropped (counted: their removals were lost).",
+    )
+    staleSeconds: float = arg(
+        30.0,
+        "After lost events, a pod's view is distrusted (scored from the approximate "
+        "view) for this many seconds.",
+    )
+    cpuWeight: float = arg(0.5, "An offloaded (CPU) block's worth against a GPU block.")
+    topKMatches: int = arg(
+        5, "At most this many pods score, those with the longest match; the others score 0."
+    )
+    memoTokens: int = arg(
+        4_000_000, "Tokens of tokenized prompt segments memoized, shared among the models."
+    )
     # The approximate view (prefix-cache's), for fallbacks:
-    blockSizeToHash: int = 64
-    maxBlocksToMatch: int = 128
-    maxHashCacheSize: int = 50000
+    blockSizeToHash: int = arg(
+        64, "Approximate view (for fallbacks): bytes of the prompt per hashed block."
+    )
+    maxBlocksToMatch: int = arg(128, "Approximate view: blocks hashed per prompt.")
+    maxHashCacheSize: int = arg(50000, "Approximate view: blocks recorded per pod.")
+    EXTRA_ARGS: ClassVar[tuple[ExtraArg, ...]] = (
+        ExtraArg(
+            "models",
+            "mapping",
+            "{}",
+            "Model name -> the directory holding its tokenizer.json and "
+            "tokenizer_config.json; other models' requests are scored from the "
+            "approximate view.",
+        ),
+    )
 
 
 class _MemoCollector(Collector):
@@ -107,6 +131,7 @@ class PrecisePrefixCache:
     """Scores by the pods' reported KV cache; records prompts for the approximate view."""
 
     type_name: ClassVar[str] = "precise-prefix-cache"
+    args_type: ClassVar[type[PreciseArgs]] = PreciseArgs
 
     def __init__(self, args: PreciseArgs, models: Mapping[str, str], ctx: PluginContext) -> None:
         self.args = args
@@ -175,7 +200,7 @@ class PrecisePrefixCache:
                 "precise-prefix-cache: 'models' must map model names to tokenizer directories"
             )
         numeric = {k: v for k, v in raw.items() if k != "models"}
-        return cls(load_args(PreciseArgs, numeric), models, ctx)
+        return cls(load_args(cls.args_type, numeric), models, ctx)
 
     def attach(self, subscriber: KvEventsSubscriber) -> None:
         """The events subscriber feeding ``self.index``; told of every pod change."""
