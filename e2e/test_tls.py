@@ -26,7 +26,7 @@ from e2e.support import (
 )
 from extproc.sim.launch import SimPods, Stack, run_stack
 from tests.tls_certs import CertAuthority, Issued, served_certificate
-from tests.wire.test_server import Client, log_entry
+from tests.wire.support import Client, log_entry
 
 
 class Certs:

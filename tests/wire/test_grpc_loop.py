@@ -24,7 +24,7 @@ from extproc.wire.grpc_loop import Answer, LoopServer, Method, run_off_loop, sel
 from extproc.wire.grpc_public import PublicServer
 from extproc.wire.server import choose_server, make_grpc_server
 from tests.factories import PREFIX_ONLY, make_scheduler
-from tests.wire.test_server_sequences import eventually
+from tests.wire.support import eventually
 
 ECHO = "/test.Loop/Echo"
 

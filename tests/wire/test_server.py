@@ -6,13 +6,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
-import orjson
 import pytest
-from envoy.config.core.v3 import address_pb2, base_pb2
-from envoy.data.accesslog.v3 import accesslog_pb2
-from envoy.service.accesslog.v3 import als_pb2
+from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from google.protobuf import duration_pb2, struct_pb2, wrappers_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
@@ -20,84 +16,11 @@ from extproc.routing.router import Router
 from extproc.wire import one_round
 from extproc.wire.ext_proc import route_response
 from extproc.wire.protocol import (
-    ACCESS_LOG_SERVICE,
-    ATTRIBUTES_KEY,
     EXT_PROC_SERVICE,
-    SUBSET_HINT_KEY,
-    SUBSET_HINT_NAMESPACE,
 )
 from extproc.wire.server import make_grpc_server, make_health_server
 from tests.factories import PREFIX_ONLY, make_pod, make_scheduler
-
-PODS = [make_pod(f"p{i}", port=8100 + i) for i in range(4)]
-
-
-class Client:
-    def __init__(self, port: int, channel: grpc.Channel | None = None) -> None:
-        self.channel = channel or grpc.insecure_channel(f"127.0.0.1:{port}")
-        self.process = self.channel.stream_unary(
-            f"/{EXT_PROC_SERVICE}/Process",
-            request_serializer=ep.ProcessingRequest.SerializeToString,
-            response_deserializer=ep.ProcessingResponse.FromString,
-        )
-        self.logs = self.channel.stream_unary(
-            f"/{ACCESS_LOG_SERVICE}/StreamAccessLogs",
-            request_serializer=als_pb2.StreamAccessLogsMessage.SerializeToString,
-            response_deserializer=als_pb2.StreamAccessLogsResponse.FromString,
-        )
-
-    def send_body(
-        self,
-        body: object,
-        *,
-        path: str = "/v1/completions",
-        request_id: str = "r1",
-        session: str | None = None,
-        subset: list[str] | None = None,
-    ) -> ep.ProcessingResponse:
-        msg = ep.ProcessingRequest(
-            request_body=ep.HttpBody(
-                body=body if isinstance(body, bytes) else orjson.dumps(body), end_of_stream=True
-            )
-        )
-        attrs = msg.attributes[ATTRIBUTES_KEY]
-        attrs.fields["request.url_path"].string_value = path
-        attrs.fields["request.id"].string_value = request_id
-        if session:
-            attrs.fields["request.headers['x-session-id']"].string_value = session
-        if subset is not None:
-            hint = msg.metadata_context.filter_metadata[SUBSET_HINT_NAMESPACE]
-            hint.fields[SUBSET_HINT_KEY].list_value.values.extend(
-                struct_pb2.Value(string_value=a) for a in subset
-            )
-        return self.process(iter([msg]), timeout=5)
-
-    def log(self, *entries: accesslog_pb2.HTTPAccessLogEntry) -> None:
-        msg = als_pb2.StreamAccessLogsMessage(
-            identifier=als_pb2.StreamAccessLogsMessage.Identifier(log_name="extproc")
-        )
-        msg.http_logs.log_entry.extend(entries)
-        self.logs(iter([msg]), timeout=5)
-
-
-def log_entry(
-    request_id: str, served: str, *, code: int = 200, ended: bool = True, **flags: bool
-) -> accesslog_pb2.HTTPAccessLogEntry:
-    host, port = served.rsplit(":", 1)
-    entry = accesslog_pb2.HTTPAccessLogEntry()
-    entry.request.request_id = request_id
-    entry.response.response_code.CopyFrom(wrappers_pb2.UInt32Value(value=code))
-    cp = entry.common_properties
-    cp.upstream_remote_address.CopyFrom(
-        address_pb2.Address(
-            socket_address=address_pb2.SocketAddress(address=host, port_value=int(port))
-        )
-    )
-    if ended:
-        cp.time_to_last_downstream_tx_byte.CopyFrom(duration_pb2.Duration(nanos=1000))
-    for name, value in flags.items():
-        setattr(cp.response_flags, name, value)
-    return entry
+from tests.wire.support import PODS, Client, destination, error_of, log_entry
 
 
 @pytest.fixture
@@ -113,21 +36,6 @@ def client(router: Router, server_kind: str) -> Iterator[Client]:
     yield c
     c.channel.close()
     server.stop(0).wait()
-
-
-def destination(resp: ep.ProcessingResponse) -> list[str]:
-    value = resp.dynamic_metadata.fields["envoy.lb"].struct_value.fields[
-        "x-gateway-destination-endpoint"
-    ]
-    addresses: str = value.string_value
-    return addresses.split(",")
-
-
-def error_of(resp: ep.ProcessingResponse) -> tuple[int, dict[str, object]]:
-    imm = resp.immediate_response
-    headers = {h.header.key: h.header.raw_value for h in imm.headers.set_headers}
-    assert headers["content-type"] == b"application/json"
-    return imm.status.code, orjson.loads(imm.body)["error"]
 
 
 def test_routes_with_pick_and_fallbacks(client: Client) -> None:

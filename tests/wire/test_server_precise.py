@@ -23,10 +23,11 @@ from extproc.routing.preparing import PreparePool
 from extproc.routing.router import Router
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from tests.factories import make_scheduler
-from tests.wire.test_server import destination, error_of
-from tests.wire.test_server_sequences import (
+from tests.wire.support import (
     Server,
     body,
+    destination,
+    error_of,
     eventually,
     headers,
     routed_body,

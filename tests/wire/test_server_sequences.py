@@ -10,53 +10,37 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Self
 
 import grpc
 import orjson
 import pytest
 from envoy.config.core.v3 import base_pb2
-from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from extproc.routing.router import Router
-from extproc.wire.epp import GatewayHandler, epp_process
+from extproc.wire.epp import GatewayHandler
 from extproc.wire.ext_proc import OFF_LOOP_BODY_BYTES
 from extproc.wire.grpc_loop import Answer
 from extproc.wire.protocol import EXT_PROC_SERVICE
-from extproc.wire.server import make_grpc_server
 from tests.factories import PREFIX_ONLY, make_scheduler
-from tests.wire.test_server import PODS, Client, destination, error_of, log_entry
-
-BODY = orjson.dumps({"model": "m", "prompt": "a prompt long enough to hash " * 4})
-FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
-
-
-def headers(
-    path: str = "/v1/completions", rid: str = "r1", *, eos: bool = False, duplex: bool = False
-) -> ep.ProcessingRequest:
-    pairs = [(":path", path), (":method", "POST"), ("x-request-id", rid)]
-    msg = ep.ProcessingRequest(
-        request_headers=ep.HttpHeaders(
-            headers=base_pb2.HeaderMap(
-                headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]
-            ),
-            end_of_stream=eos,
-        )
-    )
-    if duplex:
-        msg.protocol_config.request_body_mode = FULL_DUPLEX
-    return msg
-
-
-def body(data: bytes = BODY, *, eos: bool = True) -> ep.ProcessingRequest:
-    return ep.ProcessingRequest(request_body=ep.HttpBody(body=data, end_of_stream=eos))
+from tests.wire.support import (
+    PODS,
+    Server,
+    body,
+    destination,
+    error_of,
+    eventually,
+    headers,
+    log_entry,
+    routed_body,
+    settled,
+)
 
 
 def response_headers(status: str = "200", *, eos: bool = False) -> ep.ProcessingRequest:
@@ -78,73 +62,10 @@ def new_router() -> Router:
     return Router(make_scheduler(PREFIX_ONLY), PODS, registry=CollectorRegistry())
 
 
-def eventually(check: Callable[[], bool], timeout_s: float = 5) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.01)
-    return False
-
-
-def settled(router: Router) -> bool:
-    """Nothing awaits an end and nothing counts in flight (the loop closes streams a
-    moment after the client sees their status)."""
-    return eventually(lambda: len(router.pending) == 0 and not router.in_flight.snapshot())
-
-
-class Server:
-    """A real gRPC server for one protocol, with a stream-stream and a raw client."""
-
-    def __init__(self, protocol: str, router: Router, kind: str, max_streams: int = 32) -> None:
-        self.protocol = protocol
-        self.router = router
-        self.server, self.port = make_grpc_server(
-            router,
-            "127.0.0.1:0",
-            process=epp_process(router) if protocol == "epp" else None,
-            max_streams=max_streams,
-            max_message_bytes=4 * 1024 * 1024,
-            server_kind=kind,
-        )
-        self.server.start()
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
-        self.one_round = Client(self.port)
-        self.bidi = self.channel.stream_stream(
-            f"/{EXT_PROC_SERVICE}/Process",
-            request_serializer=ep.ProcessingRequest.SerializeToString,
-            response_deserializer=ep.ProcessingResponse.FromString,
-        )
-        self.raw = self.channel.stream_stream(f"/{EXT_PROC_SERVICE}/Process")
-
-    def exchange(self, messages: list[ep.ProcessingRequest]) -> list[ep.ProcessingResponse]:
-        return list(self.bidi(iter(messages), timeout=5))
-
-    def close(self) -> None:
-        self.channel.close()
-        self.one_round.channel.close()
-        self.server.stop(0).wait(2)  # bounded: grpcio may miss the event (see test_serve)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 @pytest.fixture(params=["one-round", "epp"])
 def server(request: pytest.FixtureRequest, server_kind: str) -> Iterator[Server]:
     with Server(request.param, new_router(), server_kind) as s:
         yield s
-
-
-def routed_body(rid: str, data: bytes = BODY) -> ep.ProcessingRequest:
-    """The one-round message: the whole body, path and request id as attributes."""
-    msg = body(data)
-    fields = msg.attributes["envoy.filters.http.ext_proc"].fields
-    fields["request.url_path"].string_value = "/v1/completions"
-    fields["request.id"].string_value = rid
-    return msg
 
 
 def still_routes(s: Server) -> None:

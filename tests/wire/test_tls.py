@@ -20,7 +20,7 @@ from extproc.wire.server import make_grpc_server
 from extproc.wire.tls import CertificateFiles, TlsSettings, server_credentials
 from tests.factories import PREFIX_ONLY, make_scheduler
 from tests.tls_certs import CertAuthority, Issued, served_certificate
-from tests.wire.test_server import PODS, Client, destination
+from tests.wire.support import PODS, Client, destination
 
 
 @pytest.fixture
