@@ -45,9 +45,9 @@ from __future__ import annotations
 import random
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -146,16 +146,34 @@ class PodSet:
         self._places: tuple[PrefixIndex, int, Keys] | None = None
 
 
+class IndexObserver(Protocol):
+    """Told of an index's changes (its metrics), after each update, outside its lock."""
+
+    def entries_changed(self, delta: int) -> None:
+        """The index holds ``delta`` more entries (fewer when negative)."""
+        ...
+
+    def evicted(self, by_tag: Mapping[int, int]) -> None:
+        """A record evicted these many entries of each tag, as Kthena counts them."""
+        ...
+
+
 class PrefixIndex:
     """Per-pod LRU of recorded block hashes, and the lookup that scores against it.
 
     Thread-safe: every public method holds the index's own lock.
     """
 
-    def __init__(self, max_entries_per_pod: int, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        max_entries_per_pod: int,
+        rng: random.Random | None = None,
+        observer: IndexObserver | None = None,
+    ) -> None:
         if max_entries_per_pod <= 0:
             raise ValueError(f"max_entries_per_pod must be > 0, got {max_entries_per_pod}")
         self.max_entries_per_pod = max_entries_per_pod
+        self.observer = observer
         # draws among equal matches beyond top-K; seeded, so a simulation replays exactly
         self.rng = rng if rng is not None else random.Random(0)
         self._entries = Int64toInt64Map()
@@ -421,18 +439,27 @@ class PrefixIndex:
     # -- updates -------------------------------------------------------------------
 
     def record(self, hashes: Sequence[int] | Keys, pod: PodId, tag: int = 0) -> int:
-        """Record a prompt's blocks for ``pod``; returns the evictions, as Kthena counts.
+        """Record a prompt's blocks for ``pod``, the entries tagged ``tag`` (the plugin's
+        model); returns the evictions, as Kthena counts them (the observer gets them by
+        the evicted entries' tags).
 
         Blocks are touched tail first, so the first block ends most recently used.
         """
-        return sum(self.record_tagged(hashes, pod, tag).values())
+        added, by_tag = self._record(hashes, pod, tag)
+        if self.observer is not None:
+            self.observer.entries_changed(added)
+            if by_tag:
+                self.observer.evicted(by_tag)
+        return sum(by_tag.values())
 
-    def record_tagged(self, hashes: Sequence[int] | Keys, pod: PodId, tag: int) -> dict[int, int]:
-        """``record``, the entries tagged ``tag`` (the plugin's model); returns the
-        evictions by the evicted entries' tags."""
+    def _record(
+        self, hashes: Sequence[int] | Keys, pod: PodId, tag: int
+    ) -> tuple[int, dict[int, int]]:
+        """``record``: the entries it adds less those it drops, and its evictions by
+        the evicted entries' tags."""
         keys = np.ascontiguousarray(as_keys(hashes)[::-1])
         if not len(keys):
-            return {}
+            return 0, {}
         with self._lock:
             lru = self._lru_by_pod.get(pod) or self._add_pod(pod)
             entry_keys = keys ^ lru.key
@@ -465,7 +492,7 @@ class PrefixIndex:
                 for victim_tag, count in self._evict_oldest(lru, evicted).items():
                     by_tag[victim_tag] = by_tag.get(victim_tag, 0) + count
             self._compact(lru)
-            return by_tag
+            return len(new_keys) - evicted, by_tag
 
     def _kthena_readds(
         self, lru: _PodLru, keys: Keys, is_new: npt.NDArray[np.bool_], evicted: int
@@ -514,7 +541,9 @@ class PrefixIndex:
             del self._pod_by_slot[lru.slot]
             self._free_slots.append(lru.slot)
             self._slots_version += 1
-            return len(victims)
+        if self.observer is not None and len(victims):
+            self.observer.entries_changed(-len(victims))
+        return len(victims)
 
     def retain_pods(self, keep: Iterable[PodId]) -> list[PodId]:
         """Remove every pod not in ``keep`` (e.g. after discovery); returns those removed."""

@@ -59,7 +59,6 @@ from extproc.scheduling.interfaces import (
 )
 from extproc.scheduling.pdgroup import PDGroup
 from extproc.scheduling.plugins.least_latency import LeastLatency, check_least_latency_args
-from extproc.scheduling.plugins.prefix_metrics import PrefixCacheMetrics
 from extproc.scheduling.registry import BUILTIN
 from extproc.scheduling.scheduler import PluginTimer, Scheduler, WeightedScorer
 from extproc.scheduling.sessions import SessionStore
@@ -188,13 +187,11 @@ def build_scheduler(
     ``in_flight`` is the router's counters, shared with the plugins that read them;
     ``sessions`` turns session sticky on. A plugin that offers exact prefix counts
     (``ExactPrefix``), then one that offers the prefix view (``PrefixMatcher``), is built
-    first and handed to the others in their context; the plugins that emit the spec's
-    prefix-cache series share one set.
+    first and handed to the others in their context.
     """
     ctx = PluginContext(
         registry=registry,
         in_flight=in_flight if in_flight is not None else InFlight(),
-        prefix_metrics=PrefixCacheMetrics(registry),
     )
     names = list(dict.fromkeys((*config.filters, *(s.name for s in config.scores))))
     names.sort(

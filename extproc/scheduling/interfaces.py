@@ -42,7 +42,6 @@ from extproc.pods import Pod, PodId
 from extproc.prefix.hashing import Keys, prompt_keys
 from extproc.request.parse import Api, InferenceRequest
 from extproc.scheduling.inflight import InFlight
-from extproc.scheduling.plugins.prefix_metrics import PrefixCacheMetrics
 from extproc.scheduling.podtable import PodTable, Positions, RowValues
 
 Scores = npt.NDArray[np.int64]  # one score per row of the ``Positions`` scored
@@ -156,16 +155,13 @@ class ExactPrefix(Protocol):
 @dataclass(frozen=True, slots=True)
 class PluginContext:
     """What a plugin may use when it is built: where to register its metrics, the
-    router's in-flight counters, the prefix view and the exact prefix counts, if
-    configured plugins offer them (plugins that offer them are built before the others),
-    and the spec's prefix-cache series, one set for every plugin that emits them (None:
-    the plugin makes its own)."""
+    router's in-flight counters, and the prefix view and the exact prefix counts, if
+    configured plugins offer them (plugins that offer them are built before the others)."""
 
     registry: CollectorRegistry
     in_flight: InFlight = field(default_factory=InFlight)
     prefix: PrefixMatcher | None = None
     exact: ExactPrefix | None = None
-    prefix_metrics: PrefixCacheMetrics | None = None
 
 
 class Plugin(Protocol):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from collections.abc import Mapping
 
 import pytest
 from hypothesis import given, settings
@@ -45,6 +46,20 @@ class ModelIndex:
             if hashes[i] in lru:
                 return i + 1
         return 0
+
+
+class Observer:
+    """An ``IndexObserver`` keeping the entry count it was told and the last evictions."""
+
+    def __init__(self) -> None:
+        self.num_entries = 0
+        self.last_evicted: dict[int, int] = {}
+
+    def entries_changed(self, delta: int) -> None:
+        self.num_entries += delta
+
+    def evicted(self, by_tag: Mapping[int, int]) -> None:
+        self.last_evicted = dict(by_tag)
 
 
 def test_worked_example_first_24_of_32_blocks() -> None:
@@ -95,10 +110,14 @@ def test_a_block_evicted_and_re_added_within_one_record_counts_as_kthena_counts(
 
 
 def test_evictions_are_labelled_with_the_evicted_entrys_tag() -> None:
-    idx = PrefixIndex(3)
-    idx.record_tagged([1, 2], A, tag=7)
-    assert idx.record_tagged([3, 4], A, tag=9) == {7: 1}  # drops 2, recorded with tag 7
-    assert idx.record_tagged([5, 6, 8], A, tag=9) == {7: 1, 9: 2}
+    observer = Observer()
+    idx = PrefixIndex(3, observer=observer)
+    idx.record([1, 2], A, tag=7)
+    assert idx.record([3, 4], A, tag=9) == 1
+    assert observer.last_evicted == {7: 1}  # drops 2, recorded with tag 7
+    assert idx.record([5, 6, 8], A, tag=9) == 3
+    assert observer.last_evicted == {7: 1, 9: 2}
+    assert observer.num_entries == idx.num_entries == 3
 
 
 def test_record_order_keeps_the_first_block_longest() -> None:
@@ -171,16 +190,21 @@ def test_index_agrees_with_the_plain_model(
     operations: list[tuple[str, list[int], int]], cap: int, query: list[int]
 ) -> None:
     pods = [PodId("ns", f"p{i}") for i in range(5)]
-    idx, model = PrefixIndex(cap), ModelIndex(cap)
+    observer = Observer()
+    idx, model = PrefixIndex(cap, observer=observer), ModelIndex(cap)
     for op, hashes, p in operations:
         if op == "record":
             tag = len(hashes) % 3
-            assert idx.record_tagged(hashes, pods[p], tag) == model.record(hashes, pods[p], tag)
+            observer.last_evicted = {}
+            evicted = model.record(hashes, pods[p], tag)
+            assert idx.record(hashes, pods[p], tag) == sum(evicted.values())
+            assert observer.last_evicted == evicted
         else:
             idx.remove_pod(pods[p])
             model.pods.pop(pods[p], None)
         idx.verify()
-    assert idx.num_entries == sum(len(v) for v in model.pods.values()) <= len(pods) * cap
+    num_entries = sum(len(v) for v in model.pods.values())
+    assert idx.num_entries == observer.num_entries == num_entries <= len(pods) * cap
     found = idx.match(query, pods, top_k=len(pods))
     assert found == {p: n for p in pods if (n := model.longest(query, p))}
 

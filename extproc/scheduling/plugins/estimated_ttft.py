@@ -91,7 +91,7 @@ from extproc.scheduling.interfaces import (
 )
 from extproc.scheduling.plugins.arrivals import Arrivals
 from extproc.scheduling.plugins.pod_work import pod_work
-from extproc.scheduling.plugins.prefix_metrics import PrefixCacheMetrics
+from extproc.scheduling.plugins.prefix_metrics import prefix_cache_metrics
 from extproc.scheduling.plugins.prefix_rows import match_lengths, per_row
 from extproc.scheduling.podtable import PodTable, Positions, RowValues
 
@@ -207,11 +207,10 @@ class EstimatedTTFT:
         self.args = args
         self.in_flight = ctx.in_flight
         self.exact = ctx.exact
-        self.index = PrefixIndex(args.maxHashCacheSize)
+        self.metrics = prefix_cache_metrics(ctx.registry)
+        self.index = PrefixIndex(args.maxHashCacheSize, observer=self.metrics)
         self.arrivals = Arrivals()
         self.written = Written(args.writtenWindow)
-        self.metrics = ctx.prefix_metrics or PrefixCacheMetrics(ctx.registry)
-        self.metrics.attach(self.index)
         Gauge(
             "extproc_estimated_ttft_arriving_requests",
             "Routed requests whose prompt counts as arriving at their pick (not ended yet).",
@@ -439,7 +438,7 @@ class EstimatedTTFT:
     def record(self, cycle: Cycle, pod: PodId) -> None:
         keys = self._keys(cycle)
         if len(keys):
-            self.metrics.record(self.index, keys, pod, cycle.request.model)
+            self.index.record(keys, pod, self.metrics.model_tag(cycle.request.model))
 
     def arriving(self, cycle: Cycle, pod: PodId) -> None:
         """``pod`` was picked for ``cycle``: its blocks count as held there until it ends."""

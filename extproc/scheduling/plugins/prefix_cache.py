@@ -28,7 +28,7 @@ from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PrefixIndex
 from extproc.scheduling.args import load_args
 from extproc.scheduling.interfaces import Cycle, PluginContext, Scores
-from extproc.scheduling.plugins.prefix_metrics import PrefixCacheMetrics
+from extproc.scheduling.plugins.prefix_metrics import prefix_cache_metrics
 from extproc.scheduling.plugins.prefix_rows import match_rows, per_row
 from extproc.scheduling.podtable import PodTable, Positions
 
@@ -48,9 +48,8 @@ class PrefixCacheScorer:
 
     def __init__(self, args: PrefixCacheArgs, ctx: PluginContext) -> None:
         self.args = args
-        self.index = PrefixIndex(args.maxHashCacheSize)
-        self.metrics = ctx.prefix_metrics or PrefixCacheMetrics(ctx.registry)
-        self.metrics.attach(self.index)
+        self.metrics = prefix_cache_metrics(ctx.registry)
+        self.index = PrefixIndex(args.maxHashCacheSize, observer=self.metrics)
 
     @classmethod
     def from_args(cls, args: Any, ctx: PluginContext) -> PrefixCacheScorer:
@@ -98,7 +97,7 @@ class PrefixCacheScorer:
     def record(self, cycle: Cycle, pod: PodId) -> None:
         keys = self._keys(cycle)
         if len(keys):
-            self.metrics.record(self.index, keys, pod, cycle.request.model)
+            self.index.record(keys, pod, self.metrics.model_tag(cycle.request.model))
 
     def pods_changed(self, pods: Sequence[Pod]) -> None:
         self.index.retain_pods(map(attrgetter("id"), pods))
