@@ -172,6 +172,17 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
     sticky = bool(args.session_header) and args.session_ttl_s > 0
     sessions = SessionStore(ttl_s=args.session_ttl_s) if sticky else None
     scheduler = build_scheduler(load_config(args.config), registry, in_flight, sessions)
+    sharing = None
+    if args.redis_url:
+        try:
+            sharing = RedisSharing(
+                args.redis_url,
+                stream=args.redis_stream,
+                maxlen=args.redis_maxlen,
+                registry=registry,
+            )
+        except ValueError as exc:
+            raise ConfigError(f"--redis-url: {exc}") from None  # the URL may hold a password
     router = Router(
         scheduler,
         num_fallbacks=args.num_fallbacks,
@@ -182,19 +193,8 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         registry=registry,
         carry_records=args.record_metadata == "on" and args.protocol != "epp",
         preparing=PreparePool(args.prepare_threads, args.prepare_queue),
+        share=sharing.publish if sharing is not None else None,
     )
-    sharing = None
-    if args.redis_url:
-        try:
-            sharing = RedisSharing(
-                router,
-                args.redis_url,
-                stream=args.redis_stream,
-                maxlen=args.redis_maxlen,
-                registry=registry,
-            )
-        except ValueError as exc:
-            raise ConfigError(f"--redis-url: {exc}") from None  # the URL may hold a password
     kv_events = _kv_events_subscriber(args, scheduler.listeners, registry)
     scraping = args.stale_after_s > 0
     store = PodStore(router.set_pods, stale_after_s=args.stale_after_s if scraping else None)
@@ -234,7 +234,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
     if scraper is not None:
         scraper.start()
     if sharing is not None:
-        sharing.start()
+        sharing.start(router)
     if kv_events is not None:
         kv_events.start()
     set_serving(servicer, True)

@@ -1,8 +1,9 @@
 """Routed requests awaiting Envoy's report of their end, bounded in size and age.
 
 Requests whose end never arrives (extproc restarted, a log entry lost) cannot grow
-memory: the oldest go first, and every dropped entry is handed to ``on_drop`` so that
-whatever it holds (its in-flight count) is released.
+memory: the oldest go first, and every dropped entry is handed to ``on_drop`` (given
+at construction: the router's end of a request) so that whatever it holds (its in-flight
+count) is released.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from dataclasses import dataclass
 from extproc.pods import PodId
 from extproc.scheduling.interfaces import Cycle
 
+DEFAULT_MAX_PENDING = 100_000
+DEFAULT_PENDING_TTL_S = 3600.0
+
 
 @dataclass(frozen=True, slots=True)
 class Pending:
@@ -22,7 +26,7 @@ class Pending:
     pod_by_address: dict[str, PodId]
     created_s: float
     pick: PodId  # counted in flight from routing to the end, whatever pod served
-    prefill_tokens: int
+    pick_tokens: int  # the pick's in-flight tokens: its uncached prompt tokens
     prefill: PodId | None
     prefill_pod_tokens: int = 0  # the prefill pod's in-flight tokens (PD)
     foreign: bool = False  # another replica's pick (``Router.apply_started``)
@@ -34,13 +38,13 @@ class PendingRecords:
 
     def __init__(
         self,
-        max_size: int = 100_000,
-        ttl_s: float = 3600.0,
-        on_drop: Callable[[Pending], object] = lambda _p: None,
+        on_drop: Callable[[Pending], object],
+        max_size: int = DEFAULT_MAX_PENDING,
+        ttl_s: float = DEFAULT_PENDING_TTL_S,
     ) -> None:
         self.max_size = max_size
         self.ttl_s = ttl_s
-        self.on_drop = on_drop  # called for entries expired or pushed out, never completed
+        self._on_drop = on_drop  # called for entries expired or pushed out, never completed
         self._items: OrderedDict[str, Pending] = OrderedDict()
         self._lock = threading.Lock()
         self.num_dropped = 0
@@ -53,7 +57,7 @@ class PendingRecords:
             replaced = self._items.pop(request_id, None)
             if replaced is not None:  # the id came again before its end: drop the first
                 self.num_dropped += 1
-                self.on_drop(replaced)
+                self._on_drop(replaced)
             self._items[request_id] = pending
             self._expire(pending.created_s)
 
@@ -68,4 +72,4 @@ class PendingRecords:
         ):
             _, dropped = items.popitem(last=False)
             self.num_dropped += 1
-            self.on_drop(dropped)
+            self._on_drop(dropped)

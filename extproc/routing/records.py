@@ -104,9 +104,9 @@ class Started:
     request_id: str
     record: Record  # with the pick's credit keys
     pick: PodId
-    tokens: int  # the pick's in-flight tokens (``InFlight.start``)
+    pick_tokens: int  # the pick's in-flight tokens (``InFlight.start``)
     prefill: PodId | None = None
-    prefill_tokens: int = 0
+    prefill_pod_tokens: int = 0  # the prefill pod's
 
 
 def encode_key_array(keys: Keys) -> str:

@@ -18,8 +18,8 @@ the end, however it ends, both go; only a success is recorded, for the pod that 
 Several replicas (``routing.records``): with ``carry_records`` each decision carries its
 ``Record``, which the wire layer puts in the reply's metadata and Envoy's access log
 brings back, so a replica that did not route a request still records it from there
-(outcome ``recorded_from_metadata``). With ``share`` set (``routing.sharing``) every pick
-and every end is published: ``apply_started`` takes the other replicas' picks (counted in
+(outcome ``recorded_from_metadata``). Given ``share`` (``routing.sharing``'s publish),
+every pick and every end is published: ``apply_started`` takes the other replicas' picks (counted in
 flight and credited as arriving here too, as a pending request of theirs), and
 ``apply_shared`` their ends: their records enter this view, and a request ends here,
 however it was routed. A pick heard after its end (ids of recent ends are kept) is
@@ -44,7 +44,12 @@ from extproc.pods import Pod, PodId
 from extproc.request.parse import DEFAULT_MAX_BODY_BYTES, parse_request
 from extproc.request.render import Rendering
 from extproc.routing.metrics import RouterMetrics
-from extproc.routing.pending import Pending, PendingRecords
+from extproc.routing.pending import (
+    DEFAULT_MAX_PENDING,
+    DEFAULT_PENDING_TTL_S,
+    Pending,
+    PendingRecords,
+)
 from extproc.routing.preparing import PreparePool
 from extproc.routing.records import Carried, Record, Shared, Started
 from extproc.scheduling.inflight import InFlight
@@ -80,13 +85,18 @@ class Router:
         session_header: str | None = "x-session-id",
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         rendering: Rendering = Rendering.EXTENDED,
-        pending: PendingRecords | None = None,
+        max_pending: int = DEFAULT_MAX_PENDING,
+        pending_ttl_s: float = DEFAULT_PENDING_TTL_S,
         in_flight: InFlight | None = None,
         registry: CollectorRegistry = REGISTRY,
         carry_records: bool = False,
         replica_id: str | None = None,
         preparing: PreparePool | None = None,
+        share: Callable[[Shared | Started], object] | None = None,
     ) -> None:
+        """``max_pending`` and ``pending_ttl_s`` bound the routed requests awaiting their
+        end (``PendingRecords``); ``share``, when replicas share their view, is told of
+        every pick and end (``RedisSharing.publish``)."""
         if num_fallbacks < 0:
             raise ValueError(f"num_fallbacks must be >= 0, got {num_fallbacks}")
         self.scheduler = scheduler
@@ -95,8 +105,7 @@ class Router:
         self.max_body_bytes = max_body_bytes
         self.rendering = rendering
         self.in_flight = in_flight if in_flight is not None else InFlight()
-        self.pending = pending if pending is not None else PendingRecords()
-        self.pending.on_drop = self._end
+        self.pending = PendingRecords(self._end, max_pending, pending_ttl_s)
         self.metrics = RouterMetrics(registry)
         self.metrics.pending.set_function(lambda: len(self.pending))
         self.preparing = preparing if preparing is not None else PreparePool()
@@ -104,8 +113,7 @@ class Router:
         self.carry_records = carry_records
         self.replica_id = replica_id or uuid.uuid4().hex[:12]
         self.geometries = scheduler.block_geometries
-        # Told of every pick and end when replicas share their view (``routing.sharing``).
-        self.share: Callable[[Shared | Started], object] | None = None
+        self.share = share
         self._ended: OrderedDict[str, None] = OrderedDict()  # with ``share``: RECENT_ENDS
         self._ended_lock = threading.Lock()  # an id's end and its pick heard at once
         self.pods: tuple[Pod, ...] = ()
@@ -223,21 +231,21 @@ class Router:
         record = None
         if request_id:  # without an id the end can never be matched: nothing to track
             pick = chosen[0].id
-            tokens = cycle.num_prefill_tokens(pick)
-            self.in_flight.start(pick, tokens)
-            prefill_tokens = 0
+            pick_tokens = cycle.num_prefill_tokens(pick)
+            self.in_flight.start(pick, pick_tokens)
+            prefill_pod_tokens = 0
             if prefill is not None:  # on flight there too, as Kthena counts its prefill pods
-                prefill_tokens = cycle.num_prefill_tokens(prefill.id)
-                self.in_flight.start(prefill.id, prefill_tokens)
+                prefill_pod_tokens = cycle.num_prefill_tokens(prefill.id)
+                self.in_flight.start(prefill.id, prefill_pod_tokens)
             self.scheduler.arriving(cycle, pick)
             pending = Pending(
                 cycle,
                 {p.address: p.id for p in chosen},
                 time.monotonic(),
                 pick,
-                tokens,
+                pick_tokens,
                 prefill.id if prefill else None,
-                prefill_tokens,
+                prefill_pod_tokens,
             )
             self.pending.add(request_id, pending)
             if self.carry_records:
@@ -250,9 +258,9 @@ class Router:
                         request_id,
                         credited,
                         pick,
-                        tokens,
+                        pick_tokens,
                         pending.prefill,
-                        prefill_tokens,
+                        prefill_pod_tokens,
                     )
                 )
         self.metrics.decided(cycle.request.model)
@@ -358,25 +366,25 @@ class Router:
             self.metrics.shared_unknown_pod["start"].inc()
             return False
         cycle = started.record.cycle()
-        cycle.uncached_tokens[started.pick] = started.tokens  # num_prefill_tokens
+        cycle.uncached_tokens[started.pick] = started.pick_tokens  # num_prefill_tokens
         if started.prefill is not None:
-            cycle.uncached_tokens[started.prefill] = started.prefill_tokens
+            cycle.uncached_tokens[started.prefill] = started.prefill_pod_tokens
         pending = Pending(
             cycle,
             {},
             time.monotonic(),
             started.pick,
-            started.tokens,
+            started.pick_tokens,
             started.prefill,
-            started.prefill_tokens,
+            started.prefill_pod_tokens,
             foreign=True,
         )
         with self._ended_lock:
             if started.request_id in self._ended:
                 return False
-            self.in_flight.start(started.pick, started.tokens)
+            self.in_flight.start(started.pick, started.pick_tokens)
             if started.prefill is not None:
-                self.in_flight.start(started.prefill, started.prefill_tokens)
+                self.in_flight.start(started.prefill, started.prefill_pod_tokens)
             self.scheduler.arriving(cycle, started.pick)
             self.pending.add(started.request_id, pending)
         return True
@@ -408,7 +416,7 @@ class Router:
     def _end(self, pending: Pending) -> None:
         """The request ended (completed, abandoned or expired): it leaves the pick's
         in-flight count and its provisional credit goes (``Scheduler.settled``)."""
-        self.in_flight.end(pending.pick, pending.prefill_tokens)
+        self.in_flight.end(pending.pick, pending.pick_tokens)
         if pending.prefill is not None:
             self.in_flight.end(pending.prefill, pending.prefill_pod_tokens)
         self.scheduler.settled(pending.cycle, pending.pick)

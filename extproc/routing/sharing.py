@@ -12,7 +12,9 @@ Two kinds of stream entries (field ``e``):
   routed it, or applied its pick, stops counting it in flight) and, when it was
   recorded, the record and the serving pod (``routing.records.Shared``).
 
-A reader thread applies the other replicas' entries through ``Router.apply_started`` and
+The router is built with ``publish`` as its ``share`` (entries are queued from ``start``
+to ``stop``); ``start(router)`` runs the threads, and the reader applies the other
+replicas' entries through that router's ``Router.apply_started`` and
 ``Router.apply_shared`` (the scheduler's paths, whose index, arrivals and session store
 have their own locks), never publishing them again; a replica's own entries are skipped
 by its id.
@@ -116,9 +118,9 @@ def encode_started(started: Started) -> dict[str, str]:
         Shared(started.origin, started.request_id, record, started.pick, started.prefill)
     )
     fields["e"] = "start"
-    fields["n"] = str(started.tokens)
+    fields["n"] = str(started.pick_tokens)
     if started.prefill is not None:
-        fields["nf"] = str(started.prefill_tokens)
+        fields["nf"] = str(started.prefill_pod_tokens)
     if record.credit_keys is not None:
         fields["c"] = encode_key_array(record.credit_keys)
     return fields
@@ -158,17 +160,16 @@ def decode_entry(
         return Shared(origin, request_id, Record(model, keys, session), pod, prefill)
     credit = decode_key_array(text["c"], MAX_CREDIT_BLOCKS, "credit_keys") if "c" in text else None
     record = Record(model, keys, session, credit)
-    tokens = _tokens(text.get("n", ""), "tokens")
-    prefill_tokens = _tokens(text["nf"], "tokens") if "nf" in text else 0
-    return Started(origin, request_id, record, pod, tokens, prefill, prefill_tokens)
+    pick_tokens = _tokens(text.get("n", ""), "tokens")
+    prefill_pod_tokens = _tokens(text["nf"], "tokens") if "nf" in text else 0
+    return Started(origin, request_id, record, pod, pick_tokens, prefill, prefill_pod_tokens)
 
 
 class RedisSharing:
-    """Publishes this router's picks and ends to a Redis stream and applies the others'."""
+    """Publishes a router's picks and ends to a Redis stream and applies the others'."""
 
     def __init__(
         self,
-        router: Router,
         url: str,
         *,
         stream: str = DEFAULT_STREAM,
@@ -178,7 +179,6 @@ class RedisSharing:
         """Raises ``ValueError`` for a URL the redis client cannot use."""
         if maxlen < 1:
             raise ValueError(f"maxlen must be >= 1, got {maxlen}")
-        self.router = router
         self.where = _without_password(url)  # for log lines
         self.stream = stream
         self.maxlen = maxlen
@@ -191,6 +191,7 @@ class RedisSharing:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._publishing = False  # from ``start`` to ``stop``
         self._last_id: bytes | None = None  # the last entry applied; None: catch up first
         self._threads: list[threading.Thread] = []
         self._up = {"writer": True, "reader": False}  # the writer: nothing to write yet
@@ -234,7 +235,10 @@ class RedisSharing:
         queued.set_function(lambda: len(self._queue))
 
     def publish(self, news: Shared | Started) -> None:
-        """Queue one pick or end for the others (never blocks; ``Router.share``)."""
+        """Queue one pick or end for the others (never blocks; ``Router.share``); nothing
+        before ``start`` or after ``stop``."""
+        if not self._publishing:
+            return
         fields = encode_started(news) if isinstance(news, Started) else encode_shared(news)
         with self._lock:
             self._queue.append(fields)
@@ -243,16 +247,23 @@ class RedisSharing:
                 self.dropped.inc()
         self._wake.set()
 
-    def start(self) -> None:
-        self.router.share = self.publish
-        for name, loop in (("writer", self._write_loop), ("reader", self._read_loop)):
-            thread = threading.Thread(target=loop, name=f"redis-{name}", daemon=True)
+    def start(self, router: Router) -> None:
+        """Publish what ``router`` (built with ``share=self.publish``) tells, and apply
+        the other replicas' entries to it."""
+        self._publishing = True
+        threads = (
+            threading.Thread(target=self._write_loop, name="redis-writer", daemon=True),
+            threading.Thread(
+                target=self._read_loop, args=(router,), name="redis-reader", daemon=True
+            ),
+        )
+        for thread in threads:
             thread.start()
             self._threads.append(thread)
 
     def stop(self, timeout_s: float = 3.0) -> None:
-        """Stop both threads (the writer flushes what it can first)."""
-        self.router.share = None
+        """Stop publishing and both threads (the writer flushes what it can first)."""
+        self._publishing = False
         self._stop.set()
         self._wake.set()
         for thread in self._threads:
@@ -303,12 +314,12 @@ class RedisSharing:
             if self._stop.is_set():
                 return
 
-    def _read_loop(self) -> None:
+    def _read_loop(self, router: Router) -> None:
         backoff = MIN_BACKOFF_S
         while not self._stop.is_set():
             try:
                 if self._last_id is None:
-                    self._catch_up()
+                    self._catch_up(router)
                     self._set_up("reader", True)
                 answer = self._reader_client.xread(
                     {self.stream: self._last_id or b"0-0"}, count=BATCH, block=READ_BLOCK_MS
@@ -316,14 +327,14 @@ class RedisSharing:
                 self._set_up("reader", True)
                 backoff = MIN_BACKOFF_S
                 for reply in cast(list[Any], answer or []):
-                    self._apply(_entries(reply[1]))
+                    self._apply(router, _entries(reply[1]))
             except redis.RedisError as exc:
                 self._set_up("reader", False, exc)
                 if self._stop.wait(backoff):
                     return
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
 
-    def _catch_up(self) -> None:
+    def _catch_up(self, router: Router) -> None:
         """Apply the stream's window, oldest first (bounded by ``maxlen``)."""
         start = b"-"
         num_applied = 0
@@ -331,32 +342,32 @@ class RedisSharing:
             entries = _entries(self._reader_client.xrange(self.stream, start, "+", count=BATCH))
             if not entries:
                 break
-            num_applied += self._apply(entries)
+            num_applied += self._apply(router, entries)
             start = b"(" + entries[-1][0]
         if self._last_id is None:
             self._last_id = b"0-0"
         log.info("caught up from redis stream %s: %d entries applied", self.stream, num_applied)
 
-    def _apply(self, entries: Sequence[Entry]) -> int:
+    def _apply(self, router: Router, entries: Sequence[Entry]) -> int:
         """Apply the other replicas' entries; returns how many were applied."""
         num_applied = 0
         for entry_id, fields in entries:
             self._last_id = entry_id
-            if fields.get(b"o", b"").decode(errors="replace") == self.router.replica_id:
+            if fields.get(b"o", b"").decode(errors="replace") == router.replica_id:
                 continue
             try:
-                news = decode_entry(fields, self.router.geometries)
+                news = decode_entry(fields, router.geometries)
             except BadRecord as exc:
                 self.invalid.labels(exc.reason).inc()
                 log.warning("redis stream entry %s skipped: %s", entry_id.decode(), exc)
                 continue
             try:
                 if isinstance(news, Started):
-                    if not self.router.apply_started(news):
+                    if not router.apply_started(news):
                         continue
                     self.applied["start"].inc()
                 else:
-                    self.router.apply_shared(news)
+                    router.apply_shared(news)
                     self.applied["end"].inc()
             except Exception:
                 log.exception("applying redis stream entry %s", entry_id.decode())

@@ -52,11 +52,17 @@ PODS = [make_pod(f"p{i}", port=8000 + i) for i in range(4)]
 PROMPT = "You are the support assistant of a very large shop. " * 40
 
 
-def make_router(*, carry: bool = True, sessions: bool = False, config: str = PREFIX_ONLY) -> Router:
+def make_router(
+    *,
+    carry: bool = True,
+    sessions: bool = False,
+    config: str = PREFIX_ONLY,
+    share: Callable[[Shared | Started], object] | None = None,
+) -> Router:
     registry = CollectorRegistry()
     store = SessionStore() if sessions else None
     scheduler = build_scheduler(parse_config(config, "t.yaml"), registry, sessions=store)
-    return Router(scheduler, PODS, registry=registry, carry_records=carry)
+    return Router(scheduler, PODS, registry=registry, carry_records=carry, share=share)
 
 
 def body(prompt: str = PROMPT) -> bytes:
@@ -270,7 +276,7 @@ def test_started_entries_round_trip_and_malformed_ones_are_refused() -> None:
     back = decode_entry(fields, [GEOMETRY])
     assert isinstance(back, Started) and back.record.credit_keys is not None
     assert np.array_equal(back.record.credit_keys, credit)
-    assert (back.pick, back.tokens, back.prefill, back.prefill_tokens) == (
+    assert (back.pick, back.pick_tokens, back.prefill, back.prefill_pod_tokens) == (
         PodId("ns", "p0"),
         900,
         PodId("ns", "p1"),
@@ -289,10 +295,10 @@ def test_started_entries_round_trip_and_malformed_ones_are_refused() -> None:
 
 
 def test_ends_published_by_one_router_are_applied_by_another_without_echo() -> None:
-    a, b = make_router(sessions=True), make_router(sessions=True)
     published_a: list[Shared | Started] = []
     published_b: list[Shared | Started] = []
-    a.share, b.share = published_a.append, published_b.append
+    a = make_router(sessions=True, share=published_a.append)
+    b = make_router(sessions=True, share=published_b.append)
     reply = process(b, "r1", session="s1")  # b routes, a hears the end
     assert [type(p) for p in published_b] == [Started]  # its pick
     published_b.clear()
@@ -322,9 +328,8 @@ def test_a_shared_record_for_an_unknown_pod_is_skipped() -> None:
 
 
 def test_a_failed_end_is_published_whoever_routed_it() -> None:
-    a, b = make_router(), make_router()
     published: list[Shared | Started] = []
-    a.share = published.append
+    a, b = make_router(share=published.append), make_router()
     process(a, "mine")
     reply = process(b, "theirs")
     handler = AccessLogHandler(a)

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry
 
-from extproc.routing.pending import PendingRecords
 from extproc.routing.router import Router
 from tests.factories import PREFIX_ONLY, make_pod, make_scheduler
 
 BODY = b'{"model": "m", "prompt": "hello there"}'
 
 
-def make_router(pending: PendingRecords | None = None) -> Router:
+def make_router(**pending: Any) -> Router:
+    """``pending``: ``max_pending``, ``pending_ttl_s``."""
     pods = [make_pod(f"p{i}", port=8000 + i) for i in range(3)]
-    return Router(make_scheduler(PREFIX_ONLY), pods, pending=pending, registry=CollectorRegistry())
+    return Router(make_scheduler(PREFIX_ONLY), pods, registry=CollectorRegistry(), **pending)
 
 
 def test_a_routed_request_is_in_flight_on_its_pick_until_it_ends() -> None:
@@ -35,7 +37,7 @@ def test_failed_requests_end_too_and_requests_without_id_are_not_tracked() -> No
 
 
 def test_pending_table_is_bounded_and_dropped_entries_end_in_flight() -> None:
-    router = make_router(PendingRecords(max_size=2))
+    router = make_router(max_pending=2)
     picks = [router.route("/v1/completions", BODY, request_id=f"r{i}").pods[0] for i in range(5)]
     assert len(router.pending) == 2 and router.pending.num_dropped == 3
     assert sum(router.in_flight.get(p.id) for p in {p.id: p for p in picks}.values()) == 2
@@ -43,8 +45,7 @@ def test_pending_table_is_bounded_and_dropped_entries_end_in_flight() -> None:
 
 
 def test_pending_entries_expire_by_age() -> None:
-    pending = PendingRecords(ttl_s=0.0)
-    router = make_router(pending)
+    router = make_router(pending_ttl_s=0.0)
     router.route("/v1/completions", BODY, request_id="old")
     router.route("/v1/completions", BODY, request_id="new")  # expires "old" on insert
     assert router.pending.pop("old") is None and router.pending.num_dropped >= 1

@@ -5,7 +5,8 @@ replica's picks credited and counted in flight on another until their end."""
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -37,10 +38,15 @@ def server(tmp_path: Path) -> Iterator[RedisServer]:
         yield running
 
 
-def sharing(router: Router, server: RedisServer, maxlen: int = 1000) -> RedisSharing:
-    shared = RedisSharing(router, server.url, maxlen=maxlen, registry=CollectorRegistry())
-    shared.start()
-    return shared
+def sharing(
+    server: RedisServer, make: Callable[..., Router] = make_router, maxlen: int = 1000
+) -> tuple[Router, RedisSharing]:
+    """A router built to publish through a started ``RedisSharing``, which applies the
+    other replicas' entries to it."""
+    shared = RedisSharing(server.url, maxlen=maxlen, registry=CollectorRegistry())
+    router = make(share=shared.publish)
+    shared.start(router)
+    return router, shared
 
 
 def applied(shared: RedisSharing) -> int:
@@ -60,8 +66,7 @@ def serve(router: Router, request_id: str, prompt: str, pod: int = 1) -> None:
 
 
 def test_records_converge_without_echo(server: RedisServer) -> None:
-    a, b = make_router(), make_router()
-    share_a, share_b = sharing(a, server), sharing(b, server)
+    (a, share_a), (b, share_b) = sharing(server), sharing(server)
     try:
         serve(a, "r1", "tenant one " * 40)
         assert wait_until_true(lambda: entries(b) == entries(a) > 0)
@@ -77,8 +82,7 @@ def test_records_converge_without_echo(server: RedisServer) -> None:
 
 
 def test_redis_down_routing_goes_on_and_sharing_resumes(server: RedisServer) -> None:
-    a, b = make_router(), make_router()
-    share_a, share_b = sharing(a, server), sharing(b, server)
+    (a, share_a), (b, share_b) = sharing(server), sharing(server)
     try:
         assert wait_until_true(lambda: share_a.up._value.get() == share_b.up._value.get() == 1)
         server.stop(signal.SIGKILL)
@@ -97,8 +101,7 @@ def test_redis_down_routing_goes_on_and_sharing_resumes(server: RedisServer) -> 
 
 def test_entries_written_just_before_redis_died_are_written_again(server: RedisServer) -> None:
     """Redis keeps nothing across a kill: what the others had not read yet is resent."""
-    a = make_router()
-    share_a = sharing(a, server)
+    a, share_a = sharing(server)
     try:
         serve(a, "r1", "written, then lost with redis " * 40)
         client = redis.Redis.from_url(server.url)
@@ -108,8 +111,7 @@ def test_entries_written_just_before_redis_died_are_written_again(server: RedisS
         assert wait_until_true(lambda: share_a.up._value.get() == 0)
         server.start()  # same port, empty
         assert wait_until_true(lambda: client.xlen(share_a.stream) == 4, timeout_s=30)
-        b = make_router()  # reads the new stream from its start: both records
-        share_b = sharing(b, server)
+        b, share_b = sharing(server)  # reads the new stream from its start: both records
         try:
             assert wait_until_true(lambda: entries(b) == entries(a) > 0, timeout_s=30)
         finally:
@@ -119,16 +121,14 @@ def test_entries_written_just_before_redis_died_are_written_again(server: RedisS
 
 
 def test_a_late_replica_catches_up_from_the_bounded_window(server: RedisServer) -> None:
-    a = make_router()
-    share_a = sharing(a, server, maxlen=50)
+    a, share_a = sharing(server, maxlen=50)
     try:
         for i in range(400):
             serve(a, f"r{i}", f"prompt {i} " * 20, pod=i % 4)
         client = redis.Redis.from_url(server.url)
         assert wait_until_true(lambda: share_a.published["end"]._value.get() == 400)
         assert client.xlen(share_a.stream) < 800  # trimmed: about maxlen, by whole nodes
-        late = make_router()
-        share_late = sharing(late, server, maxlen=50)
+        late, share_late = sharing(server, maxlen=50)
         try:
             window = client.xlen(share_a.stream)
             assert wait_until_true(lambda: applied(share_late) == window)
@@ -142,8 +142,7 @@ def test_a_late_replica_catches_up_from_the_bounded_window(server: RedisServer) 
 
 
 def test_malformed_entries_are_counted_and_skipped(server: RedisServer) -> None:
-    a = make_router()
-    share_a = sharing(a, server)
+    _, share_a = sharing(server)
     try:
         client = redis.Redis.from_url(server.url)
         client.xadd(share_a.stream, {"o": "x", "r": "r1", "m": "m", "p": "no-slash"})
@@ -165,7 +164,7 @@ def test_malformed_entries_are_counted_and_skipped(server: RedisServer) -> None:
     ],
 )
 def test_log_lines_name_redis_without_its_password(url: str, logged: str) -> None:
-    sharing = RedisSharing(make_router(), url, registry=CollectorRegistry())
+    sharing = RedisSharing(url, registry=CollectorRegistry())
     assert sharing.where == logged
 
 
@@ -176,7 +175,9 @@ needs_tokenizer = pytest.mark.skipif(
 )
 
 
-def configured_router(precise: bool) -> Router:
+def configured_router(
+    precise: bool, share: Callable[[Shared | Started], object] | None = None
+) -> Router:
     """The default configuration (estimated-ttft), or precise.yaml with qwen3-tiny."""
     registry = CollectorRegistry()
     if precise:
@@ -185,7 +186,7 @@ def configured_router(precise: bool) -> Router:
     else:
         text = default_config_text()
     scheduler = build_scheduler(parse_config(text, "t.yaml"), registry)
-    return Router(scheduler, PRECISE_PODS, registry=registry, carry_records=True)
+    return Router(scheduler, PRECISE_PODS, registry=registry, carry_records=True, share=share)
 
 
 def chat(prompt: str) -> bytes:
@@ -220,9 +221,9 @@ def arriving(router: Router) -> int:
 def test_a_pick_is_credited_on_the_other_replica_until_its_end(
     server: RedisServer, precise: bool
 ) -> None:
-    a, b = configured_router(precise), configured_router(precise)
+    make = partial(configured_router, precise)
+    (a, share_a), (b, share_b) = sharing(server, make), sharing(server, make)
     pods = PRECISE_PODS
-    share_a, share_b = sharing(a, server), sharing(b, server)
     try:
         body = chat("a new tenant's long system prompt, " * 60)
         assert held(b, body, pods) == {}
@@ -244,8 +245,7 @@ def test_a_pick_is_credited_on_the_other_replica_until_its_end(
 
 
 def test_a_pick_heard_after_its_end_is_dropped(server: RedisServer) -> None:
-    b = make_router()
-    share_b = sharing(b, server)
+    b, share_b = sharing(server)
     try:
         record = Record("m", {GEOMETRY: np.array([1, 2], np.int64)}, None, np.array([5], np.int64))
         client = redis.Redis.from_url(server.url)
@@ -266,8 +266,7 @@ def test_a_pick_heard_after_its_end_is_dropped(server: RedisServer) -> None:
 def test_an_end_heard_by_a_replica_holding_the_others_pick_is_recorded_once(
     server: RedisServer,
 ) -> None:
-    a, b = make_router(), make_router()
-    share_a, share_b = sharing(a, server), sharing(b, server)
+    (a, share_a), (b, share_b) = sharing(server), sharing(server)
     try:
         reply = process(a, "r1")  # a routes, b applies its pick, then hears the end
         assert wait_until_true(lambda: len(b.pending) == 1)
