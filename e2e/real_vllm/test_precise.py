@@ -31,7 +31,7 @@ from extproc.request.parse import Api
 from extproc.request.tokens import SegmentTokenizer
 from extproc.scheduling.interfaces import PluginContext
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
-from tests.request.test_chat_input import CHAT_CASES, RESPONSES_CASES
+from tests.request.chat_cases import CHAT_CASES, RESPONSES_CASES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_vllm, pytest.mark.timeout(900)]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from bench.envoy_timings import FORMAT, RequestTiming, read_timings, timing_log
 from bench.replay import Outcome
 from bench.routing_quality import slowest
-from tests.envoyconf.test_envoy_config import bootstrap, hcm, validate
+from tests.envoyconf.support import bootstrap, hcm, validate
 
 
 def test_the_log_is_added_to_the_http_listener_and_envoy_accepts_it(tmp_path: Path) -> None:

@@ -16,29 +16,14 @@ import yaml
 
 from extproc.envoyconf import helm
 from extproc.sim.launch import envoy_binary
-from tests.charts.conftest import NAMESPACE, PRECISE, find, render
-
-FULLNAME = "rel-extproc"
+from tests.charts.support import FULLNAME, NAMESPACE, PRECISE, clusters, envoy_config, find, render
+from tests.envoyconf.support import hcm
 
 
 def test_template_is_what_the_generator_writes() -> None:
     assert helm.TEMPLATE_PATH.read_text() == helm.render_template(), (
         "regenerate: python -m extproc.envoyconf.helm"
     )
-
-
-def envoy_config(values: dict[str, Any]) -> dict[str, Any]:
-    text = find(render(values), "ConfigMap", f"{FULLNAME}-envoy")["data"]["envoy.yaml"]
-    return yaml.safe_load(text)  # type: ignore[no-any-return]
-
-
-def clusters(config: dict[str, Any]) -> dict[str, Any]:
-    return {c["name"]: c for c in config["static_resources"]["clusters"]}
-
-
-def hcm(config: dict[str, Any]) -> dict[str, Any]:
-    listener = config["static_resources"]["listeners"][0]
-    return listener["filter_chains"][0]["filters"][0]["typed_config"]  # type: ignore[no-any-return]
 
 
 def socket(cluster: dict[str, Any]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from extproc.cli import serve
 from extproc.datalayer.kv_events import EventsSettings, settings_from_args
 from extproc.scheduling.config import build_scheduler, named_config_text, parse_config
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
-from tests.charts.conftest import CHART_DIR, MODES, NAMESPACE, PRECISE, RELEASE, find, render
+from tests.charts.support import CHART_DIR, MODES, NAMESPACE, PRECISE, RELEASE, find, render
 from tests.factories import write_tokenizer
 
 FULLNAME = "rel-extproc"

@@ -12,8 +12,7 @@ import pytest
 import yaml
 
 from extproc.sim.launch import envoy_binary
-from tests.charts.conftest import GATEWAY_PEERS, find, render
-from tests.charts.test_envoy import FULLNAME, clusters, envoy_config
+from tests.charts.support import FULLNAME, GATEWAY_PEERS, clusters, envoy_config, find, render
 from tests.tls_certs import CertAuthority
 
 CERT_MANAGER = {"enabled": True, "issuerRef": {"name": "cluster-ca", "kind": "ClusterIssuer"}}

@@ -11,7 +11,7 @@ from typing import Any
 import helm_python
 import pytest
 
-from tests.charts.conftest import PRECISE, render
+from tests.charts.support import PRECISE, render
 
 
 def score(weight: Any) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from prometheus_client import (
     GC_COLLECTOR,
@@ -27,6 +28,8 @@ from prometheus_client import (
 
 from extproc.sim.metrics import ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS  # vLLM's
 
+# A page a real vLLM 0.32 (CPU) served, as it was.
+REAL_VLLM_PAGE = Path(__file__).parent / "pages" / "vllm-0.32.0-cpu.txt"
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 HTTP_HIGHR_BUCKETS = (

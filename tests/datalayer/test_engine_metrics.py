@@ -8,8 +8,6 @@ two completions.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -22,10 +20,14 @@ from extproc.datalayer.engine_metrics import (
     select_lines,
 )
 from extproc.pods import PodMetrics
-from tests.datalayer.metrics_pages import EngineState, make_sglang_page, make_vllm_page
+from tests.datalayer.metrics_pages import (
+    REAL_VLLM_PAGE,
+    EngineState,
+    make_sglang_page,
+    make_vllm_page,
+)
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-REAL_VLLM_PAGE = Path(__file__).parent / "pages" / "vllm-0.32.0-cpu.txt"
 
 
 def read(page: str, models: frozenset[str] = frozenset({MODEL})) -> PodMetrics | None:

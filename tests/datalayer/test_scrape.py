@@ -14,8 +14,7 @@ from extproc.datalayer.scrape import MetricsScraper
 from extproc.datalayer.store import PodStore
 from extproc.pods import Pod, PodId
 from tests.datalayer.fake_pod import FakePod
-from tests.datalayer.metrics_pages import EngineState, make_vllm_page
-from tests.datalayer.test_engine_metrics import REAL_VLLM_PAGE
+from tests.datalayer.metrics_pages import REAL_VLLM_PAGE, EngineState, make_vllm_page
 from tests.factories import make_pod
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

