@@ -1,10 +1,16 @@
-"""Small builders shared by the tests (like vLLM's ``make_request``)."""
+"""Small builders shared by the tests (like vLLM's ``make_request``): pods, cycles and
+schedulers; a tokenizer directory; the simulated engine's requests; the offline
+simulator's words, items, workloads and settings."""
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 from prometheus_client import CollectorRegistry
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -12,15 +18,20 @@ from tokenizers.pre_tokenizers import Whitespace
 
 from extproc.pods import Pod, PodId, PodMetrics
 from extproc.request.parse import Api, InferenceRequest
-from extproc.scheduling.config import build_scheduler, parse_config
+from extproc.scheduling.config import SchedulerConfig, build_scheduler, load_config, parse_config
 from extproc.scheduling.interfaces import Cycle
 from extproc.scheduling.scheduler import Scheduler
+from extproc.sim.engine import Engine, EngineConfig, FinishedRequest, SimRequest
+from extproc.sim.offline import SimSettings
+from extproc.sim.workloads import NUM_WORDS, WorkItem, Workload, completion_item, words_text
+
+MODEL = "m"  # the model of make_pod's pods and of the offline simulator's workloads
 
 
 def make_pod(
     name: str,
     *,
-    model: str = "m",
+    model: str = MODEL,
     ready: bool = True,
     port: int = 8000,
     namespace: str = "default",
@@ -35,7 +46,7 @@ def make_pod(
     )
 
 
-def make_cycle(prompt: str, *, model: str = "m", salt: str | None = None) -> Cycle:
+def make_cycle(prompt: str, *, model: str = MODEL, salt: str | None = None) -> Cycle:
     return Cycle(InferenceRequest(Api.COMPLETIONS, model, prompt, cache_salt=salt))
 
 
@@ -73,3 +84,58 @@ scheduler:
         - name: prefix-cache
           weight: 1
 """
+
+
+# The simulated engine (tests/sim)
+
+_ids = itertools.count()
+
+
+def seq(seed: int, n: int) -> list[int]:
+    """n deterministic token ids from a seed, as in vllm-prefix-caching.txt's Go code."""
+    return [(seed * 7919 + i * 104729) % 50000 for i in range(n)]
+
+
+def make_sim_request(
+    prompt: Sequence[int], max_tokens: int = 1, salt: str | None = None, request_id: str = ""
+) -> SimRequest:
+    return SimRequest(request_id or f"r{next(_ids)}", tuple(prompt), max_tokens, salt)
+
+
+def run_alone(engine: Engine, req: SimRequest) -> FinishedRequest:
+    """Add ``req`` at the engine's clock and step until it finishes."""
+    engine.add_request(req, engine.clock)
+    while True:
+        result = engine.step(engine.clock)
+        for fin in result.finished:
+            if fin.request_id == req.request_id:
+                return fin
+
+
+# The offline simulator (tests/sim_offline)
+
+
+def random_words(seed: int, num_tokens: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, NUM_WORDS, num_tokens)
+
+
+def make_item(
+    request_id: str, arrival_s: float, word_idx: np.ndarray, max_tokens: int = 4
+) -> WorkItem:
+    """A completions request whose prompt is the words ``word_idx``."""
+    text, tokens = words_text(word_idx)
+    return completion_item(request_id, arrival_s, text, tokens, max_tokens, MODEL)
+
+
+def make_workload(items: Sequence[WorkItem]) -> Workload:
+    return Workload("test", {"model": MODEL}, lambda: iter(items))
+
+
+def default_scheduler_config() -> SchedulerConfig:
+    """Kthena's default (the named ``kthena`` configuration): these tests read its
+    prefix-cache plugin's index."""
+    return load_config("kthena")
+
+
+def sim_settings(num_pods: int = 2, **engine: Any) -> SimSettings:
+    return SimSettings(num_pods, EngineConfig(**engine))

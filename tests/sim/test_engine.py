@@ -10,7 +10,7 @@ import pytest
 from extproc.errors import ConfigError
 from extproc.sim.engine import Engine, EngineConfig, QueueFull, RequestTooLarge
 from extproc.sim.kv_cache import AllBlocksCleared, BlockRemoved, BlockStored, hash_request_tokens
-from tests.sim.factories import make_request, run_alone, seq
+from tests.factories import make_sim_request, run_alone, seq
 
 
 def settings(name: str, value: object) -> dict[str, Any]:
@@ -38,29 +38,29 @@ def test_zero_is_invalid_for_sizes_and_scale(name: str) -> None:
 def test_request_larger_than_the_whole_cache_is_rejected() -> None:
     engine = Engine(EngineConfig(block_size=4, num_gpu_blocks=4))
     with pytest.raises(RequestTooLarge, match="num_gpu_blocks=4"):
-        engine.add_request(make_request(seq(1, 14), max_tokens=4), 0.0)  # 17 tokens of KV
-    engine.add_request(make_request(seq(1, 13), max_tokens=4), 0.0)  # 16 fit exactly
+        engine.add_request(make_sim_request(seq(1, 14), max_tokens=4), 0.0)  # 17 tokens of KV
+    engine.add_request(make_sim_request(seq(1, 13), max_tokens=4), 0.0)  # 16 fit exactly
     assert engine.stats().num_waiting == 1
 
 
 def test_request_longer_than_max_model_len_is_rejected() -> None:
     engine = Engine(EngineConfig(max_model_len=100))
     with pytest.raises(RequestTooLarge, match="maximum context length is 100"):
-        engine.add_request(make_request(seq(1, 90), max_tokens=11), 0.0)
+        engine.add_request(make_sim_request(seq(1, 90), max_tokens=11), 0.0)
 
 
 def test_queue_is_bounded() -> None:
     engine = Engine(EngineConfig(max_num_waiting=2))
     for _ in range(2):
-        engine.add_request(make_request(seq(1, 8)), 0.0)
+        engine.add_request(make_sim_request(seq(1, 8)), 0.0)
     with pytest.raises(QueueFull):
-        engine.add_request(make_request(seq(1, 8)), 0.0)
+        engine.add_request(make_sim_request(seq(1, 8)), 0.0)
 
 
 def test_running_blocks_are_pinned_and_a_request_that_does_not_fit_waits() -> None:
     engine = Engine(dataclasses.replace(TIMED, block_size=4, num_gpu_blocks=8))
-    a = make_request(seq(1, 16), max_tokens=5)  # 20 tokens of KV: 5 blocks reserved
-    b = make_request(seq(2, 13), max_tokens=1)  # 4 blocks: 5 + 4 > 8
+    a = make_sim_request(seq(1, 16), max_tokens=5)  # 20 tokens of KV: 5 blocks reserved
+    b = make_sim_request(seq(2, 13), max_tokens=1)  # 4 blocks: 5 + 4 > 8
     engine.add_request(a, 0.0)
     engine.add_request(b, 0.0)
     first = engine.step(0.0)
@@ -70,25 +70,25 @@ def test_running_blocks_are_pinned_and_a_request_that_does_not_fit_waits() -> No
     fin = {f.request_id: f for r in [first, *results] for f in r.finished}
     assert fin[b.request_id].scheduled_s == fin[a.request_id].finished_s
     # a's prompt blocks survived b's allocation: a repeat of a hits all but the last token
-    assert run_alone(engine, make_request(seq(1, 16))).num_cached_tokens == 12
+    assert run_alone(engine, make_sim_request(seq(1, 16))).num_cached_tokens == 12
 
 
 def test_free_cached_blocks_are_evicted_least_recently_used_first() -> None:
     # 6 blocks of 4; a 9-token prompt takes 3 blocks and caches 2.
     engine = Engine(EngineConfig(block_size=4, num_gpu_blocks=6))
     x, y, z = seq(1, 9), seq(2, 9), seq(3, 9)
-    run_alone(engine, make_request(x))
-    run_alone(engine, make_request(y))
-    assert run_alone(engine, make_request(x)).num_cached_tokens == 8  # x used again: newest
-    run_alone(engine, make_request(z))  # evicts y, the least recently used
+    run_alone(engine, make_sim_request(x))
+    run_alone(engine, make_sim_request(y))
+    assert run_alone(engine, make_sim_request(x)).num_cached_tokens == 8  # x used again: newest
+    run_alone(engine, make_sim_request(z))  # evicts y, the least recently used
     assert engine.stats().num_evicted_blocks == 2
-    assert run_alone(engine, make_request(x)).num_cached_tokens == 8
-    assert run_alone(engine, make_request(y)).num_cached_tokens == 0
+    assert run_alone(engine, make_sim_request(x)).num_cached_tokens == 8
+    assert run_alone(engine, make_sim_request(y)).num_cached_tokens == 0
 
 
 def test_kv_cache_usage_counts_blocks_in_use() -> None:
     engine = Engine(EngineConfig(block_size=4, num_gpu_blocks=10))
-    engine.add_request(make_request(seq(1, 8), max_tokens=3), 0.0)
+    engine.add_request(make_sim_request(seq(1, 8), max_tokens=3), 0.0)
     engine.step(0.0)
     assert engine.stats().kv_cache_usage == pytest.approx(0.2)  # 2 prompt blocks
     engine.advance_to(1.0)
@@ -99,9 +99,9 @@ def test_kv_cache_usage_counts_blocks_in_use() -> None:
 
 def test_ttft_grows_with_uncached_tokens_and_shrinks_on_a_hit() -> None:
     engine = Engine(TIMED)
-    short = run_alone(engine, make_request(seq(1, 100)))
-    long = run_alone(engine, make_request(seq(2, 1000)))
-    again = run_alone(engine, make_request(seq(2, 1000)))
+    short = run_alone(engine, make_sim_request(seq(1, 100)))
+    long = run_alone(engine, make_sim_request(seq(2, 1000)))
+    again = run_alone(engine, make_sim_request(seq(2, 1000)))
     assert short.ttft_s == pytest.approx(0.010 + 0.001 + 0.100)
     assert long.ttft_s == pytest.approx(0.010 + 0.001 + 1.000)
     assert again.num_cached_tokens == 992
@@ -112,7 +112,7 @@ def test_ttft_grows_with_uncached_tokens_and_shrinks_on_a_hit() -> None:
 def test_inter_token_latency_grows_with_the_batch(batch: int) -> None:
     engine = Engine(TIMED)
     for i in range(batch):
-        engine.add_request(make_request(seq(i, 10), max_tokens=4), 0.0)
+        engine.add_request(make_sim_request(seq(i, 10), max_tokens=4), 0.0)
     itl = [o.latency_s for r in engine.advance_to(10.0) for o in r.outputs if o.index > 0]
     assert len(itl) == 3 * batch
     assert itl == [pytest.approx(0.010 + batch * 0.001)] * len(itl)
@@ -120,13 +120,13 @@ def test_inter_token_latency_grows_with_the_batch(batch: int) -> None:
 
 def test_time_scale_multiplies_step_times() -> None:
     fast = Engine(dataclasses.replace(TIMED, time_scale=0.01))
-    fin = run_alone(fast, make_request(seq(1, 100)))
+    fin = run_alone(fast, make_sim_request(seq(1, 100)))
     assert fin.ttft_s == pytest.approx((0.010 + 0.001 + 0.100) * 0.01)
 
 
 def test_max_num_seqs_queues_requests_and_counts_hits_only_on_admission() -> None:
     engine = Engine(dataclasses.replace(TIMED, max_num_seqs=1))
-    a, b = make_request(seq(1, 40), max_tokens=3), make_request(seq(1, 40), max_tokens=3)
+    a, b = make_sim_request(seq(1, 40), max_tokens=3), make_sim_request(seq(1, 40), max_tokens=3)
     engine.add_request(a, 0.0)
     engine.add_request(b, 0.0)
     engine.step(0.0)
@@ -144,14 +144,14 @@ def test_max_num_seqs_queues_requests_and_counts_hits_only_on_admission() -> Non
 def test_prefill_budget_limits_admissions_per_step_but_not_the_first() -> None:
     engine = Engine(EngineConfig(max_num_batched_tokens=100))
     for n in (150, 50, 60):
-        engine.add_request(make_request(seq(n, n)), 0.0)
+        engine.add_request(make_sim_request(seq(n, n)), 0.0)
     assert len(engine.step(0.0).admitted) == 1  # 150 > budget, alone
     assert len(engine.step(engine.clock).admitted) == 1  # 50, then 60 would exceed 100
 
 
 def test_abort_frees_blocks_and_forgets_the_request() -> None:
     engine = Engine(EngineConfig(block_size=4, num_gpu_blocks=8))
-    req = make_request(seq(1, 16), max_tokens=8)
+    req = make_sim_request(seq(1, 16), max_tokens=8)
     engine.add_request(req, 0.0)
     engine.step(0.0)
     assert engine.abort(req.request_id)
@@ -163,7 +163,7 @@ def test_abort_frees_blocks_and_forgets_the_request() -> None:
 
 def test_idle_engine_starts_the_next_step_at_the_arrival() -> None:
     engine = Engine(TIMED)
-    engine.add_request(make_request(seq(1, 10)), 5.0)
+    engine.add_request(make_sim_request(seq(1, 10)), 5.0)
     assert engine.advance_to(5.0) == []
     (result,) = engine.advance_to(5.5)
     assert result.start_s == 5.0
@@ -172,8 +172,8 @@ def test_idle_engine_starts_the_next_step_at_the_arrival() -> None:
 
 def test_same_prompt_same_answer_on_any_engine() -> None:
     prompt = seq(3, 33)
-    a = run_alone(Engine(), make_request(prompt, max_tokens=12))
-    b = run_alone(Engine(EngineConfig(block_size=32)), make_request(prompt, max_tokens=12))
+    a = run_alone(Engine(), make_sim_request(prompt, max_tokens=12))
+    b = run_alone(Engine(EngineConfig(block_size=32)), make_sim_request(prompt, max_tokens=12))
     assert a.output_token_ids == b.output_token_ids
     assert a.output_text == b.output_text
 
@@ -181,20 +181,20 @@ def test_same_prompt_same_answer_on_any_engine() -> None:
 def test_reset_prefix_cache_refuses_while_running_then_empties_the_cache() -> None:
     engine = Engine(EngineConfig(enable_kv_cache_events=True))
     prompt = seq(1, 40)
-    engine.add_request(make_request(prompt, max_tokens=3), 0.0)
+    engine.add_request(make_sim_request(prompt, max_tokens=3), 0.0)
     engine.step(0.0)
     assert not engine.reset_prefix_cache()
     engine.advance_to(10.0)
     engine.take_kv_events()
     assert engine.reset_prefix_cache()
     assert engine.take_kv_events() == [AllBlocksCleared()]
-    assert run_alone(engine, make_request(prompt)).num_cached_tokens == 0
+    assert run_alone(engine, make_sim_request(prompt)).num_cached_tokens == 0
 
 
 def test_kv_events_follow_the_chain_through_prompt_decode_and_eviction() -> None:
     engine = Engine(EngineConfig(block_size=4, num_gpu_blocks=4, enable_kv_cache_events=True))
     prompt = seq(1, 6)
-    fin = run_alone(engine, make_request(prompt, max_tokens=4, salt="s"))
+    fin = run_alone(engine, make_sim_request(prompt, max_tokens=4, salt="s"))
     tokens = prompt + list(fin.output_token_ids)
     hashes = hash_request_tokens(tokens, 4, "s")
     events = engine.take_kv_events()
@@ -203,12 +203,12 @@ def test_kv_events_follow_the_chain_through_prompt_decode_and_eviction() -> None
         BlockStored((hashes[0],), None, tuple(tokens[:4]), 4, (("s",),)),
         BlockStored((hashes[1],), hashes[0], tuple(tokens[4:8]), 4, (None,)),
     ]
-    run_alone(engine, make_request(seq(2, 13)))  # needs all 4 blocks: evicts both
+    run_alone(engine, make_sim_request(seq(2, 13)))  # needs all 4 blocks: evicts both
     removed = [e for e in engine.take_kv_events() if isinstance(e, BlockRemoved)]
     assert sorted(h for e in removed for h in e.block_hashes) == sorted(hashes[:2])
 
 
 def test_events_are_not_kept_unless_enabled() -> None:
     engine = Engine()
-    run_alone(engine, make_request(seq(1, 40)))
+    run_alone(engine, make_sim_request(seq(1, 40)))
     assert engine.take_kv_events() == []

@@ -11,7 +11,7 @@ from extproc.sim.kv_cache import (
     hash_block_tokens,
     hash_request_tokens,
 )
-from tests.sim.factories import make_request, run_alone, seq
+from tests.factories import make_sim_request, run_alone, seq
 
 
 def test_hashes_cover_full_blocks_only_and_chain_on_the_parent() -> None:
@@ -38,7 +38,7 @@ def test_the_eight_worked_requests() -> None:
     """The document's Go program, through the engine: cached tokens per request."""
     engine = Engine(EngineConfig(block_size=16))
     system, user_a, user_b, follow_up = seq(1, 50), seq(2, 20), seq(3, 20), seq(5, 12)
-    first = run_alone(engine, make_request(system + user_a, max_tokens=30))
+    first = run_alone(engine, make_sim_request(system + user_a, max_tokens=30))
     answer_a = list(first.output_token_ids)  # the engine's own answer plays answerA
     assert len(answer_a) == 30
     cases = [
@@ -52,7 +52,7 @@ def test_the_eight_worked_requests() -> None:
     ]
     got = [(first.num_prompt_tokens, first.num_cached_tokens)]
     for _, prompt, salt, _ in cases:
-        fin = run_alone(engine, make_request(prompt, salt=salt))
+        fin = run_alone(engine, make_sim_request(prompt, salt=salt))
         got.append((fin.num_prompt_tokens, fin.num_cached_tokens))
     assert got == [(70, 0)] + [(len(p), hit) for _, p, _, hit in cases]
     stats = engine.stats()
@@ -73,16 +73,16 @@ def test_the_eight_worked_requests() -> None:
 def test_hit_never_includes_the_last_token(num_tokens: int, expected_hit: int) -> None:
     engine = Engine(EngineConfig(block_size=16))
     prompt = seq(4, num_tokens)
-    run_alone(engine, make_request(prompt))
-    assert run_alone(engine, make_request(prompt)).num_cached_tokens == expected_hit
+    run_alone(engine, make_sim_request(prompt))
+    assert run_alone(engine, make_sim_request(prompt)).num_cached_tokens == expected_hit
 
 
 def test_lookup_stops_at_the_first_miss() -> None:
     engine = Engine(EngineConfig(block_size=4))
     prompt = seq(1, 17)
-    run_alone(engine, make_request(prompt))
+    run_alone(engine, make_sim_request(prompt))
     changed = prompt[:4] + [99_999] + prompt[5:]  # block 1 differs, blocks 2-3 as before
-    assert run_alone(engine, make_request(changed)).num_cached_tokens == 4
+    assert run_alone(engine, make_sim_request(changed)).num_cached_tokens == 4
 
 
 def test_pool_keeps_one_block_per_hash() -> None:

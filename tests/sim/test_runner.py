@@ -8,7 +8,7 @@ import pytest
 
 from extproc.sim.engine import Engine, EngineConfig, StepResult
 from extproc.sim.runner import EngineRunner, EngineStopped
-from tests.sim.factories import make_request, seq
+from tests.factories import make_sim_request, seq
 
 
 def test_tokens_arrive_in_order_at_the_engines_pace() -> None:
@@ -18,7 +18,7 @@ def test_tokens_arrive_in_order_at_the_engines_pace() -> None:
         try:
             loop = asyncio.get_running_loop()
             start = loop.time()
-            stream = runner.submit(make_request(seq(1, 8), max_tokens=5))
+            stream = runner.submit(make_sim_request(seq(1, 8), max_tokens=5))
             indexes = [out.index async for out in stream.tokens()]
             elapsed = loop.time() - start
         finally:
@@ -45,11 +45,11 @@ def test_a_failing_engine_fails_its_streams_and_refuses_new_requests(
         runner = EngineRunner(engine)
         runner.start()
         try:
-            stream = runner.submit(make_request(seq(1, 8)))
+            stream = runner.submit(make_sim_request(seq(1, 8)))
             with pytest.raises(EngineStopped):
                 await asyncio.wait_for(stream.result(), 5)
             with pytest.raises(EngineStopped):
-                runner.submit(make_request(seq(2, 8)))
+                runner.submit(make_sim_request(seq(2, 8)))
         finally:
             await runner.stop()
 
@@ -60,7 +60,7 @@ def test_stop_ends_waiting_streams() -> None:
     async def main() -> None:
         runner = EngineRunner(Engine(EngineConfig(step_base_s=10.0)))
         runner.start()
-        stream = runner.submit(make_request(seq(1, 8)))
+        stream = runner.submit(make_sim_request(seq(1, 8)))
         await asyncio.sleep(0.01)
         await runner.stop()
         with pytest.raises(EngineStopped):

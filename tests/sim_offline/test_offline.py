@@ -34,12 +34,12 @@ from extproc.sim.workloads import (
     burst_workload,
     chat_workload,
 )
-from tests.sim_offline.factories import (
+from tests.factories import (
     default_scheduler_config,
     make_item,
     make_workload,
     random_words,
-    settings,
+    sim_settings,
 )
 
 Summaries = dict[str, dict[str, Any]]
@@ -89,7 +89,7 @@ def test_a_prefix_is_recorded_only_once_its_response_ended(
     name: str, index: Callable[[Policy], PrefixIndex]
 ) -> None:
     """r1 arrives during r0's last step (r0 finished "in the future"), r2 at r0's end."""
-    sim = settings(num_pods=2)
+    sim = sim_settings(num_pods=2)
     prompt = random_words(7, 512)
     solo = Engine(sim.engine)
     solo.add_request(make_item("r0", 0.0, prompt, max_tokens=20).sim, 0.0)
@@ -126,7 +126,7 @@ class LoadSeen:
 
 def test_a_request_ending_with_the_step_in_progress_is_still_running() -> None:
     """r1 comes during r0's last step on pod 0, r2 at its end."""
-    sim = settings(num_pods=2)
+    sim = sim_settings(num_pods=2)
     solo = Engine(sim.engine)
     solo.add_request(make_item("r0", 0.0, random_words(1, 64), max_tokens=5).sim, 0.0)
     (r0_end,) = [f.finished_s for r in solo.advance_to(1e9) for f in r.finished]
@@ -159,7 +159,7 @@ def test_every_pod_shows_its_kv_capacity_from_the_first_pick() -> None:
 
 
 def test_a_refused_request_is_counted_and_never_recorded() -> None:
-    sim = settings(num_pods=1, num_gpu_blocks=8, block_size=16)  # 128 tokens of KV
+    sim = sim_settings(num_pods=1, num_gpu_blocks=8, block_size=16)  # 128 tokens of KV
     items = [make_item("big", 0.0, random_words(1, 200)), make_item("ok", 1.0, random_words(2, 50))]
     policy = make_policy(
         "prefix-cache", scheduler_config=default_scheduler_config(), engine=sim.engine, seed=0
