@@ -31,7 +31,8 @@ import extproc as extproc_package
 from bench.bench_pods import PodSet
 from bench.envoy_timings import LOG_NAME, http_managers, timing_log
 from e2e.real_vllm.prepare import peer_binary
-from extproc.envoyconf.build import EnvoyOptions, make_bootstrap
+from extproc.envoyconf.build import make_bootstrap
+from extproc.envoyconf.options import EnvoyOptions
 from extproc.envoyconf.render import to_dict
 from extproc.pods import Pod
 from extproc.sim.launch import Proc, free_port, run_stack, spawn, start_envoy_config, wait_until

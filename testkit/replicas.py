@@ -20,7 +20,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from extproc.envoyconf.build import EnvoyOptions
+from extproc.envoyconf.options import EnvoyOptions
 from extproc.pods import Pod
 from extproc.sim.launch import (
     Proc,

@@ -1,4 +1,5 @@
-"""Envoy configuration for extproc, built from the data-plane API's protobuf classes.
+"""Envoy configuration for extproc, built from the data-plane API's protobuf classes
+(from ``EnvoyOptions``, checked in ``envoyconf.options``).
 
 The classes come from ``xds-protos`` (the gRPC project's generated Envoy API), which the
 server needs anyway: no extra dependency, field names and types are checked as the
@@ -17,7 +18,6 @@ service, on the same extproc cluster, reports how each request ended.
 from __future__ import annotations
 
 import ipaddress
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,9 +54,8 @@ from envoy.type.matcher.v3 import value_pb2
 from envoy.type.metadata.v3 import metadata_pb2
 from google.protobuf import any_pb2, duration_pb2, message, wrappers_pb2
 
-from extproc.datalayer.pods_file import parse_address
+from extproc.envoyconf.options import EnvoyOptions, split_host_port
 from extproc.pods import Pod
-from extproc.request.parse import DEFAULT_MAX_BODY_BYTES
 from extproc.wire.protocol import (
     ACCESS_LOG_NAME,
     DESTINATION_KEY,
@@ -74,8 +73,6 @@ from extproc.wire.protocol import (
 PODS_CLUSTER = "extproc_pods"
 EXTPROC_CLUSTER = "extproc"
 
-_HEADER_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*")  # lowercase, and safe inside CEL quotes
-_DNS_NAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?)+")
 
 RETRY_ON = "5xx,reset,connect-failure,refused-stream"
 # Envoy's default circuit breakers allow 1024 requests and 3 concurrent retries per
@@ -83,7 +80,7 @@ RETRY_ON = "5xx,reset,connect-failure,refused-stream"
 # fail-overs. The pods queue requests themselves, so Envoy should not cap them.
 CIRCUIT_BREAKER_LIMIT = 1 << 20
 # Each try goes to a different pod, so there is nothing to back off from; Envoy wants
-# some interval, 5-50 ms keeps a fail-over well under a token's time.
+# some interval, and one this short keeps a fail-over well under a token's time.
 RETRY_BACK_OFF_BASE_S = 0.005
 RETRY_BACK_OFF_MAX_S = 0.05
 # A request gets one retry per pod listed after the first (x-envoy-max-retries), so the
@@ -94,122 +91,6 @@ HOST_SELECTION_RETRY_MAX_ATTEMPTS = 5
 # The access log's entries go out in batches: at this size or this age, whichever first.
 ACCESS_LOG_BUFFER_BYTES = 16384
 ACCESS_LOG_FLUSH_MS = 10
-# How long Envoy waits for the body reply. It covers sending the body to extproc and
-# routing it, and concurrent large bodies queue for the one Python process: 4 bodies of
-# 16 MiB of tiny chat messages at once took up to 4.9 s on a loaded 2-core machine
-# (README, Reliability). A hung extproc holds each request this long before the 504 or
-# the round-robin fallback; a dead one is answered at once.
-DEFAULT_MESSAGE_TIMEOUT_S = 10.0
-
-
-@dataclass(frozen=True, slots=True)
-class EnvoyOptions:
-    """The knobs of the generated Envoy configuration.
-
-    Attributes:
-        extproc_address: extproc's gRPC server (ext_proc and access log), ip:port or
-            dns-name:port (e.g. a Kubernetes Service; then the cluster is STRICT_DNS);
-            several replicas comma-separated (``extproc_addresses``), balanced round
-            robin, a replica that refuses connections ejected for a while.
-        listen_address: the listener's IP.
-        listen_port: the listener's port.
-        admin_port: admin interface port (always on 127.0.0.1).
-        num_fallbacks: retries after the first pod, one per listed fallback pod.
-        failure_mode_allow: when extproc is down or slow, False answers 500 (down) or
-            504 (message timeout); True forwards the request to a round-robin pod.
-        message_timeout_s: how long Envoy waits for the body reply (includes sending
-            the body to extproc: keep it above a max-size body's transfer time).
-        max_body_bytes: largest request body; the listener's per-connection buffer,
-            the buffer filter and ext_proc's BUFFERED mode all hold the whole body.
-        connect_timeout_s: TCP connect timeout for pods and extproc.
-        attribute_headers: request headers sent to extproc as attributes (lowercase),
-            see ``header_attribute``.
-        pods_dns: ``dns-name:port`` whose addresses are the pods (in Kubernetes a
-            headless Service); replaces the static pod list with a STRICT_DNS cluster
-            that follows the pods as DNS does.
-        extproc_tls: TLS towards extproc (``extproc serve --grpc-tls`` not off).
-        extproc_ca_file: CA bundle that verifies extproc's certificate; None with TLS:
-            not verified (extproc's ``self-signed`` mode: private, not authenticated).
-        extproc_sni: the server name sent and (with a CA) verified; default: the host
-            of ``extproc_address``.
-        extproc_client_cert_file, extproc_client_key_file: Envoy's client certificate
-            (extproc's ``mtls`` mode).
-    """
-
-    extproc_address: str = "127.0.0.1:9002"
-    listen_address: str = "127.0.0.1"
-    listen_port: int = 10000
-    admin_port: int = 9901
-    num_fallbacks: int = 2
-    failure_mode_allow: bool = False
-    message_timeout_s: float = DEFAULT_MESSAGE_TIMEOUT_S
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    connect_timeout_s: float = 1.0
-    attribute_headers: tuple[str, ...] = ("x-session-id",)
-    pods_dns: str | None = None
-    extproc_tls: bool = False
-    extproc_ca_file: str | None = None
-    extproc_sni: str | None = None
-    extproc_client_cert_file: str | None = None
-    extproc_client_key_file: str | None = None
-
-    def __post_init__(self) -> None:
-        _ = self.extproc_addresses  # raises on a bad address
-        tls_files = (
-            self.extproc_ca_file,
-            self.extproc_sni,
-            self.extproc_client_cert_file,
-            self.extproc_client_key_file,
-        )
-        if not self.extproc_tls and any(tls_files):
-            raise ValueError("extproc TLS files and SNI need extproc_tls (--extproc-tls)")
-        if (self.extproc_client_cert_file is None) != (self.extproc_client_key_file is None):
-            raise ValueError("the client certificate for extproc needs both its cert and key")
-        if self.pods_dns is not None and split_host_port(self.pods_dns)[2]:
-            raise ValueError(f"pods_dns must be dns-name:port, got {self.pods_dns!r}")
-        for name in ("listen_port", "admin_port"):
-            if not 0 < getattr(self, name) < 65536:
-                raise ValueError(f"{name} must be 1-65535, got {getattr(self, name)}")
-        if self.num_fallbacks < 0:
-            raise ValueError(f"num_fallbacks must be >= 0, got {self.num_fallbacks}")
-        if self.message_timeout_s <= 0 or self.connect_timeout_s <= 0:
-            raise ValueError("timeouts must be positive")
-        if not 0 < self.max_body_bytes < 1 << 32:
-            raise ValueError(f"max_body_bytes must be 1 .. 2**32-1, got {self.max_body_bytes}")
-        for name in self.attribute_headers:
-            if not _HEADER_NAME.fullmatch(name):
-                raise ValueError(f"attribute header {name!r} must be a lowercase header name")
-
-    @property
-    def extproc_addresses(self) -> list[tuple[str, int, bool]]:
-        """``extproc_address`` split at commas, each as ``split_host_port`` returns it."""
-        parts = [a.strip() for a in self.extproc_address.split(",")]
-        if not all(parts):
-            raise ValueError(f"extproc address list {self.extproc_address!r} has an empty entry")
-        return [split_host_port(a) for a in parts]
-
-
-def split_host_port(address: str) -> tuple[str, int, bool]:
-    """Split ``ip:port``, ``[v6]:port`` or ``dns-name:port``.
-
-    Returns:
-        host (IPv6 without brackets), port, and whether the host is an IP address.
-
-    Raises:
-        ValueError: neither form, or a bad port.
-    """
-    try:
-        host, _, port = parse_address(address).rpartition(":")
-        return host.strip("[]"), int(port), True
-    except ValueError as exc:
-        host, _, port = address.rpartition(":")
-        if not _DNS_NAME.fullmatch(host) or host.replace(".", "").isdigit():
-            raise exc from None
-        if not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
-            raise ValueError(
-                f"address {address!r}: port must be an integer from 1 to 65535"
-            ) from None
-        return host, int(port), False
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,8 +273,8 @@ def make_access_log() -> accesslog_pb2.AccessLog:
                     log_name=ACCESS_LOG_NAME,
                     grpc_service=_grpc_service(),
                     transport_api_version=config_source_pb2.ApiVersion.V3,
-                    # Batched: less CPU per request than a message an entry (README:
-                    # Performance), for at most ACCESS_LOG_FLUSH_MS more before a record.
+                    # Batched: less CPU per request than a message an entry (measured:
+                    # envoy/README.md), for at most ACCESS_LOG_FLUSH_MS more before a record.
                     buffer_size_bytes=wrappers_pb2.UInt32Value(value=ACCESS_LOG_BUFFER_BYTES),
                     buffer_flush_interval=duration_pb2.Duration(
                         nanos=ACCESS_LOG_FLUSH_MS * 1_000_000

@@ -14,7 +14,8 @@ import argparse
 from pathlib import Path
 from typing import NamedTuple
 
-from extproc.envoyconf.build import EnvoyOptions, make_bootstrap
+from extproc.envoyconf.build import make_bootstrap
+from extproc.envoyconf.options import EnvoyOptions
 from extproc.envoyconf.render import render_bootstrap
 
 TEMPLATE_PATH = Path(__file__).resolve().parents[2] / "charts/extproc/templates/_envoy-config.tpl"

@@ -103,8 +103,8 @@ has passed ext_proc, so the router picks the host after the reply's metadata arr
     "name: envoy.access_loggers.http_grpc": """\
 How extproc learns that a response ended, where and how: one entry per request on
 extproc's own gRPC port (AccessLogService), batched (16 KiB or 10 ms, whichever
-first: about 10% less CPU per request than a message an entry), with no round per
-streamed chunk. Success is response_code
+first: less CPU per request than a message an entry), with no round per streamed
+chunk. Success is response_code
 2xx, no response_flags and time_to_last_downstream_tx_byte set (measured: a pod dying
 mid-stream keeps its 200 but sets upstream_protocol_error, a client leaving sets
 downstream_connection_termination). The served pod is

@@ -36,7 +36,8 @@ import yaml
 
 import extproc
 from extproc.datalayer.kv_events import EVENTS_PORT_LABEL
-from extproc.envoyconf.build import DEFAULT_MESSAGE_TIMEOUT_S, EnvoyOptions, make_bootstrap
+from extproc.envoyconf.build import make_bootstrap
+from extproc.envoyconf.options import DEFAULT_MESSAGE_TIMEOUT_S, EnvoyOptions
 from extproc.envoyconf.render import to_dict
 from extproc.pods import Pod, PodId
 

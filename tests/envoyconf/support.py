@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from extproc.envoyconf.build import EnvoyOptions, make_bootstrap
+from extproc.envoyconf.build import make_bootstrap
+from extproc.envoyconf.options import EnvoyOptions
 from extproc.envoyconf.render import to_dict
 from extproc.pods import Pod, PodId
 

@@ -16,13 +16,8 @@ import yaml
 
 from extproc.cli import envoy_config as cli
 from extproc.datalayer.pods_file import DEFAULT_PODS_FILE, load_pods
-from extproc.envoyconf.build import (
-    EXTPROC_CLUSTER,
-    EnvoyOptions,
-    make_bootstrap,
-    make_snippet,
-    split_host_port,
-)
+from extproc.envoyconf.build import EXTPROC_CLUSTER, make_bootstrap, make_snippet
+from extproc.envoyconf.options import EnvoyOptions, split_host_port
 from extproc.envoyconf.render import render_bootstrap, render_snippet, to_yaml
 from extproc.pods import Pod, PodId
 from extproc.wire.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE, header_attribute

@@ -1,0 +1,132 @@
+"""The generated Envoy configuration's knobs (``EnvoyOptions``) and their checks: each
+value is refused at construction, naming it, before anything is built from it
+(``envoyconf.build``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from extproc.datalayer.pods_file import parse_address
+from extproc.request.parse import DEFAULT_MAX_BODY_BYTES
+
+_HEADER_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*")  # lowercase, and safe inside CEL quotes
+_DNS_NAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?)+")
+
+# How long Envoy waits for the body reply. It covers sending the body to extproc and
+# routing it, and concurrent large bodies queue for the one Python process, so it stays
+# above the worst round measured for the largest bodies on a loaded machine
+# (bench/results/ext_proc_round.md). A hung extproc holds each request this long before
+# the 504 or the round-robin fallback; a dead one is answered at once.
+DEFAULT_MESSAGE_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class EnvoyOptions:
+    """The knobs of the generated Envoy configuration.
+
+    Attributes:
+        extproc_address: extproc's gRPC server (ext_proc and access log), ip:port or
+            dns-name:port (e.g. a Kubernetes Service; then the cluster is STRICT_DNS);
+            several replicas comma-separated (``extproc_addresses``), balanced round
+            robin, a replica that refuses connections ejected for a while.
+        listen_address: the listener's IP.
+        listen_port: the listener's port.
+        admin_port: admin interface port (always on 127.0.0.1).
+        num_fallbacks: retries after the first pod, one per listed fallback pod.
+        failure_mode_allow: when extproc is down or slow, False answers 500 (down) or
+            504 (message timeout); True forwards the request to a round-robin pod.
+        message_timeout_s: how long Envoy waits for the body reply (includes sending
+            the body to extproc: keep it above a max-size body's transfer time).
+        max_body_bytes: largest request body; the listener's per-connection buffer,
+            the buffer filter and ext_proc's BUFFERED mode all hold the whole body.
+        connect_timeout_s: TCP connect timeout for pods and extproc.
+        attribute_headers: request headers sent to extproc as attributes (lowercase),
+            see ``header_attribute``.
+        pods_dns: ``dns-name:port`` whose addresses are the pods (in Kubernetes a
+            headless Service); replaces the static pod list with a STRICT_DNS cluster
+            that follows the pods as DNS does.
+        extproc_tls: TLS towards extproc (``extproc serve --grpc-tls`` not off).
+        extproc_ca_file: CA bundle that verifies extproc's certificate; None with TLS:
+            not verified (extproc's ``self-signed`` mode: private, not authenticated).
+        extproc_sni: the server name sent and (with a CA) verified; default: the host
+            of ``extproc_address``.
+        extproc_client_cert_file, extproc_client_key_file: Envoy's client certificate
+            (extproc's ``mtls`` mode).
+    """
+
+    extproc_address: str = "127.0.0.1:9002"
+    listen_address: str = "127.0.0.1"
+    listen_port: int = 10000
+    admin_port: int = 9901
+    num_fallbacks: int = 2
+    failure_mode_allow: bool = False
+    message_timeout_s: float = DEFAULT_MESSAGE_TIMEOUT_S
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    connect_timeout_s: float = 1.0
+    attribute_headers: tuple[str, ...] = ("x-session-id",)
+    pods_dns: str | None = None
+    extproc_tls: bool = False
+    extproc_ca_file: str | None = None
+    extproc_sni: str | None = None
+    extproc_client_cert_file: str | None = None
+    extproc_client_key_file: str | None = None
+
+    def __post_init__(self) -> None:
+        _ = self.extproc_addresses  # raises on a bad address
+        tls_files = (
+            self.extproc_ca_file,
+            self.extproc_sni,
+            self.extproc_client_cert_file,
+            self.extproc_client_key_file,
+        )
+        if not self.extproc_tls and any(tls_files):
+            raise ValueError("extproc TLS files and SNI need extproc_tls (--extproc-tls)")
+        if (self.extproc_client_cert_file is None) != (self.extproc_client_key_file is None):
+            raise ValueError("the client certificate for extproc needs both its cert and key")
+        if self.pods_dns is not None and split_host_port(self.pods_dns)[2]:
+            raise ValueError(f"pods_dns must be dns-name:port, got {self.pods_dns!r}")
+        for name in ("listen_port", "admin_port"):
+            if not 0 < getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be 1-65535, got {getattr(self, name)}")
+        if self.num_fallbacks < 0:
+            raise ValueError(f"num_fallbacks must be >= 0, got {self.num_fallbacks}")
+        if self.message_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
+        if not 0 < self.max_body_bytes < 1 << 32:
+            raise ValueError(f"max_body_bytes must be 1 .. 2**32-1, got {self.max_body_bytes}")
+        for name in self.attribute_headers:
+            if not _HEADER_NAME.fullmatch(name):
+                raise ValueError(f"attribute header {name!r} must be a lowercase header name")
+
+    @property
+    def extproc_addresses(self) -> list[tuple[str, int, bool]]:
+        """``extproc_address`` split at commas, each as ``split_host_port`` returns it."""
+        parts = [a.strip() for a in self.extproc_address.split(",")]
+        if not all(parts):
+            raise ValueError(f"extproc address list {self.extproc_address!r} has an empty entry")
+        return [split_host_port(a) for a in parts]
+
+
+def split_host_port(address: str) -> tuple[str, int, bool]:
+    """Split ``ip:port``, ``[v6]:port`` or ``dns-name:port``.
+
+    Returns:
+        host (IPv6 without brackets), port, and whether the host is an IP address.
+
+    Raises:
+        ValueError: neither form, or a bad port.
+    """
+    try:
+        host, _, port = parse_address(address).rpartition(":")
+        return host.strip("[]"), int(port), True
+    except ValueError as exc:
+        host, _, port = address.rpartition(":")
+        if not _DNS_NAME.fullmatch(host) or host.replace(".", "").isdigit():
+            raise exc from None
+        if not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(
+                f"address {address!r}: port must be an integer from 1 to 65535"
+            ) from None
+        return host, int(port), False
