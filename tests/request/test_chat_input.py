@@ -19,12 +19,10 @@ from hypothesis import strategies as st
 
 from extproc.request.parse import Api
 from extproc.request.tokens import NotExact, SegmentTokenizer
+from tests.factories import MODEL_DIR, needs_model_tokenizer
 from tests.request.chat_cases import CHAT_CASES, RESPONSES_CASES, user
 
-MODEL_DIR = Path.home() / ".cache/extproc-e2e/model/qwen3-tiny"
-pytestmark = pytest.mark.skipif(
-    not (MODEL_DIR / "tokenizer.json").exists(), reason="run `python -m e2e.real_vllm.prepare`"
-)
+pytestmark = needs_model_tokenizer
 
 NOT_EXACT_RESPONSES = [
     pytest.param({"input": [{"role": "user", "content": [{"type": "input_image",

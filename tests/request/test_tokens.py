@@ -3,19 +3,15 @@ the e2e model), and the memo tokenizes a conversation's history once."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.request.parse import Api
 from extproc.request.tokens import NotExact, SegmentTokenizer
+from tests.factories import MODEL_DIR, needs_model_tokenizer
 
-MODEL_DIR = Path.home() / ".cache/extproc-e2e/model/qwen3-tiny"
-pytestmark = pytest.mark.skipif(
-    not (MODEL_DIR / "tokenizer.json").exists(), reason="run `python -m e2e.real_vllm.prepare`"
-)
+pytestmark = needs_model_tokenizer
 
 # Text that stresses the cut: the template's special tokens, other added tokens, spaces,
 # newlines and digits around them, and characters that NFC recomposes (e + U+0301).

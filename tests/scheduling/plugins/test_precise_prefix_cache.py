@@ -11,17 +11,14 @@ from prometheus_client import CollectorRegistry
 
 from extproc.errors import ConfigError
 from extproc.pods import Pod, PodId
-from extproc.prefix.precise.keys import Tokens
 from extproc.request.parse import parse_request
 from extproc.scheduling.config import build_scheduler, parse_config
 from extproc.scheduling.interfaces import Cycle, PluginContext
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
+from tests.factories import MODEL_DIR, needs_model_tokenizer
+from tests.scheduling.plugins.support import BS, store
 
-MODEL_DIR = Path.home() / ".cache/extproc-e2e/model/qwen3-tiny"
-pytestmark = pytest.mark.skipif(
-    not (MODEL_DIR / "tokenizer.json").exists(), reason="run `python -m e2e.real_vllm.prepare`"
-)
-BS = 16
+pytestmark = needs_model_tokenizer
 PODS = [Pod(PodId("default", f"p{i}"), f"10.0.0.{i}:8000", frozenset({"m"})) for i in range(3)]
 SYSTEM = "You are a careful assistant. " * 20
 
@@ -35,15 +32,6 @@ def cycle(question: str = "hi", model: str = "m", **extra: object) -> Cycle:
     body = {"model": model, "messages": [{"role": "system", "content": SYSTEM},
             {"role": "user", "content": question}], **extra}  # fmt: skip
     return Cycle(parse_request("/v1/chat/completions", orjson.dumps(body)))
-
-
-def store(plugin: PrecisePrefixCache, pod: Pod, ids: Tokens, salt: str | None = None) -> None:
-    """What the pod's engine would publish after serving ``ids``."""
-    tokens = [int(t) for t in ids]  # as the events carry them
-    num = len(tokens) // BS
-    extra = [[salt] if salt and i == 0 else None for i in range(num)]
-    hashes = [hash((pod.id, salt, tuple(tokens[: (i + 1) * BS]))) for i in range(num)]
-    plugin.index.stored(pod.id, hashes, None, tokens[: num * BS], BS, extra)
 
 
 def test_the_pod_holding_the_prompt_scores_and_matches_exactly() -> None:

@@ -21,12 +21,10 @@ from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.interfaces import BYTES_PER_TOKEN, Cycle, TokenIds
 from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
-from tests.factories import make_pod
-from tests.scheduling.plugins.test_precise_prefix_cache import BS, MODEL_DIR, store
+from tests.factories import MODEL_DIR, make_pod, needs_model_tokenizer
+from tests.scheduling.plugins.support import BS, store
 
-pytestmark = pytest.mark.skipif(
-    not (MODEL_DIR / "tokenizer.json").exists(), reason="run `python -m e2e.real_vllm.prepare`"
-)
+pytestmark = needs_model_tokenizer
 PODS = [make_pod(f"p{i}", port=8000 + i) for i in range(3)]
 SYSTEM = "You answer questions about the routing of requests to model servers. " * 80
 CHAT = {"model": "m", "messages": [{"role": "system", "content": SYSTEM},
