@@ -28,13 +28,13 @@ two successful scrapes, delta ``_sum`` / delta ``_count``. Without new observati
 the last mean is kept for ``hold_s`` (default 10 s), then it is ``None``; a count that
 went down (the engine restarted) starts a new baseline.
 
-Cost: a vLLM page is ~90 KB of ~1,000 lines, almost all histogram buckets we do not
-need, and prometheus_client's parser is slow per sample line (it walks label strings a
+Cost: a full vLLM page is almost all histogram buckets we do not need, and
+prometheus_client's parser is slow per sample line (it walks label strings a
 character at a time). So ``PageParser`` first keeps only the lines of the series above
 (a set lookup on each line's first bytes), then parses each distinct series text once
 with ``text_string_to_metric_families`` and caches its name and labels; the value is
 read with ``float``, as the parser itself does. ``bench/scrape.py`` measures both
-(figures: README, Performance).
+(figures: docs/performance.md).
 """
 
 from __future__ import annotations

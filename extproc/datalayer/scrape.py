@@ -3,7 +3,7 @@
 Design: one daemon thread runs an asyncio loop with one aiohttp session (keep-alive
 connections, C HTTP parser: a fraction of httpx's CPU per GET); parsing is
 ``engine_metrics``' job. Parsing holds the GIL, so a request arriving meanwhile waits
-for it. The costs per scrape and per sweep: README, Performance (``bench/scrape.py``).
+for it. The costs per scrape and per sweep: docs/performance.md (``bench/scrape.py``).
 
 Each tick (every ``interval_s``) starts a scrape of every discovery-ready pod that has
 none in progress, waits for them until the next tick at most, and hands the outcomes
@@ -13,18 +13,17 @@ batch still lets the store re-check staleness). A slow pod's scrape, bounded by
 
 Scraping stays within ``cpu_budget`` of one core (default a tenth): the thread's CPU
 time per sweep is measured, and when scraping every pod each ``interval_s`` would cost
-more, the sweeps are spaced out to fit (for example, at 0.5 ms a scrape, 1,000 pods
-every 0.2 s would take 2.5 cores; within a tenth of one, a sweep every 5 s). Pods then
-stay fresh for ``STALE_SWEEPS`` sweeps, not just ``stale_after_s``. The interval in
-force is the gauge ``extproc_scrape_interval_seconds``; a warning says when it first
-stretches.
+more, the sweeps are spaced out to fit (the interval becomes a full sweep's CPU time /
+``cpu_budget`` when that is longer than ``interval_s``). Pods then stay fresh for
+``STALE_SWEEPS`` sweeps, not just ``stale_after_s``. The interval in force is the
+gauge ``extproc_scrape_interval_seconds``; a warning says when it first stretches.
 
 The page asked for is ``/metrics/?name[]=...``, one ``name[]`` per series we read
 (``engine_metrics.SAMPLE_NAMES``): prometheus_client's exposition then renders just those
 (``restricted_registry``). vLLM mounts prometheus_client's app under ``/metrics/``, while
 its plain ``/metrics`` route ignores the parameter, so a filtered page costs the pod's API
-server a tenth of the CPU of the full one, on the event loop that serves its requests
-(README, Performance). A pod whose filtered page is refused (not 200) or carries none of
+server far less CPU than the full one, on the event loop that serves its requests
+(docs/performance.md). A pod whose filtered page is refused (not 200) or carries none of
 our series is asked for the full ``/metrics`` at once, and from then on while it stays
 (``extproc_scrape_full_page_pods``): any engine serving a plain page still works.
 
@@ -57,7 +56,7 @@ from extproc.pods import Pod, PodId, PodMetrics
 log = logging.getLogger("extproc.datalayer.scrape")
 
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-MAX_PAGE_BYTES: Final = 8 << 20  # real pages are 50-150 KB; this only bounds a broken one
+MAX_PAGE_BYTES: Final = 8 << 20  # far above a real page; this only bounds a broken one
 STALE_SWEEPS: Final = 3  # with a stretched interval, pods stay fresh this many sweeps
 FULL_PAGE: Final = "/metrics"
 FILTERED_PAGE: Final = "/metrics/?" + urlencode([("name[]", n) for n in sorted(SAMPLE_NAMES)])

@@ -9,9 +9,9 @@ the final message renders it with a marker and cuts there, as HF does. The text 
 tokenized without added special tokens. A completions prompt is tokenized as is, with
 them; a prompt of token ids is taken as sent.
 
-Tokenizing is the cost of exactness (about 3 us a token), so a prompt is never
-tokenized whole: the tokenizer splits its added tokens (``<|im_start|>``...) out of the
-text before normalizing and pre-tokenizing, so the text between two of them tokenizes
+Tokenizing is the cost of exactness, so a prompt is never tokenized whole: the
+tokenizer splits its added tokens (``<|im_start|>``...) out of the text before
+normalizing and pre-tokenizing, so the text between two of them tokenizes
 independently of the rest. ``SegmentTokenizer`` cuts there, looks each segment up in a
 memo bounded by total tokens (a conversation's history, a shared system prompt, are
 tokenized once) and encodes the rest in one ``encode_batch`` call (Rust, GIL released).
@@ -54,7 +54,7 @@ from extproc.request.parse import Api
 
 __all__ = ["NotExact", "SegmentTokenizer"]
 
-DEFAULT_MEMO_TOKENS = 4_000_000  # about 100 MB of token ids in Python lists at most
+DEFAULT_MEMO_TOKENS = 4_000_000  # bounds the memo's memory: token ids in Python lists
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # Hugging Face's marker, cut off again
 
 

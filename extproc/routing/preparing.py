@@ -1,6 +1,6 @@
 """The router's preparing threads: a request's slow preparation (``scheduling.interfaces.
-Preparer``: precise-prefix-cache encoding a prompt's new segments, about 3 us a token)
-runs here, not on the thread that serves every other request (the gRPC loop).
+Preparer``: precise-prefix-cache encoding a prompt's new segments) runs here, not on
+the thread that serves every other request (the gRPC loop).
 
 A small pool: ``tokenizers`` releases the GIL while it encodes, so a few threads use the
 other cores. At most ``max_waiting`` requests wait or run here at once; beyond that
@@ -20,10 +20,10 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 DEFAULT_THREADS = 2
-# A cold 220 KB chat prompt is 41,000 tokens, about 130 ms at 3 us a token: 32 of them
-# behind 2 threads are answered within 32 * 130 / 2 ms = 2.1 s, inside Envoy's 10 s
-# message_timeout with room for a loaded machine; past that an approximate route at once
-# beats a late exact one.
+# A full queue of cold long prompts behind DEFAULT_THREADS threads is still answered well
+# inside Envoy's message_timeout, with room for a loaded machine (the tokenizing cost:
+# bench/results/figures-from-code.md); past that an approximate route at once beats a
+# late exact one.
 DEFAULT_MAX_WAITING = 32
 
 

@@ -22,9 +22,8 @@ from extproc.wire.protocol import (
     SUBSET_HINT_NAMESPACE,
 )
 
-# Bodies this big take tens of milliseconds and more to parse and render (a quarter of a
-# million chat messages: about 0.7 s); they are routed off the loop so that the requests
-# behind them are not held up.
+# Bodies this big are slow to parse and render; they are routed off the loop so that the
+# requests behind them are not held up.
 OFF_LOOP_BODY_BYTES = 1 << 20
 
 _JSON_CONTENT_TYPE = base_pb2.HeaderValueOption(

@@ -2,9 +2,9 @@
 
 Why not ``grpc.server``: it hands every RPC to a thread pool, and every message of it
 crosses from the polling thread to a worker and back (a condition variable each way).
-For extproc's short streams that hand-off was most of the cost (README, Performance:
-CPU per routed request before and after this loop, and on the public server). Here the thread that polls the
-completion queue also runs the handlers: a stream costs three completion events (the
+For extproc's short streams that hand-off was most of the cost (docs/performance.md:
+CPU per routed request on this loop and on the public server). Here the thread that
+polls the completion queue also runs the handlers: a stream costs three completion events (the
 call, its message, the reply sent with the status), nothing waits on a lock, and an
 open stream holds no thread.
 

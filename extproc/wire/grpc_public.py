@@ -7,7 +7,7 @@ the same behaviour: at most ``max_streams`` streams (RESOURCE_EXHAUSTED beyond, 
 the flag), ``drain(keep=...)`` (UNAVAILABLE for the others), INTERNAL without a trace
 for a handler bug, INVALID_ARGUMENT for bytes that are no message, and ``on_close
 (delivered)`` for every stream opened. The price is grpcio's thread pool: each open
-stream holds a worker thread, and every message crosses threads (README: Performance).
+stream holds a worker thread, and every message crosses threads (docs/performance.md).
 """
 
 from __future__ import annotations
