@@ -46,7 +46,7 @@ def precise(vllm_pods: list[VllmPod]) -> Iterator[PrecisePrefixCache]:
     subscriber = KvEventsSubscriber(
         plugin.index, EventsSettings("bind", bind=endpoints), CollectorRegistry()
     )
-    plugin.attach(subscriber)
+    subscriber.set_pods([p.as_pod() for p in vllm_pods])
     plugin.pods_changed([p.as_pod() for p in vllm_pods])
     subscriber.start()
     try:

@@ -124,7 +124,7 @@ class Precise:
         port = int(relay.endpoint.rsplit(":", 1)[1])
         settings = EventsSettings("connect", port, replay_port=pod.replay_port if replay else None)
         self.subscriber = KvEventsSubscriber(self.plugin.index, settings, self.registry)
-        self.plugin.attach(self.subscriber)
+        self.subscriber.set_pods([pod.as_pod()])
         self.plugin.pods_changed([pod.as_pod()])
 
     def metric(self, name: str, **labels: str) -> float:

@@ -27,6 +27,7 @@ from extproc.datalayer.scrape import MetricsScraper
 from extproc.datalayer.sources import PodsSource, describe_source, make_pods_source
 from extproc.datalayer.store import PodStore
 from extproc.errors import ConfigError
+from extproc.pods import Pod
 from extproc.request.render import Rendering
 from extproc.routing.preparing import PreparePool
 from extproc.routing.router import Router
@@ -197,7 +198,14 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
     )
     kv_events = _kv_events_subscriber(args, scheduler.listeners, registry)
     scraping = args.stale_after_s > 0
-    store = PodStore(router.set_pods, stale_after_s=args.stale_after_s if scraping else None)
+
+    def publish(pods: tuple[Pod, ...]) -> None:
+        """A pod snapshot, to the router and to the KV-events subscriber (its publishers)."""
+        router.set_pods(pods)
+        if kv_events is not None:
+            kv_events.set_pods(pods)
+
+    store = PodStore(publish, stale_after_s=args.stale_after_s if scraping else None)
     watcher = make_pods_source(args, store.set_pods)
     store.set_pods(watcher.pods)
     scraper = None
@@ -279,6 +287,5 @@ def _kv_events_subscriber(
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     subscriber = KvEventsSubscriber(precise.index, settings, registry)
-    precise.attach(subscriber)
     log.info("precise-prefix-cache: KV events, %s", settings)
     return subscriber

@@ -94,7 +94,7 @@ def precise(sim: SimPods) -> Iterator[PrecisePrefixCache]:
         {"models": {"m": str(MODEL_DIR)}}, PluginContext(CollectorRegistry())
     )
     subscriber = KvEventsSubscriber(plugin.index, EventsSettings("connect"), CollectorRegistry())
-    plugin.attach(subscriber)
+    subscriber.set_pods(sim.as_pods())
     plugin.pods_changed(sim.as_pods())
     subscriber.start()
     try:

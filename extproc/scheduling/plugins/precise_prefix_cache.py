@@ -1,5 +1,6 @@
 """precise-prefix-cache (Score): favour the pods whose KV cache holds the prompt's start,
-as their own KV events say (``datalayer.kv_events`` -> ``prefix.precise.index``).
+as their own KV events say (``datalayer.kv_events`` -> ``prefix.precise.index``: the
+process builds the events subscriber on this plugin's ``index`` and feeds it the pods).
 
 * inputs: the request's exact token ids (``request.tokens``: the model's chat template
   and tokenizer from ``models: {name: directory}``), cut into the pod's block size (from
@@ -41,7 +42,6 @@ from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from extproc.datalayer.kv_events import KvEventsSubscriber
 from extproc.errors import ConfigError
 from extproc.pods import Pod, PodId
 from extproc.prefix.hashing import Keys, as_keys
@@ -142,7 +142,6 @@ class PrecisePrefixCache:
             self.tokenizers = {m: SegmentTokenizer(d, share) for m, d in models.items()}
         except ValueError as exc:
             raise ConfigError(f"precise-prefix-cache: {exc}") from None
-        self.subscriber: KvEventsSubscriber | None = None
         self.arrivals = Arrivals()
         registry = ctx.registry
         ratio = Histogram(
@@ -201,10 +200,6 @@ class PrecisePrefixCache:
             )
         numeric = {k: v for k, v in raw.items() if k != "models"}
         return cls(load_args(cls.args_type, numeric), models, ctx)
-
-    def attach(self, subscriber: KvEventsSubscriber) -> None:
-        """The events subscriber feeding ``self.index``; told of every pod change."""
-        self.subscriber = subscriber
 
     # Tokens and matches -----------------------------------------------------------
 
@@ -384,5 +379,3 @@ class PrecisePrefixCache:
     def pods_changed(self, pods: Sequence[Pod]) -> None:
         self.approx.retain_pods(p.id for p in pods)
         self.arrivals.forget_pods({p.id for p in pods})
-        if self.subscriber is not None:
-            self.subscriber.set_pods(pods)
