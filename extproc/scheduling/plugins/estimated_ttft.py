@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Container, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, ClassVar, NamedTuple
 
@@ -81,7 +81,7 @@ from prometheus_client import Gauge
 from extproc.pods import Pod, PodId
 from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PrefixIndex
-from extproc.scheduling.args import ZERO_UP, load_args
+from extproc.scheduling.args import ZERO_UP, arg, load_args
 from extproc.scheduling.interfaces import (
     BYTES_PER_TOKEN,
     Cycle,
@@ -98,19 +98,40 @@ from extproc.scheduling.podtable import PodTable, Positions, RowValues
 
 @dataclass(frozen=True, slots=True)
 class EstimatedTTFTArgs:
-    blockSizeToHash: int = 64  # bytes a block of the prefix view, as prefix-cache
-    maxBlocksToMatch: int = 512  # 32 KB of prompt: long chat histories still tell pods apart
-    maxHashCacheSize: int = 50000  # entries per pod
-    prefillMsPerToken: float = 0.1  # ms of one step per uncached prompt token
-    queuedMs: float = 30.0  # ms each request queued ahead adds beyond its prefill (steps, a slot)
-    runningMs: float = 5.0  # ms each running request adds (its decode share of each step)
-    # the affinity pod yields only past this many ms (0: the ratio alone) ...
-    affinityMarginMs: float = field(default=50.0, metadata={"range": ZERO_UP})
-    affinityRatio: float = 1.5  # ... and past this many times the other's estimate
-    affinityMinMatch: float = 0.3  # no affinity for a match under this share of the prompt
-    # the most a pod's recent cache writes add to its cost (0: no write cost) ...
-    writtenMs: float = field(default=300.0, metadata={"range": ZERO_UP})
-    writtenWindow: int = 1000  # ... counted over about this many picks (decayed)
+    blockSizeToHash: int = arg(64, "Bytes of the prompt per block of the prefix view.")
+    # 512 blocks: 32 KB of prompt, so long chat histories still tell pods apart
+    maxBlocksToMatch: int = arg(
+        512, "Blocks hashed per prompt: its first blockSizeToHash x maxBlocksToMatch bytes."
+    )
+    maxHashCacheSize: int = arg(
+        50000, "Blocks recorded per pod; beyond, the least recently used are evicted."
+    )
+    prefillMsPerToken: float = arg(
+        0.1, "Milliseconds of one engine step per uncached prompt token (the prefill speed)."
+    )
+    queuedMs: float = arg(
+        30.0, "Milliseconds each request queued ahead adds beyond its prefill (steps, a slot)."
+    )
+    runningMs: float = arg(
+        5.0, "Milliseconds each running request adds (its decode share of each step)."
+    )
+    affinityMarginMs: float = arg(
+        50.0,
+        "The pods holding the longest match yield the request only when their estimate "
+        "exceeds the best other pod's by more than this many ms (0: the ratio alone) ...",
+        within=ZERO_UP,
+    )
+    affinityRatio: float = arg(1.5, "... and by more than this many times.")
+    affinityMinMatch: float = arg(0.3, "No affinity for a match under this share of the prompt.")
+    writtenMs: float = arg(
+        300.0,
+        "The most a pod's recent cache writes add to its estimate, in ms: a whole uncached "
+        "prompt on the busiest writer (0: no write cost).",
+        within=ZERO_UP,
+    )
+    writtenWindow: int = arg(
+        1000, "Picks over which each pod's cache writes are counted (decayed)."
+    )
 
 
 class Written:
@@ -202,6 +223,7 @@ class EstimatedTTFT:
     """Scores pods by estimated time to first token, with affinity hysteresis."""
 
     type_name: ClassVar[str] = "estimated-ttft"
+    args_type: ClassVar[type[EstimatedTTFTArgs]] = EstimatedTTFTArgs
 
     def __init__(self, args: EstimatedTTFTArgs, ctx: PluginContext) -> None:
         self.args = args
@@ -224,7 +246,7 @@ class EstimatedTTFT:
 
     @classmethod
     def from_args(cls, args: Any, ctx: PluginContext) -> EstimatedTTFT:
-        return cls(load_args(EstimatedTTFTArgs, args), ctx)
+        return cls(load_args(cls.args_type, args), ctx)
 
     @property
     def block_geometry(self) -> tuple[int, int]:

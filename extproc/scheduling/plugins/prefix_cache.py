@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 from extproc.pods import Pod, PodId
 from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PrefixIndex
-from extproc.scheduling.args import load_args
+from extproc.scheduling.args import arg, load_args
 from extproc.scheduling.interfaces import Cycle, PluginContext, Scores
 from extproc.scheduling.plugins.prefix_metrics import prefix_cache_metrics
 from extproc.scheduling.plugins.prefix_rows import match_rows, per_row
@@ -35,16 +35,24 @@ from extproc.scheduling.podtable import PodTable, Positions
 
 @dataclass(frozen=True, slots=True)
 class PrefixCacheArgs:
-    blockSizeToHash: int = 64  # field names are the configuration keys
-    maxBlocksToMatch: int = 128  # 64 * 128 = the first 8,192 bytes
-    maxHashCacheSize: int = 50000  # entries per pod (~390 distinct 8 KB prompts)
-    topKMatches: int = 5
+    # field names are the configuration keys
+    blockSizeToHash: int = arg(64, "Bytes of the prompt per hashed block.")
+    maxBlocksToMatch: int = arg(
+        128, "Blocks hashed per prompt: its first blockSizeToHash x maxBlocksToMatch bytes."
+    )
+    maxHashCacheSize: int = arg(
+        50000, "Blocks recorded per pod; beyond, the least recently used are evicted."
+    )
+    topKMatches: int = arg(
+        5, "At most this many pods score, those with the longest match; the others score 0."
+    )
 
 
 class PrefixCacheScorer:
     """Scores by recorded prefix match and records served prompts."""
 
     type_name: ClassVar[str] = "prefix-cache"
+    args_type: ClassVar[type[PrefixCacheArgs]] = PrefixCacheArgs
 
     def __init__(self, args: PrefixCacheArgs, ctx: PluginContext) -> None:
         self.args = args
@@ -53,7 +61,7 @@ class PrefixCacheScorer:
 
     @classmethod
     def from_args(cls, args: Any, ctx: PluginContext) -> PrefixCacheScorer:
-        return cls(load_args(PrefixCacheArgs, args), ctx)
+        return cls(load_args(cls.args_type, args), ctx)
 
     @property
     def block_geometry(self) -> tuple[int, int]:
