@@ -84,12 +84,6 @@ class PodStore:
             self._health = health
             self._publish(now)
 
-    def set_metrics(
-        self, pod_id: PodId, metrics: PodMetrics | None, reachable: bool = True
-    ) -> None:
-        """One pod's scrape outcome (see ``update_metrics``)."""
-        self.update_metrics([MetricsUpdate(pod_id, metrics, reachable)])
-
     def update_metrics(self, updates: Iterable[MetricsUpdate]) -> None:
         """Scrape outcomes, published together; an empty batch re-checks staleness.
 

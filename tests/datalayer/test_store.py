@@ -8,6 +8,7 @@ import pytest
 
 from extproc.datalayer.store import MetricsUpdate, PodStore
 from extproc.pods import Pod, PodMetrics
+from testkit.pod_store import set_metrics
 from tests.factories import make_pod
 
 
@@ -49,7 +50,7 @@ def test_merges_discovery_and_metrics_in_discovery_order() -> None:
     store, published, _ = make_store()
     a, b = make_pod("a", port=1), make_pod("b", port=2)
     store.set_pods([b, a])
-    store.set_metrics(a.id, LOADED)
+    set_metrics(store, a.id, LOADED)
     assert [p.id.name for p in published.last] == ["b", "a"]
     assert published.last[1].metrics == LOADED and published.last[1].ready
     assert published.last[0].metrics == PodMetrics()
@@ -72,14 +73,14 @@ def test_fresh_metrics_then_stale_then_back() -> None:
     store, published, clock = make_store(stale_after_s=2.0)
     a = make_pod("a")
     store.set_pods([a])
-    store.set_metrics(a.id, LOADED)
+    set_metrics(store, a.id, LOADED)
     clock.now_s += 1.5
-    store.set_metrics(a.id, None)  # a failed scrape keeps the last metrics
+    set_metrics(store, a.id, None)  # a failed scrape keeps the last metrics
     assert published.ready() == ["a"] and published.last[0].metrics == LOADED
     clock.now_s += 0.6  # 2.1 s since the last success
     store.update_metrics([])
     assert published.ready() == [] and published.last[0].metrics == LOADED
-    store.set_metrics(a.id, PodMetrics(waiting=1))
+    set_metrics(store, a.id, PodMetrics(waiting=1))
     assert published.ready() == ["a"] and published.last[0].metrics.waiting == 1
 
 
@@ -87,12 +88,12 @@ def test_unreachable_is_not_ready_at_once_until_a_scrape_succeeds() -> None:
     store, published, _ = make_store()
     a = make_pod("a")
     store.set_pods([a])
-    store.set_metrics(a.id, LOADED)
-    store.set_metrics(a.id, None, reachable=False)
+    set_metrics(store, a.id, LOADED)
+    set_metrics(store, a.id, None, reachable=False)
     assert published.ready() == []
-    store.set_metrics(a.id, None)  # e.g. a timeout: still out
+    set_metrics(store, a.id, None)  # e.g. a timeout: still out
     assert published.ready() == []
-    store.set_metrics(a.id, LOADED)
+    set_metrics(store, a.id, LOADED)
     assert published.ready() == ["a"]
 
 
@@ -100,7 +101,7 @@ def test_discovery_unready_wins_over_fresh_metrics() -> None:
     store, published, _ = make_store()
     a = make_pod("a", ready=False)
     store.set_pods([a])
-    store.set_metrics(a.id, LOADED)
+    set_metrics(store, a.id, LOADED)
     assert published.ready() == []
 
 
@@ -115,7 +116,7 @@ def test_unchanged_pods_keep_their_objects_and_nothing_is_republished() -> None:
     store.update_metrics([MetricsUpdate(a.id, replace(LOADED)), MetricsUpdate(b.id, LOADED)])
     store.set_pods([make_pod("a", port=1), make_pod("b", port=2)])  # equal, new objects
     assert len(published.snapshots) == count
-    store.set_metrics(b.id, PodMetrics(waiting=9))
+    set_metrics(store, b.id, PodMetrics(waiting=9))
     assert published.last[0] is first[0] and published.last[1] is not first[1]
 
 
@@ -133,7 +134,7 @@ def test_removed_pods_leave_and_their_late_updates_are_ignored() -> None:
     a, b = make_pod("a", port=1), make_pod("b", port=2)
     store.set_pods([a, b])
     store.set_pods([b])
-    store.set_metrics(a.id, LOADED)
+    set_metrics(store, a.id, LOADED)
     assert [p.id.name for p in published.last] == ["b"]
     store.set_pods([a, b])  # back: a new pod, in its grace period, without old metrics
     assert published.last[0].metrics == PodMetrics() and published.ready() == ["a", "b"]
