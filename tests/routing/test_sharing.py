@@ -27,7 +27,7 @@ from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.wire.access_log import AccessLogHandler
 from testkit.replicas import RedisServer, run_redis, wait_until_true
 from tests.factories import make_pod
-from tests.routing.test_replicas import GEOMETRY, PODS, log_entry, make_router, process
+from tests.routing.support import GEOMETRY, PODS, log_entry, make_router, process
 
 pytestmark = pytest.mark.timeout(120)
 
