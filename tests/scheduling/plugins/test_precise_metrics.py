@@ -17,6 +17,7 @@ from extproc.request.parse import parse_request
 from extproc.scheduling.interfaces import Cycle, PluginContext
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from tests.factories import write_tokenizer
+from tools.docs_reference import REFERENCE
 
 BS = 4
 PODS = [Pod(PodId("default", f"p{i}"), f"10.0.0.{i}:8000", frozenset({"m"})) for i in range(2)]
@@ -106,15 +107,16 @@ def test_the_arriving_requests_are_those_picked_and_not_ended(
     assert get(registry, "extproc_precise_prefix_arriving_requests") == 0
 
 
-def test_every_precise_metric_is_in_the_readme(
+def test_every_precise_metric_is_in_the_metrics_reference(
     plugin: PrecisePrefixCache, registry: CollectorRegistry
 ) -> None:
-    """The README's metrics table names each family the plugin and the subscriber export."""
+    """The metrics reference (docs/reference/metrics.md) names each family the plugin and
+    the subscriber export."""
     KvEventsSubscriber(plugin.index, EventsSettings(), registry)  # not started: no sockets
-    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    reference = (REFERENCE / "metrics.md").read_text()
     names = [
         f"{family.name}_total" if family.type == "counter" else family.name
         for family in registry.collect()
     ]
     assert len(names) == 20
-    assert [name for name in names if f"`{name}`" not in readme] == []
+    assert [name for name in names if f"`{name}`" not in reference] == []
