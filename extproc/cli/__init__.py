@@ -19,6 +19,24 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import extproc
+from extproc.cli.version import commit, hot_path
+
+# Where every command's page says the docs are: the site ``make docs`` builds from docs/.
+CLI_REFERENCE = "docs/reference/cli.md"
+
+DESCRIPTION = f"""\
+Route each OpenAI-style inference request that Envoy receives to the vLLM pod most likely
+to hold its prompt's prefix in cache (an Envoy ext_proc server).
+
+Most common:
+  extproc serve --pods pods.yaml     route among the pods listed in a file
+  extproc demo                       try it on localhost: simulated pods, extproc, Envoy
+
+`extproc COMMAND --help` shows a command's flags. Documentation: the site `make docs`
+builds from docs/ (start at docs/getting-started.md); every command and flag is in
+{CLI_REFERENCE}."""
+
 
 class Command(NamedTuple):
     name: str
@@ -26,13 +44,14 @@ class Command(NamedTuple):
     extra: str | None  # the optional dependency group it needs; None: the base install
 
 
+# In the order ``extproc --help`` lists them: the server and its Envoy first.
 COMMANDS: tuple[Command, ...] = (
-    Command("hash", "extproc.cli.hash", None),
     Command("serve", "extproc.cli.serve", None),
     Command("envoy-config", "extproc.cli.envoy_config", None),
+    Command("hash", "extproc.cli.hash", None),
+    Command("demo", "extproc.sim.demo", "sim"),
     Command("sim-pods", "extproc.sim.pods_cli", "sim"),
     Command("simulate", "extproc.sim.simulate_cli", "sim"),
-    Command("demo", "extproc.sim.demo", "sim"),
 )
 
 
@@ -85,8 +104,33 @@ def _register_missing(sub: Any, command: Command, why: str) -> None:
     p.set_defaults(func=explain)
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: printed on demand, since finding the commit may run git."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: Any, **_kwargs: Any) -> None:
+        print(version_text(), end="")
+        parser.exit()
+
+
+def version_text() -> str:
+    """``extproc VERSION``, ``commit: ...`` and ``hot path: ...``, a line each."""
+    return f"extproc {extproc.__version__}\ncommit: {commit()}\nhot path: {hot_path()}\n"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="extproc", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="extproc",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--version",
+        action=_VersionAction,
+        help="print the version, the commit it was built from and the hot path in use, and exit",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         absent = missing_requirement(command.extra) if command.extra else None
