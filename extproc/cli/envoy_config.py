@@ -7,12 +7,27 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from extproc.cli import CLI_REFERENCE
 from extproc.datalayer.pods_file import DEFAULT_PODS_FILE, load_pods
-from extproc.envoyconf.build import EnvoyOptions, make_bootstrap, make_snippet
+from extproc.envoyconf.build import make_bootstrap, make_snippet
+from extproc.envoyconf.options import EnvoyOptions
 from extproc.envoyconf.render import render_bootstrap, render_snippet
 from extproc.errors import ConfigError
 
 _DEFAULTS = EnvoyOptions()
+
+
+DESCRIPTION = f"""\
+Write the configuration of an Envoy that sends every request through extproc: a whole
+bootstrap, and optionally the snippet to add to an Envoy you already run.
+
+Most common:
+  extproc envoy-config --pods pods.yaml --extproc-address 127.0.0.1:9002 -o envoy.yaml
+  extproc envoy-config --pods-dns vllm-headless:8000 --extproc-address extproc:9002 \\
+      --listen-address 0.0.0.0 -o envoy.yaml
+
+Then run `envoy -c envoy.yaml` beside `extproc serve`. Documentation: the site `make docs`
+builds from docs/ (docs/configuration.md; every flag in {CLI_REFERENCE})."""
 
 
 def register(subparsers: Any) -> None:
@@ -20,72 +35,100 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "envoy-config",
         help="write an Envoy bootstrap and snippet routing through extproc",
-        description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--pods", type=Path, default=DEFAULT_PODS_FILE, help="pods YAML file (every pod)"
+        "--pods",
+        type=Path,
+        default=DEFAULT_PODS_FILE,
+        help="pods YAML file: every pod Envoy may send to (default: the demo's four "
+        "localhost pods, extproc/data/pods.yaml)",
     )
     parser.add_argument(
         "--pods-dns",
         metavar="NAME:PORT",
-        help="take the pods from DNS instead of --pods (e.g. a Kubernetes headless Service)",
+        help="take the pods from DNS instead of --pods, e.g. a Kubernetes headless Service "
+        "(default: none)",
     )
     parser.add_argument(
         "--extproc-address",
         default=_DEFAULTS.extproc_address,
-        help="extproc gRPC server, ip:port or dns-name:port; several replicas comma-separated",
+        help="extproc gRPC server, ip:port or dns-name:port; several replicas "
+        "comma-separated (default: %(default)s)",
     )
-    parser.add_argument("--listen-address", default=_DEFAULTS.listen_address)
-    parser.add_argument("--listen-port", type=int, default=_DEFAULTS.listen_port)
-    parser.add_argument("--admin-port", type=int, default=_DEFAULTS.admin_port)
+    parser.add_argument(
+        "--listen-address",
+        default=_DEFAULTS.listen_address,
+        help="Envoy's listener address (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--listen-port",
+        type=int,
+        default=_DEFAULTS.listen_port,
+        help="Envoy's listener port (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--admin-port",
+        type=int,
+        default=_DEFAULTS.admin_port,
+        help="Envoy's admin port (default: %(default)s)",
+    )
     parser.add_argument(
         "--num-fallbacks",
         type=int,
         default=_DEFAULTS.num_fallbacks,
-        help="retries, each on the next pod extproc lists",
+        help="retries, each on the next pod extproc lists (default: %(default)s)",
     )
     parser.add_argument(
         "--failure-mode-allow",
         action="store_true",
-        help="when extproc is down or late, route round-robin instead of 500/504",
+        help="when extproc is down or late, route round-robin instead of 500/504 (default: off)",
     )
     parser.add_argument(
         "--message-timeout-s",
         type=float,
         default=_DEFAULTS.message_timeout_s,
-        help="wait for extproc's reply to the body",
+        help="wait for extproc's reply to the body (default: %(default)s s)",
     )
     parser.add_argument(
         "--max-body-bytes",
         type=int,
         default=_DEFAULTS.max_body_bytes,
-        help="largest request body (413 above)",
+        help="largest request body, 413 above (default: %(default)s bytes)",
     )
     parser.add_argument(
         "--attribute-header",
         dest="attribute_headers",
         action="append",
         metavar="NAME",
-        help=f"request header sent to extproc (repeatable; default {_DEFAULTS.attribute_headers})",
+        help="request header sent to extproc, repeatable "
+        f"(default: {', '.join(_DEFAULTS.attribute_headers)})",
     )
     parser.add_argument(
         "--extproc-tls",
         action="store_true",
-        help="TLS towards extproc (extproc serve --grpc-tls self-signed, files or mtls)",
+        help="TLS towards extproc, for extproc serve --grpc-tls self-signed, files or mtls "
+        "(default: off)",
     )
     parser.add_argument(
         "--extproc-ca-file",
-        help="CA that verifies extproc's certificate (without it: not verified, for "
+        help="CA that verifies extproc's certificate (default: none: not verified, for "
         "--grpc-tls self-signed)",
     )
     parser.add_argument("--extproc-sni", help="server name (default: the extproc host)")
-    parser.add_argument("--extproc-client-cert-file", help="Envoy's certificate (mTLS)")
-    parser.add_argument("--extproc-client-key-file", help="Envoy's key (mTLS)")
+    parser.add_argument(
+        "--extproc-client-cert-file", help="Envoy's certificate, for mTLS (default: none)"
+    )
+    parser.add_argument("--extproc-client-key-file", help="Envoy's key, for mTLS (default: none)")
     parser.add_argument(
         "--output", "-o", type=Path, help="write the bootstrap here (default: stdout)"
     )
-    parser.add_argument("--snippet", type=Path, help="also write the snippet for an existing Envoy")
+    parser.add_argument(
+        "--snippet",
+        type=Path,
+        help="also write the snippet for an existing Envoy here (default: none)",
+    )
     parser.set_defaults(func=run)
 
 

@@ -131,9 +131,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+DESCRIPTION = """\
+Serve simulated vLLM pods on 127.0.0.1 until SIGINT or SIGTERM: OpenAI-style endpoints,
+vLLM's /metrics and a simulated prefix cache, to route to without a GPU. When every pod
+listens, one JSON line on stdout names them.
+
+Most common:
+  extproc sim-pods --pods 4 --port 8100 --model sim-model   extproc/data/pods.yaml's pods
+  extproc sim-pods --pods 2 --port 0                        free ports, named on stdout
+
+Documentation: the site `make docs` builds from docs/ (docs/development.md; every flag in
+docs/reference/cli.md)."""
+
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "sim-pods", help="serve simulated vLLM pods", description=__doc__,
+        "sim-pods", help="serve simulated vLLM pods", description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     add_arguments(parser)

@@ -51,11 +51,25 @@ from extproc.sim.workloads import (
 WORKLOADS = ("burst", "chat", "multiturn", "tenants", *TRACE_FILES, "trace")
 
 
+DESCRIPTION = """\
+Compare routing policies offline: one workload replayed on simulated vLLM engines under
+each policy, in simulated time (no Envoy, no network), and a table of prefix-cache hit
+ratio, time to first token, evictions, refusals and requests per pod.
+
+Most common:
+  extproc simulate --workload burst --pods 4
+  extproc simulate --workload mooncake-conversation --pods 8 --requests 2000 \\
+      --policies round-robin,prefix-cache,cost-aware --json out.json --png out.png
+
+Documentation: the site `make docs` builds from docs/ (docs/routing-quality.md; every flag
+in docs/reference/cli.md)."""
+
+
 def register(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
         "simulate",
         help="compare routing policies offline on simulated engines",
-        description=__doc__,
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(p)
