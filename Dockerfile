@@ -18,6 +18,9 @@ RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     pip install --no-cache-dir --no-index --find-links=/wheels extproc
 USER 65532:65532
 # ext_proc and the access log (gRPC), gRPC health, Prometheus metrics: the chart's ports.
+# serve refuses to start without a pods source: the chart adds --k8s-selector or
+# --inference-pool; with `docker run`, set EXTPROC_PODS to a mounted pods file (or give
+# the whole serve command, with --pods FILE).
 EXPOSE 9002 9003 9090
 ENTRYPOINT ["extproc"]
 CMD ["serve", "--address=0.0.0.0", "--grpc-port=9002", "--health-port=9003", "--metrics-port=9090"]

@@ -65,27 +65,29 @@ def add_events_arguments(p: argparse.ArgumentParser, env: Callable[[str, Any], A
         "--kv-events-topology",
         choices=("connect", "bind"),
         default=env("kv-events-topology", "connect"),
-        help="connect to each pod's publisher, or bind for pods that connect (default %(default)s)",
+        help="connect to each pod's publisher, or bind for pods that connect "
+        "(default: %(default)s)",
     )
     g.add_argument(
         "--kv-events-port",
         type=int,
         default=env("kv-events-port", "5557"),
         help="connect: the pods' publisher port, unless a pod's label "
-        f"{EVENTS_PORT_LABEL} says otherwise (default %(default)s)",
+        f"{EVENTS_PORT_LABEL} says otherwise (default: %(default)s)",
     )
     g.add_argument(
         "--kv-events-bind",
         action="append",
         default=None,
         metavar="ENDPOINT",
-        help="bind: an endpoint to bind, e.g. tcp://0.0.0.0:5557 (repeatable)",
+        help="bind: an endpoint to bind, e.g. tcp://0.0.0.0:5557 (repeatable) (default: none)",
     )
     g.add_argument(
         "--kv-events-replay-port",
         type=int,
         default=env("kv-events-replay-port", None),
-        help="the pods' replay endpoint port (vLLM's replay_endpoint), asked after a gap",
+        help="the pods' replay endpoint port (vLLM's replay_endpoint), asked after a gap "
+        "(default: none: a gap marks the pod's view stale until it is rebuilt)",
     )
 
 

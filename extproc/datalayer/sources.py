@@ -1,9 +1,8 @@
 """Choosing where ``extproc serve`` gets its pods: ``--pods FILE`` or Kubernetes.
 
-Exactly one source::
+Exactly one source, or ``serve`` refuses to start::
 
-    --pods FILE                                  a YAML file, polled (the default: the
-                                                 shipped file with four local pods)
+    --pods FILE                                  a YAML file, polled
     --k8s-selector SEL --k8s-target-port P       pods matching a label selector
     --inference-pool NAME                        the pods of a GIE InferencePool
 
@@ -30,7 +29,7 @@ from extproc.datalayer.k8s_objects import (
     PodTarget,
 )
 from extproc.datalayer.kubeconfig import load_kube_config
-from extproc.datalayer.pods_file import DEFAULT_PODS_FILE, PodsFileWatcher
+from extproc.datalayer.pods_file import PodsFileWatcher
 from extproc.errors import ConfigError
 from extproc.pods import Pod
 
@@ -47,78 +46,101 @@ class PodsSource(Protocol):
 
 def add_source_arguments(p: argparse.ArgumentParser, env: Callable[[str, Any], Any]) -> None:
     """Register the pod source flags; ``env(name, default)`` supplies environment defaults."""
-    g = p.add_argument_group("pod source", "--pods FILE, --k8s-selector, or --inference-pool")
-    g.add_argument(
-        "--pods", metavar="FILE", default=env("pods", None), help="pods YAML (default: shipped)"
+    g = p.add_argument_group(
+        "pods from a file", "one source of pods is required: a file, or Kubernetes (below)"
     )
-    g.add_argument("--pods-poll-s", type=float, default=env("pods-poll-s", "1.0"))
+    g.add_argument(
+        "--pods",
+        metavar="FILE",
+        default=env("pods", None),
+        help="the pods YAML file, watched for changes (default: none)",
+    )
+    g.add_argument(
+        "--pods-poll-s",
+        type=float,
+        default=env("pods-poll-s", "1.0"),
+        help="how often the file is checked for changes (default: %(default)s s)",
+    )
+    g = p.add_argument_group(
+        "pods from Kubernetes", "--k8s-selector with --k8s-target-port, or --inference-pool"
+    )
     g.add_argument(
         "--k8s-selector",
         metavar="SEL",
         default=env("k8s-selector", None),
-        help="watch the pods matching this label selector, e.g. app=vllm",
+        help="watch the pods matching this label selector, e.g. app=vllm (default: none)",
     )
     g.add_argument(
         "--k8s-target-port",
         metavar="PORT",
         type=int,
         default=env("k8s-target-port", None),
-        help="the model servers' port (with --k8s-selector)",
+        help="the model servers' port (with --k8s-selector) (default: none)",
     )
     g.add_argument(
         "--inference-pool",
         metavar="NAME",
         default=env("inference-pool", None),
-        help="watch this InferencePool's pods, on its target port",
+        help="watch this InferencePool's pods, on its target port (default: none)",
     )
     g.add_argument(
         "--inference-pool-api",
         default=env("inference-pool-api", DEFAULT_POOL_API),
-        help="the pool's group/version (default %(default)s)",
+        help="the pool's group/version (default: %(default)s)",
     )
     g.add_argument(
         "--k8s-namespace",
         metavar="NS",
         default=env("k8s-namespace", None),
-        help="default: the kubeconfig context's, or in-cluster the service account's",
+        help="the pods' namespace (default: the kubeconfig context's, or in-cluster the "
+        "service account's)",
     )
     g.add_argument(
         "--kubeconfig",
         metavar="FILE",
         default=env("kubeconfig", None),
-        help="default: $KUBECONFIG, else in-cluster, else ~/.kube/config",
+        help="how to reach the API server (default: $KUBECONFIG, else in-cluster, "
+        "else ~/.kube/config)",
     )
-    g.add_argument("--kube-context", metavar="NAME", default=env("kube-context", None))
+    g.add_argument(
+        "--kube-context",
+        metavar="NAME",
+        default=env("kube-context", None),
+        help="the kubeconfig's context to use (default: its current context)",
+    )
     g.add_argument(
         "--k8s-model-annotation",
         default=env("k8s-model-annotation", DEFAULT_MODEL_ANNOTATION),
-        help="pod annotation listing served models, comma-separated (default %(default)s)",
+        help="pod annotation listing served models, comma-separated (default: %(default)s)",
     )
     g.add_argument(
         "--k8s-model-label",
         default=env("k8s-model-label", DEFAULT_MODEL_LABEL),
-        help="pod label naming the served model (default %(default)s)",
+        help="pod label naming the served model (default: %(default)s)",
     )
     g.add_argument(
         "--k8s-default-model",
         default=env("k8s-default-model", None),
-        help="model of pods with neither (e.g. an InferencePool's base model)",
+        help="model of pods with neither, e.g. an InferencePool's base model (default: none)",
     )
     g.add_argument(
         "--k8s-role-label",
         default=env("k8s-role-label", DEFAULT_ROLE_LABEL),
-        help="pod label holding prefill|decode|both (default %(default)s)",
+        help="pod label holding prefill|decode|both (default: %(default)s)",
     )
-    g.add_argument("--k8s-start-timeout-s", type=float, default=env("k8s-start-timeout-s", "10.0"))
+    g.add_argument(
+        "--k8s-start-timeout-s",
+        type=float,
+        default=env("k8s-start-timeout-s", "10.0"),
+        help="how long start-up waits for the first list of pods (default: %(default)s s)",
+    )
 
 
-def make_pods_source(
-    args: argparse.Namespace, on_change: Callable[[tuple[Pod, ...]], Any]
-) -> PodsSource:
-    """Build the source the flags choose (not started).
+def check_pods_source(args: argparse.Namespace) -> None:
+    """Exactly one pods source: the demo's localhost pods are never a silent default.
 
     Raises:
-        ConfigError: conflicting or missing flags, a bad pods file or kubeconfig.
+        ConfigError: none, or several.
     """
     chosen = [
         f
@@ -129,12 +151,26 @@ def make_pods_source(
         )
         if v
     ]
+    if not chosen:
+        raise ConfigError(
+            "no pods to route to: give a pods file (--pods FILE) or a Kubernetes source "
+            "(--k8s-selector SEL with --k8s-target-port PORT, or --inference-pool NAME)"
+        )
     if len(chosen) > 1:
         raise ConfigError(f"choose one pod source, not {' and '.join(chosen)}")
-    if not args.k8s_selector and not args.inference_pool:
-        return PodsFileWatcher(
-            args.pods or DEFAULT_PODS_FILE, on_change, interval_s=args.pods_poll_s
-        )
+
+
+def make_pods_source(
+    args: argparse.Namespace, on_change: Callable[[tuple[Pod, ...]], Any]
+) -> PodsSource:
+    """Build the source the flags choose (not started).
+
+    Raises:
+        ConfigError: conflicting or missing flags, a bad pods file or kubeconfig.
+    """
+    check_pods_source(args)
+    if args.pods:
+        return PodsFileWatcher(args.pods, on_change, interval_s=args.pods_poll_s)
     if args.k8s_selector and args.k8s_target_port is None:
         raise ConfigError("--k8s-selector needs --k8s-target-port (the model server's port)")
     if args.inference_pool and args.k8s_target_port is not None:
@@ -165,4 +201,4 @@ def describe_source(args: argparse.Namespace) -> str:
         return f"InferencePool {args.inference_pool}"
     if args.k8s_selector:
         return f"Kubernetes pods matching {args.k8s_selector}"
-    return str(args.pods or DEFAULT_PODS_FILE)
+    return str(args.pods)

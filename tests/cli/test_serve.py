@@ -1,5 +1,6 @@
-"""``extproc serve`` as a process: starts on the embedded defaults, drains on SIGTERM,
-refuses every bad configuration at start-up with a message naming what to fix."""
+"""``extproc serve`` as a process: starts on the embedded defaults and a pods file, drains
+on SIGTERM, refuses every bad configuration at start-up with a message naming what to fix
+(no pods source included)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,24 @@ def test_sigterm_ends_the_process_after_bytes_that_are_not_a_message(tmp_path: P
     started = time.monotonic()
     assert proc.stop(signal.SIGTERM, timeout_s=8) == 0, proc.log_tail()
     assert time.monotonic() - started < 5
+
+
+def test_without_a_pods_source_serve_refuses_to_start_naming_both() -> None:
+    """Not the demo's four localhost pods in silence: a file or Kubernetes, said plainly."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXTPROC_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "extproc", "serve", "--grpc-port", "0", "--health-port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("extproc serve: cannot start: no pods to route to"), done.stderr
+    assert "--pods FILE" in done.stderr
+    assert "--k8s-selector" in done.stderr and "--inference-pool" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize(
@@ -173,6 +192,9 @@ REFUSALS: dict[str, Refusal] = {
         (("p.yaml", "pods:\n  - {name: a, address: nowhere, models: [m]}\n"),),
     ),
     "pods-poll-zero": Refusal(("--pods-poll-s", "0"), "poll interval must be positive"),
+    "two-pods-sources": Refusal(
+        ("--inference-pool", "pool"), "choose one pod source, not --pods and --inference-pool"
+    ),
     "grpc-port-too-big": Refusal(
         ("--grpc-port", "99999"), "--grpc-port must be a port number from 0 to 65535, got 99999"
     ),
@@ -244,8 +266,9 @@ def _start(name: str, case: Refusal, base: Path) -> Outcome:
     ports = {"--grpc-port": free_port(), "--health-port": free_port(), "--metrics-port": 0}
     for flag in case.args:
         ports.pop(flag, None)
-    argv = [
+    argv = [  # a valid pods file first: a case's own --pods comes later and wins
         sys.executable, "-m", "extproc", "serve", "--stale-after-s", "0",
+        "--pods", str(DEFAULT_PODS_FILE),
         *(x for flag, value in ports.items() for x in (flag, str(value))),
         *map(fill, case.args),
     ]  # fmt: skip

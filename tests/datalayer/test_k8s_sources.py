@@ -44,8 +44,8 @@ def parse(*flags: str) -> argparse.Namespace:
     return build_parser().parse_args(["serve", *flags])
 
 
-def test_default_is_the_shipped_pods_file() -> None:
-    args = parse()
+def test_a_pods_file_is_watched() -> None:
+    args = parse("--pods", str(DEFAULT_PODS_FILE))
     source = make_pods_source(args, lambda pods: None)
     assert isinstance(source, PodsFileWatcher) and source.path == DEFAULT_PODS_FILE
     assert describe_source(args) == str(DEFAULT_PODS_FILE)
@@ -54,6 +54,7 @@ def test_default_is_the_shipped_pods_file() -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
+        pytest.param([], r"no pods to route to.*--pods FILE.*--k8s-selector", id="none"),
         pytest.param(
             ["--pods", "x.yaml", "--k8s-selector", "a=b"], "not --pods and --k8s-selector", id="two"
         ),
