@@ -26,7 +26,7 @@ from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.wire.access_log import AccessLogHandler
 from testkit.replicas import RedisServer, run_redis, wait_until_true
-from tests.factories import make_pod
+from tests.factories import MODEL_DIR, make_pod, needs_model_tokenizer
 from tests.routing.support import GEOMETRY, PODS, log_entry, make_router, process
 
 pytestmark = pytest.mark.timeout(120)
@@ -168,11 +168,7 @@ def test_log_lines_name_redis_without_its_password(url: str, logged: str) -> Non
     assert sharing.where == logged
 
 
-MODEL_DIR = Path.home() / ".cache/extproc-e2e/model/qwen3-tiny"
 PRECISE_PODS = [make_pod(f"p{i}", model="qwen3-tiny", port=8000 + i) for i in range(4)]
-needs_tokenizer = pytest.mark.skipif(
-    not (MODEL_DIR / "tokenizer.json").exists(), reason="run `python -m e2e.real_vllm.prepare`"
-)
 
 
 def configured_router(
@@ -216,7 +212,10 @@ def arriving(router: Router) -> int:
 
 @pytest.mark.parametrize(
     "precise",
-    [pytest.param(False, id="default"), pytest.param(True, id="precise", marks=needs_tokenizer)],
+    [
+        pytest.param(False, id="default"),
+        pytest.param(True, id="precise", marks=needs_model_tokenizer),
+    ],
 )
 def test_a_pick_is_credited_on_the_other_replica_until_its_end(
     server: RedisServer, precise: bool
