@@ -96,6 +96,7 @@ scheduler:
 
 # The simulated engine (tests/sim)
 
+FAST_ENGINE = EngineConfig(time_scale=0.01)  # the engine's time runs 100 times faster
 _ids = itertools.count()
 
 

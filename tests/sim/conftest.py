@@ -6,16 +6,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from extproc.sim.engine import EngineConfig
 from extproc.sim.launch import SimPods
 from extproc.sim.pods import GroupSettings
 from testkit.harness import run_sim_pods
-
-FAST = EngineConfig(time_scale=0.01)  # a 16-token answer takes about 2 ms
+from tests.factories import FAST_ENGINE
 
 
 @pytest.fixture(scope="module")
 def pods() -> Iterator[SimPods]:
     """Two pods shared by a module's tests; tests must not leave faults behind."""
-    with run_sim_pods(GroupSettings(num_pods=2, model="sim-llm", engine=FAST)) as group:
+    with run_sim_pods(GroupSettings(num_pods=2, model="sim-llm", engine=FAST_ENGINE)) as group:
         yield group

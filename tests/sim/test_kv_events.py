@@ -23,7 +23,7 @@ from extproc.sim.launch import SimPods
 from extproc.sim.pods import GroupSettings, KvEventsSettings
 from extproc.sim.tokenizer import tokenize
 from testkit.harness import run_sim_pods
-from tests.sim.conftest import FAST
+from tests.factories import FAST_ENGINE
 
 H1, H2 = TokenBlockHash(2**64 - 1), TokenBlockHash(7)
 STORED = BlockStored((H1, H2), None, tuple(range(8)), 4, (("salt",), None))
@@ -96,7 +96,10 @@ def test_a_pod_publishes_its_blocks_as_vllm_does(
 ) -> None:
     sock, endpoint = subscriber
     settings = GroupSettings(
-        num_pods=1, model="m", engine=FAST, kv_events=KvEventsSettings(endpoint, layout=layout)
+        num_pods=1,
+        model="m",
+        engine=FAST_ENGINE,
+        kv_events=KvEventsSettings(endpoint, layout=layout),
     )
     with run_sim_pods(settings) as pods:
         last_seq = connect(pods, sock)

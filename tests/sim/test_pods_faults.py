@@ -14,14 +14,14 @@ from extproc.sim.engine import EngineConfig
 from extproc.sim.launch import SimPods
 from extproc.sim.pods import GroupSettings
 from testkit.harness import run_sim_pods
-from tests.sim.conftest import FAST
+from tests.factories import FAST_ENGINE
 
 BODY = {"prompt": "fault " * 20, "max_tokens": 4}
 
 
 @pytest.fixture
 def pods() -> Iterator[SimPods]:
-    with run_sim_pods(GroupSettings(num_pods=2, engine=FAST)) as group:
+    with run_sim_pods(GroupSettings(num_pods=2, engine=FAST_ENGINE)) as group:
         yield group
 
 

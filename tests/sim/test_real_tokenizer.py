@@ -25,12 +25,9 @@ from extproc.sim.api import ApiError, parse_request
 from extproc.sim.launch import SimPods
 from extproc.sim.pods import GroupSettings, KvEventsSettings
 from testkit.harness import run_sim_pods
-from tests.scheduling.plugins.test_precise_prefix_cache import MODEL_DIR
-from tests.sim.conftest import FAST
+from tests.factories import FAST_ENGINE, MODEL_DIR, needs_model_tokenizer
 
-pytestmark = pytest.mark.skipif(
-    not (MODEL_DIR / "tokenizer.json").exists(), reason="run `python -m e2e.real_vllm.prepare`"
-)
+pytestmark = needs_model_tokenizer
 SYSTEM = "You are the support assistant of a cloud platform. Answer briefly. " * 8
 PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions",
          "responses": "/v1/responses"}  # fmt: skip
@@ -81,7 +78,7 @@ def test_a_prompt_the_template_refuses_is_a_bad_request(tokenizer: SegmentTokeni
 @pytest.fixture(scope="module")
 def sim() -> Iterator[SimPods]:
     settings = GroupSettings(
-        num_pods=2, model="m", engine=FAST, tokenizer=str(MODEL_DIR),
+        num_pods=2, model="m", engine=FAST_ENGINE, tokenizer=str(MODEL_DIR),
         kv_events=KvEventsSettings("tcp://127.0.0.1:*"),
     )  # fmt: skip
     with run_sim_pods(settings) as pods:
