@@ -62,7 +62,8 @@ def cli_page() -> str:
         "# Command line\n\n",
         (
             "Every `extproc` sub-command with its flags, group by group, as `--help` shows "
-            "them. *Environment*: the variable that sets the flag's default.\n\n"
+            "them (each also takes `-h`, `--help`). *Environment*: the variable that sets "
+            "the flag's default.\n\n"
         ),
         "## extproc\n\n",
         _description(parser),
@@ -108,7 +109,8 @@ def _groups(parser: argparse.ArgumentParser, from_env: set[str]) -> str:
         actions = [
             a
             for a in group._group_actions
-            if a.help != argparse.SUPPRESS and not isinstance(a, argparse._SubParsersAction)
+            if a.help != argparse.SUPPRESS
+            and not isinstance(a, (argparse._SubParsersAction, argparse._HelpAction))
         ]
         if not actions:
             continue
@@ -154,4 +156,6 @@ def _default(action: argparse.Action) -> str:
         return code(shown)
     if isinstance(default, str) and not default:
         return code('""')
+    if isinstance(default, (list, tuple)):
+        return ", ".join(code(item) for item in default)
     return code(default)
