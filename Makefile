@@ -45,13 +45,15 @@ bench-deps:
 demo: $(STAMP)
 	$(VENV)/bin/extproc demo
 
-# Lint, format and strict typing (mypy's settings are pyproject.toml's), the docs site built
-# strictly (broken links and pages left out of the nav fail) and the generated reference
-# pages up to date; .ci/run runs it before the tests.
+# Lint, format, strict typing (mypy's settings are pyproject.toml's), the layers contract
+# (lint-imports, [tool.importlinter]), the docs site built strictly (broken links and pages
+# left out of the nav fail) and the generated reference pages up to date; .ci/run runs it
+# before the tests.
 check: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy extproc testkit tests e2e bench tools
+	$(VENV)/bin/lint-imports
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 	$(PY) -m tools.docs_reference --check
 

@@ -26,10 +26,10 @@ from __future__ import annotations
 import argparse
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import msgpack
 import zmq
@@ -38,7 +38,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from extproc.pods import Pod, PodId
-from extproc.prefix.precise.index import PreciseIndex
 
 log = logging.getLogger("extproc.kv_events")
 
@@ -46,6 +45,48 @@ Topology = Literal["connect", "bind"]
 EVENTS_PORT_LABEL = "extproc.io/kv-events-port"  # a pod's own publisher port, if it differs
 END_SEQ = -1  # the replay stream's last message carries this sequence number (signed)
 POLL_MS = 100
+
+
+class ViewCounts(Protocol):
+    """One pod's view, as ``IndexCollector`` reads it (``prefix.precise.index.PodView``)."""
+
+    @property
+    def blocks(self) -> Mapping[str, Sized]: ...  # medium -> its blocks
+
+    @property
+    def orphans(self) -> int: ...
+
+    @property
+    def evicted(self) -> int: ...
+
+    def stale(self) -> bool: ...
+
+
+class EventsIndex(Protocol):
+    """What the events are applied to: ``prefix.precise.index.PreciseIndex`` (the
+    datalayer knows it by what it does, not by importing the layer above)."""
+
+    @property
+    def views(self) -> Mapping[PodId, ViewCounts]: ...
+
+    def stored(
+        self,
+        pod: PodId,
+        hashes: Sequence[int],
+        parent: int | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        extra_keys: Sequence[Sequence[Any] | None] | None,
+        medium: Any = None,
+    ) -> object: ...
+
+    def removed(self, pod: PodId, hashes: Sequence[int], medium: Any = None) -> object: ...
+
+    def cleared(self, pod: PodId) -> None: ...
+
+    def mark_stale(self, pod: PodId) -> None: ...
+
+    def retain_pods(self, keep: Iterable[PodId]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +171,7 @@ def decode_batch(payload: bytes) -> list[Any]:
     return batch[1]
 
 
-def apply_event(index: PreciseIndex, pod: PodId, event: Any) -> bool:
+def apply_event(index: EventsIndex, pod: PodId, event: Any) -> bool:
     """Apply one event in either layout; False if it is not one we use."""
     if isinstance(event, dict):
         tag = event.get("type")
@@ -220,7 +261,7 @@ class IndexCollector(Collector):
     and the blocks the view could not key (orphans) or dropped over capacity (its
     counts restart with the view when a pod leaves and comes back)."""
 
-    def __init__(self, index: PreciseIndex) -> None:
+    def __init__(self, index: EventsIndex) -> None:
         self.index = index
 
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
@@ -260,7 +301,7 @@ class KvEventsSubscriber:
 
     def __init__(
         self,
-        index: PreciseIndex,
+        index: EventsIndex,
         settings: EventsSettings,
         registry: CollectorRegistry = REGISTRY,
         ctx: zmq.Context[Any] | None = None,
