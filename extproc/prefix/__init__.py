@@ -1,4 +1,5 @@
-"""Prefix matching: prompt -> chained block hashes (``hashing``) -> per-pod LRU index (``index``).
+"""Prefix matching: prompt -> chained block hashes (``hashing``) -> per-pod LRU index
+(``index``: Kthena's rules, its entries kept in ``storage``).
 
 ``hash_prompt`` is the public, Kthena-compatible hash function for tools and checks.
 """

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from extproc.pods import PodId
 from extproc.prefix import PrefixIndex, hash_prompt
 from extproc.prefix.index import PodSet
+from testkit.prefix_index import verify_index
 
 A, B, C, D = (PodId("ns", n) for n in "abcd")
 
@@ -94,7 +95,7 @@ def test_lru_drops_least_recently_used_and_counts_evictions() -> None:
     assert idx.record([6, 7], A) == 2  # drops 2 and 4
     assert idx.match([2], [A], 5) == {} and idx.match([4], [A], 5) == {}
     assert idx.num_pod_entries(A) == 4 and idx.num_entries == 4
-    idx.verify()
+    verify_index(idx)
 
 
 def test_a_block_evicted_and_re_added_within_one_record_counts_as_kthena_counts() -> None:
@@ -106,7 +107,7 @@ def test_a_block_evicted_and_re_added_within_one_record_counts_as_kthena_counts(
     assert idx.record([1, 5], A) == 2
     assert idx.match([1], [A], 5) == {A: 1} and idx.match([4], [A], 5) == {}
     assert idx.match([3], [A], 5) == {A: 1} and idx.num_pod_entries(A) == 4
-    idx.verify()
+    verify_index(idx)
 
 
 def test_evictions_are_labelled_with_the_evicted_entrys_tag() -> None:
@@ -143,7 +144,7 @@ def test_removing_a_pod_drops_its_entries_without_evictions() -> None:
     assert idx.match([1, 2, 3], [A, B], 5) == {B: 2}
     assert idx.remove_pod(A) == 0
     assert idx.retain_pods([C]) == [B] and idx.num_entries == 0
-    idx.verify()
+    verify_index(idx)
 
 
 def test_pods_beyond_one_page_are_found() -> None:
@@ -155,7 +156,7 @@ def test_pods_beyond_one_page_are_found() -> None:
     assert found == {pod: i % 7 + 1 for i, pod in enumerate(pods)}
     idx.remove_pod(pods[150])
     assert pods[150] not in idx.match(list(range(1, 10)), pods, top_k=200)
-    idx.verify()
+    verify_index(idx)
 
 
 def test_large_and_boundary_hash_values() -> None:
@@ -163,7 +164,7 @@ def test_large_and_boundary_hash_values() -> None:
     hashes = [0, 1, 2**63 - 1, 2**63, 2**64 - 1]
     idx.record(hashes, A)
     assert idx.match(hashes, [A], 5) == {A: 5}
-    idx.verify()
+    verify_index(idx)
 
 
 def test_invalid_capacity() -> None:
@@ -202,7 +203,7 @@ def test_index_agrees_with_the_plain_model(
         else:
             idx.remove_pod(pods[p])
             model.pods.pop(pods[p], None)
-        idx.verify()
+        verify_index(idx)
     num_entries = sum(len(v) for v in model.pods.values())
     assert idx.num_entries == observer.num_entries == num_entries <= len(pods) * cap
     found = idx.match(query, pods, top_k=len(pods))
@@ -227,9 +228,9 @@ def test_ring_compaction_under_many_refreshes() -> None:
     idx = PrefixIndex(5)
     for _ in range(3000):
         idx.record([1, 2, 3], A)
-    assert len(idx._lru_by_pod[A].ring) < 2000  # stale positions were dropped
+    assert len(idx.storage.lru_by_pod[A].ring) < 2000  # stale positions were dropped
     assert idx.match([1, 2, 3], [A], 5) == {A: 3}
-    idx.verify()
+    verify_index(idx)
 
 
 def test_a_pod_set_follows_pods_added_to_and_removed_from_the_index() -> None:

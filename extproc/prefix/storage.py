@@ -1,0 +1,340 @@
+"""Where ``PrefixIndex`` keeps its entries: compact per-pod rings and C hash maps.
+
+No Python object per entry. Entries live in C hash maps (cykhash) and NumPy ring
+buffers, and a prompt's blocks are looked up and stored in one batch call each, so the
+per-request cost is a few dozen C calls, not one Python loop per block.
+
+Layout:
+
+* ``entries``: entry key (block hash XOR the pod slot's key) -> the entry's sequence
+  number in its pod's ring. An entry is live iff its ring position holds that number.
+* ``owners``: (block hash XOR the page's key) -> bitmask of the page's pod slots holding
+  the block. Pods get slots, 63 to a page, so a mask fits a non-negative int64.
+* ``upper_pages``: block hash -> bitmask of the pages other than page 0 holding it, so a
+  lookup costs one batch probe whatever the number of pods.
+
+Hashes are stored as the int64 with the same 64 bits as the unsigned XXH64 digest.
+Chained hashes of one prompt are distinct, which the batch updates rely on.
+
+Not thread-safe: the index's lock guards every call. What the entries mean (which to
+evict, what a lookup returns) is the index's (``prefix.index``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+from cykhash import (
+    Int64toInt64Map,
+    Int64toInt64Map_from_buffers,
+    Int64toInt64Map_to,
+    update_int64toint64map,
+)
+
+from extproc.pods import PodId
+from extproc.prefix.hashing import Keys
+
+SLOTS_PER_PAGE = 63  # bit 63 would make a mask negative
+MAX_PAGES = 63
+MAX_PODS = SLOTS_PER_PAGE * MAX_PAGES
+
+
+def _mix_key(kind: bytes, number: int) -> int:
+    """A fixed pseudo-random int64, distinct per (kind, number)."""
+    digest = xxhash.xxh64_intdigest(b"%s:%d" % (kind, number), 0x9E37_79B9)
+    return int(np.uint64(digest).view(np.int64))
+
+
+def lookup(table: Int64toInt64Map, keys: Keys, default: int) -> Keys:
+    out = np.empty(len(keys), dtype=np.int64)
+    Int64toInt64Map_to(table, keys, out, False, default)
+    return out
+
+
+def _assign(table: Int64toInt64Map, keys: Keys, values: Keys) -> None:
+    update_int64toint64map(table, Int64toInt64Map_from_buffers(keys, values))
+
+
+@dataclass(slots=True)
+class PodLru:
+    """One pod's LRU order: a ring of block hashes, oldest at ``head``, lazily deleted.
+
+    ``ring[i]`` (for ``head <= i < size``) has sequence number ``base + i``. Refreshing an
+    entry appends it again; the older position goes stale, since ``entries`` now holds
+    the newer number.
+    """
+
+    slot: int
+    key: int  # XOR-ed into block hashes to make this pod's entry keys
+    page: int  # slot // SLOTS_PER_PAGE
+    bit: int  # this slot's bit in its page's owner masks
+    ring: Keys = field(default_factory=lambda: np.empty(256, dtype=np.int64))
+    tags: Keys = field(default_factory=lambda: np.empty(256, dtype=np.int64))  # per position
+    head: int = 0
+    size: int = 0
+    base: int = 0
+    live: int = 0
+
+    def seqs(self, start: int, stop: int) -> Keys:
+        return np.arange(self.base + start, self.base + stop, dtype=np.int64)
+
+
+class PrefixStorage:
+    """The entries of every pod: their rings, the three maps, pod slots and pages."""
+
+    def __init__(self) -> None:
+        self.entries = Int64toInt64Map()
+        self.owners = Int64toInt64Map()
+        self.upper_pages = Int64toInt64Map()
+        self.lru_by_pod: dict[PodId, PodLru] = {}
+        self.pod_by_slot: dict[int, PodId] = {}
+        self._free_slots: list[int] = []
+        self.next_slot = 0
+        self.page_keys = [0] + [_mix_key(b"page", p) for p in range(1, MAX_PAGES)]
+        self._page_key_array = np.array(self.page_keys, dtype=np.int64)
+        self.slots_version = 0  # bumped whenever a pod gets or gives up a slot
+        self.num_entries = 0
+
+    # -- pods and their slots ----------------------------------------------------------
+
+    def add_pod(self, pod: PodId) -> PodLru:
+        if self._free_slots:
+            slot = self._free_slots.pop()
+        elif self.next_slot < MAX_PODS:
+            slot = self.next_slot
+            self.next_slot += 1
+        else:
+            raise ValueError(f"the prefix index holds at most {MAX_PODS} pods")
+        page, bit = divmod(slot, SLOTS_PER_PAGE)
+        lru = PodLru(slot=slot, key=_mix_key(b"slot", slot), page=page, bit=1 << bit)
+        self.lru_by_pod[pod] = lru
+        self.pod_by_slot[slot] = pod
+        self.slots_version += 1
+        return lru
+
+    def remove_pod(self, pod: PodId) -> int:
+        """Drop every entry of ``pod`` and free its slot; returns how many entries."""
+        lru = self.lru_by_pod.pop(pod, None)
+        if lru is None:
+            return 0
+        victims = self.live_keys(lru)
+        self._drop(lru, victims)
+        del self.pod_by_slot[lru.slot]
+        self._free_slots.append(lru.slot)
+        self.slots_version += 1
+        return len(victims)
+
+    def slot_pods(self, page: int, bits: int) -> list[PodId]:
+        """The pods of ``page`` whose slot bits are set, in slot order."""
+        first_slot = page * SLOTS_PER_PAGE
+        pods = []
+        while bits:
+            low = bits & -bits
+            bits ^= low
+            pods.append(self.pod_by_slot[first_slot + low.bit_length() - 1])
+        return pods
+
+    # -- one pod's entries -------------------------------------------------------------
+
+    def seqs_of(self, lru: PodLru, keys: Keys) -> Keys:
+        """Each block's sequence number in ``lru`` (-1: not held)."""
+        return lookup(self.entries, keys ^ lru.key, -1)
+
+    def tags_of(self, lru: PodLru, held: Keys) -> list[int]:
+        """The tags of blocks ``lru`` holds."""
+        tags: list[int] = lru.tags[self.seqs_of(lru, held) - lru.base].tolist()
+        return tags
+
+    def touch(self, lru: PodLru, keys: Keys, tag: int, new_keys: Keys) -> None:
+        """Append ``keys`` (``new_keys`` of them not held yet) as ``lru``'s most recent
+        entries, in order, tagged ``tag``."""
+        start = self._append(lru, keys, tag)
+        _assign(self.entries, keys ^ lru.key, lru.seqs(start, start + len(keys)))
+        if len(new_keys):
+            self._set_owner(lru, new_keys)
+            lru.live += len(new_keys)
+            self.num_entries += len(new_keys)
+
+    def live_keys(self, lru: PodLru) -> Keys:
+        return lru.ring[lru.head : lru.size][self._live_mask(lru, lru.head, lru.size)]
+
+    def oldest_live(self, lru: PodLru, count: int) -> Keys:
+        """Up to ``count`` live entries' block hashes, oldest first."""
+        found: list[Keys] = []
+        start, wanted = lru.head, count
+        while wanted and start < lru.size:
+            stop = min(lru.size, start + max(2 * wanted, 256))
+            live = lru.ring[start:stop][self._live_mask(lru, start, stop)][:wanted]
+            found.append(live)
+            wanted -= len(live)
+            start = stop
+        return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+
+    def evict_oldest(self, lru: PodLru, count: int) -> Counter[int]:
+        """Drop the ``count`` oldest live entries; returns how many had each tag."""
+        by_tag: Counter[int] = Counter()
+        while count:
+            stop = min(lru.size, lru.head + max(2 * count, 256))
+            live_pos = np.flatnonzero(self._live_mask(lru, lru.head, stop))[:count]
+            self._drop(lru, lru.ring[lru.head + live_pos])
+            by_tag.update(lru.tags[lru.head + live_pos].tolist())
+            count -= len(live_pos)
+            lru.head = lru.head + int(live_pos[-1]) + 1 if not count else stop
+        return by_tag
+
+    def compact(self, lru: PodLru) -> None:
+        """Drop the stale positions refreshes left once they outnumber the live ones.
+
+        Amortised O(1) a block: it runs after at least ``live + 1024`` appends.
+        """
+        if lru.size - lru.head <= 2 * lru.live + 1024:
+            return
+        live = self._live_mask(lru, lru.head, lru.size)
+        kept = lru.ring[lru.head : lru.size][live]
+        kept_tags = lru.tags[lru.head : lru.size][live]
+        lru.base += lru.size
+        ring = np.empty(max(2 * len(kept), 256), dtype=np.int64)
+        ring[: len(kept)] = kept
+        tags = np.empty(len(ring), dtype=np.int64)
+        tags[: len(kept)] = kept_tags
+        lru.ring, lru.tags, lru.head, lru.size = ring, tags, 0, len(kept)
+        _assign(self.entries, kept ^ lru.key, lru.seqs(0, len(kept)))
+
+    def _append(self, lru: PodLru, keys: Keys, tag: int) -> int:
+        """Append to the ring, shifting or growing it; returns the first new position."""
+        if lru.size + len(keys) > len(lru.ring):
+            occupied = lru.size - lru.head
+            if lru.head and occupied + len(keys) <= len(lru.ring) // 2:
+                lru.ring[:occupied] = lru.ring[lru.head : lru.size]
+                lru.tags[:occupied] = lru.tags[lru.head : lru.size]
+            else:
+                capacity = max(2 * (occupied + len(keys)), 256)
+                grown = np.empty(capacity, dtype=np.int64)
+                grown[:occupied] = lru.ring[lru.head : lru.size]
+                lru.ring = grown
+                grown_tags = np.empty(capacity, dtype=np.int64)
+                grown_tags[:occupied] = lru.tags[lru.head : lru.size]
+                lru.tags = grown_tags
+            lru.base += lru.head
+            lru.size = occupied
+            lru.head = 0
+        start = lru.size
+        lru.ring[start : start + len(keys)] = keys
+        lru.tags[start : start + len(keys)] = tag
+        lru.size += len(keys)
+        return start
+
+    def _live_mask(self, lru: PodLru, start: int, stop: int) -> npt.NDArray[np.bool_]:
+        window = lru.ring[start:stop]
+        live: npt.NDArray[np.bool_] = lookup(self.entries, window ^ lru.key, -1) == lru.seqs(
+            start, stop
+        )
+        return live
+
+    def _set_owner(self, lru: PodLru, keys: Keys) -> None:
+        owner_keys = keys ^ self.page_keys[lru.page]
+        _assign(self.owners, owner_keys, lookup(self.owners, owner_keys, 0) | lru.bit)
+        if lru.page:
+            pages = lookup(self.upper_pages, keys, 0) | (1 << lru.page)
+            _assign(self.upper_pages, keys, pages)
+
+    def _drop(self, lru: PodLru, keys: Keys) -> None:
+        """Remove live entries (their block hashes) from every map."""
+        if not len(keys):
+            return
+        for entry_key in (keys ^ lru.key).tolist():
+            self.entries.discard(entry_key)
+        lru.live -= len(keys)
+        self.num_entries -= len(keys)
+        owner_keys = keys ^ self.page_keys[lru.page]
+        masks = lookup(self.owners, owner_keys, 0) & ~lru.bit
+        emptied = masks == 0
+        _assign(self.owners, owner_keys[~emptied], masks[~emptied])
+        for owner_key in owner_keys[emptied].tolist():
+            self.owners.discard(owner_key)
+        if lru.page:
+            gone = keys[emptied]
+            pages = lookup(self.upper_pages, gone, 0) & ~(1 << lru.page)
+            _assign(self.upper_pages, gone[pages != 0], pages[pages != 0])
+            for key in gone[pages == 0].tolist():
+                self.upper_pages.discard(key)
+
+    # -- probes for a lookup -----------------------------------------------------------
+
+    def candidate_masks(self, candidates: Iterable[PodId]) -> dict[int, int]:
+        """Page -> bitmask of the candidates' slots (pods unknown to the index left out)."""
+        lrus = [lru for lru in map(self.lru_by_pod.get, candidates) if lru is not None]
+        if len(lrus) <= SLOTS_PER_PAGE:
+            masks: dict[int, int] = {}
+            for lru in lrus:
+                masks[lru.page] = masks.get(lru.page, 0) | lru.bit
+            return masks
+        slots = np.fromiter((lru.slot for lru in lrus), dtype=np.int64, count=len(lrus))
+        by_page = np.zeros(MAX_PAGES, dtype=np.int64)
+        np.bitwise_or.at(by_page, slots // SLOTS_PER_PAGE, np.left_shift(1, slots % SLOTS_PER_PAGE))
+        return {int(page): int(by_page[page]) for page in np.flatnonzero(by_page)}
+
+    def slot_places(self, pods: tuple[PodId, ...]) -> Keys:
+        """Slot -> the first place of its pod in ``pods`` (-1: none)."""
+        places = np.full(max(self.next_slot, 1), -1, dtype=np.int64)
+        for place in range(len(pods) - 1, -1, -1):
+            lru = self.lru_by_pod.get(pods[place])
+            if lru is not None:
+                places[lru.slot] = place
+        return places
+
+    def less(self, page_masks: dict[int, int], exclude: Iterable[PodId]) -> dict[int, int]:
+        """``page_masks`` without the slots of ``exclude`` (a copy if any: a cached set of
+        masks stays as it is)."""
+        excluded = [lru for lru in map(self.lru_by_pod.get, exclude) if lru is not None]
+        if excluded:
+            page_masks = dict(page_masks)
+            for lru in excluded:
+                left = page_masks.get(lru.page, 0) & ~lru.bit
+                if left:
+                    page_masks[lru.page] = left
+                else:
+                    page_masks.pop(lru.page, None)
+        return page_masks
+
+    def page_owners(self, keys: Keys, page: int) -> Keys:
+        """Per block, the slots of ``page`` holding it: one batch probe."""
+        return lookup(self.owners, keys ^ self.page_keys[page] if page else keys, 0)
+
+    def pages_by_block(self, keys: Keys, page_masks: dict[int, int]) -> Keys:
+        """Per block, the candidate pages that may hold it: the upper pages
+        ``upper_pages`` says hold it, and page 0 (not tracked there) at every block."""
+        upper = 0
+        for page in page_masks:
+            upper |= (1 << page) if page else 0
+        pages_by_block = lookup(self.upper_pages, keys, 0) & upper
+        if 0 in page_masks:
+            pages_by_block |= 1
+        return pages_by_block
+
+    def owner_masks(
+        self, keys: Keys, pages_by_block: Keys, page_masks: dict[int, int], start: int, stop: int
+    ) -> tuple[Keys, Keys]:
+        """The pages some block of ``start:stop`` may be held on, and per such page and
+        block the candidates' slots holding it: one batch probe, only where
+        ``pages_by_block`` says the page may hold the block."""
+        present = int(np.bitwise_or.reduce(pages_by_block[start:stop]))
+        pages = []
+        while present:
+            low = present & -present
+            present ^= low
+            pages.append(low.bit_length() - 1)
+        page_array = np.array(pages, dtype=np.int64)
+        held = (pages_by_block[np.newaxis, start:stop] >> page_array[:, np.newaxis]) & 1 != 0
+        probes = (keys[np.newaxis, start:stop] ^ self._page_key_array[page_array][:, np.newaxis])[
+            held
+        ]
+        masks = np.zeros((len(pages), stop - start), dtype=np.int64)
+        masks[held] = lookup(self.owners, probes, 0)
+        masks &= np.array([page_masks[page] for page in pages], dtype=np.int64)[:, np.newaxis]
+        return page_array, masks
