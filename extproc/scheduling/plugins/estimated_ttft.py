@@ -338,10 +338,6 @@ class EstimatedTTFT:
         per_token = self.args.writtenMs / (most * max(1, num_tokens))
         return {pod: per_token * w * cycle.num_prefill_tokens(pod) for pod, w in written.items()}
 
-    def costs(self, cycle: Cycle, pods: Sequence[Pod]) -> dict[PodId, float]:
-        """``est_ms + write_ms`` with the affinity pods' hysteresis applied (module doc)."""
-        return self._costs(cycle, pods, self.matched_blocks(cycle, pods))
-
     def _costs(
         self, cycle: Cycle, pods: Sequence[Pod], blocks: Mapping[PodId, int]
     ) -> dict[PodId, float]:
@@ -380,12 +376,6 @@ class EstimatedTTFT:
             return np.full(len(costs), 100, dtype=np.int64)
         scores: Scores = (100 * (hi - costs) / (hi - lo)).astype(np.int64)
         return scores
-
-    def costs_table(
-        self, cycle: Cycle, table: PodTable, positions: Positions
-    ) -> npt.NDArray[np.float64]:
-        """``costs`` per row of ``positions`` (ascending)."""
-        return self._table_costs(cycle, table, positions)[0]
 
     def _table_costs(
         self, cycle: Cycle, table: PodTable, positions: Positions

@@ -21,6 +21,7 @@ from extproc.scheduling.interfaces import PluginContext
 from extproc.scheduling.plugins.arrivals import Arrivals
 from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT, EstimatedTTFTArgs, Written
 from extproc.scheduling.scheduler import Scheduler
+from testkit import estimated_ttft
 from tests.factories import PREFIX_ONLY, make_cycle, make_pod, make_scheduler
 
 PROMPT = "w" * 4000  # 1,000 tokens at 4 bytes a token, 62.5 blocks of 64 bytes
@@ -113,7 +114,7 @@ def test_hysteresis_favours_the_longest_match_beyond_its_estimate() -> None:
     p = plugin()
     cycle = make_cycle(PROMPT)
     p.record(cycle, pods[0].id)
-    costs = p.costs(make_cycle(PROMPT), pods)
+    costs = estimated_ttft.costs(p, make_cycle(PROMPT), pods)
     assert costs[pods[0].id] == pytest.approx(min(30 - 50, 30 / 1.5))
     assert p.score(make_cycle(PROMPT), pods) == {pods[0].id: 100, pods[1].id: 0}
 
@@ -137,7 +138,7 @@ def test_affinity_needs_a_match_of_a_share_of_the_prompt(
         cycle.block_keys(A.blockSizeToHash, A.maxBlocksToMatch)[:held_blocks], pods[0].id
     )
     est = p.estimate_ms(make_cycle(PROMPT), pods)
-    costs = p.costs(make_cycle(PROMPT), pods)
+    costs = estimated_ttft.costs(p, make_cycle(PROMPT), pods)
     warm = est[pods[0].id]
     assert costs[pods[0].id] == pytest.approx(
         min(warm - A.affinityMarginMs, warm / A.affinityRatio) if hysteresis else warm
@@ -489,5 +490,5 @@ def test_no_write_cost_leaves_only_the_estimate() -> None:
     p = EstimatedTTFT.from_args({"writtenMs": 0}, ctx)
     p.written.add(pods[0].id, 4000)
     cycle = make_cycle(PROMPT)
-    assert p.costs(cycle, pods) == p.estimate_ms(cycle, pods)
+    assert estimated_ttft.costs(p, cycle, pods) == p.estimate_ms(cycle, pods)
     assert p.write_ms(cycle, [pod.id for pod in pods]) == {pods[0].id: 0.0, pods[1].id: 0.0}

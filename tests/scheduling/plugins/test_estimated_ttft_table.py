@@ -21,6 +21,7 @@ from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.interfaces import Cycle, ExactMatches, PluginContext
 from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT, EstimatedTTFTArgs
 from extproc.scheduling.podtable import PodTable
+from testkit import estimated_ttft
 from tests.factories import make_cycle
 
 SYSTEM = "You are a terse assistant. Answer in one line. " * 12  # ~9 blocks
@@ -138,10 +139,12 @@ def both_paths(
         cycle = make_cycle(case.prompt)
         before = observed(registry)
         if path == "pods":
-            costs = plugin.costs(make_cycle(case.prompt), candidates)
+            costs = estimated_ttft.costs(plugin, make_cycle(case.prompt), candidates)
             scores = plugin.score(cycle, candidates)
         else:
-            cost_rows = plugin.costs_table(make_cycle(case.prompt), table, positions)
+            cost_rows = estimated_ttft.costs_table(
+                plugin, make_cycle(case.prompt), table, positions
+            )
             costs = dict(zip((p.id for p in candidates), cost_rows.tolist(), strict=True))
             score_rows = plugin.score_table(cycle, table, positions)
             scores = dict(zip((p.id for p in candidates), score_rows.tolist(), strict=True))
