@@ -14,7 +14,6 @@ import signal
 import socket
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from extproc.pods import Pod
 from extproc.sim.launch import (
     Proc,
     free_port,
+    metrics_page,
     spawn,
     start_envoy,
     start_extproc,
@@ -116,9 +116,7 @@ class Replica:
             self.proc.stop(sig)
 
     def metrics_text(self) -> str:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return str(r.read().decode())
+        return metrics_page(self.metrics_port)
 
     def metric(self, name: str, labels: str = "") -> float:
         """The sum of ``name``'s samples whose labels contain ``labels`` (0 when absent)."""

@@ -171,6 +171,12 @@ def port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def metrics_page(port: int) -> str:
+    """extproc's ``/metrics`` page on 127.0.0.1:``port``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return str(r.read().decode())
+
+
 def write_pods_file(pods: Sequence[Pod], path: Path) -> Path:
     doc = {
         "pods": [
@@ -355,10 +361,7 @@ class Stack:
         self.extproc = self.start_extproc_again()
 
     def metrics_text(self) -> str:
-        with urllib.request.urlopen(
-            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5
-        ) as r:
-            return str(r.read().decode())
+        return metrics_page(self.metrics_port)
 
 
 def start_extproc(
