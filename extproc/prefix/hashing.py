@@ -14,11 +14,11 @@ different XXH64 seed than the chain, so no unsalted prompt can be crafted to rep
 salted chain. A request without a salt hashes exactly as Kthena's router does.
 
 Chaining is a Python-level call per block (the decimal text of the previous hash is the
-expensive part); a one-pass digest of the same bytes is far cheaper (figures: README,
-Performance). Prompts repeat their first 8 KB often (a shared system prompt and tools,
-the turns of one conversation), so the chains of the last ``MEMO_SIZE`` distinct prompt
-starts are kept, keyed by an XXH3-128 digest of the hashed bytes, as the read-only int64
-array (same bits) that ``PrefixIndex`` takes; ``prompt_keys`` hands out a copy.
+expensive part); a one-pass digest of the same bytes is far cheaper (figures:
+``docs/performance.md``). Prompts repeat their start often (a shared system prompt and
+tools, the turns of one conversation), so the chains of the last ``MEMO_SIZE`` distinct
+prompt starts are kept, keyed by an XXH3-128 digest of the hashed bytes, as the read-only
+int64 array (same bits) that ``PrefixIndex`` takes; ``prompt_keys`` hands out a copy.
 """
 
 from __future__ import annotations

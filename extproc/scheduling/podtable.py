@@ -1,7 +1,7 @@
 """One pod snapshot as NumPy columns, built once and shared by every request.
 
 The scheduler scores a request against every candidate pod. Walking ``Pod`` objects in
-Python for each request costs about a microsecond per pod and plugin; a ``PodTable``
+Python for each request costs a Python step per pod and plugin; a ``PodTable``
 holds the same snapshot as arrays (one row per pod, in snapshot order), so filters and
 scorers work on whole columns and a request costs a few dozen NumPy calls whatever the
 number of pods.

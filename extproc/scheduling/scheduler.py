@@ -8,8 +8,8 @@ scheduler does no I/O.
 Cost: the pods arrive as a snapshot tuple, which the scheduler turns into a ``PodTable``
 (NumPy columns) once, when it is published (``pods_changed``). Candidates, filters,
 scores and the ranking are then whole-column operations (``TableFilter``,
-``TableScorer``; a plugin without them gets ``Pod`` objects as before), so a request
-with 1,000 pods costs little more than one with 16.
+``TableScorer``; a plugin without them gets ``Pod`` objects as before), so a request's
+cost grows little with the number of pods (figures: ``docs/performance.md``).
 
 ``schedule_request`` adds what a whole request needs around that pass:
 

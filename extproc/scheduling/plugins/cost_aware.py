@@ -23,10 +23,10 @@ token is its queued prefill work plus the prefill of the prompt tokens it does n
 ``score = floor(100 * (max_est - est) / (max_est - min_est))``: the cheapest candidate
 100, the most expensive 0; all 100 when the estimates are equal.
 
-Defaults: ``prefillMsPerToken`` 0.025 (40,000 prompt tokens/s, an 8B model on one
-A100-class GPU); ``decodeMsPerToken`` 0.2 (a 64-sequence decode step is ~13 ms longer
-than a 1-sequence one). Side output: ``cycle.uncached_tokens`` for every candidate,
-which the router passes to ``InFlight.start`` for the pod it picks.
+Defaults: ``prefillMsPerToken`` and ``decodeMsPerToken`` model an 8B model on one
+A100-class GPU (its prefill speed; how much longer a decode step gets for each sequence
+it runs). Side output: ``cycle.uncached_tokens`` for every candidate, which the router
+passes to ``InFlight.start`` for the pod it picks.
 """
 
 from __future__ import annotations
