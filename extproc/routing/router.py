@@ -21,9 +21,9 @@ brings back, so a replica that did not route a request still records it from the
 (outcome ``recorded_from_metadata``). Given ``share`` (``routing.sharing``'s publish),
 every pick and every end is published: ``apply_started`` takes the other replicas'
 picks (counted in flight and credited as arriving here too, as a pending request of
-theirs), and ``apply_shared`` their ends: their records enter this view, and a request ends here,
-however it was routed. A pick heard after its end (ids of recent ends are kept) is
-dropped, and one whose end never comes expires with the pending table.
+theirs), and ``apply_shared`` their ends: their records enter this view, and a request
+ends here, however it was routed. A pick heard after its end (ids of recent ends are
+kept) is dropped, and one whose end never comes expires with the pending table.
 """
 
 from __future__ import annotations
