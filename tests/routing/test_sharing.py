@@ -155,6 +155,19 @@ def test_malformed_entries_are_counted_and_skipped(server: RedisServer) -> None:
         share_a.stop()
 
 
+def test_a_router_publishes_from_the_sharings_start_to_its_stop() -> None:
+    shared = RedisSharing("redis://127.0.0.1:1", registry=CollectorRegistry())  # unreachable
+    router = make_router(share=shared.publish)
+    serve(router, "before", "before the start " * 20)
+    assert len(shared._queue) == 0
+    shared.start(router)
+    serve(router, "during", "while sharing " * 20)  # a start and an end, kept for Redis
+    assert wait_until_true(lambda: len(shared._queue) == 2)
+    shared.stop()
+    serve(router, "after", "after the stop " * 20)
+    assert len(shared._queue) == 2
+
+
 @pytest.mark.parametrize(
     ("url", "logged"),
     [
