@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry
 
+from extproc.routing.pending import DEFAULT_MAX_PENDING, DEFAULT_PENDING_TTL_S
 from extproc.routing.router import Router
 from tests.factories import PREFIX_ONLY, make_pod, make_scheduler
 
 BODY = b'{"model": "m", "prompt": "hello there"}'
 
 
-def make_router(**pending: Any) -> Router:
-    """``pending``: ``max_pending``, ``pending_ttl_s``."""
+def make_router(
+    max_pending: int = DEFAULT_MAX_PENDING, pending_ttl_s: float = DEFAULT_PENDING_TTL_S
+) -> Router:
     pods = [make_pod(f"p{i}", port=8000 + i) for i in range(3)]
-    return Router(make_scheduler(PREFIX_ONLY), pods, registry=CollectorRegistry(), **pending)
+    return Router(
+        make_scheduler(PREFIX_ONLY),
+        pods,
+        max_pending=max_pending,
+        pending_ttl_s=pending_ttl_s,
+        registry=CollectorRegistry(),
+    )
 
 
 def test_a_routed_request_is_in_flight_on_its_pick_until_it_ends() -> None:
