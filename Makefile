@@ -79,7 +79,7 @@ bench: $(STAMP) bench-deps peers
 	$(PY) -m bench.instructions --json bench/results/instructions.json \
 	  --markdown bench/results/instructions.md
 
-# Routing quality against Envoy round robin and the peers' routers (README: Routing quality).
+# Routing quality against Envoy round robin and the peers' routers (docs/routing-quality.md).
 bench-routing: peers
 	$(PY) -m bench.routing_quality
 

@@ -340,7 +340,7 @@ and single p99 values are noisy; compare contenders within a run. Chat turns los
 (the pods' `usage.prompt_tokens_details`) are fewer than that turn's whole blocks less one,
 of those checked: a chat moved or evicted. The JSON keeps each run's three slowest TTFTs
 with when they were due and, behind Envoy + extproc, Envoy's spans for each
-(`bench/envoy_timings.py`). The README's "Routing quality" section reads the results."""
+(`bench/envoy_timings.py`). docs/routing-quality.md reads the results."""
 
 
 def main() -> None:

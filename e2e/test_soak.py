@@ -1,6 +1,6 @@
 """The soak (``python -m e2e.soak``) at a size the suite can afford (about half a minute
 on 2 cores): see e2e/soak.py for what passes. The full one is a command of its own
-(README, Reliability)."""
+(docs/reliability.md)."""
 
 from __future__ import annotations
 

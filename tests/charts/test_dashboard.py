@@ -91,8 +91,8 @@ def test_rows_and_prefix_cache_panels() -> None:
 
 
 def test_precise_row_is_collapsed_and_reads_every_precise_metric() -> None:
-    """Folded away unless kvEvents is on; its panels cover what the README's metrics
-    table lists for the precise plugin and the KV-events subscriber."""
+    """Folded away unless kvEvents is on; its panels cover what the metrics
+    reference (docs/reference/metrics.md) lists for the precise plugin and the KV-events subscriber."""
     dashboard = json.loads(DASHBOARD.read_text())
     [row] = [p for p in dashboard["panels"] if p["title"] == PRECISE_ROW]
     assert row["collapsed"] is True and row["panels"]
