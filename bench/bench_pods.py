@@ -29,9 +29,9 @@ import orjson
 from e2e.real_vllm.pods import BLOCK_SIZE as VLLM_BLOCK_SIZE
 from e2e.real_vllm.pods import MODEL as VLLM_MODEL
 from e2e.real_vllm.pods import VllmPod, metric_sum, start_vllm_pods
-from e2e.real_vllm.prepare import model_dir
 from extproc.pods import Pod
 from extproc.sim.launch import spawn_sim_pods
+from testkit.e2e_cache import model_dir
 from testkit.kv_events import wait_events_trusted
 
 SIM_MODEL = "sim-llm"

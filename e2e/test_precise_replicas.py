@@ -11,25 +11,22 @@ import httpx
 import pytest
 
 from bench.contenders import precise_config
-from e2e.real_vllm.prepare import model_dir
 from e2e.support import wait_for
 from extproc.sim.launch import SimPods, spawn_sim_pods
+from testkit.e2e_cache import MODEL_DIR, needs_model_tokenizer
 from testkit.kv_events import wait_events_trusted
 from testkit.replicas import Replicas, run_replicas
 
 pytestmark = [
     pytest.mark.timeout(300),
-    pytest.mark.skipif(
-        not (model_dir() / "tokenizer.json").exists(),
-        reason="run `python -m e2e.real_vllm.prepare`",
-    ),
+    needs_model_tokenizer,
 ]
 MODEL = "sim-llm"
 
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[SimPods]:
-    args = ["--model", MODEL, "--tokenizer", str(model_dir()),
+    args = ["--model", MODEL, "--tokenizer", str(MODEL_DIR),
             "--kv-events-endpoint", "tcp://127.0.0.1:*"]  # fmt: skip
     with spawn_sim_pods(3, args=args) as pods:
         yield pods
@@ -37,7 +34,7 @@ def sim() -> Iterator[SimPods]:
 
 @pytest.fixture
 def replicas(sim: SimPods, tmp_path: Path) -> Iterator[Replicas]:
-    config = precise_config(MODEL, model_dir(), 16, tmp_path / "precise.yaml")
+    config = precise_config(MODEL, MODEL_DIR, 16, tmp_path / "precise.yaml")
     with run_replicas(
         sim.as_pods(),
         redis=False,

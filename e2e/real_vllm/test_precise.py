@@ -24,13 +24,13 @@ from prometheus_client import CollectorRegistry
 
 from e2e.real_vllm.exact import check, post, start_exact
 from e2e.real_vllm.pods import BLOCK_SIZE, MODEL, VllmPod
-from e2e.real_vllm.prepare import model_dir
 from e2e.support import wait_for
 from extproc.datalayer.kv_events import EventsSettings, KvEventsSubscriber
 from extproc.request.parse import Api
 from extproc.request.tokens import SegmentTokenizer
 from extproc.scheduling.interfaces import PluginContext
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
+from testkit.e2e_cache import model_dir
 from tests.request.chat_cases import CHAT_CASES, RESPONSES_CASES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_vllm, pytest.mark.timeout(900)]

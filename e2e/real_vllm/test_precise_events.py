@@ -35,13 +35,14 @@ from prometheus_client import CollectorRegistry
 
 from e2e.real_vllm.exact import EVENTS_TIMEOUT_S, check, post, start_exact, with_max_tokens
 from e2e.real_vllm.pods import BLOCK_SIZE, MODEL, VllmPod, start_vllm_pods
-from e2e.real_vllm.prepare import model_dir, prepare
+from e2e.real_vllm.prepare import prepare
 from e2e.support import wait_for
 from extproc.datalayer.kv_events import EventsSettings, KvEventsSubscriber
 from extproc.request.parse import parse_request
 from extproc.scheduling.interfaces import Cycle, PluginContext
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.sim.launch import free_port
+from testkit.e2e_cache import model_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_vllm, pytest.mark.timeout(600)]
 

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from prometheus_client import CollectorRegistry, start_http_server
@@ -22,6 +21,7 @@ from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.wire.access_log import AccessLogHandler
 from extproc.wire.one_round import RouteHandler
 from extproc.wire.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE
+from testkit.e2e_cache import MODEL_DIR, needs_model_tokenizer
 from tests.factories import PREFIX_ONLY, make_pod, make_scheduler
 
 
@@ -62,12 +62,6 @@ def test_the_trivial_picker_answers_the_first_pods_and_records_nothing() -> None
     assert len(router.pending) == 0
 
 
-MODEL_DIR = Path.home() / ".cache/extproc-e2e/model/qwen3-tiny"
-needs_model = pytest.mark.skipif(
-    not (MODEL_DIR / "tokenizer.json").exists(), reason="run `python -m e2e.real_vllm.prepare`"
-)
-
-
 def test_the_precise_section_compares_each_memo_with_the_approximate_default() -> None:
     def row(router: str, memo: str, us: float, rps: float, **extra: object) -> dict[str, Any]:
         cell = run(rps, 1.0, 100, us)
@@ -88,7 +82,7 @@ def test_the_precise_section_compares_each_memo_with_the_approximate_default() -
     assert sum(line.startswith("| 8 KB | envoy+extproc |") for line in lines) == 1  # warm only
 
 
-@needs_model
+@needs_model_tokenizer
 def test_the_precise_variant_serves_the_pods_model_and_its_memo_is_read(tmp_path: Path) -> None:
     registry = CollectorRegistry()
     text = precise_config(MODEL_DIR, tmp_path).read_text()

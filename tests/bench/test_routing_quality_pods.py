@@ -13,8 +13,8 @@ from bench.bench_pods import sim_pod_set
 from bench.contenders import CACHE_AWARE, CONTENDERS, ROUND_ROBIN, sglang_argv
 from bench.routing_quality import SIM_ENGINE, aggregate, pod_sets, sim_precise
 from e2e.real_vllm.pods import cores_shared, engine_core
-from e2e.real_vllm.prepare import model_dir
 from extproc.datalayer.kv_events import EVENTS_PORT_LABEL
+from testkit.e2e_cache import needs_model_tokenizer
 from tests.bench.rows import run_row
 from tests.factories import make_pod
 
@@ -54,9 +54,7 @@ def test_pods_without_precise_publish_no_events(tmp_path: Path) -> None:
         assert [p.label(EVENTS_PORT_LABEL) for p in pods.pods] == [None, None]
 
 
-@pytest.mark.skipif(
-    not (model_dir() / "tokenizer.json").exists(), reason="run `python -m e2e.real_vllm.prepare`"
-)
+@needs_model_tokenizer
 def test_pods_for_precise_tokenize_and_publish_a_port_each(tmp_path: Path) -> None:
     with sim_pod_set(2, SIM_ENGINE, tmp_path, precise=True) as pods:
         assert pods.tokenizer_dir is not None

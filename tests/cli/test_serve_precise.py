@@ -10,17 +10,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pytest
-
 from extproc.pods import Pod, PodId
 from extproc.sim.kv_cache import BlockStored, TokenBlockHash
 from extproc.sim.kv_events import ZmqEventPublisher
 from extproc.sim.launch import free_port, start_extproc, write_pods_file
+from testkit.e2e_cache import MODEL_DIR, needs_model_tokenizer
 
-MODEL_DIR = Path.home() / ".cache/extproc-e2e/model/qwen3-tiny"
-pytestmark = pytest.mark.skipif(
-    not (MODEL_DIR / "tokenizer.json").exists(), reason="run `python -m e2e.real_vllm.prepare`"
-)
+pytestmark = needs_model_tokenizer
 POD = Pod(PodId("default", "p0"), "127.0.0.1:8000", frozenset({"qwen3-tiny"}))
 BLOCKS = 'extproc_kv_events_blocks{medium="GPU",pod="default/p0"}'
 

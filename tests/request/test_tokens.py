@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from extproc.request.parse import Api
 from extproc.request.tokens import NotExact, SegmentTokenizer
-from tests.factories import MODEL_DIR, needs_model_tokenizer
+from testkit.e2e_cache import MODEL_DIR, needs_model_tokenizer
 
 pytestmark = needs_model_tokenizer
 

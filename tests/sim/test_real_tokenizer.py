@@ -24,8 +24,9 @@ from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.sim.api import ApiError, parse_request
 from extproc.sim.launch import SimPods
 from extproc.sim.pods import GroupSettings, KvEventsSettings
+from testkit.e2e_cache import MODEL_DIR, needs_model_tokenizer
 from testkit.harness import run_sim_pods
-from tests.factories import FAST_ENGINE, MODEL_DIR, needs_model_tokenizer
+from tests.factories import FAST_ENGINE
 
 pytestmark = needs_model_tokenizer
 SYSTEM = "You are the support assistant of a cloud platform. Answer briefly. " * 8

@@ -9,7 +9,6 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,6 +21,7 @@ from extproc.pods import Pod, PodId
 from extproc.routing.preparing import PreparePool
 from extproc.routing.router import Router
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
+from testkit.e2e_cache import MODEL_DIR, needs_model_tokenizer
 from tests.factories import make_scheduler
 from tests.wire.support import (
     Server,
@@ -34,10 +34,7 @@ from tests.wire.support import (
     settled,
 )
 
-MODEL_DIR = Path.home() / ".cache/extproc-e2e/model/qwen3-tiny"
-pytestmark = pytest.mark.skipif(
-    not (MODEL_DIR / "tokenizer.json").exists(), reason="run `python -m e2e.real_vllm.prepare`"
-)
+pytestmark = needs_model_tokenizer
 CONFIG = f"""
 scheduler:
   plugins:

@@ -15,7 +15,7 @@ from extproc.request.parse import parse_request
 from extproc.scheduling.config import build_scheduler, parse_config
 from extproc.scheduling.interfaces import Cycle, PluginContext
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
-from tests.factories import MODEL_DIR, needs_model_tokenizer
+from testkit.e2e_cache import MODEL_DIR, needs_model_tokenizer
 from tests.scheduling.plugins.support import BS, store
 
 pytestmark = needs_model_tokenizer
