@@ -8,13 +8,17 @@ from pathlib import Path
 from typing import Any
 
 from extproc.cli import CLI_REFERENCE
-from extproc.datalayer.pods_file import DEFAULT_PODS_FILE, load_pods
+from extproc.datalayer.pods_file import load_pods
 from extproc.envoyconf.build import make_bootstrap, make_snippet
 from extproc.envoyconf.options import EnvoyOptions
 from extproc.envoyconf.render import render_bootstrap, render_snippet
 from extproc.errors import ConfigError
 
 _DEFAULTS = EnvoyOptions()
+_ONE_POD_SOURCE = (
+    "give the pods Envoy may send to: a pods file (--pods FILE) or DNS "
+    "(--pods-dns NAME:PORT), one of the two"
+)
 
 
 DESCRIPTION = f"""\
@@ -41,15 +45,14 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--pods",
         type=Path,
-        default=DEFAULT_PODS_FILE,
-        help="pods YAML file: every pod Envoy may send to (default: the demo's four "
-        "localhost pods, extproc/data/pods.yaml)",
+        help="pods YAML file: every pod Envoy may send to, e.g. the repository's "
+        "examples/pods.yaml (default: none; this or --pods-dns is required)",
     )
     parser.add_argument(
         "--pods-dns",
         metavar="NAME:PORT",
         help="take the pods from DNS instead of --pods, e.g. a Kubernetes headless Service "
-        "(default: none)",
+        "(default: none; this or --pods is required)",
     )
     parser.add_argument(
         "--extproc-address",
@@ -134,6 +137,9 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write the files; bad input prints one line to stderr and returns 2."""
+    if (args.pods is None) == (args.pods_dns is None):
+        print(f"extproc envoy-config: {_ONE_POD_SOURCE}", file=sys.stderr)
+        return 2
     try:
         pods = () if args.pods_dns else load_pods(args.pods)
         options = EnvoyOptions(

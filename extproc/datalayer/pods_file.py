@@ -36,8 +36,6 @@ from extproc.pods import DEFAULT_NAMESPACE, Pod, PodId, PodRole
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PODS_FILE = Path(__file__).resolve().parent.parent / "data" / "pods.yaml"
-
 _POD_KEYS = frozenset({"name", "namespace", "address", "models", "labels", "role", "ready"})
 _ROLES = ", ".join(r.value for r in PodRole)
 

@@ -137,7 +137,7 @@ vLLM's /metrics and a simulated prefix cache, to route to without a GPU. When ev
 listens, one JSON line on stdout names them.
 
 Most common:
-  extproc sim-pods --pods 4 --port 8100 --model sim-model   extproc/data/pods.yaml's pods
+  extproc sim-pods --pods 4 --port 8100 --model sim-model   examples/pods.yaml's pods
   extproc sim-pods --pods 2 --port 0                        free ports, named on stdout
 
 Documentation: the site `make docs` builds from docs/ (docs/development.md; every flag in

@@ -19,14 +19,14 @@ import grpc
 import pytest
 
 from extproc.cli import serve
-from extproc.datalayer.pods_file import DEFAULT_PODS_FILE
 from extproc.sim.launch import free_port, start_extproc
 from extproc.wire.protocol import EXT_PROC_SERVICE
+from testkit.example_pods import EXAMPLE_PODS_FILE
 
 
 def test_serve_starts_and_drains_on_sigterm(tmp_path: Path) -> None:
     proc = start_extproc(
-        DEFAULT_PODS_FILE, tmp_path, grpc_port=free_port(), metrics_port=free_port()
+        EXAMPLE_PODS_FILE, tmp_path, grpc_port=free_port(), metrics_port=free_port()
     )
     assert proc.stop(signal.SIGTERM) == 0
     log = proc.log_tail()
@@ -38,7 +38,7 @@ def test_sigterm_ends_the_process_after_bytes_that_are_not_a_message(tmp_path: P
     drain is bounded all the same."""
     grpc_port = free_port()
     proc = start_extproc(
-        DEFAULT_PODS_FILE,
+        EXAMPLE_PODS_FILE,
         tmp_path,
         grpc_port=grpc_port,
         metrics_port=free_port(),
@@ -96,7 +96,7 @@ def test_an_unknown_plugin_is_logged_and_start_up_goes_on(tmp_path: Path) -> Non
         "        - {name: prefix-cache, weight: 1}\n"
     )
     proc = start_extproc(
-        DEFAULT_PODS_FILE,
+        EXAMPLE_PODS_FILE,
         tmp_path,
         grpc_port=free_port(),
         metrics_port=free_port(),
@@ -268,7 +268,7 @@ def _start(name: str, case: Refusal, base: Path) -> Outcome:
         ports.pop(flag, None)
     argv = [  # a valid pods file first: a case's own --pods comes later and wins
         sys.executable, "-m", "extproc", "serve", "--stale-after-s", "0",
-        "--pods", str(DEFAULT_PODS_FILE),
+        "--pods", str(EXAMPLE_PODS_FILE),
         *(x for flag, value in ports.items() for x in (flag, str(value))),
         *map(fill, case.args),
     ]  # fmt: skip

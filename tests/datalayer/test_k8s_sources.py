@@ -13,9 +13,10 @@ from prometheus_client import CollectorRegistry
 
 from extproc.cli import app, build_parser
 from extproc.datalayer.k8s import KubePodSource
-from extproc.datalayer.pods_file import DEFAULT_PODS_FILE, PodsFileWatcher
+from extproc.datalayer.pods_file import PodsFileWatcher
 from extproc.datalayer.sources import describe_source, make_pods_source
 from extproc.errors import ConfigError
+from testkit.example_pods import EXAMPLE_PODS_FILE
 from tests.datalayer.fake_kube import FakeKube, inference_pool, k8s_pod
 
 PODS = "/api/v1/namespaces/llm/pods"
@@ -45,10 +46,10 @@ def parse(*flags: str) -> argparse.Namespace:
 
 
 def test_a_pods_file_is_watched() -> None:
-    args = parse("--pods", str(DEFAULT_PODS_FILE))
+    args = parse("--pods", str(EXAMPLE_PODS_FILE))
     source = make_pods_source(args, lambda pods: None)
-    assert isinstance(source, PodsFileWatcher) and source.path == DEFAULT_PODS_FILE
-    assert describe_source(args) == str(DEFAULT_PODS_FILE)
+    assert isinstance(source, PodsFileWatcher) and source.path == EXAMPLE_PODS_FILE
+    assert describe_source(args) == str(EXAMPLE_PODS_FILE)
 
 
 @pytest.mark.parametrize(

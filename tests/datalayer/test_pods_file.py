@@ -14,7 +14,6 @@ import yaml
 
 from extproc.datalayer import pods_file
 from extproc.datalayer.pods_file import (
-    DEFAULT_PODS_FILE,
     PodsFileWatcher,
     load_pods,
     parse_address,
@@ -22,6 +21,7 @@ from extproc.datalayer.pods_file import (
 )
 from extproc.errors import ConfigError
 from extproc.pods import Pod, PodId, PodRole
+from testkit.example_pods import EXAMPLE_PODS_FILE
 
 
 def make_entry(name: str = "p0", **fields: Any) -> dict[str, Any]:
@@ -42,7 +42,7 @@ def write(path: Path, text: str) -> None:
 
 
 def test_default_pods_file() -> None:
-    pods = load_pods(DEFAULT_PODS_FILE)
+    pods = load_pods(EXAMPLE_PODS_FILE)
     assert [p.id for p in pods] == [PodId("default", f"sim-{i}") for i in range(4)]
     assert [p.address for p in pods] == [f"127.0.0.1:{8100 + i}" for i in range(4)]
     assert all(p.models == frozenset({"sim-model"}) and p.ready for p in pods)

@@ -15,14 +15,15 @@ import pytest
 import yaml
 
 from extproc.cli import envoy_config as cli
-from extproc.datalayer.pods_file import DEFAULT_PODS_FILE, load_pods
+from extproc.datalayer.pods_file import load_pods
 from extproc.envoyconf.build import EXTPROC_CLUSTER, make_bootstrap, make_snippet
 from extproc.envoyconf.options import EnvoyOptions, split_host_port
 from extproc.envoyconf.render import render_bootstrap, render_snippet, to_yaml
 from extproc.pods import Pod, PodId
 from extproc.wire.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE, header_attribute
+from testkit.example_pods import EXAMPLE_PODS_FILE
+from testkit.tls_certs import CertAuthority
 from tests.envoyconf.support import bootstrap, hcm, make_pods, validate
-from tests.tls_certs import CertAuthority
 
 REPO = Path(__file__).resolve().parents[2]
 ENVOY_DIR = REPO / "envoy"
@@ -100,8 +101,11 @@ def run_cli(*argv: str) -> int:
 
 def test_shipped_files_are_what_the_generator_writes(tmp_path: Path) -> None:
     out, snippet = tmp_path / "envoy.yaml", tmp_path / "snippet.yaml"
-    assert run_cli("--pods", str(DEFAULT_PODS_FILE), "-o", str(out), "--snippet", str(snippet)) == 0
-    regenerate = "regenerate: extproc envoy-config -o envoy/envoy.yaml --snippet envoy/snippet.yaml"
+    assert run_cli("--pods", str(EXAMPLE_PODS_FILE), "-o", str(out), "--snippet", str(snippet)) == 0
+    regenerate = (
+        "regenerate: extproc envoy-config --pods examples/pods.yaml -o envoy/envoy.yaml "
+        "--snippet envoy/snippet.yaml"
+    )
     assert (ENVOY_DIR / "envoy.yaml").read_text() == out.read_text(), regenerate
     assert (ENVOY_DIR / "snippet.yaml").read_text() == snippet.read_text(), regenerate
 
@@ -522,19 +526,24 @@ def test_to_yaml_rejects_unused_comment() -> None:
 
 
 def test_cli_writes_bootstrap_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_cli("--listen-port", "10005", "--num-fallbacks", "1") == 0
+    assert (
+        run_cli("--pods", str(EXAMPLE_PODS_FILE), "--listen-port", "10005", "--num-fallbacks", "1")
+        == 0
+    )
     config = yaml.safe_load(capsys.readouterr().out)
     listener = config["static_resources"]["listeners"][0]["address"]["socket_address"]
     assert listener["port_value"] == 10005
     assert route(config)["retry_policy"]["num_retries"] == 1
     assert len(
         cluster(config, "extproc_pods")["load_assignment"]["endpoints"][0]["lb_endpoints"]
-    ) == len(load_pods(DEFAULT_PODS_FILE))
+    ) == len(load_pods(EXAMPLE_PODS_FILE))
 
 
 def test_cli_options_reach_the_config(tmp_path: Path) -> None:
     out = tmp_path / "e.yaml"
     code = run_cli(
+        "--pods",
+        str(EXAMPLE_PODS_FILE),
         "--extproc-address",
         "10.1.1.1:7000",
         "--failure-mode-allow",
@@ -556,12 +565,17 @@ def test_cli_options_reach_the_config(tmp_path: Path) -> None:
     assert http_filter(config, "envoy.filters.http.buffer")["max_request_bytes"] == 2048
 
 
+EXAMPLE = ("--pods", str(EXAMPLE_PODS_FILE))
+
+
 @pytest.mark.parametrize(
     ("argv", "problem"),
     [
         pytest.param(["--pods", "/nonexistent.yaml"], "pods file not found", id="missing-pods"),
-        pytest.param(["--extproc-address", "x"], "not 'ip:port'", id="bad-address"),
-        pytest.param(["--num-fallbacks", "-2"], "num_fallbacks", id="bad-fallbacks"),
+        pytest.param([*EXAMPLE, "--extproc-address", "x"], "not 'ip:port'", id="bad-address"),
+        pytest.param([*EXAMPLE, "--num-fallbacks", "-2"], "num_fallbacks", id="bad-fallbacks"),
+        pytest.param([], "--pods FILE) or DNS (--pods-dns", id="no-pods"),
+        pytest.param([*EXAMPLE, "--pods-dns", "vllm:80"], "one of the two", id="two-sources"),
         pytest.param(["--pods-dns", "1.2.3.4:80"], "dns-name:port", id="pods-dns-ip"),
     ],
 )

@@ -25,10 +25,10 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from extproc.datalayer.pods_file import DEFAULT_PODS_FILE
 from extproc.prefix.hashing import hash_prompt
 from extproc.request.parse import Api, parse_request
 from extproc.sim.launch import envoy_binary, free_port, start_extproc
+from testkit.example_pods import EXAMPLE_PODS_FILE
 from tests.packaging.image import REPO, Replay, fresh_venv, mounts, stages
 
 pytestmark = [pytest.mark.packaging, pytest.mark.timeout(600)]
@@ -120,7 +120,7 @@ def test_the_wheel_holds_the_package_only(repo_wheel: Path) -> None:
     assert all(n.startswith(("extproc/", dist_info)) for n in names), sorted(
         {n.split("/")[0] for n in names}
     )
-    assert {"extproc/data/pods.yaml", "extproc/data/config.yaml", "extproc/cli/serve.py"} <= names
+    assert {"extproc/data/config.yaml", "extproc/cli/serve.py"} <= names
 
 
 def test_the_image_builds_the_same_wheel(image: Image, repo_wheel: Path) -> None:
@@ -226,7 +226,7 @@ def test_the_image_command_serves_and_drains_on_sigterm(image: Image, tmp_path: 
         f"--metrics-port={metrics_port}",
     ]
     proc = start_extproc(
-        DEFAULT_PODS_FILE,
+        EXAMPLE_PODS_FILE,
         tmp_path,
         grpc_port=grpc_port,
         metrics_port=metrics_port,
