@@ -45,7 +45,7 @@ from bench.picker_report import ENVOY, EXTPROC, machine, medians, publish
 from bench.upstreams import MODEL, start_upstreams
 from extproc.scheduling.config import named_config_text
 from extproc.sim.launch import free_port, run_stack
-from tests.tls_certs import CertAuthority
+from testkit.tls_certs import CertAuthority
 
 TRIVIAL = "envoy+trivial-picker"
 TRIVIAL_COMMAND = (sys.executable, "-m", "bench.trivial_picker")

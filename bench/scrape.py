@@ -1,6 +1,6 @@
 """Scrape cost: CPU per scrape per pod, and % of one core for N pods at an interval.
 
-Pages are realistic vLLM ``/metrics`` pages (``tests.datalayer.metrics_pages``: vLLM's
+Pages are realistic vLLM ``/metrics`` pages (``testkit.metrics_pages``: vLLM's
 metric names and buckets, 2 engines, HTTP and process metrics; ~90 KB). Two parts:
 
 * parse: CPU per page for the naive full parse with prometheus_client (the baseline),
@@ -41,7 +41,7 @@ from extproc.datalayer.engine_metrics import (
 from extproc.datalayer.scrape import MetricsScraper
 from extproc.datalayer.store import PodStore
 from extproc.pods import Pod, PodId
-from tests.datalayer.metrics_pages import EngineState, make_vllm_page
+from testkit.metrics_pages import EngineState, make_vllm_page
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 NUM_VARIANTS = 16  # pages rotate, so values (and histogram deltas) change per scrape

@@ -25,7 +25,7 @@ from e2e.support import (
     wait_for,
 )
 from extproc.sim.launch import SimPods, Stack, run_stack
-from tests.tls_certs import CertAuthority, Issued, served_certificate
+from testkit.tls_certs import CertAuthority, Issued, served_certificate
 from tests.wire.support import Client, log_entry
 
 

@@ -1,7 +1,7 @@
 """Reading /metrics pages: vLLM and SGLang names, label sets, models, latency windows,
 the KV capacity from ``vllm:cache_config_info``.
 
-``pages/vllm-0.32.0-cpu.txt`` is a real page: vLLM 0.32.0 (CPU), started as
+``testkit/pages/vllm-0.32.0-cpu.txt`` is a real page: vLLM 0.32.0 (CPU), started as
 ``e2e/real_vllm/pods.py`` starts a pod (1 GiB of KV cache, blocks of 32 tokens), after
 two completions.
 """
@@ -20,7 +20,7 @@ from extproc.datalayer.engine_metrics import (
     select_lines,
 )
 from extproc.pods import PodMetrics
-from tests.datalayer.metrics_pages import (
+from testkit.metrics_pages import (
     REAL_VLLM_PAGE,
     EngineState,
     make_sglang_page,

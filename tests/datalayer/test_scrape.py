@@ -13,8 +13,8 @@ from extproc.datalayer.engine_metrics import SAMPLE_NAMES
 from extproc.datalayer.scrape import MetricsScraper
 from extproc.datalayer.store import PodStore
 from extproc.pods import Pod, PodId
+from testkit.metrics_pages import REAL_VLLM_PAGE, EngineState, make_vllm_page
 from tests.datalayer.fake_pod import FakePod
-from tests.datalayer.metrics_pages import REAL_VLLM_PAGE, EngineState, make_vllm_page
 from tests.factories import make_pod
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
