@@ -31,7 +31,7 @@ from extproc.prefix import PrefixIndex, hash_prompt
 from extproc.request.parse import parse_request
 from extproc.scheduling.interfaces import Cycle, PluginContext
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheScorer
-from tests.factories import make_pod
+from testkit.factories import make_pod
 
 BLOCKS = 128
 

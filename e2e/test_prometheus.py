@@ -38,10 +38,10 @@ from extproc.request.tokens import SegmentTokenizer
 from extproc.scheduling.config import named_config_text
 from extproc.sim.kv_cache import BlockStored, hash_request_tokens
 from extproc.sim.launch import Proc, SimPods, Stack, free_port, run_stack, spawn, wait_until
+from testkit.factories import write_tokenizer
 from tests.charts.dashboard import PRECISE_ROW, queries, require_binary
 from tests.charts.support import PRECISE, find, render
 from tests.datalayer.kv_publisher import TOPIC, Publisher
-from tests.factories import write_tokenizer
 
 SCRAPE_INTERVAL = "1s"
 RATE_INTERVAL = "30s"  # the dashboard's $__rate_interval: the whole run fits in it

@@ -22,7 +22,7 @@ from extproc.wire.access_log import AccessLogHandler
 from extproc.wire.one_round import RouteHandler
 from extproc.wire.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE
 from testkit.e2e_cache import MODEL_DIR, needs_model_tokenizer
-from tests.factories import PREFIX_ONLY, make_pod, make_scheduler
+from testkit.factories import PREFIX_ONLY, make_pod, make_scheduler
 
 
 def run(rps: float, p50: float, envoy_us: float, extproc_us: float | None = None) -> dict[str, Any]:

@@ -15,8 +15,8 @@ from bench.routing_quality import SIM_ENGINE, aggregate, pod_sets, sim_precise
 from e2e.real_vllm.pods import cores_shared, engine_core
 from extproc.datalayer.kv_events import EVENTS_PORT_LABEL
 from testkit.e2e_cache import needs_model_tokenizer
+from testkit.factories import make_pod
 from tests.bench.rows import run_row
-from tests.factories import make_pod
 
 
 def run_args(contenders: list[str], sim_precise: bool = False) -> argparse.Namespace:

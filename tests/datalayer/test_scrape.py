@@ -13,9 +13,9 @@ from extproc.datalayer.engine_metrics import SAMPLE_NAMES
 from extproc.datalayer.scrape import MetricsScraper
 from extproc.datalayer.store import PodStore
 from extproc.pods import Pod, PodId
+from testkit.factories import make_pod
 from testkit.metrics_pages import REAL_VLLM_PAGE, EngineState, make_vllm_page
 from tests.datalayer.fake_pod import FakePod
-from tests.factories import make_pod
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 STALE_S = 0.3

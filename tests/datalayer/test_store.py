@@ -8,8 +8,8 @@ import pytest
 
 from extproc.datalayer.store import MetricsUpdate, PodStore
 from extproc.pods import Pod, PodMetrics
+from testkit.factories import make_pod
 from testkit.pod_store import set_metrics
-from tests.factories import make_pod
 
 
 class Clock:

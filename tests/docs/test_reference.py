@@ -15,7 +15,7 @@ import yaml
 
 from extproc.scheduling.registry import BUILTIN
 from extproc.sim.launch import free_port, start_extproc
-from tests.factories import write_tokenizer
+from testkit.factories import write_tokenizer
 from tools import docs_reference
 from tools.docs_reference import PAGES, REFERENCE
 

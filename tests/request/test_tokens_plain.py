@@ -1,4 +1,4 @@
-"""SegmentTokenizer with tokenizers of its own making (tests.factories), so these run
+"""SegmentTokenizer with tokenizers of its own making (testkit.factories), so these run
 without the e2e model: the segment cut with and without added tokens."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from extproc.request.tokens import SegmentTokenizer
-from tests.factories import write_tokenizer
+from testkit.factories import write_tokenizer
 
 
 def test_added_tokens_cut_the_text_into_memoized_segments(tmp_path: Path) -> None:

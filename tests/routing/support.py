@@ -22,7 +22,7 @@ from extproc.wire.protocol import (
     REQUEST_ID_ATTRIBUTE,
     header_attribute,
 )
-from tests.factories import PREFIX_ONLY, make_pod
+from testkit.factories import PREFIX_ONLY, make_pod
 
 GEOMETRY = (64, 128)  # prefix-cache's defaults
 PODS = [make_pod(f"p{i}", port=8000 + i) for i in range(4)]

@@ -40,7 +40,7 @@ from extproc.wire.protocol import (
     REQUEST_ID_ATTRIBUTE,
 )
 from extproc.wire.record_metadata import carried_record
-from tests.factories import PREFIX_ONLY
+from testkit.factories import PREFIX_ONLY
 from tests.routing.support import GEOMETRY, PODS, body, log_entry, make_router, process
 
 

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry
 
 from extproc.routing.pending import DEFAULT_MAX_PENDING, DEFAULT_PENDING_TTL_S
 from extproc.routing.router import Router
-from tests.factories import PREFIX_ONLY, make_pod, make_scheduler
+from testkit.factories import PREFIX_ONLY, make_pod, make_scheduler
 
 BODY = b'{"model": "m", "prompt": "hello there"}'
 

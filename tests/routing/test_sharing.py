@@ -26,8 +26,8 @@ from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.wire.access_log import AccessLogHandler
 from testkit.e2e_cache import MODEL_DIR, needs_model_tokenizer
+from testkit.factories import make_pod
 from testkit.replicas import RedisServer, run_redis, wait_until_true
-from tests.factories import make_pod
 from tests.routing.support import GEOMETRY, PODS, log_entry, make_router, process
 
 pytestmark = pytest.mark.timeout(120)

@@ -17,7 +17,7 @@ from extproc.scheduling.plugins.gpu_usage import GPUCacheUsage
 from extproc.scheduling.plugins.least_latency import LeastLatency, LeastLatencyArgs
 from extproc.scheduling.plugins.least_request import LeastRequest, LeastRequestArgs
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheArgs, PrefixCacheScorer
-from tests.factories import make_cycle, make_pod
+from testkit.factories import make_cycle, make_pod
 
 
 def weight_config(weight_line: str) -> str:

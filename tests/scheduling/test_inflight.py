@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from extproc.pods import PodId
 from extproc.scheduling.config import build_scheduler, parse_config
 from extproc.scheduling.inflight import InFlight, InFlightCount
-from tests.factories import make_cycle, make_pod
+from testkit.factories import make_cycle, make_pod
 
 PODS = [PodId("default", f"p{i}") for i in range(4)]
 

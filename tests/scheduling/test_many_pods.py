@@ -17,7 +17,7 @@ from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.interfaces import Cycle
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheScorer
 from extproc.scheduling.scheduler import Scheduler
-from tests.factories import PREFIX_ONLY, make_cycle, make_pod, make_scheduler
+from testkit.factories import PREFIX_ONLY, make_cycle, make_pod, make_scheduler
 
 SYSTEM = "You are a helpful assistant. " * 40
 

@@ -14,7 +14,7 @@ from extproc.routing.router import Router
 from extproc.scheduling.config import parse_config
 from extproc.scheduling.interfaces import Cycle
 from extproc.scheduling.sessions import Binding, SessionStore
-from tests.factories import PREFIX_ONLY, make_cycle, make_pod, make_scheduler
+from testkit.factories import PREFIX_ONLY, make_cycle, make_pod, make_scheduler
 
 GROUP = "modelserving.volcano.sh/group-name"
 ROLE = "modelserving.volcano.sh/role"

@@ -15,7 +15,7 @@ from extproc.errors import ModelNotFound, NoCapacity, NoReadyPods
 from extproc.pods import Pod, PodId
 from extproc.scheduling.interfaces import Cycle, Preparation
 from extproc.scheduling.scheduler import Scheduler, WeightedScorer
-from tests.factories import PREFIX_ONLY, make_cycle, make_pod, make_scheduler
+from testkit.factories import PREFIX_ONLY, make_cycle, make_pod, make_scheduler
 
 
 class FixedScorer:

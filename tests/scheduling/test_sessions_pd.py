@@ -14,7 +14,7 @@ from extproc.request.parse import Api, InferenceRequest
 from extproc.scheduling.interfaces import Cycle
 from extproc.scheduling.scheduler import Scheduler
 from extproc.scheduling.sessions import Binding, SessionStore
-from tests.factories import PREFIX_ONLY, make_pod, make_scheduler
+from testkit.factories import PREFIX_ONLY, make_pod, make_scheduler
 
 
 class FakeClock:

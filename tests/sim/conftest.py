@@ -8,8 +8,8 @@ import pytest
 
 from extproc.sim.launch import SimPods
 from extproc.sim.pods import GroupSettings
+from testkit.factories import FAST_ENGINE
 from testkit.harness import run_sim_pods
-from tests.factories import FAST_ENGINE
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from extproc.errors import ConfigError
 from extproc.sim.engine import Engine, EngineConfig, QueueFull, RequestTooLarge
 from extproc.sim.kv_cache import AllBlocksCleared, BlockRemoved, BlockStored, hash_request_tokens
-from tests.factories import make_sim_request, run_alone, seq
+from testkit.factories import make_sim_request, run_alone, seq
 
 
 def settings(name: str, value: object) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from extproc.sim.kv_cache import (
     hash_block_tokens,
     hash_request_tokens,
 )
-from tests.factories import make_sim_request, run_alone, seq
+from testkit.factories import make_sim_request, run_alone, seq
 
 
 def test_hashes_cover_full_blocks_only_and_chain_on_the_parent() -> None:

@@ -22,8 +22,8 @@ from extproc.sim.kv_events import decode_event_batch, encode_event_batch
 from extproc.sim.launch import SimPods
 from extproc.sim.pods import GroupSettings, KvEventsSettings
 from extproc.sim.tokenizer import tokenize
+from testkit.factories import FAST_ENGINE
 from testkit.harness import run_sim_pods
-from tests.factories import FAST_ENGINE
 
 H1, H2 = TokenBlockHash(2**64 - 1), TokenBlockHash(7)
 STORED = BlockStored((H1, H2), None, tuple(range(8)), 4, (("salt",), None))

@@ -25,8 +25,8 @@ from extproc.sim.api import ApiError, parse_request
 from extproc.sim.launch import SimPods
 from extproc.sim.pods import GroupSettings, KvEventsSettings
 from testkit.e2e_cache import MODEL_DIR, needs_model_tokenizer
+from testkit.factories import FAST_ENGINE
 from testkit.harness import run_sim_pods
-from tests.factories import FAST_ENGINE
 
 pytestmark = needs_model_tokenizer
 SYSTEM = "You are the support assistant of a cloud platform. Answer briefly. " * 8

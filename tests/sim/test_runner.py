@@ -8,7 +8,7 @@ import pytest
 
 from extproc.sim.engine import Engine, EngineConfig, StepResult
 from extproc.sim.runner import EngineRunner, EngineStopped
-from tests.factories import make_sim_request, seq
+from testkit.factories import make_sim_request, seq
 
 
 def test_tokens_arrive_in_order_at_the_engines_pace() -> None:

@@ -34,7 +34,7 @@ from extproc.sim.workloads import (
     burst_workload,
     chat_workload,
 )
-from tests.factories import (
+from testkit.factories import (
     default_scheduler_config,
     make_item,
     make_workload,

@@ -17,7 +17,7 @@ from extproc.sim.policies import (
     RoundRobin,
     make_policy,
 )
-from tests.factories import MODEL, default_scheduler_config, make_item, random_words
+from testkit.factories import MODEL, default_scheduler_config, make_item, random_words
 
 SYSTEM = random_words(1, 400)  # 1,600 bytes: exactly 25 view blocks of 64 bytes
 

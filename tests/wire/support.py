@@ -26,7 +26,7 @@ from extproc.wire.protocol import (
     SUBSET_HINT_NAMESPACE,
 )
 from extproc.wire.server import make_grpc_server
-from tests.factories import make_pod
+from testkit.factories import make_pod
 
 PODS = [make_pod(f"p{i}", port=8100 + i) for i in range(4)]
 BODY = orjson.dumps({"model": "m", "prompt": "a prompt long enough to hash " * 4})

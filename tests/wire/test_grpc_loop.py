@@ -23,7 +23,7 @@ from extproc.wire import grpc_loop, server
 from extproc.wire.grpc_loop import Answer, LoopServer, Method, run_off_loop, self_check
 from extproc.wire.grpc_public import PublicServer
 from extproc.wire.server import choose_server, make_grpc_server
-from tests.factories import PREFIX_ONLY, make_scheduler
+from testkit.factories import PREFIX_ONLY, make_scheduler
 from tests.wire.support import eventually
 
 ECHO = "/test.Loop/Echo"

@@ -19,7 +19,7 @@ from extproc.wire.protocol import (
     EXT_PROC_SERVICE,
 )
 from extproc.wire.server import make_grpc_server, make_health_server
-from tests.factories import PREFIX_ONLY, make_pod, make_scheduler
+from testkit.factories import PREFIX_ONLY, make_pod, make_scheduler
 from tests.wire.support import PODS, Client, destination, error_of, log_entry
 
 

@@ -22,7 +22,7 @@ from extproc.routing.preparing import PreparePool
 from extproc.routing.router import Router
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from testkit.e2e_cache import MODEL_DIR, needs_model_tokenizer
-from tests.factories import make_scheduler
+from testkit.factories import make_scheduler
 from tests.wire.support import (
     Server,
     body,

@@ -28,7 +28,7 @@ from extproc.wire.epp import GatewayHandler
 from extproc.wire.ext_proc import OFF_LOOP_BODY_BYTES
 from extproc.wire.grpc_loop import Answer
 from extproc.wire.protocol import EXT_PROC_SERVICE
-from tests.factories import PREFIX_ONLY, make_scheduler
+from testkit.factories import PREFIX_ONLY, make_scheduler
 from tests.wire.support import (
     PODS,
     Server,

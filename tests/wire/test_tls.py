@@ -18,8 +18,8 @@ from extproc.errors import ConfigError
 from extproc.routing.router import Router
 from extproc.wire.server import make_grpc_server
 from extproc.wire.tls import CertificateFiles, TlsSettings, server_credentials
+from testkit.factories import PREFIX_ONLY, make_scheduler
 from testkit.tls_certs import CertAuthority, Issued, served_certificate
-from tests.factories import PREFIX_ONLY, make_scheduler
 from tests.wire.support import PODS, Client, destination
 
 

@@ -12,7 +12,7 @@ from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.interfaces import PluginContext
 from extproc.scheduling.plugins.cost_aware import CostAware, CostAwareArgs
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheScorer
-from tests.factories import make_cycle, make_pod
+from testkit.factories import make_cycle, make_pod
 
 PROMPT = "w" * 4000  # 1,000 tokens at 4 bytes per token
 PREFILL_MS = 0.025  # the defaults

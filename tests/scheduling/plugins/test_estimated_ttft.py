@@ -22,7 +22,7 @@ from extproc.scheduling.plugins.arrivals import Arrivals
 from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT, EstimatedTTFTArgs, Written
 from extproc.scheduling.scheduler import Scheduler
 from testkit import estimated_ttft
-from tests.factories import PREFIX_ONLY, make_cycle, make_pod, make_scheduler
+from testkit.factories import PREFIX_ONLY, make_cycle, make_pod, make_scheduler
 
 PROMPT = "w" * 4000  # 1,000 tokens at 4 bytes a token, 62.5 blocks of 64 bytes
 A = EstimatedTTFTArgs()  # prefill 0.1 ms/token, queued 30 ms, running 5 ms

@@ -22,7 +22,7 @@ from extproc.scheduling.interfaces import Cycle, ExactMatches, PluginContext
 from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT, EstimatedTTFTArgs
 from extproc.scheduling.podtable import PodTable
 from testkit import estimated_ttft
-from tests.factories import make_cycle
+from testkit.factories import make_cycle
 
 SYSTEM = "You are a terse assistant. Answer in one line. " * 12  # ~9 blocks
 PROMPTS = [SYSTEM + f"question {q}: " + "detail " * (15 * q) for q in range(5)]

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry
 from extproc.pods import PodMetrics
 from extproc.scheduling.interfaces import PluginContext
 from extproc.scheduling.plugins.gpu_usage import GPUCacheUsage
-from tests.factories import make_cycle, make_pod
+from testkit.factories import make_cycle, make_pod
 
 
 @pytest.mark.parametrize(

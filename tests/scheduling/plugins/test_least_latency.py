@@ -13,7 +13,7 @@ from extproc.pods import PodMetrics
 from extproc.scheduling.config import parse_config
 from extproc.scheduling.interfaces import PluginContext
 from extproc.scheduling.plugins.least_latency import LeastLatency, LeastLatencyArgs
-from tests.factories import make_cycle, make_pod
+from testkit.factories import make_cycle, make_pod
 
 Latency = tuple[float | None, float | None]  # (ttft_s, itl_s)
 

@@ -9,7 +9,7 @@ from extproc.pods import PodMetrics
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.interfaces import PluginContext
 from extproc.scheduling.plugins.least_request import LeastRequest, LeastRequestArgs
-from tests.factories import make_cycle, make_pod
+from testkit.factories import make_cycle, make_pod
 
 
 def make_plugin(raw: object = None, in_flight: InFlight | None = None) -> LeastRequest:

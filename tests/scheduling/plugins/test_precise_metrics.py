@@ -1,6 +1,6 @@
 """precise-prefix-cache's own metrics move when their event happens: tokenizing time and
 the segment memo, the best pod's match ratio, the approximate view's entries and
-evictions, the requests credited as arriving. A small word-level tokenizer with a ChatML template (tests.factories) stands in
+evictions, the requests credited as arriving. A small word-level tokenizer with a ChatML template (testkit.factories) stands in
 for a model's; the fallback reasons are in test_precise_prefix_cache.py."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from extproc.pods import Pod, PodId
 from extproc.request.parse import parse_request
 from extproc.scheduling.interfaces import Cycle, PluginContext
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
-from tests.factories import write_tokenizer
+from testkit.factories import write_tokenizer
 from tools.docs_reference import REFERENCE
 
 BS = 4

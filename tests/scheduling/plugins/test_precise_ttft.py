@@ -22,7 +22,7 @@ from extproc.scheduling.interfaces import BYTES_PER_TOKEN, Cycle, TokenIds
 from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from testkit.e2e_cache import MODEL_DIR, needs_model_tokenizer
-from tests.factories import make_pod
+from testkit.factories import make_pod
 from tests.scheduling.plugins.support import BS, store
 
 pytestmark = needs_model_tokenizer

@@ -9,7 +9,7 @@ from extproc.scheduling.config import build_scheduler, parse_config
 from extproc.scheduling.interfaces import PluginContext
 from extproc.scheduling.plugins.cost_aware import CostAware
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheArgs, PrefixCacheScorer
-from tests.factories import make_cycle, make_pod
+from testkit.factories import make_cycle, make_pod
 
 
 def make_plugin(registry: CollectorRegistry, **args: int) -> PrefixCacheScorer:

@@ -1,6 +1,6 @@
-"""Small builders shared by the tests (like vLLM's ``make_request``): pods, cycles and
-schedulers; a tokenizer directory; the simulated engine's requests; the offline
-simulator's words, items, workloads and settings."""
+"""Small builders the tests, e2e and benchmarks share (like vLLM's ``make_request``):
+pods, cycles and schedulers; a tokenizer directory; the simulated engine's requests; the
+offline simulator's words, items, workloads and settings."""
 
 from __future__ import annotations
 
