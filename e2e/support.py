@@ -19,6 +19,7 @@ import httpx
 
 from extproc.sim.launch import SimPods, Stack
 from extproc.wire.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE, INTERNAL_HEADERS
+from testkit.waiting import wait_until
 
 MODEL = "sim-llm"
 RECORDED = ("extproc_completions_total", 'outcome="recorded"')
@@ -61,20 +62,6 @@ def metric(stack: Stack, name: str, labels: str = "", *, absent: float | None = 
     return absent
 
 
-def wait_for(predicate: object, timeout_s: float = 5.0) -> bool:
-    """Poll ``predicate`` until true; a connection error (a process starting, restarting
-    or draining under load) counts as not yet."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if predicate():  # type: ignore[operator]
-                return True
-        except OSError:
-            pass
-        time.sleep(0.02)
-    return False
-
-
 class Load:
     """Requests sent back to back by ``workers`` threads until stopped (bounded: at most
     ``max_s`` seconds), each answer's status and serving pod counted in order."""
@@ -108,7 +95,9 @@ class Load:
             return collections.Counter(s for t, s, _ in self.outcomes if t >= since)
 
     def wait_for_answers(self, count: int, since: float = 0.0, timeout_s: float = 20) -> None:
-        assert wait_for(lambda: self.statuses(since).total() >= count, timeout_s), self.statuses()
+        wait_until(
+            lambda: self.statuses(since).total() >= count, timeout_s, what=lambda: self.statuses()
+        )
 
 
 @contextmanager
@@ -161,7 +150,7 @@ def send_and_wait_recorded(
 ) -> str:
     before = metric(stack, *RECORDED)
     pod = served_by(client.post(api, json=body))
-    assert wait_for(lambda: metric(stack, *RECORDED) > before), "the success was not recorded"
+    wait_until(lambda: metric(stack, *RECORDED) > before, what="the success was not recorded")
     return pod
 
 

@@ -31,10 +31,10 @@ from e2e.support import (
     metric,
     send_and_wait_recorded,
     unique_prefix,
-    wait_for,
 )
 from extproc.pods import Pod, PodId
 from extproc.sim.launch import SimPods, Stack, free_port, run_stack, spawn_sim_pods, write_pods_file
+from testkit.waiting import wait_until
 
 API = "/v1/completions"
 READY = ("extproc_pods_ready", "")
@@ -71,7 +71,7 @@ def victim(chaos_stack: Stack, victim_port: int, all_pods: list[Pod]) -> Iterato
     """The victim running, and extproc seeing all five pods ready."""
     write_pods_file(all_pods, chaos_stack.pods_file)
     with start_victim(victim_port) as pods:
-        assert wait_for(lambda: metric(chaos_stack, *READY) == 5, timeout_s=10)
+        wait_until(lambda: metric(chaos_stack, *READY) == 5, timeout_s=10)
         yield pods
 
 
@@ -105,7 +105,7 @@ def test_a_pod_killed_mid_stream_records_nothing(chaos_stack: Stack, victim: Sim
         except httpx.HTTPError:
             pass  # the cut may surface as a transport error
         assert "data: [DONE]" not in lines
-        assert wait_for(lambda: metric(chaos_stack, *FAILED) == failed + 1)
+        wait_until(lambda: metric(chaos_stack, *FAILED) == failed + 1)
         assert metric(chaos_stack, *ENTRIES) == entries
         # and the next request with that prefix is served elsewhere, at once
         resp = client.post(API, json=body_for(API, prefix, "again"))
@@ -118,9 +118,9 @@ def test_a_pod_back_with_an_empty_cache_serves_its_prefixes_again(
     with httpx.Client(base_url=chaos_stack.url, timeout=30) as client:
         prefix = prefix_owned_by(chaos_stack, client, VICTIM)
         kill(victim)
-        assert wait_for(lambda: metric(chaos_stack, *READY) == 4, timeout_s=5)
+        wait_until(lambda: metric(chaos_stack, *READY) == 4, timeout_s=5)
         with start_victim(victim_port) as back:
-            assert wait_for(lambda: metric(chaos_stack, *READY) == 5, timeout_s=10)
+            wait_until(lambda: metric(chaos_stack, *READY) == 5, timeout_s=10)
             for i in range(2):  # the index still says it holds the prefix; its cache is empty
                 resp = client.post(API, json=body_for(API, prefix, f"back {i}"))
                 assert resp.status_code == 200 and resp.headers["x-sim-pod"] == VICTIM
@@ -142,7 +142,7 @@ def test_a_pod_killed_under_load_is_retried_on_the_next_best(
     assert set(statuses) == {200}, statuses  # a reset or refused connection is retried
     after = [pod for t, _, pod in load.outcomes if t > killed_at + 0.1]
     assert after and VICTIM not in after
-    assert wait_for(lambda: metric(chaos_stack, *READY) == 4, timeout_s=5)
+    wait_until(lambda: metric(chaos_stack, *READY) == 4, timeout_s=5)
     print(f"victim killed under load: {statuses.total()} requests, statuses {dict(statuses)}")
 
 
@@ -153,7 +153,7 @@ def test_a_pod_removed_from_the_pods_file_leaves_the_index(
         prefix_owned_by(chaos_stack, client, VICTIM)
         entries = metric(chaos_stack, *ENTRIES)
         write_pods_file(all_pods[:-1], chaos_stack.pods_file)
-        assert wait_for(lambda: metric(chaos_stack, *KNOWN) == 4, timeout_s=5)
+        wait_until(lambda: metric(chaos_stack, *KNOWN) == 4, timeout_s=5)
         assert metric(chaos_stack, *ENTRIES) <= entries - 19  # its blocks, at least these 19
         for i in range(10):
             resp = client.post(API, json=body_for(API, unique_prefix(), str(i)))
@@ -165,7 +165,7 @@ def test_an_invalid_pods_file_keeps_the_last_good_list_and_says_why(
 ) -> None:
     chaos_stack.pods_file.write_text("pods: [\n  - {name: broken\n")
     expected = f"{chaos_stack.pods_file}: not valid YAML"
-    assert wait_for(lambda: expected in chaos_stack.extproc.log_tail(200_000), timeout_s=5)
+    wait_until(lambda: expected in chaos_stack.extproc.log_tail(200_000), timeout_s=5)
     assert "keeping the last good 5 pods" in chaos_stack.extproc.log_tail(200_000)
     assert metric(chaos_stack, *KNOWN) == 5
     with httpx.Client(base_url=chaos_stack.url, timeout=30) as client:
@@ -185,8 +185,8 @@ def test_a_slow_pod_finishes_and_is_recorded(chaos_stack: Stack, victim: SimPods
                 )
             )
     assert all(a.status_code == 200 for a in answers)
-    assert wait_for(lambda: metric(chaos_stack, *RECORDED) == recorded + 6)
-    assert wait_for(lambda: metric(chaos_stack, "extproc_pending_completions") == 0)
+    wait_until(lambda: metric(chaos_stack, *RECORDED) == recorded + 6)
+    wait_until(lambda: metric(chaos_stack, "extproc_pending_completions") == 0)
 
 
 def test_pods_answering_5xx_are_retried_and_never_recorded(
@@ -220,11 +220,11 @@ def test_a_pod_whose_metrics_are_down_or_garbage_is_left_out_until_they_return(
     errors = ("extproc_scrape_errors_total", f'pod="default/{VICTIM}",reason="{reason}"')
     before = metric(chaos_stack, *errors, absent=0.0)  # the pod's first error makes it
     victim.set_faults(VICTIM, metrics=mode)
-    assert wait_for(lambda: metric(chaos_stack, *READY) == 4, timeout_s=5)  # stale after 2 s
+    wait_until(lambda: metric(chaos_stack, *READY) == 4, timeout_s=5)  # stale after 2 s
     assert metric(chaos_stack, *errors) > before
     with httpx.Client(base_url=chaos_stack.url, timeout=30) as client:
         for i in range(10):
             resp = client.post(API, json=body_for(API, unique_prefix(), str(i)))
             assert resp.status_code == 200 and resp.headers["x-sim-pod"] != VICTIM
     victim.clear_faults(VICTIM)
-    assert wait_for(lambda: metric(chaos_stack, *READY) == 5, timeout_s=5)
+    wait_until(lambda: metric(chaos_stack, *READY) == 5, timeout_s=5)

@@ -16,16 +16,9 @@ import httpx
 import pytest
 
 from e2e.slow_scheduler import marker
-from e2e.support import (
-    MODEL,
-    PREFIX_CONFIG,
-    RECORDED,
-    background_load,
-    metric,
-    unique_prefix,
-    wait_for,
-)
+from e2e.support import MODEL, PREFIX_CONFIG, RECORDED, background_load, metric, unique_prefix
 from extproc.sim.launch import SimPods, Stack, run_stack
+from testkit.waiting import wait_until
 
 API = "/v1/completions"
 ABANDONED = ("extproc_completions_total", 'outcome="abandoned"')
@@ -64,7 +57,7 @@ def test_extproc_killed_and_restarted_under_load(lifecycle_stack: Stack) -> None
         load.wait_for_answers(20, since=killed_at)
         down = load.statuses(since=killed_at)
         stack.restart_extproc()
-        assert wait_for(lambda: load.statuses(since=time.monotonic() - 1)[200] >= 10, 15)
+        wait_until(lambda: load.statuses(since=time.monotonic() - 1)[200] >= 10, 15)
         settled_at = time.monotonic()
         load.wait_for_answers(20, since=settled_at)
         after = load.statuses(since=settled_at)
@@ -83,7 +76,7 @@ def test_extproc_killed_and_restarted_under_load(lifecycle_stack: Stack) -> None
         before = metric(stack, *RECORDED)
         first = client.post(API, json={"model": MODEL, "prompt": prefix + "a", "max_tokens": 1})
         assert first.status_code == 200
-        assert wait_for(lambda: metric(stack, *RECORDED) == before + 1)
+        wait_until(lambda: metric(stack, *RECORDED) == before + 1)
         for question in "bcd":
             again = client.post(
                 API, json={"model": MODEL, "prompt": prefix + question, "max_tokens": 1}
@@ -105,9 +98,9 @@ def test_sigterm_lets_streams_in_flight_finish_and_be_recorded(lifecycle_stack: 
     stack = lifecycle_stack
     with ThreadPoolExecutor(6) as pool:
         streams = [pool.submit(stream_to_the_end, stack.url, f"drain {i} " * 30) for i in range(6)]
-        assert wait_for(lambda: metric(stack, *PENDING) >= 6, timeout_s=10)
+        wait_until(lambda: metric(stack, *PENDING) >= 6, timeout_s=10)
         stack.extproc.popen.send_signal(signal.SIGTERM)
-        assert wait_for(lambda: "new ext_proc streams are refused" in stack.extproc.log_tail(), 10)
+        wait_until(lambda: "new ext_proc streams are refused" in stack.extproc.log_tail(), 10)
         during = httpx.post(
             f"{stack.url}{API}",
             json={"model": MODEL, "prompt": "during the drain", "max_tokens": 1},
@@ -128,7 +121,7 @@ def test_sigterm_lets_streams_in_flight_finish_and_be_recorded(lifecycle_stack: 
     in_flight, recorded, left = map(int, drained.groups())
     assert in_flight >= 6 and recorded >= 6 and left == 0
     stack.restart_extproc()
-    assert wait_for(
+    wait_until(
         lambda: (
             httpx.post(
                 f"{stack.url}{API}", json={"model": MODEL, "prompt": "x", "max_tokens": 1}
@@ -149,11 +142,11 @@ def test_a_scheduler_slower_than_the_message_timeout(lifecycle_stack: Stack) -> 
     with httpx.Client(base_url=stack.url, timeout=30) as client:
         slow = {"model": MODEL, "prompt": marker(SLOW_SCHEDULE_S) + " slow", "max_tokens": 1}
         resp = client.post(API, json=slow)
-        assert wait_for(lambda: metric(stack, *ABANDONED) == abandoned + 1, timeout_s=15)
+        wait_until(lambda: metric(stack, *ABANDONED) == abandoned + 1, timeout_s=15)
         quick = client.post(API, json={"model": MODEL, "prompt": "not slow", "max_tokens": 1})
         assert quick.status_code == 200
     if fail_open(stack):
         assert resp.status_code == 200 and resp.headers["x-sim-pod"]
     else:
         assert resp.status_code == 504
-    assert wait_for(lambda: metric(stack, *PENDING) == 0, timeout_s=5)
+    wait_until(lambda: metric(stack, *PENDING) == 0, timeout_s=5)

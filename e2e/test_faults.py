@@ -15,9 +15,9 @@ from e2e.support import (
     send_and_wait_recorded,
     served_by,
     unique_prefix,
-    wait_for,
 )
 from extproc.sim.launch import SimPods, Stack
+from testkit.waiting import wait_until
 
 API = "/v1/completions"
 
@@ -37,7 +37,7 @@ def test_streaming_records_only_after_the_stream_ends(stack: Stack, sim: SimPods
         assert metric(stack, *RECORDED) == before  # still streaming: nothing recorded
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
-    assert wait_for(lambda: metric(stack, *RECORDED) == before + 1)
+    wait_until(lambda: metric(stack, *RECORDED) == before + 1)
 
 
 def test_a_503_pod_is_retried_on_the_next_best_which_is_recorded(
@@ -76,7 +76,7 @@ def test_a_pod_dying_mid_stream_records_nothing(stack: Stack, sim: SimPods) -> N
             assert "data: [DONE]" not in lines
         except httpx.HTTPError:
             pass  # the cut may also surface as a transport error
-    assert wait_for(lambda: metric(stack, *FAILED) == failed + 1)
+    wait_until(lambda: metric(stack, *FAILED) == failed + 1)
     assert metric(stack, *ENTRIES) == entries
 
 
@@ -85,6 +85,6 @@ def test_extproc_killed_and_restarted_envoy_recovers(stack: Stack, client: httpx
     stack.kill_extproc()
     assert client.post(API, json=body).status_code == 500  # failure_mode_allow false
     stack.restart_extproc()
-    assert wait_for(lambda: client.post(API, json=body).status_code == 200, timeout_s=10)
+    wait_until(lambda: client.post(API, json=body).status_code == 200, timeout_s=10)
     # a new process starts with an empty index: only the one-block prompt above, per pod
     assert metric(stack, *ENTRIES) <= NUM_PODS

@@ -25,11 +25,11 @@ from e2e.support import (
     metric,
     names_by_address,
     unique_prefix,
-    wait_for,
 )
 from extproc.sim.launch import SimPods, Stack, run_stack
 from extproc.wire.epp import SERVED_KEY
 from extproc.wire.protocol import DESTINATION_NAMESPACE, INTERNAL_HEADERS
+from testkit.waiting import wait_until
 
 
 def gateway_style(body_mode: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
@@ -81,7 +81,7 @@ def test_epp_routes_with_affinity_and_records_on_success(epp_stack: Stack) -> No
         first = client.post("/v1/completions", json=body)
         assert first.status_code == 200, first.text
         owner = first.headers["x-sim-pod"]
-        assert wait_for(lambda: metric(epp_stack, *RECORDED) > before)
+        wait_until(lambda: metric(epp_stack, *RECORDED) > before)
         for i in range(4):
             again = client.post("/v1/completions", json={**body, "prompt": prefix + f"q{i}"})
             assert again.headers["x-sim-pod"] == owner
@@ -107,7 +107,7 @@ def test_epp_client_routing_headers_never_steer_and_never_reach_a_pod(
     with httpx.Client(base_url=epp_stack.url, timeout=30) as client:
         before = metric(epp_stack, *RECORDED)
         owner = client.post("/v1/completions", json=body).headers["x-sim-pod"]
-        assert wait_for(lambda: metric(epp_stack, *RECORDED) > before)
+        wait_until(lambda: metric(epp_stack, *RECORDED) > before)
         address = {p.name: f"127.0.0.1:{p.port}" for p in sim.pods}
         for other in (name for name in address if name != owner):
             resp = client.post(
@@ -171,7 +171,7 @@ def test_epp_a_retried_request_is_recorded_for_the_pod_the_gateway_says_served(
             before = metric(served_stack, *RECORDED)
             resp = client.post("/v1/completions", json=body_for(API, prefix, "q"))
             assert resp.status_code == 200, resp.text
-            assert wait_for(lambda: metric(served_stack, *RECORDED) == before + 1)  # noqa: B023
+            wait_until(lambda: metric(served_stack, *RECORDED) == before + 1)  # noqa: B023
             listed = [by_address[a] for a in resp.headers[LIST_HEADER].split(",")]
             if listed[0] == failing:
                 break

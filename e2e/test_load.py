@@ -10,8 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e.support import MODEL, metric, wait_for
+from e2e.support import MODEL, metric
 from extproc.sim.launch import SimPods, Stack, run_stack, spawn_sim_pods
+from testkit.waiting import wait_until
 
 # One request at a time, about 0.6 s each (60 decode steps of 10 ms): a queue builds fast.
 SLOW_POD_ARGS = ["--model", MODEL, "--max-num-seqs", "1"]
@@ -46,12 +47,12 @@ def test_a_pod_whose_queue_is_full_is_filtered_out(
         backlog = [
             pool.submit(direct.post, f"{busy.url}/v1/completions", json=body) for _ in range(14)
         ]
-        assert wait_for(lambda: waiting(busy.url) >= 10, timeout_s=10)
+        wait_until(lambda: waiting(busy.url) >= 10, timeout_s=10)
         assert "extproc_pods_ready 3.0" in default_stack.metrics_text()
         # extproc has seen the full queue: two more sweeps over every pod's /metrics
         scraped = metric(default_stack, SCRAPES)
         sweeps = 2 * len(slow_pods.pods)
-        assert wait_for(lambda: metric(default_stack, SCRAPES) >= scraped + sweeps, 10)
+        wait_until(lambda: metric(default_stack, SCRAPES) >= scraped + sweeps, 10)
         with httpx.Client(base_url=default_stack.url, timeout=30) as client:
             for i in range(12):
                 resp = client.post(

@@ -11,11 +11,11 @@ import httpx
 import pytest
 
 from bench.contenders import precise_config
-from e2e.support import wait_for
 from extproc.sim.launch import SimPods, spawn_sim_pods
 from testkit.e2e_cache import MODEL_DIR, needs_model_tokenizer
 from testkit.kv_events import wait_events_trusted
 from testkit.replicas import Replicas, run_replicas
+from testkit.waiting import wait_until
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -70,8 +70,8 @@ def test_both_replicas_see_the_pods_caches(sim: SimPods, replicas: Replicas) -> 
                 return False
         return True
 
-    assert wait_for(exact, 10), {
+    wait_until(exact, 10, what=lambda: {
         pod.name: (sim.stats(pod.name)["engine"]["num_cached_blocks"],
                    view(replicas, 0, pod.name), view(replicas, 1, pod.name))
         for pod in sim.pods
-    }  # fmt: skip
+    })  # fmt: skip

@@ -36,9 +36,11 @@ from extproc.pods import Pod, PodId
 from extproc.request.parse import Api
 from extproc.request.tokens import SegmentTokenizer
 from extproc.scheduling.config import named_config_text
+from extproc.sim import launch
 from extproc.sim.kv_cache import BlockStored, hash_request_tokens
-from extproc.sim.launch import Proc, SimPods, Stack, free_port, run_stack, spawn, wait_until
+from extproc.sim.launch import Proc, SimPods, Stack, free_port, run_stack, spawn
 from testkit.factories import write_tokenizer
+from testkit.waiting import wait_until
 from tests.charts.dashboard import PRECISE_ROW, queries, require_binary
 from tests.charts.support import PRECISE, find, render
 from tests.datalayer.kv_publisher import TOPIC, Publisher
@@ -114,7 +116,9 @@ def scraping(picker: Stack, sim: SimPods, tmp_path: Path) -> Iterator[str]:
     proc: Proc = spawn("prometheus", argv, tmp_path)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _get(f"{url}/-/ready").startswith("Prometheus"), proc, "prometheus")
+        launch.wait_until(
+            lambda: _get(f"{url}/-/ready").startswith("Prometheus"), proc, "prometheus"
+        )
         yield url
     finally:
         proc.stop()
@@ -158,12 +162,12 @@ def run_workload(stack: Stack) -> None:
 
 def wait_for_first_scrapes(url: str) -> None:
     """Until every target was scraped once, so the workload's increases are all seen."""
-    deadline = time.monotonic() + DATA_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if len(query(url, "up == 1")) == NUM_TARGETS:
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"Prometheus did not scrape all {NUM_TARGETS} targets")
+    wait_until(
+        lambda: len(query(url, "up == 1")) == NUM_TARGETS,
+        DATA_TIMEOUT_S,
+        interval_s=0.2,
+        what=f"Prometheus scraping all {NUM_TARGETS} targets",
+    )
 
 
 def wait_for_data(url: str, pending: dict[str, str]) -> None:
@@ -292,28 +296,21 @@ def lose_replay_restart_garble(
     p0.publish(stored([1] * 2 * BS))
     p0.publish(stored([2] * 2 * BS), lose=True)
     p0.publish(stored([3] * 2 * BS))
-    assert wait_for(lambda: replays("ok") == 1)
+    wait_until(lambda: replays("ok") == 1, timeout_s=DATA_TIMEOUT_S, interval_s=0.1)
     for _ in range(5):  # past p0's last batch, so p0's ROUTER has nothing to replay
         p1.publish(stored([1] * BS))
     p1.publish(stored([2] * BS), lose=True)
     p1.publish(stored([3] * BS))
-    assert wait_for(lambda: replays("failed") == 1)
+    wait_until(lambda: replays("failed") == 1, timeout_s=DATA_TIMEOUT_S, interval_s=0.1)
     p2.publish(stored([1] * BS))
     p2.seq = 0  # a restarted engine
     p2.publish(stored(tokens))
     p3.pub.send_multipart([TOPIC, b"\0" * 8])
-    assert wait_for(
-        lambda: metric(stack, "extproc_kv_events_errors_total", 'reason="frames"', absent=0) == 1
+    wait_until(
+        lambda: metric(stack, "extproc_kv_events_errors_total", 'reason="frames"', absent=0) == 1,
+        timeout_s=DATA_TIMEOUT_S,
+        interval_s=0.1,
     )
-
-
-def wait_for(cond: Any, timeout_s: float = DATA_TIMEOUT_S) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def test_every_precise_dashboard_query_returns_data(

@@ -13,8 +13,9 @@ import httpx
 import pytest
 
 from e2e.slow_scheduler import marker
-from e2e.support import MODEL, RECORDED, metric, unique_prefix, wait_for
+from e2e.support import MODEL, RECORDED, metric, unique_prefix
 from extproc.sim.launch import SimPods, Stack, run_stack
+from testkit.waiting import wait_until
 
 ARRIVING = ("extproc_estimated_ttft_arriving_requests", "")
 ENTRIES = ("extproc_estimated_ttft_entries", "")
@@ -47,13 +48,13 @@ def test_a_second_request_follows_the_first_before_it_ends(
     answers: dict[str, httpx.Response] = {}
     first = threading.Thread(target=post, args=(default_stack.url, prefix + "q1", answers, "1"))
     first.start()
-    assert wait_for(lambda: metric(default_stack, *ARRIVING) >= 1, 10), "no credit at pick"
+    wait_until(lambda: metric(default_stack, *ARRIVING) >= 1, 10, what="no credit at pick")
     post(default_stack.url, prefix + "q2", answers, "2")
     first.join(30)
     assert answers["1"].status_code == answers["2"].status_code == 200
     assert answers["1"].headers["x-sim-pod"] == answers["2"].headers["x-sim-pod"]
-    assert wait_for(lambda: metric(default_stack, *ARRIVING) == 0, 10), "credit left behind"
-    assert wait_for(lambda: metric(default_stack, *RECORDED) >= recorded + 2, 10)
+    wait_until(lambda: metric(default_stack, *ARRIVING) == 0, 10, what="credit left behind")
+    wait_until(lambda: metric(default_stack, *RECORDED) >= recorded + 2, 10)
 
 
 def test_a_failed_request_leaves_no_credit_and_no_record(
@@ -66,7 +67,7 @@ def test_a_failed_request_leaves_no_credit_and_no_record(
     answers: dict[str, httpx.Response] = {}
     post(default_stack.url, unique_prefix() + "q", answers, "only")
     assert answers["only"].status_code >= 500
-    assert wait_for(lambda: metric(default_stack, *FAILED) > failed, 10)
+    wait_until(lambda: metric(default_stack, *FAILED) > failed, 10)
     assert metric(default_stack, *ARRIVING) == 0
     assert metric(default_stack, "extproc_estimated_ttft_entries") == entries
 
@@ -86,10 +87,11 @@ def test_a_retry_served_elsewhere_leaves_no_credit_and_records_the_server(
         retries = metric(default_stack, *RETRIES)
         prefix = unique_prefix()
         post(default_stack.url, prefix + "q", answers, "try")
-        assert wait_for(
-            lambda e=ended: metric(default_stack, *RECORDED) + metric(default_stack, *FAILED) > e,
+        wait_until(  # called within this iteration, so ``ended`` is this iteration's
+            lambda: metric(default_stack, *RECORDED) + metric(default_stack, *FAILED) > ended,  # noqa: B023
             10,
-        ), "the request's end never reached extproc"
+            what="the request's end never reached extproc",
+        )
         if answers["try"].status_code == 200 and metric(default_stack, *RETRIES) > retries:
             break  # a failing pod was picked, the healthy one served
     else:
@@ -101,7 +103,7 @@ def test_a_retry_served_elsewhere_leaves_no_credit_and_records_the_server(
     post(default_stack.url, prefix + "again", answers, "next")
     assert answers["next"].status_code == 200
     assert answers["next"].headers["x-sim-pod"] == healthy
-    assert wait_for(lambda: metric(default_stack, *ARRIVING) == 0, 10)
+    wait_until(lambda: metric(default_stack, *ARRIVING) == 0, 10)
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +126,6 @@ def test_a_route_envoy_stopped_waiting_for_leaves_no_credit(slow_stack: Stack) -
     answers: dict[str, httpx.Response] = {}
     post(slow_stack.url, marker(SLOW_SCHEDULE_S) + unique_prefix(), answers, "slow")
     assert answers["slow"].status_code == 504
-    assert wait_for(lambda: metric(slow_stack, *ABANDONED) == abandoned + 1, 15)
+    wait_until(lambda: metric(slow_stack, *ABANDONED) == abandoned + 1, 15)
     assert metric(slow_stack, *ARRIVING) == 0
     assert metric(slow_stack, *ENTRIES) == entries

@@ -8,8 +8,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from e2e.support import MODEL, PREFIX_CONFIG, RECORDED, metric, unique_prefix, wait_for
+from e2e.support import MODEL, PREFIX_CONFIG, RECORDED, metric, unique_prefix
 from extproc.sim.launch import SimPods, Stack, run_stack
+from testkit.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def test_routes_retries_and_records_on_the_public_server(public_stack: Stack, si
         first = client.post("/v1/completions", json=body)
         assert first.status_code == 200, first.text
         pod = first.headers["x-sim-pod"]
-        assert wait_for(lambda: metric(public_stack, *RECORDED) > before)
+        wait_until(lambda: metric(public_stack, *RECORDED) > before)
         assert [
             client.post("/v1/completions", json=body).headers["x-sim-pod"] for _ in range(3)
         ] == [pod] * 3

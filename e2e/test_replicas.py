@@ -12,7 +12,8 @@ import pytest
 
 from e2e.support import MODEL, PREFIX_CONFIG, background_load
 from extproc.sim.launch import SimPods
-from testkit.replicas import Replicas, run_replicas, wait_until_true
+from testkit.replicas import Replicas, run_replicas
+from testkit.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -65,14 +66,16 @@ def test_every_end_is_recorded_once_and_the_views_converge(replicas: Replicas) -
         for i in range(num):
             url = replicas.urls[i % len(replicas.urls)]
             assert client.post(f"{url}/v1/completions", json=tenant_body(i)).status_code == 200
-    assert wait_until_true(
-        lambda: outcome(replicas, "recorded") + outcome(replicas, "recorded_from_metadata") == num
-    ), {o: outcome(replicas, o) for o in OUTCOMES}
+    wait_until(
+        lambda: outcome(replicas, "recorded") + outcome(replicas, "recorded_from_metadata") == num,
+        timeout_s=10,
+        what=lambda: {o: outcome(replicas, o) for o in OUTCOMES},
+    )
     assert outcome(replicas, "unknown_request") == 0
     assert outcome(replicas, "recorded_from_metadata") > 0  # the log went to one replica
-    assert wait_until_true(lambda: converged(replicas)), views(replicas)
+    wait_until(lambda: converged(replicas), timeout_s=10, what=lambda: views(replicas))
     # Every replica stops counting in flight what it routed, wherever the end was heard.
-    assert wait_until_true(lambda: replicas.total("extproc_pending_completions") == 0)
+    wait_until(lambda: replicas.total("extproc_pending_completions") == 0, timeout_s=10)
 
 
 @pytest.mark.parametrize(
@@ -96,7 +99,7 @@ def test_a_replica_killed_under_load_and_restarted_catches_up(replicas: Replicas
     else:  # the few streams sent before the health check marks it down fail (500)
         assert statuses[200] >= 0.95 * len(load.outcomes), statuses
     assert first.metric("extproc_sharing_applied_total", 'kind="end"') > 0  # caught up
-    assert wait_until_true(lambda: converged(replicas), timeout_s=20), views(replicas)
+    wait_until(lambda: converged(replicas), timeout_s=20, what=lambda: views(replicas))
     assert second.metric("extproc_completions_total", 'outcome="unknown_request"') == 0
 
 
@@ -105,12 +108,12 @@ def test_redis_killed_and_restarted_mid_run(replicas: Replicas) -> None:
     with background_load(replicas.urls[0], tenant_body, workers=4, max_s=90) as load:
         load.wait_for_answers(20)
         replicas.redis.stop(signal.SIGKILL)
-        assert wait_until_true(lambda: replicas.total("extproc_sharing_up") == 0, timeout_s=20)
+        wait_until(lambda: replicas.total("extproc_sharing_up") == 0, timeout_s=20)
         down = len(load.outcomes)
         load.wait_for_answers(down + 40)  # routed on with the local views
         replicas.redis.start()  # same port, empty
-        assert wait_until_true(lambda: replicas.total("extproc_sharing_up") == 2, timeout_s=30)
+        wait_until(lambda: replicas.total("extproc_sharing_up") == 2, timeout_s=30)
         load.wait_for_answers(len(load.outcomes) + 20)
     assert load.statuses() == {200: len(load.outcomes)}, load.statuses()
     assert outcome(replicas, "unknown_request") == 0
-    assert wait_until_true(lambda: converged(replicas), timeout_s=20), views(replicas)
+    wait_until(lambda: converged(replicas), timeout_s=20, what=lambda: views(replicas))

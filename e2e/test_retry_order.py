@@ -29,10 +29,10 @@ from e2e.support import (
     metric,
     names_by_address,
     unique_prefix,
-    wait_for,
 )
 from extproc.pods import Pod
 from extproc.sim.launch import SimPods, Stack, run_stack, write_pods_file
+from testkit.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_a_list_shorter_than_the_retries_is_not_walked_past(
     short: list[Pod] = [*pods[:2], *(dataclasses.replace(p, ready=False) for p in pods[2:])]
     write_pods_file(short, order_stack.pods_file)
     try:
-        assert wait_for(lambda: metric(order_stack, "extproc_pods_ready") == 2, timeout_s=10)
+        wait_until(lambda: metric(order_stack, "extproc_pods_ready") == 2, timeout_s=10)
         listed_pods = {p.id.name for p in pods[:2]}
         for name in listed_pods:
             sim.set_faults(name, error_rate=1.0, error_status=503)
@@ -113,4 +113,4 @@ def test_a_list_shorter_than_the_retries_is_not_walked_past(
                 assert tried == {p.name: int(p.name in listed_pods) for p in sim.pods}, tried
     finally:
         write_pods_file(pods, order_stack.pods_file)
-        assert wait_for(lambda: metric(order_stack, "extproc_pods_ready") == 4, timeout_s=10)
+        wait_until(lambda: metric(order_stack, "extproc_pods_ready") == 4, timeout_s=10)

@@ -21,10 +21,10 @@ from e2e.support import (
     send_and_wait_recorded,
     served_by,
     unique_prefix,
-    wait_for,
 )
 from extproc.sim.launch import SimPods, Stack
 from extproc.wire.protocol import INTERNAL_HEADERS
+from testkit.waiting import wait_until
 
 API = "/v1/completions"
 MISSES = ("kthena_router_prefix_cache_match_ratio_bucket", 'le="0.0",model="sim-llm"')
@@ -61,7 +61,7 @@ def test_salts_never_share_prefixes_under_concurrency(stack: Stack, client: http
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(send, old))
     assert metric(stack, *MISSES) == misses + 8
-    assert wait_for(lambda: metric(stack, *RECORDED) >= recorded + 8)
+    wait_until(lambda: metric(stack, *RECORDED) >= recorded + 8)
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(send, [*new, *(salt for salt in old for _ in range(4))]))
     assert metric(stack, *MISSES) == misses + 16

@@ -8,9 +8,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from e2e.support import MODEL, RECORDED, metric, wait_for
+from e2e.support import MODEL, RECORDED, metric
 from extproc.pods import PodRole
 from extproc.sim.launch import SimPods, Stack, run_stack
+from testkit.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def test_a_session_stays_on_its_pod(pd_stack: Stack) -> None:
     session = {"x-session-id": "conversation-42"}
     before = metric(pd_stack, *RECORDED)
     first = post(pd_stack, "turn one of a long conversation " * 10, session).headers["x-sim-pod"]
-    assert wait_for(lambda: metric(pd_stack, *RECORDED) > before)
+    wait_until(lambda: metric(pd_stack, *RECORDED) > before)
     pinned = metric(pd_stack, "extproc_session_pinned_total")
     for turn in range(2, 8):
         resp = post(pd_stack, f"turn {turn}: a different prompt every time " * 10, session)

@@ -15,17 +15,10 @@ import httpx
 import pytest
 from cryptography import x509
 
-from e2e.support import (
-    MODEL,
-    PREFIX_CONFIG,
-    RECORDED,
-    background_load,
-    metric,
-    unique_prefix,
-    wait_for,
-)
+from e2e.support import MODEL, PREFIX_CONFIG, RECORDED, background_load, metric, unique_prefix
 from extproc.sim.launch import SimPods, Stack, run_stack
 from testkit.tls_certs import CertAuthority, Issued, served_certificate
+from testkit.waiting import wait_until
 from tests.wire.support import Client, log_entry
 
 
@@ -118,7 +111,7 @@ def test_routes_retries_and_records_over_tls(
     first = post(tls_stack, body)
     assert first.status_code == 200, first.text
     pod = first.headers["x-sim-pod"]
-    assert wait_for(lambda: metric(tls_stack, *RECORDED) > before)
+    wait_until(lambda: metric(tls_stack, *RECORDED) > before)
     assert [post(tls_stack, body).headers["x-sim-pod"] for _ in range(3)] == [pod] * 3
     sim.set_faults(pod, error_rate=1.0, error_status=503)
     try:
@@ -189,7 +182,7 @@ def test_mtls_refuses_clients_without_a_good_certificate(
     client.channel.close()
     assert metric(tls_stack, "extproc_completions_total", 'outcome="unknown_request"') == before
     assert metric(tls_stack, *RECORDED) == recorded
-    assert wait_for(lambda: logged in tls_stack.extproc.log_tail(50_000))
+    wait_until(lambda: logged in tls_stack.extproc.log_tail(50_000))
 
 
 def test_certificate_rotation_while_requests_flow(files_stack: Stack, certs: Certs) -> None:
@@ -203,7 +196,7 @@ def test_certificate_rotation_while_requests_flow(files_stack: Stack, certs: Cer
         for new, current in ((fresh.key, certs.server.key), (fresh.cert, certs.server.cert)):
             os.replace(new, current)
             load.wait_for_answers(load.statuses().total() + 10)
-        assert wait_for(lambda: served_certificate(tls_stack.grpc_port).serial_number != old)
+        wait_until(lambda: served_certificate(tls_stack.grpc_port).serial_number != old)
         load.wait_for_answers(load.statuses().total() + 20)
     assert set(load.statuses()) == {200}, load.statuses()
     new_serial = x509.load_pem_x509_certificate(certs.server.cert.read_bytes()).serial_number

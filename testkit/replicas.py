@@ -13,7 +13,6 @@ import shutil
 import signal
 import socket
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -194,16 +193,3 @@ def run_replicas(
             envoys.append(envoy)
             ports.append(options.listen_port)
         yield Replicas(replicas, envoys, ports, server, log_dir, failure_mode_allow)
-
-
-def wait_until_true(check: object, timeout_s: float = 10.0) -> bool:
-    """Poll ``check()`` until true (connection errors count as not yet)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if check():  # type: ignore[operator]
-                return True
-        except OSError:
-            pass
-        time.sleep(0.05)
-    return False

@@ -11,12 +11,12 @@ import httpx
 import orjson
 
 from e2e.real_vllm.pods import BLOCK_SIZE, MODEL, VllmPod
-from e2e.support import wait_for
 from extproc.pods import PodId
 from extproc.prefix.precise.keys import chain_keys
 from extproc.request.parse import Api, parse_request
 from extproc.scheduling.interfaces import Cycle
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
+from testkit.waiting import wait_until
 
 EVENTS_TIMEOUT_S = 30.0
 MAX_TOKENS = 4
@@ -44,10 +44,10 @@ def start_exact(plugin: PrecisePrefixCache, pod: VllmPod, client: httpx.Client) 
         post(client, pod, "/v1/completions", warm_prompt())
         return pod_id in plugin.index.views
 
-    assert wait_for(seen, EVENTS_TIMEOUT_S), f"no events from {pod.name}"
+    wait_until(seen, EVENTS_TIMEOUT_S, what=f"no events from {pod.name}")
     before = warm_prompt()
     post(client, pod, "/v1/completions", before)
-    assert wait_for(lambda: _held(plugin, pod_id, before) == 1.0, EVENTS_TIMEOUT_S)
+    wait_until(lambda: _held(plugin, pod_id, before) == 1.0, EVENTS_TIMEOUT_S)
     pod.reset_prefix_cache()
     after = warm_prompt()
     post(client, pod, "/v1/completions", after)  # carries AllBlocksCleared out
@@ -59,7 +59,7 @@ def start_exact(plugin: PrecisePrefixCache, pod: VllmPod, client: httpx.Client) 
             and _held(plugin, pod_id, after) == 1.0
         )
 
-    assert wait_for(cleared, EVENTS_TIMEOUT_S), f"{pod.name}'s clear never came"
+    wait_until(cleared, EVENTS_TIMEOUT_S, what=f"{pod.name}'s clear never came")
 
 
 def _held(plugin: PrecisePrefixCache, pod_id: PodId, body: dict[str, Any]) -> float:
@@ -101,7 +101,9 @@ def check(
     assert num_prompt == len(tokens), (path, body)
     assert predicted == cached, (pod.name, path, body.get("cache_salt"), len(tokens))
     keys = chain_keys(tokens, BLOCK_SIZE, cycle.request.cache_salt)
-    assert wait_for(
-        lambda: plugin.index.match(the_pod.id, keys)[0] == len(keys), EVENTS_TIMEOUT_S
-    ), "the request's blocks never showed up in the pod's events"
+    wait_until(
+        lambda: plugin.index.match(the_pod.id, keys)[0] == len(keys),
+        EVENTS_TIMEOUT_S,
+        what="the request's blocks never showed up in the pod's events",
+    )
     return predicted, len(tokens)

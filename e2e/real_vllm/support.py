@@ -9,8 +9,9 @@ import uuid
 import httpx
 
 from e2e.real_vllm.pods import MODEL, VllmPod, metric_sum
-from e2e.support import RECORDED, metric, wait_for
+from e2e.support import RECORDED, metric
 from extproc.sim.launch import Stack
+from testkit.waiting import wait_until
 
 COUNTERS = ("vllm:request_success_total", "vllm:prefix_cache_hits_total")
 
@@ -37,5 +38,5 @@ def send_recorded(stack: Stack, client: httpx.Client, body: dict[str, object]) -
     before = metric(stack, *RECORDED)
     resp = client.post("/v1/chat/completions", json=body)
     assert resp.status_code == 200, resp.text
-    assert wait_for(lambda: metric(stack, *RECORDED) > before), "the success was not recorded"
+    wait_until(lambda: metric(stack, *RECORDED) > before, what="the success was not recorded")
     return resp

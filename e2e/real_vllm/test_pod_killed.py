@@ -22,8 +22,9 @@ from e2e.real_vllm.support import (
     send_recorded,
     snapshot,
 )
-from e2e.support import RECORDED, metric, wait_for
+from e2e.support import RECORDED, metric
 from extproc.sim.launch import Stack
+from testkit.waiting import wait_until
 
 pytestmark = [
     pytest.mark.e2e,
@@ -53,7 +54,7 @@ def test_killing_a_pod_mid_stream_others_serve_and_nothing_is_recorded_for_it(
         lines = resp.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
         vllm_pods[owner].kill()
-        assert wait_for(lambda: metric(vllm_stack, "extproc_pods_ready") == len(live), 10)
+        wait_until(lambda: metric(vllm_stack, "extproc_pods_ready") == len(live), 10)
         with pytest.raises(httpx.HTTPError):
             for _ in lines:
                 pass
@@ -64,6 +65,6 @@ def test_killing_a_pod_mid_stream_others_serve_and_nothing_is_recorded_for_it(
     with ThreadPoolExecutor(4) as pool:
         statuses = list(pool.map(ask, range(NUM_AFTER)))
     assert statuses == [200] * NUM_AFTER
-    assert wait_for(lambda: metric(vllm_stack, *RECORDED) == recorded + NUM_AFTER, 10)
+    wait_until(lambda: metric(vllm_stack, *RECORDED) == recorded + NUM_AFTER, 10)
     assert sum(delta(live_before, snapshot(live), "vllm:request_success_total")) == NUM_AFTER
-    assert wait_for(lambda: metric(vllm_stack, *FAILED) == failed + 1, 10)  # the cut stream
+    wait_until(lambda: metric(vllm_stack, *FAILED) == failed + 1, 10)  # the cut stream

@@ -24,13 +24,13 @@ from prometheus_client import CollectorRegistry
 
 from e2e.real_vllm.exact import check, post, start_exact
 from e2e.real_vllm.pods import BLOCK_SIZE, MODEL, VllmPod
-from e2e.support import wait_for
 from extproc.datalayer.kv_events import EventsSettings, KvEventsSubscriber
 from extproc.request.parse import Api
 from extproc.request.tokens import SegmentTokenizer
 from extproc.scheduling.interfaces import PluginContext
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from testkit.e2e_cache import model_dir
+from testkit.waiting import wait_until
 from tests.request.chat_cases import CHAT_CASES, RESPONSES_CASES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_vllm, pytest.mark.timeout(900)]
@@ -108,7 +108,7 @@ def test_predicted_cached_tokens_equal_vllms_report(
         # The clear reaches us with the next request's events: predicted for the old view.
         post(client, pod, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
         pod_id = pod.as_pod().id
-        assert wait_for(lambda: precise.index.view(pod_id).num_blocks("GPU") <= 1, 30)
+        wait_until(lambda: precise.index.view(pod_id).num_blocks("GPU") <= 1, 30)
         predicted, _ = check(precise, client, pod, path, body)
         assert predicted == 0
 

@@ -36,13 +36,13 @@ from prometheus_client import CollectorRegistry
 from e2e.real_vllm.exact import EVENTS_TIMEOUT_S, check, post, start_exact, with_max_tokens
 from e2e.real_vllm.pods import BLOCK_SIZE, MODEL, VllmPod, start_vllm_pods
 from e2e.real_vllm.prepare import prepare
-from e2e.support import wait_for
 from extproc.datalayer.kv_events import EventsSettings, KvEventsSubscriber
 from extproc.request.parse import parse_request
 from extproc.scheduling.interfaces import Cycle, PluginContext
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.sim.launch import free_port
 from testkit.e2e_cache import model_dir
+from testkit.waiting import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_vllm, pytest.mark.timeout(600)]
 
@@ -84,7 +84,7 @@ class Relay:
 
     def wait_quiet(self) -> None:
         """Until no message came for ``QUIET_S``."""
-        assert wait_for(lambda: time.monotonic() - self.last_message_at > QUIET_S, 20)
+        wait_until(lambda: time.monotonic() - self.last_message_at > QUIET_S, 20)
 
     def close(self) -> None:
         self._stop.set()
@@ -213,7 +213,7 @@ def test_lost_events_mark_the_view_stale_until_new_events_rebuild_it(
         assert p.plugin.score(cycle_a, [small_pod.as_pod()]) == {p.pod_id: 100}
         assert p.metric("extproc_precise_prefix_fallbacks_total", reason="stale_pod") == 1
         # The stale time over, the view the events after the gap built is trusted again.
-        assert wait_for(lambda: not p.stale(), STALE_S + EVENTS_TIMEOUT_S)
+        wait_until(lambda: not p.stale(), STALE_S + EVENTS_TIMEOUT_S)
         assert p.metric("extproc_kv_events_stale_pods") == 0
         predicted, num_tokens = check(p.plugin, client, small_pod, CHAT, c)
         assert predicted == full_hit(num_tokens) > 0

@@ -17,8 +17,9 @@ import pytest
 
 from e2e.real_vllm.pods import VllmPod, metric_sum
 from e2e.real_vllm.support import chat, delta, long_prefix, send_recorded, snapshot
-from e2e.support import RECORDED, metric, wait_for
+from e2e.support import RECORDED, metric
 from extproc.sim.launch import Stack
+from testkit.waiting import wait_until
 
 pytestmark = [
     pytest.mark.e2e,
@@ -56,14 +57,14 @@ def test_requests_in_flight_on_a_killed_pod_are_retried_and_recorded_where_serve
 
     with ThreadPoolExecutor(IN_FLIGHT) as pool:
         answers = [pool.submit(ask, i) for i in range(IN_FLIGHT)]
-        assert wait_for(lambda: on_owner() >= IN_FLIGHT, timeout_s=60), "not all on the owner"
+        wait_until(lambda: on_owner() >= IN_FLIGHT, timeout_s=60, what="not all on the owner")
         owner.kill()
         statuses = [a.result(timeout=300) for a in answers]
     assert statuses == [200] * IN_FLIGHT
     # none had finished on the owner: each was retried and served by another pod
     served_by_others = delta(others_before, snapshot(others), "vllm:request_success_total")
     assert sum(served_by_others) == IN_FLIGHT, served_by_others
-    assert wait_for(lambda: metric(vllm_stack, *RECORDED) == recorded + IN_FLIGHT, 30)
+    wait_until(lambda: metric(vllm_stack, *RECORDED) == recorded + IN_FLIGHT, 30)
     # Recorded for the dead pick, each request would add only its own last block (the
     # prefix's 21 are the pick's already): one entry a request. Recorded where served,
     # the pod that took over gained the prefix's blocks.

@@ -17,10 +17,11 @@ from prometheus_client import CollectorRegistry
 
 from e2e.real_vllm.pods import MODEL, VllmPod, metric_sum
 from e2e.real_vllm.support import chat, delta, long_prefix, send_recorded, snapshot
-from e2e.support import RECORDED, metric, wait_for
+from e2e.support import RECORDED, metric
 from extproc.datalayer.scrape import MetricsScraper
 from extproc.datalayer.store import PodStore
 from extproc.sim.launch import Stack
+from testkit.waiting import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_vllm, pytest.mark.timeout(900)]
 
@@ -64,7 +65,7 @@ def test_streamed_chat_through_envoy_keeps_affinity_and_is_recorded(
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     usage = chunks[-1]["usage"]
     assert usage["completion_tokens"] == 4 and usage["prompt_tokens_details"]["cached_tokens"] > 0
-    assert wait_for(lambda: metric(vllm_stack, *RECORDED) == recorded + 1)
+    wait_until(lambda: metric(vllm_stack, *RECORDED) == recorded + 1)
     hits = delta(before, snapshot(vllm_pods), "vllm:prefix_cache_hits_total")
     assert sorted(h > 0 for h in hits) == [False, False, True]
 
@@ -103,7 +104,7 @@ def test_extprocs_scraped_metrics_match_the_pods(vllm_pods: list[VllmPod]) -> No
             m = store.pods[i].metrics
             return None if m is None else m.running
 
-        assert wait_for(lambda: scraped_running(0) == 1, 20), "the running request was not seen"
+        wait_until(lambda: scraped_running(0) == 1, 20, what="the running request was not seen")
         page = busy.metrics_text()
         assert metric_sum(page, "vllm:num_requests_running") == 1
         metrics = store.pods[0].metrics

@@ -23,13 +23,14 @@ import asyncio
 import copy
 import ssl
 import threading
-import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Self, TypeVar
 
 import orjson
 from aiohttp import web
+
+from testkit.waiting import wait_until
 
 R = TypeVar("R")
 Obj = dict[str, Any]
@@ -136,11 +137,11 @@ class FakeKube:
         return self._call(lambda: [r for r in self.requests if r.kind == kind])
 
     def wait_for_watches(self, count: int, timeout_s: float = 5.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.num_watches() < count:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"expected {count} open watches, have {self.num_watches()}")
-            time.sleep(0.005)
+        wait_until(
+            lambda: self.num_watches() >= count,
+            timeout_s,
+            what=lambda: f"{count} open watches, have {self.num_watches()}",
+        )
 
     @property
     def resource_version(self) -> int:

@@ -18,6 +18,7 @@ from extproc.datalayer.k8s import KubePodSource, WatchTiming
 from extproc.datalayer.k8s_objects import PodTarget
 from extproc.errors import ConfigError
 from extproc.pods import Pod
+from testkit.waiting import wait_until
 from tests.datalayer.fake_kube import FakeKube, inference_pool, k8s_pod
 
 PODS = "/api/v1/namespaces/ns/pods"
@@ -67,14 +68,6 @@ class Published:
 
 def ready_by_name(pods: tuple[Pod, ...]) -> dict[str, bool]:
     return {p.id.name: p.ready for p in pods}
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.005)
 
 
 @pytest.fixture

@@ -19,9 +19,11 @@ from extproc.prefix.precise.keys import chain_keys
 from extproc.sim.kv_cache import BlockStored, hash_request_tokens
 from extproc.sim.kv_events import ZmqEventPublisher, encode_event_batch
 from extproc.sim.launch import free_port
+from testkit.waiting import wait_until
 from tests.datalayer.kv_publisher import TOPIC, Publisher
 
 BS = 4
+EVENTS_TIMEOUT_S = 20  # a publisher's events reach the subscriber over ZMQ
 POD = Pod(PodId("default", "p0"), "127.0.0.1:8000", frozenset({"m"}))
 
 
@@ -41,14 +43,6 @@ class Deltas:
 
     def __getitem__(self, name: str) -> float:
         return value(self.registry, name) - self.start[name]
-
-
-def wait_until(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.02)
 
 
 def stored(tokens: list[int]) -> BlockStored:
@@ -110,7 +104,7 @@ def test_connect_topology_applies_a_pods_events(make_subscriber) -> None:  # typ
         connected(pub, index)
         moved = Deltas(registry, BATCHES, RECEIVED, APPLIED, GAPS, STALE)
         pub.publish(stored(list(range(8))), stored(list(range(100, 104))))
-        wait_until(lambda: cached(index, list(range(8))) == 2)
+        wait_until(lambda: cached(index, list(range(8))) == 2, EVENTS_TIMEOUT_S)
         assert not index.view(POD.id).stale()
         assert [moved[BATCHES], moved[RECEIVED], moved[APPLIED]] == [1, 2, 2]
         assert moved[GAPS] == moved[STALE] == 0
@@ -154,15 +148,15 @@ def test_malformed_messages_are_dropped_and_counted_by_reason(make_subscriber) -
             time.sleep(0.1)
         moved = Deltas(registry, BATCHES, RECEIVED, APPLIED)
         pub.send_multipart([TOPIC, b"\0" * 8])
-        wait_until(lambda: errors("frames") == 1)
+        wait_until(lambda: errors("frames") == 1, EVENTS_TIMEOUT_S)
         send(encode_event_batch(0.0, [stored([9] * BS)]), b"kv@10.9.9.9:8000@m")
-        wait_until(lambda: errors("unknown_pod") == 1)
+        wait_until(lambda: errors("unknown_pod") == 1, EVENTS_TIMEOUT_S)
         send(b"\xc1")  # never valid msgpack
-        wait_until(lambda: errors("payload") == 1)
+        wait_until(lambda: errors("payload") == 1, EVENTS_TIMEOUT_S)
         bad_size = {"type": "BlockStored", "block_hashes": [1], "token_ids": [1] * BS,
                     "block_size": "four"}  # fmt: skip
         send(msgpack.packb([0.0, [bad_size, {"type": "NotAnEvent"}], 0]))
-        wait_until(lambda: errors("event") == 1)
+        wait_until(lambda: errors("event") == 1, EVENTS_TIMEOUT_S)
         # the last two were batches of this pod; only the last decoded, to two unused events
         assert [moved[BATCHES], moved[RECEIVED], moved[APPLIED]] == [2, 2, 0]
     finally:
@@ -177,16 +171,16 @@ def test_a_gap_without_replay_marks_the_pod_stale_then_it_rebuilds(make_subscrib
         connected(pub, index)
         moved = Deltas(registry, GAPS, STALE)
         pub.publish(stored([1] * 8))
-        wait_until(lambda: cached(index, [1] * 8) == 2)
+        wait_until(lambda: cached(index, [1] * 8) == 2, EVENTS_TIMEOUT_S)
         pub.publish(stored([2] * 8), lose=True)
         pub.publish(stored([3] * 8))
-        wait_until(lambda: cached(index, [3] * 8) == 2)
+        wait_until(lambda: cached(index, [3] * 8) == 2, EVENTS_TIMEOUT_S)
         view = index.view(POD.id)
         assert cached(index, [1] * 8) == 0  # forgotten: it may have been evicted meanwhile
         assert view.stale_until > 0  # was marked stale at the gap
         assert moved[GAPS] == moved[STALE] == 1
         assert value(registry, "extproc_kv_events_replays_total", outcome="failed") == 0
-        wait_until(lambda: not index.view(POD.id).stale())
+        wait_until(lambda: not index.view(POD.id).stale(), EVENTS_TIMEOUT_S)
         assert registry.get_sample_value("extproc_kv_events_stale_pods") == 0
     finally:
         pub.close()
@@ -201,7 +195,7 @@ def test_a_gap_is_filled_from_the_replay_endpoint(make_subscriber) -> None:  # t
         moved = Deltas(registry, GAPS, STALE, APPLIED)
         pub.publish(stored([2] * 8), lose=True)
         pub.publish(stored([3] * 8))
-        wait_until(lambda: cached(index, [3] * 8) == 2)
+        wait_until(lambda: cached(index, [3] * 8) == 2, EVENTS_TIMEOUT_S)
         assert cached(index, [2] * 8) == 2  # the lost batch came back
         assert cached(index, [9] * BS) == 1
         assert not index.view(POD.id).stale()
@@ -222,7 +216,7 @@ def test_a_replay_nobody_answers_marks_the_pod_stale(make_subscriber) -> None:  
         moved = Deltas(registry, GAPS, STALE)
         pub.publish(stored([2] * 8), lose=True)
         pub.publish(stored([3] * 8))
-        wait_until(lambda: cached(index, [3] * 8) == 2)
+        wait_until(lambda: cached(index, [3] * 8) == 2, EVENTS_TIMEOUT_S)
         assert index.view(POD.id).stale()
         assert cached(index, [9] * BS) == 0  # the view before the gap is forgotten
         assert value(registry, REPLAY_FAILED[0], **REPLAY_FAILED[1]) == 1
@@ -240,11 +234,11 @@ def test_a_restarted_publisher_starts_the_view_empty(make_subscriber) -> None:  
         connected(pub, index)
         pub.publish(stored([1] * 8))
         pub.publish(stored([2] * 8))
-        wait_until(lambda: cached(index, [2] * 8) == 2)
+        wait_until(lambda: cached(index, [2] * 8) == 2, EVENTS_TIMEOUT_S)
         moved = Deltas(registry, RESTARTS, GAPS, STALE)
         pub.seq = 0  # a new engine process
         pub.publish(stored([3] * 8))
-        wait_until(lambda: cached(index, [3] * 8) == 2)
+        wait_until(lambda: cached(index, [3] * 8) == 2, EVENTS_TIMEOUT_S)
         assert cached(index, [1] * 8) == 0 and cached(index, [2] * 8) == 0
         assert not index.view(POD.id).stale()
         assert [moved[RESTARTS], moved[GAPS], moved[STALE]] == [1, 0, 0]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
@@ -15,18 +15,11 @@ from extproc.datalayer.store import PodStore
 from extproc.pods import Pod, PodId
 from testkit.factories import make_pod
 from testkit.metrics_pages import REAL_VLLM_PAGE, EngineState, make_vllm_page
+from testkit.waiting import wait_until
 from tests.datalayer.fake_pod import FakePod
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 STALE_S = 0.3
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -80,7 +73,7 @@ def rig(fake_pods: list[FakePod]) -> Iterator[Rig]:
 
 
 def test_scrapes_every_pod_into_the_store(rig: Rig) -> None:
-    wait_for(lambda: [p.metrics.waiting for p in rig.snapshot] == [1, 2])
+    wait_until(lambda: [p.metrics.waiting for p in rig.snapshot] == [1, 2])
     assert all(p.ready and p.metrics.running == 1 for p in rig.snapshot)
     count = rig.registry.get_sample_value("extproc_scrape_duration_seconds_count")
     assert count is not None and count >= 2
@@ -92,7 +85,7 @@ def full_page_pods(rig: Rig) -> float | None:
 
 def test_asks_for_just_the_series_it_reads(rig: Rig, fake_pods: list[FakePod]) -> None:
     fake_pods[0].page = REAL_VLLM_PAGE.read_text()
-    wait_for(lambda: rig.pod(0).metrics.kv_capacity_tokens == 65536 * 32)
+    wait_until(lambda: rig.pod(0).metrics.kv_capacity_tokens == 65536 * 32)
     paths = {urlsplit(p).path for p in fake_pods[0].paths}
     assert paths == {"/metrics/"}  # never the full page
     names = parse_qs(urlsplit(fake_pods[0].paths[-1]).query)["name[]"]
@@ -108,9 +101,9 @@ def test_a_pod_without_the_filtered_page_is_scraped_by_its_full_page(
     rig = Rig(fake_pods)
     rig.scraper.start()
     try:
-        wait_for(lambda: bool(rig.snapshot) and rig.pod(0).metrics.waiting == 1)
+        wait_until(lambda: bool(rig.snapshot) and rig.pod(0).metrics.waiting == 1)
         asked = fake_pods[0].num_requests
-        wait_for(lambda: fake_pods[0].num_requests >= asked + 3)
+        wait_until(lambda: fake_pods[0].num_requests >= asked + 3)
         # one refused filtered page, then the full page only, and no error counted
         assert [urlsplit(p).path for p in fake_pods[0].paths].count("/metrics/") == 1
         assert fake_pods[0].paths[-1] == "/metrics"
@@ -118,7 +111,7 @@ def test_a_pod_without_the_filtered_page_is_scraped_by_its_full_page(
         assert {urlsplit(p).path for p in fake_pods[1].paths} == {"/metrics/"}
         assert full_page_pods(rig) == 1
         rig.store.set_pods(rig.pods[1:])
-        wait_for(lambda: full_page_pods(rig) == 0)
+        wait_until(lambda: full_page_pods(rig) == 0)
     finally:
         rig.scraper.stop()
 
@@ -126,32 +119,32 @@ def test_a_pod_without_the_filtered_page_is_scraped_by_its_full_page(
 def test_a_page_without_our_series_is_an_error_and_the_filter_stays(
     rig: Rig, fake_pods: list[FakePod]
 ) -> None:
-    wait_for(lambda: rig.pod(0).ready)
+    wait_until(lambda: rig.pod(0).ready)
     fake_pods[0].page = "# nothing of ours\nsome_other_metric 1\n"
-    wait_for(lambda: rig.errors(0, "no_metrics") >= 2)
+    wait_until(lambda: rig.errors(0, "no_metrics") >= 2)
     assert full_page_pods(rig) == 0  # the full page failed too: no reason to give up the filter
     assert urlsplit(fake_pods[0].paths[-1]).path in {"/metrics/", "/metrics"}
     fake_pods[0].page = make_vllm_page([EngineState(waiting=5)])
-    wait_for(lambda: rig.pod(0).metrics.waiting == 5)
+    wait_until(lambda: rig.pod(0).metrics.waiting == 5)
     asked = len(fake_pods[0].paths)
-    wait_for(lambda: len(fake_pods[0].paths) >= asked + 2)
+    wait_until(lambda: len(fake_pods[0].paths) >= asked + 2)
     assert urlsplit(fake_pods[0].paths[-1]).path == "/metrics/"
 
 
 def test_kv_capacity_from_a_real_vllm_page(rig: Rig, fake_pods: list[FakePod]) -> None:
-    wait_for(lambda: rig.pod(0).metrics.waiting == 1)
+    wait_until(lambda: rig.pod(0).metrics.waiting == 1)
     assert rig.pod(0).metrics.kv_capacity_tokens is None  # the made-up page has no info
     fake_pods[0].page = REAL_VLLM_PAGE.read_text()
-    wait_for(lambda: rig.pod(0).metrics.kv_capacity_tokens == 65536 * 32)
+    wait_until(lambda: rig.pod(0).metrics.kv_capacity_tokens == 65536 * 32)
     assert rig.pod(0).ready and rig.pod(0).metrics.waiting == 0
 
 
 def test_latency_from_histogram_deltas(rig: Rig, fake_pods: list[FakePod]) -> None:
-    wait_for(lambda: rig.pod(0).metrics.waiting == 1)
+    wait_until(lambda: rig.pod(0).metrics.waiting == 1)
     fake_pods[0].page = make_vllm_page(
         [EngineState(waiting=1, ttft_sum_s=0.6, ttft_count=3, itl_sum_s=0.5, itl_count=10)]
     )
-    wait_for(lambda: rig.pod(0).metrics.ttft_s is not None)
+    wait_until(lambda: rig.pod(0).metrics.ttft_s is not None)
     assert rig.pod(0).metrics.ttft_s == pytest.approx(0.2)
     assert rig.pod(0).metrics.itl_s == pytest.approx(0.05)
 
@@ -168,42 +161,42 @@ def test_latency_from_histogram_deltas(rig: Rig, fake_pods: list[FakePod]) -> No
 def test_failing_pod_keeps_metrics_until_stale_then_returns(
     rig: Rig, fake_pods: list[FakePod], mode: str, reason: str
 ) -> None:
-    wait_for(lambda: rig.pod(0).metrics.waiting == 1 and rig.pod(0).ready)
+    wait_until(lambda: rig.pod(0).metrics.waiting == 1 and rig.pod(0).ready)
     switched_at = time.monotonic()
     fake_pods[0].mode = mode  # type: ignore[assignment]
-    wait_for(lambda: rig.errors(0, reason) >= 1)
-    wait_for(lambda: not rig.pod(0).ready)
+    wait_until(lambda: rig.errors(0, reason) >= 1)
+    wait_until(lambda: not rig.pod(0).ready)
     # stale: out once the last success (at most one interval before the switch) is old
     assert time.monotonic() - switched_at >= STALE_S - 0.05
     assert rig.pod(0).metrics.waiting == 1  # the last metrics are kept
     assert rig.pod(1).ready
     fake_pods[0].mode = "ok"
-    wait_for(lambda: rig.pod(0).ready)
+    wait_until(lambda: rig.pod(0).ready)
 
 
 def test_unreachable_pod_leaves_at_once_and_returns(rig: Rig, fake_pods: list[FakePod]) -> None:
-    wait_for(lambda: rig.pod(0).ready and rig.pod(0).metrics.waiting == 1)
+    wait_until(lambda: rig.pod(0).ready and rig.pod(0).metrics.waiting == 1)
     fake_pods[0].down()
-    wait_for(lambda: not rig.pod(0).ready)
+    wait_until(lambda: not rig.pod(0).ready)
     # out on the first refused connection, not after --stale-after-s of failed scrapes
     # (15 at this interval)
     first_out = next(errors for ready, errors in rig.history if not ready)
     assert first_out <= 1
     assert rig.errors(0, "connect") >= 1 and rig.pod(1).ready
     fake_pods[0].up()
-    wait_for(lambda: rig.pod(0).ready)
+    wait_until(lambda: rig.pod(0).ready)
 
 
 def test_removed_pod_is_no_longer_scraped_and_its_errors_are_dropped(
     rig: Rig, fake_pods: list[FakePod]
 ) -> None:
     fake_pods[0].mode = "error"
-    wait_for(lambda: rig.errors(0, "http_status") >= 1)
+    wait_until(lambda: rig.errors(0, "http_status") >= 1)
     rig.store.set_pods(rig.pods[1:])
     sweeps = fake_pods[1].num_requests
-    wait_for(lambda: fake_pods[1].num_requests >= sweeps + 2)  # a scrape under way has ended
+    wait_until(lambda: fake_pods[1].num_requests >= sweeps + 2)  # a scrape under way has ended
     before, sweeps = fake_pods[0].num_requests, fake_pods[1].num_requests
-    wait_for(lambda: fake_pods[1].num_requests >= sweeps + 3)  # three sweeps more
+    wait_until(lambda: fake_pods[1].num_requests >= sweeps + 3)  # three sweeps more
     assert fake_pods[0].num_requests == before
     assert rig.errors(0, "http_status") == 0
 
@@ -218,7 +211,7 @@ def test_discovery_unready_pods_are_not_scraped(fake_pods: list[FakePod]) -> Non
     )
     rig.scraper.start()
     try:
-        wait_for(lambda: fake_pods[1].num_requests >= 3)  # three sweeps
+        wait_until(lambda: fake_pods[1].num_requests >= 3)  # three sweeps
     finally:
         rig.scraper.stop()
     assert fake_pods[0].num_requests == 0
@@ -227,7 +220,7 @@ def test_discovery_unready_pods_are_not_scraped(fake_pods: list[FakePod]) -> Non
 def test_stop_ends_the_thread_promptly(fake_pods: list[FakePod]) -> None:
     rig = Rig(fake_pods, interval_s=60.0)  # a stop that waited out the interval: 60 s
     rig.scraper.start()
-    wait_for(lambda: bool(rig.snapshot) and rig.pod(0).metrics.waiting == 1)
+    wait_until(lambda: bool(rig.snapshot) and rig.pod(0).metrics.waiting == 1)
     started = time.monotonic()
     rig.scraper.stop()
     assert time.monotonic() - started < 20.0  # generous for a loaded machine
@@ -240,7 +233,7 @@ def test_sweeps_are_spaced_out_to_stay_within_the_cpu_budget(
     rig = Rig(fake_pods, cpu_budget=0.001)
     rig.scraper.start()
     try:
-        wait_for(lambda: rig.scraper.sweep_interval_s > 0.2)
+        wait_until(lambda: rig.scraper.sweep_interval_s > 0.2)
         stretched = rig.scraper.sweep_interval_s
         served = fake_pods[0].num_requests
         time.sleep(0.6)

@@ -27,7 +27,8 @@ from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.wire.access_log import AccessLogHandler
 from testkit.e2e_cache import MODEL_DIR, needs_model_tokenizer
 from testkit.factories import make_pod
-from testkit.replicas import RedisServer, run_redis, wait_until_true
+from testkit.replicas import RedisServer, run_redis
+from testkit.waiting import wait_until
 from tests.routing.support import GEOMETRY, PODS, log_entry, make_router, process
 
 pytestmark = pytest.mark.timeout(120)
@@ -70,10 +71,10 @@ def test_records_converge_without_echo(server: RedisServer) -> None:
     (a, share_a), (b, share_b) = sharing(server), sharing(server)
     try:
         serve(a, "r1", "tenant one " * 40)
-        assert wait_until_true(lambda: entries(b) == entries(a) > 0)
+        wait_until(lambda: entries(b) == entries(a) > 0, timeout_s=10)
         serve(b, "r2", "tenant two " * 40)
-        assert wait_until_true(lambda: entries(a) == entries(b))
-        assert wait_until_true(lambda: share_a.applied["end"]._value.get() == 1)
+        wait_until(lambda: entries(a) == entries(b), timeout_s=10)
+        wait_until(lambda: share_a.applied["end"]._value.get() == 1, timeout_s=10)
         assert share_b.applied["end"]._value.get() == 1  # each applied the other's only
         client = redis.Redis.from_url(server.url)
         assert client.xlen(share_a.stream) == 4  # a start and an end each, none again
@@ -85,15 +86,15 @@ def test_records_converge_without_echo(server: RedisServer) -> None:
 def test_redis_down_routing_goes_on_and_sharing_resumes(server: RedisServer) -> None:
     (a, share_a), (b, share_b) = sharing(server), sharing(server)
     try:
-        assert wait_until_true(lambda: share_a.up._value.get() == share_b.up._value.get() == 1)
+        wait_until(lambda: share_a.up._value.get() == share_b.up._value.get() == 1, timeout_s=10)
         server.stop(signal.SIGKILL)
         serve(a, "r1", "during the outage " * 40)  # routes and records locally
-        assert wait_until_true(lambda: share_a.up._value.get() == 0)
+        wait_until(lambda: share_a.up._value.get() == 0, timeout_s=10)
         assert entries(b) == 0
         server.start()  # same port, empty: the queued entry goes out, b reads it
-        assert wait_until_true(lambda: entries(b) == entries(a) > 0, timeout_s=30)
+        wait_until(lambda: entries(b) == entries(a) > 0, timeout_s=30)
         # b read a's entry once a's writer was back; a's reader may still be backing off.
-        assert wait_until_true(lambda: share_a.up._value.get() == 1, timeout_s=30)
+        wait_until(lambda: share_a.up._value.get() == 1, timeout_s=30)
         assert share_a.dropped._value.get() == 0
     finally:
         share_a.stop()
@@ -106,15 +107,15 @@ def test_entries_written_just_before_redis_died_are_written_again(server: RedisS
     try:
         serve(a, "r1", "written, then lost with redis " * 40)
         client = redis.Redis.from_url(server.url)
-        assert wait_until_true(lambda: client.xlen(share_a.stream) == 2)  # a start, an end
+        wait_until(lambda: client.xlen(share_a.stream) == 2, timeout_s=10)  # a start, an end
         server.stop(signal.SIGKILL)
         serve(a, "r2", "during the outage " * 40)
-        assert wait_until_true(lambda: share_a.up._value.get() == 0)
+        wait_until(lambda: share_a.up._value.get() == 0, timeout_s=10)
         server.start()  # same port, empty
-        assert wait_until_true(lambda: client.xlen(share_a.stream) == 4, timeout_s=30)
+        wait_until(lambda: client.xlen(share_a.stream) == 4, timeout_s=30)
         b, share_b = sharing(server)  # reads the new stream from its start: both records
         try:
-            assert wait_until_true(lambda: entries(b) == entries(a) > 0, timeout_s=30)
+            wait_until(lambda: entries(b) == entries(a) > 0, timeout_s=30)
         finally:
             share_b.stop()
     finally:
@@ -127,15 +128,15 @@ def test_a_late_replica_catches_up_from_the_bounded_window(server: RedisServer) 
         for i in range(400):
             serve(a, f"r{i}", f"prompt {i} " * 20, pod=i % 4)
         client = redis.Redis.from_url(server.url)
-        assert wait_until_true(lambda: share_a.published["end"]._value.get() == 400)
+        wait_until(lambda: share_a.published["end"]._value.get() == 400, timeout_s=10)
         assert client.xlen(share_a.stream) < 800  # trimmed: about maxlen, by whole nodes
         late, share_late = sharing(server, maxlen=50)
         try:
             window = client.xlen(share_a.stream)
-            assert wait_until_true(lambda: applied(share_late) == window)
+            wait_until(lambda: applied(share_late) == window, timeout_s=10)
             assert 0 < sum(entries(late, p.id) for p in PODS) < sum(entries(a, p.id) for p in PODS)
             serve(a, "after", "after the catch-up " * 20)  # then it follows the tail
-            assert wait_until_true(lambda: applied(share_late) == window + 2)
+            wait_until(lambda: applied(share_late) == window + 2, timeout_s=10)
         finally:
             share_late.stop()
     finally:
@@ -149,7 +150,7 @@ def test_malformed_entries_are_counted_and_skipped(server: RedisServer) -> None:
         client.xadd(share_a.stream, {"o": "x", "r": "r1", "m": "m", "p": "no-slash"})
         client.xadd(share_a.stream, {"r": "r2"})
         client.xadd(share_a.stream, {"o": "x", "r": "r3"})  # a valid end without a record
-        assert wait_until_true(lambda: share_a.applied["end"]._value.get() == 1)
+        wait_until(lambda: share_a.applied["end"]._value.get() == 1, timeout_s=10)
         assert share_a.invalid.labels("pod")._value.get() == 1
         assert share_a.invalid.labels("origin")._value.get() == 1
     finally:
@@ -163,7 +164,7 @@ def test_a_router_publishes_from_the_sharings_start_to_its_stop() -> None:
     assert len(shared._queue) == 0
     shared.start(router)
     serve(router, "during", "while sharing " * 20)  # a start and an end, kept for Redis
-    assert wait_until_true(lambda: len(shared._queue) == 2)
+    wait_until(lambda: len(shared._queue) == 2, timeout_s=10)
     shared.stop()
     serve(router, "after", "after the stop " * 20)
     assert len(shared._queue) == 2
@@ -242,14 +243,14 @@ def test_a_pick_is_credited_on_the_other_replica_until_its_end(
         assert held(b, body, pods) == {}
         decision = a.route("/v1/chat/completions", body, request_id="r1")
         pick = decision.pods[0]
-        assert wait_until_true(lambda: share_b.applied["start"]._value.get() == 1)
+        wait_until(lambda: share_b.applied["start"]._value.get() == 1, timeout_s=10)
         # Before any record or KV event: b scores a's pick as holding the prompt.
         assert list(held(b, body, pods)) == [pick.id]
         assert b.route("/v1/chat/completions", body).pods[0] == pick
         assert b.in_flight.get_count(pick.id) == a.in_flight.get_count(pick.id)
         assert b.in_flight.get(pick.id) == 1 and arriving(b) == arriving(a) > 0
         assert a.complete("r1", pick.address, succeeded=True)
-        assert wait_until_true(lambda: share_b.applied["end"]._value.get() == 1)
+        wait_until(lambda: share_b.applied["end"]._value.get() == 1, timeout_s=10)
         assert b.in_flight.get(pick.id) == 0 and len(b.pending) == 0 and arriving(b) == 0
         assert b.metrics.ended_elsewhere._value.get() == 0  # not routed by b
     finally:
@@ -266,11 +267,11 @@ def test_a_pick_heard_after_its_end_is_dropped(server: RedisServer) -> None:
         for request_id in ("late", "next"):
             started = Started("a", request_id, record, PODS[0].id, 100)
             client.xadd(share_b.stream, encode_started(started))  # type: ignore[arg-type]
-        assert wait_until_true(lambda: share_b.applied["start"]._value.get() == 1)  # "next"
+        wait_until(lambda: share_b.applied["start"]._value.get() == 1, timeout_s=10)  # "next"
         assert list(b.pending._items) == ["next"] and b.in_flight.get(PODS[0].id) == 1
         unknown = Started("a", "gone", record, PodId("default", "gone"), 100)
         client.xadd(share_b.stream, encode_started(unknown))  # type: ignore[arg-type]
-        assert wait_until_true(lambda: b.metrics.shared_unknown_pod["start"]._value.get() == 1)
+        wait_until(lambda: b.metrics.shared_unknown_pod["start"]._value.get() == 1, timeout_s=10)
         assert share_b.applied["start"]._value.get() == 1 and len(b.pending) == 1
     finally:
         share_b.stop()
@@ -282,7 +283,7 @@ def test_an_end_heard_by_a_replica_holding_the_others_pick_is_recorded_once(
     (a, share_a), (b, share_b) = sharing(server), sharing(server)
     try:
         reply = process(a, "r1")  # a routes, b applies its pick, then hears the end
-        assert wait_until_true(lambda: len(b.pending) == 1)
+        wait_until(lambda: len(b.pending) == 1, timeout_s=10)
         pick = next(iter(b.pending._items.values())).pick
         entry = log_entry("r1", PODS[2].address, reply.dynamic_metadata)
         AccessLogHandler(b).complete(entry)
@@ -290,7 +291,7 @@ def test_an_end_heard_by_a_replica_holding_the_others_pick_is_recorded_once(
         assert outcomes["recorded_from_metadata"]._value.get() == 1
         assert outcomes["recorded"]._value.get() == outcomes["unknown_request"]._value.get() == 0
         assert len(b.pending) == 0 and b.in_flight.get(pick) == 0
-        assert wait_until_true(lambda: share_a.applied["end"]._value.get() == 1)
+        wait_until(lambda: share_a.applied["end"]._value.get() == 1, timeout_s=10)
         assert share_b.published["end"]._value.get() == 1  # published once (before a read it)
         assert a.metrics.ended_elsewhere._value.get() == 1
         assert len(a.pending) == 0 and a.in_flight.get(pick) == 0

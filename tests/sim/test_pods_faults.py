@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import urllib.error
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -15,6 +15,7 @@ from extproc.sim.launch import SimPods
 from extproc.sim.pods import GroupSettings
 from testkit.factories import FAST_ENGINE
 from testkit.harness import run_sim_pods
+from testkit.waiting import wait_until
 
 BODY = {"prompt": "fault " * 20, "max_tokens": 4}
 
@@ -165,17 +166,10 @@ def test_a_full_queue_answers_503() -> None:
         body = {"prompt": "queue", "max_tokens": 8}
         with ThreadPoolExecutor(2) as pool:
             running = pool.submit(httpx.post, url, json=body, timeout=30)
-            wait_for(lambda: one.stats(0)["engine"]["num_running"] == 1)
+            wait_until(lambda: one.stats(0)["engine"]["num_running"] == 1)
             waiting = pool.submit(httpx.post, url, json=body, timeout=30)
-            wait_for(lambda: one.stats(0)["engine"]["num_waiting"] == 1)
+            wait_until(lambda: one.stats(0)["engine"]["num_waiting"] == 1)
             refused = httpx.post(url, json=body)
             assert refused.status_code == 503
             assert "max_num_waiting" in refused.json()["error"]["message"]
             assert running.result().status_code == waiting.result().status_code == 200
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.005)

@@ -14,7 +14,6 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from e2e.support import wait_for
 from extproc.datalayer.kv_events import EVENTS_PORT_LABEL, EventsSettings, KvEventsSubscriber
 from extproc.prefix.precise.keys import chain_keys
 from extproc.request.parse import parse_request as parse_for_routing
@@ -27,6 +26,7 @@ from extproc.sim.pods import GroupSettings, KvEventsSettings
 from testkit.e2e_cache import MODEL_DIR, needs_model_tokenizer
 from testkit.factories import FAST_ENGINE
 from testkit.harness import run_sim_pods
+from testkit.waiting import wait_until
 
 pytestmark = needs_model_tokenizer
 SYSTEM = "You are the support assistant of a cloud platform. Answer briefly. " * 8
@@ -103,7 +103,7 @@ def precise(sim: SimPods) -> Iterator[PrecisePrefixCache]:
                 view = plugin.index.views.get(pod_id)
                 return view is not None and not view.stale()
 
-            assert wait_for(trusted, 30), f"no events from {pod.id}"
+            wait_until(trusted, 30, what=f"no events from {pod.id}")
         yield plugin
     finally:
         subscriber.stop()
@@ -146,5 +146,5 @@ def test_predicted_cached_tokens_equal_the_pods_report(
                 # before the next request: this one's blocks are in the pod's view
                 keys = chain_keys(tokens, 16, cycle.request.cache_salt)
                 held = lambda p=pod.id, k=keys: precise.index.match(p, k)[0] == len(k)
-                assert wait_for(held, 10)
+                wait_until(held, 10)
     assert hits >= len(requests)

@@ -3,8 +3,6 @@ server for either protocol, the messages Envoy sends, and reading extproc's answ
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Self
 
 import grpc
@@ -27,6 +25,7 @@ from extproc.wire.protocol import (
 )
 from extproc.wire.server import make_grpc_server
 from testkit.factories import make_pod
+from testkit.waiting import wait_until
 
 PODS = [make_pod(f"p{i}", port=8100 + i) for i in range(4)]
 BODY = orjson.dumps({"model": "m", "prompt": "a prompt long enough to hash " * 4})
@@ -137,19 +136,15 @@ def body(data: bytes = BODY, *, eos: bool = True) -> ep.ProcessingRequest:
     return ep.ProcessingRequest(request_body=ep.HttpBody(body=data, end_of_stream=eos))
 
 
-def eventually(check: Callable[[], bool], timeout_s: float = 5) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.01)
-    return False
-
-
-def settled(router: Router) -> bool:
-    """Nothing awaits an end and nothing counts in flight (the loop closes streams a
+def wait_settled(router: Router) -> None:
+    """Until nothing awaits an end and nothing counts in flight (the loop closes streams a
     moment after the client sees their status)."""
-    return eventually(lambda: len(router.pending) == 0 and not router.in_flight.snapshot())
+    wait_until(
+        lambda: len(router.pending) == 0 and not router.in_flight.snapshot(),
+        what=lambda: (
+            f"settled: pending {len(router.pending)}, in flight {router.in_flight.snapshot()}"
+        ),
+    )
 
 
 class Server:

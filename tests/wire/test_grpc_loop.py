@@ -24,7 +24,7 @@ from extproc.wire.grpc_loop import Answer, LoopServer, Method, run_off_loop, sel
 from extproc.wire.grpc_public import PublicServer
 from extproc.wire.server import choose_server, make_grpc_server
 from testkit.factories import PREFIX_ONLY, make_scheduler
-from tests.wire.support import eventually
+from testkit.waiting import wait_until
 
 ECHO = "/test.Loop/Echo"
 
@@ -86,7 +86,7 @@ def test_replies_in_order_and_the_stream_closes_when_input_ends(
     server, channel = served
     assert call(channel, b"a", b"b") == [b"a", b"b", b"bye"]
     assert call(channel, b"a", b"end", b"ignored") == [b"a", b"end"]
-    assert eventually(lambda: server.open_streams == 0 and Echo.closed == [True, True])
+    wait_until(lambda: server.open_streams == 0 and Echo.closed == [True, True])
 
 
 def test_a_handler_that_raises_gets_internal_without_a_trace_and_the_server_goes_on(
@@ -150,7 +150,7 @@ def test_a_client_that_cancels_is_closed_as_not_delivered(
     server, channel = served
     with stalled_stream(channel) as responses:
         responses.cancel()
-    assert eventually(lambda: server.open_streams == 0 and Echo.closed == [False])
+    wait_until(lambda: server.open_streams == 0 and Echo.closed == [False])
 
 
 def test_stop_cancels_open_streams_after_the_grace(
@@ -164,7 +164,7 @@ def test_stop_cancels_open_streams_after_the_grace(
         assert stopped.wait(30) and time.monotonic() - started >= 0.3
     # The public server closes a stream once its handler has returned, which may be just
     # after the stop is confirmed.
-    assert eventually(lambda: Echo.closed == [False])
+    wait_until(lambda: Echo.closed == [False])
 
 
 @pytest.mark.parametrize("served", [LoopServer], ids=["loop"], indirect=True)
@@ -185,7 +185,7 @@ def test_a_bug_in_the_loop_is_logged_and_the_loop_goes_on(
 
     monkeypatch.setattr(grpc_loop._Call, "_on_final", broken_once)
     assert call(channel, b"a") == [b"a", b"bye"]  # the status went out before the bug
-    assert eventually(lambda: "a loop bug" in caplog.text)
+    wait_until(lambda: "a loop bug" in caplog.text)
     assert call(channel, b"b") == [b"b", b"bye"]
 
 

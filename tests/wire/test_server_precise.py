@@ -23,15 +23,15 @@ from extproc.routing.router import Router
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from testkit.e2e_cache import MODEL_DIR, needs_model_tokenizer
 from testkit.factories import make_scheduler
+from testkit.waiting import wait_until
 from tests.wire.support import (
     Server,
     body,
     destination,
     error_of,
-    eventually,
     headers,
     routed_body,
-    settled,
+    wait_settled,
 )
 
 pytestmark = needs_model_tokenizer
@@ -139,7 +139,7 @@ def test_a_cold_prompt_being_tokenized_holds_up_no_other_stream(
         assert len(routed(cold.result(timeout=20))) == 3
     assert fallbacks(registry, "busy") == 0
     # (the reply goes out before the pool counts the work done)
-    assert eventually(lambda: registry.get_sample_value("extproc_preparing_requests") == 0)
+    wait_until(lambda: registry.get_sample_value("extproc_preparing_requests") == 0)
 
 
 def test_a_full_pool_routes_from_the_approximate_view_and_counts_it(
@@ -176,7 +176,7 @@ def test_the_drain_routes_what_waits_for_preparation(
                 pool.submit(send, s, f"waiting{i}", prompt("m", f"waits {i} " * 50))
                 for i in range(2)
             ]
-            assert eventually(lambda: router.preparing.num_in == 3, 20)
+            wait_until(lambda: router.preparing.num_in == 3, 20)
             closing = pool.submit(router.close, 20)
             # The waiting ones are routed without their tokens, the running one is not.
             for future in waiting:
@@ -224,5 +224,5 @@ def test_a_route_prepared_after_the_caller_gave_up_is_forgotten(
             assert tok.started.wait(20)  # it was being tokenized when the caller left
         finally:
             tok.release.set()
-        assert eventually(lambda: router.preparing.num_in == 0)
-        assert settled(router), (len(router.pending), router.in_flight.snapshot())
+        wait_until(lambda: router.preparing.num_in == 0)
+        wait_settled(router)

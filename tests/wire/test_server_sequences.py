@@ -29,17 +29,17 @@ from extproc.wire.ext_proc import OFF_LOOP_BODY_BYTES
 from extproc.wire.grpc_loop import Answer
 from extproc.wire.protocol import EXT_PROC_SERVICE
 from testkit.factories import PREFIX_ONLY, make_scheduler
+from testkit.waiting import wait_until
 from tests.wire.support import (
     PODS,
     Server,
     body,
     destination,
     error_of,
-    eventually,
     headers,
     log_entry,
     routed_body,
-    settled,
+    wait_settled,
 )
 
 
@@ -76,7 +76,7 @@ def still_routes(s: Server) -> None:
     else:
         assert destination(s.one_round.process(iter([routed_body("check")]), timeout=5))
         s.router.complete("check", None, False)
-    assert settled(s.router)
+    wait_settled(s.router)
 
 
 def kinds(replies: list[ep.ProcessingResponse]) -> list[str | None]:
@@ -106,7 +106,7 @@ def test_one_round_malformed_sequences_get_an_answer(case: str, server_kind: str
         if expected == ["immediate_response"]:
             status, error = error_of(reply)
             assert status == 400 and error["code"] in {"body_not_buffered", "unsupported_endpoint"}
-        assert settled(s.router)
+        wait_settled(s.router)
         still_routes(s)
 
 
@@ -171,7 +171,7 @@ def test_epp_malformed_sequences_get_an_answer_and_leave_nothing_behind(
         assert kinds(replies) == expected
         if status is not None:
             assert error_of(replies[-1])[0] == status
-        assert settled(s.router), (len(s.router.pending), s.router.in_flight.snapshot())
+        wait_settled(s.router)
         still_routes(s)
 
 
@@ -275,12 +275,12 @@ def test_cancelled_streams_log_no_error_and_leave_nothing(server: Server, errors
 
     call = server.bidi(stalled(), timeout=5)
     if server.protocol == "epp":  # cut once routed
-        assert eventually(lambda: len(server.router.pending) == 1)
+        wait_until(lambda: len(server.router.pending) == 1)
     else:
-        assert eventually(lambda: server.server.open_streams == 1)
+        wait_until(lambda: server.server.open_streams == 1)
     call.cancel()
     gate.set()
-    assert settled(server.router)
+    wait_settled(server.router)
     time.sleep(0.1)
     assert errors.messages == []
     still_routes(server)
@@ -307,7 +307,7 @@ def test_a_route_the_caller_gave_up_on_is_forgotten(
         list(server.bidi(iter(messages), timeout=0.1))
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert routed.wait(10)  # the late route is done: now it must be forgotten
-    assert settled(server.router), (len(server.router.pending), server.router.in_flight.snapshot())
+    wait_settled(server.router)
     monkeypatch.undo()
     still_routes(server)
 
@@ -340,7 +340,7 @@ def test_a_body_over_a_mebibyte_is_routed_off_the_loop(
     if not epp:
         for rid in ("big", "quick"):
             server.router.complete(rid, None, False)
-    assert settled(server.router)
+    wait_settled(server.router)
 
 
 def test_a_repeated_request_id_does_not_leak_in_flight(server_kind: str) -> None:
@@ -350,7 +350,7 @@ def test_a_repeated_request_id_does_not_leak_in_flight(server_kind: str) -> None
         for _ in range(2):
             assert destination(s.one_round.process(iter([routed_body("dup")]), timeout=5))
         s.router.complete("dup", None, False)
-        assert settled(s.router), s.router.in_flight.snapshot()
+        wait_settled(s.router)
 
 
 def test_epp_streams_with_the_same_request_id_record_each_their_own(server_kind: str) -> None:
@@ -379,7 +379,7 @@ def test_epp_streams_with_the_same_request_id_record_each_their_own(server_kind:
         gate.set()
         assert len(list(call)) == 2
         assert router.metrics.completions.labels("recorded")._value.get() == 2
-        assert settled(router)
+        wait_settled(router)
 
 
 def test_epp_full_duplex_body_over_the_limit_is_refused_while_it_streams(
@@ -400,7 +400,7 @@ def test_epp_full_duplex_body_over_the_limit_is_refused_while_it_streams(
         assert kinds(replies) == ["immediate_response"]
         status, error = error_of(replies[0])
         assert status == 413 and error["code"] == "body_too_large"
-        assert settled(router)
+        wait_settled(router)
 
 
 @contextmanager
@@ -431,7 +431,7 @@ def test_open_access_log_streams_do_not_hold_up_routing(server_kind: str) -> Non
         Server("one-round", new_router(), server_kind, max_streams=64) as s,
         held_streams(s.channel, 48, ACCESS_LOG) as held,
     ):
-        assert eventually(lambda: s.server.open_streams == 48)
+        wait_until(lambda: s.server.open_streams == 48)
         # held up, the call would wait out its deadline (DEADLINE_EXCEEDED)
         assert destination(s.one_round.process(iter([routed_body("r")]), timeout=20))
         assert not any(f.done() for f in held)
@@ -446,14 +446,14 @@ def test_streams_beyond_the_limit_are_refused_at_once_not_queued(
     of waiting out the message timeout; the held ones still finish."""
     with Server(protocol, new_router(), server_kind, max_streams=4) as s:
         with held_streams(s.channel, 4, f"/{EXT_PROC_SERVICE}/Process") as held:
-            assert eventually(lambda: s.server.open_streams == 4)
+            wait_until(lambda: s.server.open_streams == 4)
             assert not any(f.done() for f in held)
             with pytest.raises(grpc.RpcError) as info:  # queued, it would time out instead
                 list(s.bidi(iter([headers(rid="fifth"), body()]), timeout=20))
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "--max-streams" in (info.value.details() or "")
-        assert eventually(lambda: s.server.open_streams == 0)
-        assert settled(s.router)
+        wait_until(lambda: s.server.open_streams == 0)
+        wait_settled(s.router)
         still_routes(s)
 
 
@@ -467,5 +467,5 @@ def test_a_draining_server_refuses_new_routes_but_takes_access_logs(server_kind:
             s.one_round.process(iter([routed_body("late")]), timeout=5)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         s.one_round.log(log_entry("in-flight", served))
-        assert settled(s.router)
+        wait_settled(s.router)
         assert s.router.metrics.outcome["recorded"]._value.get() == 1
