@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from extproc.datalayer.pods_file import PodsFileWatcher
 from extproc.datalayer.sources import describe_source, make_pods_source
 from extproc.errors import ConfigError
 from testkit.example_pods import EXAMPLE_PODS_FILE
+from testkit.waiting import wait_until
 from tests.datalayer.fake_kube import FakeKube, inference_pool, k8s_pod
 
 PODS = "/api/v1/namespaces/llm/pods"
@@ -110,10 +110,7 @@ def test_serve_from_a_label_selector(kube: FakeKube, kubeconfig: Path) -> None:
         kube.put(
             PODS, k8s_pod("p1", "10.0.0.2", namespace="llm", labels={"app": "vllm", "model": "m"})
         )
-        deadline = time.monotonic() + 5
-        while len(running.router.pods) < 2:
-            assert time.monotonic() < deadline, "the router never saw the new pod"
-            time.sleep(0.005)
+        wait_until(lambda: len(running.router.pods) >= 2, what="the router seeing the new pod")
         assert running.router.pods[1].models == {"m"}
     finally:
         running.stop(0)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
@@ -17,6 +16,7 @@ from extproc.sim.launch import SimPods
 from extproc.sim.metrics import ITL_BUCKETS, TTFT_BUCKETS
 from extproc.sim.pods import GroupSettings
 from testkit.harness import run_sim_pods
+from testkit.waiting import wait_until
 
 LABELS = {"model_name": "sim-llm", "engine": "0"}
 EXPECTED_TYPES = {
@@ -119,10 +119,7 @@ def test_gauges_show_a_running_request() -> None:
             target=httpx.post, args=(pods.pods[0].url + "/v1/completions",), kwargs={"json": body}
         )
         thread.start()
-        deadline = time.monotonic() + 5
-        while value(scrape(pods), "vllm:num_requests_running") == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: value(scrape(pods), "vllm:num_requests_running") != 0)
         metrics = scrape(pods)
         usage = value(metrics, "vllm:kv_cache_usage_perc")
         assert usage == pytest.approx(0.07)  # 100 prompt tokens in 7 of 100 blocks
