@@ -39,11 +39,11 @@ from extproc.scheduling.config import named_config_text
 from extproc.sim import launch
 from extproc.sim.kv_cache import BlockStored, hash_request_tokens
 from extproc.sim.launch import Proc, SimPods, Stack, free_port, run_stack, spawn
+from testkit.chart import PRECISE, find, render
+from testkit.dashboard import PRECISE_ROW, queries, require_binary
 from testkit.factories import write_tokenizer
+from testkit.kv_publisher import TOPIC, Publisher
 from testkit.waiting import wait_until
-from tests.charts.dashboard import PRECISE_ROW, queries, require_binary
-from tests.charts.support import PRECISE, find, render
-from tests.datalayer.kv_publisher import TOPIC, Publisher
 
 SCRAPE_INTERVAL = "1s"
 RATE_INTERVAL = "30s"  # the dashboard's $__rate_interval: the whole run fits in it

@@ -19,7 +19,7 @@ from e2e.support import MODEL, PREFIX_CONFIG, RECORDED, background_load, metric,
 from extproc.sim.launch import SimPods, Stack, run_stack
 from testkit.tls_certs import CertAuthority, Issued, served_certificate
 from testkit.waiting import wait_until
-from tests.wire.support import Client, log_entry
+from testkit.wire import Client, log_entry
 
 
 class Certs:

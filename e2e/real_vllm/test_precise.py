@@ -29,9 +29,9 @@ from extproc.request.parse import Api
 from extproc.request.tokens import SegmentTokenizer
 from extproc.scheduling.interfaces import PluginContext
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
+from testkit.chat_cases import CHAT_CASES, RESPONSES_CASES
 from testkit.e2e_cache import model_dir
 from testkit.waiting import wait_until
-from tests.request.chat_cases import CHAT_CASES, RESPONSES_CASES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.real_vllm, pytest.mark.timeout(900)]
 

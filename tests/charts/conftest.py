@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from tests.charts.support import MODES
+from testkit.chart import MODES
 
 
 @pytest.fixture(params=list(MODES), ids=list(MODES))

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from extproc.cli import serve
 from extproc.scheduling.config import build_scheduler, default_config_text, parse_config
-from tests.charts.support import CHART_DIR, GATEWAY_PEERS, MODES, NAMESPACE, find, render
+from testkit.chart import CHART_DIR, GATEWAY_PEERS, MODES, NAMESPACE, find, render
 
 KUBERNETES_VERSION = "1.33"
 FULLNAME = "rel-extproc"

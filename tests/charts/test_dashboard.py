@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from extproc.routing.router import Router
 from extproc.scheduling.config import build_scheduler, default_config_text, parse_config
 from extproc.scheduling.inflight import InFlight
+from testkit.dashboard import DASHBOARD, PRECISE_ROW, panels, queries, require_binary
 from testkit.factories import make_pod
-from tests.charts.dashboard import DASHBOARD, PRECISE_ROW, panels, queries, require_binary
 
 SCHEMA = Path(__file__).parent / "grafana" / "dashboard.schema.json"
 HIT_RATE_BUCKET = 'kthena_router_prefix_cache_match_ratio_bucket{le="0.0"}'

@@ -16,7 +16,7 @@ import yaml
 
 from extproc.envoyconf import helm
 from extproc.sim.launch import envoy_binary
-from tests.charts.support import FULLNAME, NAMESPACE, PRECISE, clusters, envoy_config, find, render
+from testkit.chart import FULLNAME, NAMESPACE, PRECISE, clusters, envoy_config, find, render
 from tests.envoyconf.support import hcm
 
 

@@ -24,8 +24,8 @@ from extproc.cli import serve
 from extproc.datalayer.kv_events import EventsSettings, settings_from_args
 from extproc.scheduling.config import build_scheduler, named_config_text, parse_config
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
+from testkit.chart import CHART_DIR, MODES, NAMESPACE, PRECISE, RELEASE, find, render
 from testkit.factories import write_tokenizer
-from tests.charts.support import CHART_DIR, MODES, NAMESPACE, PRECISE, RELEASE, find, render
 
 FULLNAME = "rel-extproc"
 DEFAULT_PORTS = {9002, 9003, 9090}

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from extproc.sim.launch import envoy_binary
+from testkit.chart import FULLNAME, GATEWAY_PEERS, clusters, envoy_config, find, render
 from testkit.tls_certs import CertAuthority
-from tests.charts.support import FULLNAME, GATEWAY_PEERS, clusters, envoy_config, find, render
 
 CERT_MANAGER = {"enabled": True, "issuerRef": {"name": "cluster-ca", "kind": "ClusterIssuer"}}
 GATEWAY = {"mode": "gateway", "networkPolicy": {"gatewayFrom": GATEWAY_PEERS}}

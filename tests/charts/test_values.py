@@ -11,7 +11,7 @@ from typing import Any
 import helm_python
 import pytest
 
-from tests.charts.support import PRECISE, render
+from testkit.chart import PRECISE, render
 
 
 def score(weight: Any) -> dict[str, Any]:

@@ -19,8 +19,8 @@ from extproc.prefix.precise.keys import chain_keys
 from extproc.sim.kv_cache import BlockStored, hash_request_tokens
 from extproc.sim.kv_events import ZmqEventPublisher, encode_event_batch
 from extproc.sim.launch import free_port
+from testkit.kv_publisher import TOPIC, Publisher
 from testkit.waiting import wait_until
-from tests.datalayer.kv_publisher import TOPIC, Publisher
 
 BS = 4
 EVENTS_TIMEOUT_S = 20  # a publisher's events reach the subscriber over ZMQ

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.charts.support import CHART_DIR, find, render
+from testkit.chart import CHART_DIR, find, render
 from tests.packaging.image import DOCKERFILE, REPO, Stage, mounts, stages
 
 PYTHON_SLIM = re.compile(r"^python:3\.11-slim(@sha256:[0-9a-f]{64})?$")

@@ -2,7 +2,7 @@
 template of the e2e model), and what vLLM refuses or renders from state a router lacks
 is ``NotExact``.
 
-The bodies and the texts vLLM 0.32 rendered for them are in ``chat_cases.py``;
+The bodies and the texts vLLM 0.32 rendered for them are in ``testkit/chat_cases.py``;
 ``e2e/real_vllm/test_precise.py`` sends the same tables to a real pod again.
 """
 
@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from extproc.request.parse import Api
 from extproc.request.tokens import NotExact, SegmentTokenizer
+from testkit.chat_cases import CHAT_CASES, RESPONSES_CASES, user
 from testkit.e2e_cache import MODEL_DIR, needs_model_tokenizer
-from tests.request.chat_cases import CHAT_CASES, RESPONSES_CASES, user
 
 pytestmark = needs_model_tokenizer
 

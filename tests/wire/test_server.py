@@ -20,7 +20,7 @@ from extproc.wire.protocol import (
 )
 from extproc.wire.server import make_grpc_server, make_health_server
 from testkit.factories import PREFIX_ONLY, make_pod, make_scheduler
-from tests.wire.support import PODS, Client, destination, error_of, log_entry
+from testkit.wire import PODS, Client, destination, error_of, log_entry
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from testkit.e2e_cache import MODEL_DIR, needs_model_tokenizer
 from testkit.factories import make_scheduler
 from testkit.waiting import wait_until
-from tests.wire.support import (
+from testkit.wire import (
     Server,
     body,
     destination,

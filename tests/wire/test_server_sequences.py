@@ -30,7 +30,7 @@ from extproc.wire.grpc_loop import Answer
 from extproc.wire.protocol import EXT_PROC_SERVICE
 from testkit.factories import PREFIX_ONLY, make_scheduler
 from testkit.waiting import wait_until
-from tests.wire.support import (
+from testkit.wire import (
     PODS,
     Server,
     body,

@@ -20,7 +20,7 @@ from extproc.wire.server import make_grpc_server
 from extproc.wire.tls import CertificateFiles, TlsSettings, server_credentials
 from testkit.factories import PREFIX_ONLY, make_scheduler
 from testkit.tls_certs import CertAuthority, Issued, served_certificate
-from tests.wire.support import PODS, Client, destination
+from testkit.wire import PODS, Client, destination
 
 
 @pytest.fixture

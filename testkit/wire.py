@@ -1,5 +1,6 @@
-"""What the gRPC-layer tests share: four pods, a one-round ext_proc and access-log client, a
-server for either protocol, the messages Envoy sends, and reading extproc's answers."""
+"""What the gRPC-layer tests and e2e share: four pods, a one-round ext_proc and access-log
+client, a server for either protocol, the messages Envoy sends, and reading extproc's
+answers."""
 
 from __future__ import annotations
 

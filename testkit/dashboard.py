@@ -8,7 +8,7 @@ from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "charts/extproc/dashboards/extproc.json"
+DASHBOARD = Path(__file__).resolve().parents[1] / "charts/extproc/dashboards/extproc.json"
 PRECISE_ROW = "Precise prefix cache (KV events)"  # data only with precise-prefix-cache on
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import helm_python
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 CHART_DIR = REPO / "charts" / "extproc"
 RELEASE = "rel"
 FULLNAME = "rel-extproc"  # the chart's extproc.fullname for RELEASE
