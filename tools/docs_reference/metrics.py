@@ -161,8 +161,15 @@ def _families(registry: CollectorRegistry) -> dict[str, Family]:
     """Each family ``registry`` exposes, with its label names (a labelled metric with no
     child yet has no sample to show them: they are read from the metric objects)."""
     found: dict[str, Family] = {}
-    for collector in list(registry._collector_to_names):
-        wrapper_labels = collector._labelnames if isinstance(collector, MetricWrapperBase) else None
+    # prometheus_client's private table of collectors: guarded, the registry's public
+    # collect() serves without it (label names then only from samples).
+    collectors = getattr(registry, "_collector_to_names", None)
+    for collector in list(collectors) if collectors is not None else [registry]:
+        wrapper_labels = (
+            getattr(collector, "_labelnames", None)
+            if isinstance(collector, MetricWrapperBase)
+            else None
+        )
         for metric in collector.collect():
             labels = wrapper_labels
             if labels is None:
