@@ -185,7 +185,10 @@ def test_hash_prints_the_block_hashes(image: Image, tmp_path: Path) -> None:
 
 def test_envoy_config_writes_a_bootstrap_envoy_accepts(image: Image, tmp_path: Path) -> None:
     out = tmp_path / "envoy.yaml"
-    args = ["--extproc-address", "127.0.0.1:19002", "--listen-port", "18080", "-o", str(out)]
+    args = [
+        *("--pods", str(EXAMPLE_PODS_FILE)),
+        *("--extproc-address", "127.0.0.1:19002", "--listen-port", "18080", "-o", str(out)),
+    ]
     result = image.run("envoy-config", *args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     bootstrap = yaml.safe_load(out.read_text())
