@@ -24,7 +24,12 @@ from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
 from extproc.datalayer.kv_events import KvEventsSubscriber, settings_from_args
 from extproc.datalayer.scrape import MetricsScraper
-from extproc.datalayer.sources import PodsSource, describe_source, make_pods_source
+from extproc.datalayer.sources import (
+    PodsSource,
+    check_pods_source,
+    describe_source,
+    make_pods_source,
+)
 from extproc.datalayer.store import PodStore
 from extproc.errors import ConfigError
 from extproc.pods import Pod
@@ -117,8 +122,9 @@ def check_args(args: argparse.Namespace) -> None:
     """Refuse flag values that cannot work, naming the flag (argparse checks only types).
 
     Raises:
-        ConfigError: the first bad value.
+        ConfigError: the first bad value (a missing or doubled pods source first).
     """
+    check_pods_source(args)
     for flag in ("grpc_port", "health_port", "metrics_port"):
         port = getattr(args, flag)
         if not 0 <= port <= 65535:  # grpcio would wrap 99999 to 34463 and serve there

@@ -21,7 +21,7 @@ from typing import Any
 from extproc.cli import CLI_REFERENCE
 from extproc.cli.app import check_args, start
 from extproc.datalayer.kv_events import add_events_arguments
-from extproc.datalayer.sources import add_source_arguments, check_pods_source
+from extproc.datalayer.sources import add_source_arguments
 from extproc.errors import ConfigError
 from extproc.request.parse import DEFAULT_MAX_BODY_BYTES
 from extproc.request.render import Rendering
@@ -294,7 +294,6 @@ def configure_logging(level: str, verbosity: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        check_pods_source(args)
         check_args(args)
     except ConfigError as exc:
         print(f"extproc serve: cannot start: {exc}", file=sys.stderr)

@@ -24,8 +24,9 @@ uses those when a plugin has them, so a request's cost hardly grows with the pod
 
 Plugins get what they share when they are built, in ``PluginContext``: the router's
 ``InFlight`` counters, the configured ``PrefixMatcher`` (the prefix-cache plugin, built
-first, which ``cost-aware`` reads), the configured ``ExactPrefix`` (built before it,
-which ``estimated-ttft`` reads) and the prefix-cache metrics.
+first, which ``cost-aware`` reads) and the configured ``ExactPrefix`` (built before it,
+which ``estimated-ttft`` reads). The prefix-cache metrics are shared per registry
+(``plugins.prefix_metrics.prefix_cache_metrics``), not through the context.
 """
 
 from __future__ import annotations
