@@ -23,6 +23,7 @@ from extproc.scheduling.interfaces import Cycle
 from extproc.scheduling.scheduler import Scheduler
 from extproc.sim.engine import Engine, EngineConfig, FinishedRequest, SimRequest
 from extproc.sim.offline import SimSettings
+from extproc.sim.timing import TimingProfile
 from extproc.sim.workloads import NUM_WORDS, WorkItem, Workload, completion_item, words_text
 
 MODEL = "m"  # the model of make_pod's pods and of the offline simulator's workloads
@@ -89,6 +90,22 @@ scheduler:
 # The simulated engine (tests/sim)
 
 FAST_ENGINE = EngineConfig(time_scale=0.01)  # the engine's time runs 100 times faster
+# Round numbers: a step costs 10 ms + 1 ms per decoding request + 1 ms per prefill token.
+ROUND_TIMING = TimingProfile(
+    name="test-round",
+    base_s=0.010,
+    s_per_prefill_token=0.001,
+    s_per_decode_seq=0.001,
+    s_per_context_token=0.0,
+    source="round numbers for tests",
+)
+
+
+def constant_step(step_s: float) -> TimingProfile:
+    """A profile whose every step lasts ``step_s``, whatever it computes."""
+    return TimingProfile(f"constant-{step_s}", step_s, 0.0, 0.0, 0.0, "tests")
+
+
 _ids = itertools.count()
 
 

@@ -1,30 +1,46 @@
-"""The simulated vLLM engine: admission, continuous batching, block allocation, timing.
+"""The simulated vLLM engine: vLLM V1's scheduler, block allocation, timing.
 
 No I/O and no clock of its own: every call says what time it is, so a discrete-event
 simulator drives it with a virtual clock and ``runner.EngineRunner`` with the loop's.
 
-One step, as in vLLM's scheduler (``step(now)``, starting at ``max(now, clock)``):
+A request wants its KV computed up to its last token (the prompt, then each sampled
+token); ``num_computed_tokens`` is how far it got. One step (``step(now)``, starting at
+``max(now, clock)``) follows vLLM V1's ``Scheduler.schedule`` with the FCFS policy,
+within a token budget of ``max_num_batched_tokens`` and ``max_num_seqs`` running:
 
-1. Every running request that has its first token decodes one more: the KV of its last
-   sampled token is computed (a new block is taken when the last one is full).
-2. Waiting requests are admitted first come, first served, while fewer than
-   ``max_num_seqs`` run, the prefill token budget (``max_num_batched_tokens``) lasts
-   (the step's first prefill always fits: no chunked prefill) and blocks suffice. The
-   head of the queue blocks the rest. On admission the prefix cache is looked up, the
-   hit blocks are pinned, the rest of the prompt gets new blocks and its full blocks
-   are cached at once (vLLM caches at scheduling time), and the counters
-   ``prefix_cache_queries`` (prompt tokens) and ``prefix_cache_hits`` (hit tokens) grow.
-   A request waiting in the queue is not counted until admitted.
-3. The step lasts ``(step_base_s + decode_s_per_seq * running
-   + prefill_s_per_token * uncached prompt tokens admitted) * time_scale``; at its end
-   every running request samples one token. A request with ``max_tokens`` tokens
-   finishes (``finish_reason`` "length") and its blocks are freed, tail first.
+1. Running requests first, in order: each gets the tokens it still misses (1 for a
+   decode, the rest of its prompt for an unfinished prefill), capped by the budget left.
+   Blocks are allocated for them now, and every block they fill is cached at once (vLLM
+   caches at scheduling time, so a later request in the same step can hit it). When the
+   pool runs out, the last running request is preempted, repeatedly: its blocks are
+   freed (tail first, so its prefix stays cached longest), its computed tokens reset,
+   and it goes to the front of the waiting queue. If the request being scheduled is the
+   one preempted, the running pass stops.
+2. Waiting requests (FCFS, preempted ones in front), only if nothing was preempted this
+   step, while the budget lasts and fewer than ``max_num_seqs`` run. The prefix cache is
+   looked up (at most all tokens but the last, in whole blocks); the request is admitted
+   only if blocks remain for its whole sequence so far (vLLM's
+   ``scheduler_reserve_full_isl``), and then gets as many of its missing tokens as the
+   budget allows: a chunk. With ``enable_chunked_prefill`` off a request that does not
+   fit the budget left stops the queue. The head of the queue blocks the rest.
+3. The step lasts ``profile.step_s(StepWork(prefill tokens, decoding requests, context
+   tokens)) * time_scale`` (``timing.py``). At its end a request whose computed tokens
+   reach its last token samples one (a partial prefill chunk samples nothing). A request
+   with ``max_tokens`` tokens finishes (``finish_reason`` "length") and its blocks are
+   freed, tail first.
 
-Blocks. A request keeps the KV of its prompt and of every generated token but the last
-(``prompt + max_tokens - 1`` tokens), so admission reserves that many blocks up front:
-no running request ever runs out and nothing is preempted. A request that could never
-fit (more blocks than ``num_gpu_blocks``, or longer than ``max_model_len``) is rejected
-by ``add_request``.
+A preempted request is recomputed later, prompt and sampled tokens alike, from whatever
+of it the prefix cache still holds. Counters as vLLM's: ``prefix_cache_queries`` (tokens
+looked up) and ``prefix_cache_hits`` grow when a request is admitted for the first time
+(vLLM keeps the lookups of preempted requests apart, out of these counters);
+``num_cached_tokens`` (the usage's cached tokens) is the hit of that first admission;
+``num_preemptions`` counts preemptions; ``num_prompt_tokens`` grows at a request's first
+token. A request that could never fit (more blocks than ``num_gpu_blocks`` for
+``prompt + max_tokens - 1`` tokens, or longer than ``max_model_len``) is rejected by
+``add_request``.
+
+Not modelled: async scheduling (a finished request's blocks are freed at the end of its
+last step, not one step later), spec decoding, ``long_prefill_token_threshold``.
 
 A discrete-event loop over several engines::
 
@@ -46,6 +62,7 @@ from extproc.sim.kv_cache import (
     TokenBlockHash,
     extend_block_hashes,
 )
+from extproc.sim.timing import DEFAULT_PROFILE, StepWork, TimingProfile, timing_profile
 from extproc.sim.tokenizer import generate_words, word_token
 
 
@@ -55,26 +72,30 @@ def _cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Engine settings. The timing defaults are assumptions, roughly an 8B model on one
-    modern GPU: prefill about 10,000 tokens/s, decode steps of about 10 ms plus 0.1 ms per
-    running sequence. Memory: 8192 blocks of 16 tokens, 131,072 tokens of KV."""
+    """Engine settings. The scheduler's defaults are vLLM's for its OpenAI server on an
+    H100-class GPU (``max_num_batched_tokens`` 8192, ``max_num_seqs`` 1024, chunked
+    prefill on), matching the default timing profile; memory: 8192 blocks of 16 tokens.
+
+    ``timing_profile`` names a profile of ``timing.PROFILES``; tests may pass a
+    ``TimingProfile`` itself (the flag takes names only).
+    """
 
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     num_gpu_blocks: int = field(default=8192, metadata={"help": "KV blocks in the cache"})
-    max_num_seqs: int = field(default=256, metadata={"help": "most requests running at once"})
+    max_num_seqs: int = field(default=1024, metadata={"help": "most requests running at once"})
     max_num_batched_tokens: int = field(
-        default=8192, metadata={"help": "prefill token budget of one step"}
+        default=8192, metadata={"help": "token budget of one step (prefill chunks and decodes)"}
+    )
+    enable_chunked_prefill: bool = field(
+        default=True,
+        metadata={"help": "split prompts longer than the step's budget left over steps"},
     )
     max_model_len: int = field(default=32768, metadata={"help": "most prompt + output tokens"})
     max_num_waiting: int = field(
         default=4096, metadata={"help": "most requests queued; more are refused"}
     )
-    prefill_s_per_token: float = field(
-        default=1e-4, metadata={"help": "step time per uncached prompt token, s"}
-    )
-    step_base_s: float = field(default=0.010, metadata={"help": "fixed time of one step, s"})
-    decode_s_per_seq: float = field(
-        default=1e-4, metadata={"help": "step time per running request, s"}
+    timing_profile: str | TimingProfile = field(
+        default=DEFAULT_PROFILE, metadata={"help": "how long a step takes (timing.py)"}
     )
     time_scale: float = field(
         default=1.0, metadata={"help": "multiplies every step time (0.01 = 100x faster)"}
@@ -94,6 +115,20 @@ class EngineConfig:
                 raise ConfigError(f"EngineConfig.{f.name} must be >= 0, got {value}")
         if self.time_scale <= 0:
             raise ConfigError(f"EngineConfig.time_scale must be > 0, got {self.time_scale}")
+        self.profile()  # an unknown name fails here
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # vLLM's own check: without chunks a longer prompt could never be scheduled.
+            raise ConfigError(
+                f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) is "
+                f"smaller than max_model_len ({self.max_model_len}) with chunked prefill "
+                "off; increase max_num_batched_tokens or decrease max_model_len"
+            )
+
+    def profile(self) -> TimingProfile:
+        """The timing profile, resolved from its name."""
+        if isinstance(self.timing_profile, TimingProfile):
+            return self.timing_profile
+        return timing_profile(self.timing_profile)
 
 
 class RequestRejected(Exception):
@@ -115,6 +150,9 @@ class SimRequest:
     max_tokens: int = 16
     cache_salt: str | None = None
     seed: int = 0  # varies the generated words; the prompt alone fixes them otherwise
+    # The answer's tokens as text, one ``word_token`` each, instead of generated words (a
+    # tool call); as many as max_tokens.
+    output_words: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,14 +171,15 @@ class TokenOutput:
 class FinishedRequest:
     request_id: str
     num_prompt_tokens: int
-    num_cached_tokens: int  # prefix-cache hit at admission
+    num_cached_tokens: int  # prefix-cache hit at its first admission
     output_token_ids: tuple[int, ...]
     output_text: str
     arrival_s: float
-    scheduled_s: float  # start of the step that admitted it
+    scheduled_s: float  # start of the step that first admitted it
     first_token_s: float
     finished_s: float
     finish_reason: str = "length"
+    num_preemptions: int = 0
 
     @property
     def ttft_s(self) -> float:
@@ -159,9 +198,11 @@ class FinishedRequest:
 class StepResult:
     start_s: float
     end_s: float
-    admitted: tuple[tuple[str, int], ...]  # (request_id, num_cached_tokens)
+    admitted: tuple[tuple[str, int], ...]  # first admissions: (request_id, num_cached_tokens)
     outputs: tuple[TokenOutput, ...]
     finished: tuple[FinishedRequest, ...]
+    scheduled: tuple[tuple[str, int], ...] = ()  # (request_id, tokens computed), in order
+    preempted: tuple[str, ...] = ()  # in the order they were preempted
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,13 +212,14 @@ class EngineStats:
     kv_cache_usage: float  # 0.0-1.0, vLLM's definition (cached free blocks count as free)
     num_free_blocks: int
     num_cached_blocks: int
-    prefix_cache_queries: int  # prompt tokens of admitted requests
+    prefix_cache_queries: int  # tokens looked up at first admissions
     prefix_cache_hits: int  # of those, tokens found in the cache
     num_evicted_blocks: int
     num_finished_requests: int
     num_prompt_tokens: int
     num_generation_tokens: int
     num_steps: int
+    num_preemptions: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -186,12 +228,12 @@ class _Request:
     arrival_s: float
     words: list[str]
     token_ids: list[int]  # prompt, then every sampled token
-    block_hashes: list[TokenBlockHash]
+    block_hashes: list[TokenBlockHash]  # of every full block of token_ids
     blocks: list[KVCacheBlock] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_hashed_blocks: int = 0  # blocks already offered to the cache
-    num_cached_tokens: int = 0
-    num_reserved_blocks: int = 0  # still to take, of the blocks admission reserved
+    num_cached_tokens: int | None = None  # set at the first admission
+    num_preemptions: int = 0
     scheduled_s: float = 0.0
     first_token_s: float = 0.0
     last_token_s: float = 0.0
@@ -206,13 +248,13 @@ class Engine:
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
+        self.profile = self.config.profile()
         self.pool = BlockPool(self.config.num_gpu_blocks, self.config.enable_kv_cache_events)
         self.clock = 0.0  # end of the last step; the next step starts no earlier
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._ids: set[str] = set()
-        self._num_reserved_blocks = 0
-        self._queries = self._hits = 0
+        self._queries = self._hits = self._num_preemptions = 0
         self._num_finished = self._num_prompt_tokens = self._num_generation_tokens = 0
         self._num_steps = 0
 
@@ -256,7 +298,11 @@ class Engine:
         prompt = list(req.prompt_token_ids)
         hashes: list[TokenBlockHash] = []
         extend_block_hashes(hashes, prompt, cfg.block_size, req.cache_salt)
-        words = generate_words(req.prompt_token_ids, req.max_tokens, req.seed)
+        words = (
+            list(req.output_words)
+            if req.output_words is not None
+            else generate_words(req.prompt_token_ids, req.max_tokens, req.seed)
+        )
         self._waiting.append(_Request(req, now, words, prompt, hashes))
         self._ids.add(req.request_id)
 
@@ -282,38 +328,27 @@ class Engine:
         """
         if not self.has_work():
             raise RuntimeError("step() on an idle engine")
-        cfg = self.config
         start = max(now, self.clock)
-        for r in self._running:
-            self._compute_tokens(r, len(r.token_ids))
-        admitted, num_prefill_tokens = self._admit(start)
-        duration = (
-            cfg.step_base_s
-            + cfg.decode_s_per_seq * len(self._running)
-            + cfg.prefill_s_per_token * num_prefill_tokens
-        ) * cfg.time_scale
-        end = start + duration
+        scheduled: dict[_Request, int] = {}
+        preempted: list[_Request] = []
+        budget = self._schedule_running(scheduled, preempted)
+        admitted: list[tuple[str, int]] = []
+        if not preempted:
+            self._schedule_waiting(scheduled, budget, start, admitted)
+        work = self._compute(scheduled)
+        end = start + self.profile.step_s(work) * self.config.time_scale
         self.clock = end
         self._num_steps += 1
-        outputs: list[TokenOutput] = []
-        finished: list[FinishedRequest] = []
-        for r in list(self._running):
-            index = r.num_output_tokens
-            word = r.words[index]
-            token_id = word_token(word)
-            r.token_ids.append(token_id)
-            latency = end - (r.arrival_s if index == 0 else r.last_token_s)
-            if index == 0:
-                r.first_token_s = end
-            r.last_token_s = end
-            done = index + 1 == r.req.max_tokens
-            outputs.append(TokenOutput(r.req.request_id, index, token_id, word, latency, done))
-            if done:
-                self._running.remove(r)
-                self._release(r)
-                finished.append(self._finished(r, end))
-        self._num_generation_tokens += len(outputs)
-        return StepResult(start, end, tuple(admitted), tuple(outputs), tuple(finished))
+        outputs, finished = self._sample(scheduled, end)
+        return StepResult(
+            start,
+            end,
+            tuple(admitted),
+            tuple(outputs),
+            tuple(finished),
+            tuple((r.req.request_id, n) for r, n in scheduled.items()),
+            tuple(r.req.request_id for r in preempted),
+        )
 
     def advance_to(self, t: float) -> list[StepResult]:
         """Run back-to-back steps while there is work and the next would start before ``t``."""
@@ -322,53 +357,75 @@ class Engine:
             results.append(self.step(self.clock))
         return results
 
-    def _admit(self, start: float) -> tuple[list[tuple[str, int]], int]:
+    def _schedule_running(self, scheduled: dict[_Request, int], preempted: list[_Request]) -> int:
+        """Step 1 of the module docstring; returns the budget left."""
+        budget = self.config.max_num_batched_tokens
+        idx = 0
+        while idx < len(self._running) and budget > 0:
+            r = self._running[idx]
+            num_new = min(len(r.token_ids) - r.num_computed_tokens, budget)
+            while not self._allocate(r, num_new):
+                victim = self._running.pop()  # the lowest priority under FCFS: the newest
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is r:
+                    return budget
+            scheduled[r] = num_new
+            budget -= num_new
+            idx += 1
+        return budget
+
+    def _schedule_waiting(
+        self,
+        scheduled: dict[_Request, int],
+        budget: int,
+        start: float,
+        admitted: list[tuple[str, int]],
+    ) -> None:
+        """Step 2 of the module docstring."""
         cfg, pool = self.config, self.pool
-        admitted: list[tuple[str, int]] = []
-        budget = cfg.max_num_batched_tokens
-        num_prefill_tokens = 0
-        while self._waiting and len(self._running) < cfg.max_num_seqs:
+        while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
             r = self._waiting[0]
-            num_prompt = len(r.req.prompt_token_ids)
-            hits = pool.find_longest_cache_hit(r.block_hashes, num_prompt, cfg.block_size)
-            num_new_tokens = num_prompt - len(hits) * cfg.block_size
-            if admitted and num_new_tokens > budget:
+            num_tokens = len(r.token_ids)
+            hits = pool.find_longest_cache_hit(r.block_hashes, num_tokens, cfg.block_size)
+            num_hit_tokens = len(hits) * cfg.block_size
+            num_new = num_tokens - num_hit_tokens
+            if not cfg.enable_chunked_prefill and num_new > budget:
                 break
-            num_new_blocks = _cdiv(num_prompt + r.req.max_tokens - 1, cfg.block_size) - len(hits)
-            num_hits_free = sum(1 for b in hits if b.ref_cnt == 0)
-            available = pool.num_free_blocks - num_hits_free - self._num_reserved_blocks
-            if num_new_blocks > available:
+            num_new = min(num_new, budget)
+            num_evictable = sum(1 for b in hits if b.ref_cnt == 0)
+            num_blocks = _cdiv(num_tokens, cfg.block_size) - len(hits) + num_evictable
+            if num_blocks > pool.num_free_blocks:
                 break
             self._waiting.popleft()
             pool.touch(hits)
             r.blocks = list(hits)
             r.num_hashed_blocks = len(hits)
-            r.num_computed_tokens = r.num_cached_tokens = len(hits) * cfg.block_size
-            r.num_reserved_blocks = num_new_blocks
-            r.scheduled_s = start
-            self._num_reserved_blocks += num_new_blocks
-            self._compute_tokens(r, num_prompt)
+            r.num_computed_tokens = num_hit_tokens
+            allocated = self._allocate(r, num_new)
+            assert allocated  # the whole sequence fits, so its first chunk does
+            if r.num_cached_tokens is None:
+                r.num_cached_tokens = num_hit_tokens
+                r.scheduled_s = start
+                self._queries += num_tokens
+                self._hits += num_hit_tokens
+                admitted.append((r.req.request_id, num_hit_tokens))
             self._running.append(r)
-            self._queries += num_prompt
-            self._hits += r.num_cached_tokens
-            self._num_prompt_tokens += num_prompt
-            budget -= num_new_tokens
-            num_prefill_tokens += num_new_tokens
-            admitted.append((r.req.request_id, r.num_cached_tokens))
-        return admitted, num_prefill_tokens
+            scheduled[r] = num_new
+            budget -= num_new
 
-    def _compute_tokens(self, r: _Request, num_tokens: int) -> None:
-        """Give ``r`` blocks for ``num_tokens`` tokens of KV and cache its full blocks."""
+    def _allocate(self, r: _Request, num_new: int) -> bool:
+        """Blocks for ``num_new`` more tokens of ``r``, and the blocks they fill cached;
+        False (nothing taken) when the pool is short."""
         bs = self.config.block_size
-        num_new = _cdiv(num_tokens, bs) - len(r.blocks)
-        if num_new > 0:
-            r.blocks += self.pool.get_new_blocks(num_new)
-            r.num_reserved_blocks -= num_new
-            self._num_reserved_blocks -= num_new
-        r.num_computed_tokens = num_tokens
+        num_tokens = r.num_computed_tokens + num_new
+        num_blocks = _cdiv(num_tokens, bs) - len(r.blocks)
+        if num_blocks > self.pool.num_free_blocks:
+            return False
+        if num_blocks > 0:
+            r.blocks += self.pool.get_new_blocks(num_blocks)
         num_full = num_tokens // bs
         if num_full > r.num_hashed_blocks:
-            extend_block_hashes(r.block_hashes, r.token_ids[: num_full * bs], bs, r.req.cache_salt)
             self.pool.cache_full_blocks(
                 r.blocks,
                 r.block_hashes,
@@ -379,17 +436,71 @@ class Engine:
                 r.req.cache_salt,
             )
             r.num_hashed_blocks = num_full
+        return True
+
+    def _preempt(self, r: _Request) -> None:
+        self.pool.free_blocks(reversed(r.blocks))
+        r.blocks = []
+        r.num_computed_tokens = r.num_hashed_blocks = 0
+        r.num_preemptions += 1
+        self._num_preemptions += 1
+        self._waiting.appendleft(r)
+
+    def _compute(self, scheduled: dict[_Request, int]) -> StepWork:
+        """Advance every scheduled request's computed tokens; what the step computed."""
+        num_prefill = num_decode = num_context = 0
+        for r, num_new in scheduled.items():
+            num_context += r.num_computed_tokens
+            is_decode = (
+                num_new == 1
+                and r.num_output_tokens > 0
+                and r.num_computed_tokens == len(r.token_ids) - 1
+            )
+            if is_decode:
+                num_decode += 1
+            else:
+                num_prefill += num_new
+            r.num_computed_tokens += num_new
+        return StepWork(num_prefill, num_decode, num_context)
+
+    def _sample(
+        self, scheduled: dict[_Request, int], end: float
+    ) -> tuple[list[TokenOutput], list[FinishedRequest]]:
+        """A token for every scheduled request that caught up with its last token."""
+        bs = self.config.block_size
+        outputs: list[TokenOutput] = []
+        finished: list[FinishedRequest] = []
+        for r in scheduled:
+            if r.num_computed_tokens < len(r.token_ids):
+                continue  # a partial prefill chunk
+            index = r.num_output_tokens
+            word = r.words[index]
+            token_id = word_token(word)
+            r.token_ids.append(token_id)
+            extend_block_hashes(r.block_hashes, r.token_ids, bs, r.req.cache_salt)
+            latency = end - (r.arrival_s if index == 0 else r.last_token_s)
+            if index == 0:
+                r.first_token_s = end
+                self._num_prompt_tokens += len(r.req.prompt_token_ids)
+            r.last_token_s = end
+            done = index + 1 == r.req.max_tokens
+            outputs.append(TokenOutput(r.req.request_id, index, token_id, word, latency, done))
+            if done:
+                self._running.remove(r)
+                self._release(r)
+                finished.append(self._finished(r, end))
+        self._num_generation_tokens += len(outputs)
+        return outputs, finished
 
     def _release(self, r: _Request) -> None:
         self.pool.free_blocks(reversed(r.blocks))
         r.blocks = []
-        self._num_reserved_blocks -= r.num_reserved_blocks
-        r.num_reserved_blocks = 0
         self._ids.discard(r.req.request_id)
 
     def _finished(self, r: _Request, end: float) -> FinishedRequest:
         self._num_finished += 1
         num_prompt = len(r.req.prompt_token_ids)
+        assert r.num_cached_tokens is not None
         return FinishedRequest(
             request_id=r.req.request_id,
             num_prompt_tokens=num_prompt,
@@ -400,6 +511,7 @@ class Engine:
             scheduled_s=r.scheduled_s,
             first_token_s=r.first_token_s,
             finished_s=end,
+            num_preemptions=r.num_preemptions,
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -426,4 +538,5 @@ class Engine:
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
             num_steps=self._num_steps,
+            num_preemptions=self._num_preemptions,
         )

@@ -59,6 +59,8 @@ class _EngineCollector(Collector):
              s.prefix_cache_queries),
             ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
              s.prefix_cache_hits),
+            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+             s.num_preemptions),
             ("vllm:prompt_tokens", "Number of prefill tokens processed.", s.num_prompt_tokens),
             ("vllm:generation_tokens", "Number of generation tokens processed.",
              s.num_generation_tokens),

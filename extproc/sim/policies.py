@@ -26,12 +26,13 @@ real server does) and ``ok=False`` when the pod refused it.
       hit     = min(matched blocks * B / BYTES_PER_TOKEN, prompt tokens - 1)
       own     = prompt tokens - hit                       (prompt tokens = bytes / 4)
       queued  = sum of ``own`` of the pod's newest ``waiting`` unfinished requests
-      step    = step_base_s + decode_s_per_seq * running
-      TTFT    = (ceil(queued / max_num_batched_tokens) + 1) * step
-                + prefill_s_per_token * (queued + own)
+      step(n) = the engine's profile.step_s(n prefill tokens, running decodes) * time_scale
+      TTFT    = full * step(max_num_batched_tokens) + step(rest)
+                where queued + own = full * max_num_batched_tokens + rest
 
-  i.e. the queue's prefill steps, each also decoding the running batch, then our own
-  prefill step. The coefficients are the engine's (a router calibrated on the pods).
+  i.e. the queue's prefill tokens then our own, in chunks of the step's token budget,
+  each step also decoding the running batch. The profile is the engine's (a router
+  calibrated on the pods).
   Assumptions: FCFS, so the waiting requests are the newest ones sent; a running request
   is past its prefill (the rest of the step in progress is ignored: a per-pod "busy
   until" clock that counted it did not predict better in the burst and chat runs);
@@ -61,6 +62,7 @@ from extproc.scheduling.config import SchedulerConfig, build_scheduler
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.interfaces import BYTES_PER_TOKEN, Cycle
 from extproc.sim.engine import EngineConfig
+from extproc.sim.timing import StepWork
 from extproc.sim.workloads import WorkItem
 
 VIEW_BLOCK_BYTES = 64  # Kthena's default blockSizeToHash
@@ -186,9 +188,12 @@ class CostAware(_Learning):
         cfg, unfinished = self.engine, self._own[pod_idx]
         num_waiting = min(pod.metrics.waiting, len(unfinished))
         queued = sum(itertools.islice(reversed(unfinished.values()), num_waiting))
-        step_s = cfg.step_base_s + cfg.decode_s_per_seq * pod.metrics.running
-        num_steps = math.ceil(queued / cfg.max_num_batched_tokens) + 1
-        return num_steps * step_s + cfg.prefill_s_per_token * (queued + own)
+        profile, running = cfg.profile(), pod.metrics.running
+        full, rest = divmod(queued + own, cfg.max_num_batched_tokens)
+        ttft_s = full * profile.step_s(StepWork(cfg.max_num_batched_tokens, running, 0))
+        if rest:
+            ttft_s += profile.step_s(StepWork(rest, running, 0))
+        return ttft_s * cfg.time_scale
 
     def pick(self, item: WorkItem, pods: Sequence[Pod]) -> int:
         keys = self.view.keys(item)

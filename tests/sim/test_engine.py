@@ -10,15 +10,14 @@ import pytest
 from extproc.errors import ConfigError
 from extproc.sim.engine import Engine, EngineConfig, QueueFull, RequestTooLarge
 from extproc.sim.kv_cache import AllBlocksCleared, BlockRemoved, BlockStored, hash_request_tokens
-from testkit.factories import make_sim_request, run_alone, seq
+from testkit.factories import ROUND_TIMING, make_sim_request, run_alone, seq
 
 
 def settings(name: str, value: object) -> dict[str, Any]:
     return {name: value}
 
 
-# Round numbers: a step costs 10 ms + 1 ms per running request + 1 ms per uncached token.
-TIMED = EngineConfig(step_base_s=0.010, decode_s_per_seq=0.001, prefill_s_per_token=0.001)
+TIMED = EngineConfig(timing_profile=ROUND_TIMING)
 
 
 @pytest.mark.parametrize(
@@ -57,10 +56,10 @@ def test_queue_is_bounded() -> None:
         engine.add_request(make_sim_request(seq(1, 8)), 0.0)
 
 
-def test_running_blocks_are_pinned_and_a_request_that_does_not_fit_waits() -> None:
+def test_running_blocks_are_pinned_and_a_prompt_that_does_not_fit_waits() -> None:
     engine = Engine(dataclasses.replace(TIMED, block_size=4, num_gpu_blocks=8))
-    a = make_sim_request(seq(1, 16), max_tokens=5)  # 20 tokens of KV: 5 blocks reserved
-    b = make_sim_request(seq(2, 13), max_tokens=1)  # 4 blocks: 5 + 4 > 8
+    a = make_sim_request(seq(1, 16), max_tokens=5)  # 4 prompt blocks, a 5th to decode
+    b = make_sim_request(seq(2, 17), max_tokens=1)  # 5 prompt blocks: never 5 free beside a
     engine.add_request(a, 0.0)
     engine.add_request(b, 0.0)
     first = engine.step(0.0)
@@ -102,10 +101,10 @@ def test_ttft_grows_with_uncached_tokens_and_shrinks_on_a_hit() -> None:
     short = run_alone(engine, make_sim_request(seq(1, 100)))
     long = run_alone(engine, make_sim_request(seq(2, 1000)))
     again = run_alone(engine, make_sim_request(seq(2, 1000)))
-    assert short.ttft_s == pytest.approx(0.010 + 0.001 + 0.100)
-    assert long.ttft_s == pytest.approx(0.010 + 0.001 + 1.000)
+    assert short.ttft_s == pytest.approx(0.010 + 0.100)
+    assert long.ttft_s == pytest.approx(0.010 + 1.000)
     assert again.num_cached_tokens == 992
-    assert again.ttft_s == pytest.approx(0.010 + 0.001 + 0.008)
+    assert again.ttft_s == pytest.approx(0.010 + 0.008)
 
 
 @pytest.mark.parametrize("batch", [1, 2, 5])
@@ -121,7 +120,7 @@ def test_inter_token_latency_grows_with_the_batch(batch: int) -> None:
 def test_time_scale_multiplies_step_times() -> None:
     fast = Engine(dataclasses.replace(TIMED, time_scale=0.01))
     fin = run_alone(fast, make_sim_request(seq(1, 100)))
-    assert fin.ttft_s == pytest.approx((0.010 + 0.001 + 0.100) * 0.01)
+    assert fin.ttft_s == pytest.approx((0.010 + 0.100) * 0.01)
 
 
 def test_max_num_seqs_queues_requests_and_counts_hits_only_on_admission() -> None:
@@ -139,14 +138,6 @@ def test_max_num_seqs_queues_requests_and_counts_hits_only_on_admission() -> Non
     assert fb.queue_s > 0 and fb.ttft_s > fa.ttft_s
     stats = engine.stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (80, 32)
-
-
-def test_prefill_budget_limits_admissions_per_step_but_not_the_first() -> None:
-    engine = Engine(EngineConfig(max_num_batched_tokens=100))
-    for n in (150, 50, 60):
-        engine.add_request(make_sim_request(seq(n, n)), 0.0)
-    assert len(engine.step(0.0).admitted) == 1  # 150 > budget, alone
-    assert len(engine.step(engine.clock).admitted) == 1  # 50, then 60 would exceed 100
 
 
 def test_abort_frees_blocks_and_forgets_the_request() -> None:
@@ -167,7 +158,7 @@ def test_idle_engine_starts_the_next_step_at_the_arrival() -> None:
     assert engine.advance_to(5.0) == []
     (result,) = engine.advance_to(5.5)
     assert result.start_s == 5.0
-    assert result.finished[0].ttft_s == pytest.approx(0.021)
+    assert result.finished[0].ttft_s == pytest.approx(0.020)
 
 
 def test_same_prompt_same_answer_on_any_engine() -> None:

@@ -13,7 +13,7 @@ import pytest
 from extproc.sim.engine import EngineConfig
 from extproc.sim.launch import SimPods
 from extproc.sim.pods import GroupSettings
-from testkit.factories import FAST_ENGINE
+from testkit.factories import FAST_ENGINE, constant_step
 from testkit.harness import run_sim_pods
 from testkit.waiting import wait_until
 
@@ -160,7 +160,7 @@ def test_refusing_through_the_pods_own_port_still_answers(pods: SimPods) -> None
 def test_a_full_queue_answers_503() -> None:
     # The running request lasts 4 s, so it is still running (and the second still
     # waiting) when the third arrives, even on a loaded machine.
-    slow = EngineConfig(step_base_s=0.5, max_num_seqs=1, max_num_waiting=1)
+    slow = EngineConfig(timing_profile=constant_step(0.5), max_num_seqs=1, max_num_waiting=1)
     with run_sim_pods(GroupSettings(num_pods=1, engine=slow)) as one:
         url = one.pods[0].url + "/v1/completions"
         body = {"prompt": "queue", "max_tokens": 8}

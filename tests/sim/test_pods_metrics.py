@@ -15,6 +15,7 @@ from extproc.sim.engine import EngineConfig
 from extproc.sim.launch import SimPods
 from extproc.sim.metrics import ITL_BUCKETS, TTFT_BUCKETS
 from extproc.sim.pods import GroupSettings
+from testkit.factories import constant_step
 from testkit.harness import run_sim_pods
 from testkit.waiting import wait_until
 
@@ -25,6 +26,7 @@ EXPECTED_TYPES = {
     "vllm:kv_cache_usage_perc": "gauge",
     "vllm:prefix_cache_queries": "counter",
     "vllm:prefix_cache_hits": "counter",
+    "vllm:num_preemptions": "counter",
     "vllm:prompt_tokens": "counter",
     "vllm:generation_tokens": "counter",
     "vllm:request_success": "counter",
@@ -112,7 +114,9 @@ def test_counters_and_histograms_move_with_requests(pods: SimPods) -> None:
 
 
 def test_gauges_show_a_running_request() -> None:
-    slow = EngineConfig(step_base_s=0.05, num_gpu_blocks=100)  # 20 tokens take 1 s
+    slow = EngineConfig(
+        timing_profile=constant_step(0.05), num_gpu_blocks=100
+    )  # 20 tokens take 1 s
     with run_sim_pods(GroupSettings(num_pods=1, engine=slow)) as pods:
         body = {"prompt": "x" * 400, "max_tokens": 10}
         thread = threading.Thread(

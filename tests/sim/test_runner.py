@@ -8,12 +8,12 @@ import pytest
 
 from extproc.sim.engine import Engine, EngineConfig, StepResult
 from extproc.sim.runner import EngineRunner, EngineStopped
-from testkit.factories import make_sim_request, seq
+from testkit.factories import constant_step, make_sim_request, seq
 
 
 def test_tokens_arrive_in_order_at_the_engines_pace() -> None:
     async def main() -> None:
-        runner = EngineRunner(Engine(EngineConfig(step_base_s=0.02, decode_s_per_seq=0.0)))
+        runner = EngineRunner(Engine(EngineConfig(timing_profile=constant_step(0.02))))
         runner.start()
         try:
             loop = asyncio.get_running_loop()
@@ -26,7 +26,7 @@ def test_tokens_arrive_in_order_at_the_engines_pace() -> None:
         assert indexes == [0, 1, 2, 3, 4]
         assert stream.finished is not None
         assert stream.num_cached_tokens == 0
-        assert 0.1 <= elapsed < 1.0  # 5 steps of 20 ms (plus the prefill of 8 tokens)
+        assert 0.1 <= elapsed < 1.0  # 5 steps of 20 ms
 
     asyncio.run(main())
 
@@ -58,7 +58,7 @@ def test_a_failing_engine_fails_its_streams_and_refuses_new_requests(
 
 def test_stop_ends_waiting_streams() -> None:
     async def main() -> None:
-        runner = EngineRunner(Engine(EngineConfig(step_base_s=10.0)))
+        runner = EngineRunner(Engine(EngineConfig(timing_profile=constant_step(10.0))))
         runner.start()
         stream = runner.submit(make_sim_request(seq(1, 8)))
         await asyncio.sleep(0.01)

@@ -208,7 +208,7 @@ def test_every_request_is_served_once(burst: Summaries) -> None:
 
 
 def test_prefix_cache_beats_round_robin_on_hit_ratio_in_the_burst(burst: Summaries) -> None:
-    assert burst["prefix-cache"]["hit_ratio"] > burst["round-robin"]["hit_ratio"] + 0.05
+    assert burst["prefix-cache"]["hit_ratio"] > burst["round-robin"]["hit_ratio"] + 0.03
 
 
 def test_prefix_cache_beats_round_robin_on_hit_ratio_in_chats() -> None:

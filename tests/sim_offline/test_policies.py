@@ -17,7 +17,13 @@ from extproc.sim.policies import (
     RoundRobin,
     make_policy,
 )
-from testkit.factories import MODEL, default_scheduler_config, make_item, random_words
+from testkit.factories import (
+    MODEL,
+    ROUND_TIMING,
+    default_scheduler_config,
+    make_item,
+    random_words,
+)
 
 SYSTEM = random_words(1, 400)  # 1,600 bytes: exactly 25 view blocks of 64 bytes
 
@@ -61,31 +67,27 @@ def test_prefix_affinity_sends_a_new_prefix_home_then_follows_records() -> None:
 
 
 def test_cost_aware_leaves_the_cached_pod_once_its_queue_costs_more_than_a_miss() -> None:
-    """Pod 0 holds the 400-token prefix: a request costs it 40 uncached tokens, pod 1 440.
+    """Pod 0 holds the 400-token prefix: a request costs it 41 uncached tokens, pod 1 441.
 
-    TTFT(pod 1) = 0.01 + 0.440 = 0.45 s; TTFT(pod 0) with k requests waiting ahead =
-    (ceil(40k / 1000) + 1) * 0.01 + 0.001 * 40 * (k + 1), over 0.45 s from k = 10 on.
+    A step of n prefill tokens lasts 0.01 + 0.001 n, with a budget of 100 tokens, so
+    TTFT(pod 1) = 5 * 0.01 + 0.441 = 0.491 s; TTFT(pod 0) with k requests waiting ahead
+    has 41 (k + 1) tokens to go, over 0.491 s from k = 10 on.
     """
-    engine = EngineConfig(
-        step_base_s=0.01,
-        decode_s_per_seq=0.0,
-        prefill_s_per_token=0.001,
-        max_num_batched_tokens=1000,
-    )
+    engine = EngineConfig(timing_profile=ROUND_TIMING, max_num_batched_tokens=100)
     view = PrefixView(10_000)
     policy = CostAware(view, engine, seed=0)
     pods = make_pods(2, MODEL)
     view.record(PrefixView.keys(make_item("sys", 0.0, SYSTEM)), pods[0].id)
     picks: list[int] = []
     for k in range(12):
-        item = make_item(f"r{k}", 0.0, np.concatenate([SYSTEM, random_words(10 + k, 40)]))
+        item = make_item(f"r{k}", 0.0, np.concatenate([SYSTEM, random_words(10 + k, 41)]))
         waiting = picks.count(0)
         picks.append(
             policy.pick(item, with_metrics(pods, PodMetrics(waiting=waiting), PodMetrics()))
         )
     assert picks[:11] == [0] * 10 + [1]
     two_waiting = with_metrics(pods, PodMetrics(waiting=2), PodMetrics())[0]
-    assert policy.estimate_ttft_s(two_waiting, 0, 40) == pytest.approx(2 * 0.01 + 0.001 * 120)
+    assert policy.estimate_ttft_s(two_waiting, 0, 41) == pytest.approx(2 * 0.01 + 0.001 * 123)
 
 
 def test_unknown_policy_is_refused() -> None:
