@@ -9,7 +9,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check docs bench bench-routing bench-replicas venv vllm peers system-deps bench-deps clean
+.PHONY: demo test check docs bench bench-routing bench-replicas sim-parity venv vllm peers system-deps bench-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -87,6 +87,14 @@ bench-routing: peers
 # (real Envoys, simulated pods, redis-server; about 3 minutes).
 bench-replicas: $(STAMP) system-deps
 	$(PY) -m bench.replicas --json bench/results/replicas.json --markdown bench/results/replicas.md
+
+# The simulated engine against real vLLM: a 50-request mix (cold, shared prefix,
+# multi-turn, a long prompt among short ones) sent to one real vLLM-CPU pod and to
+# `extproc sim-pods` set up as it is, with the CPU timing profile; prints each request's
+# cached tokens, TTFT and end-to-end time on both, fails on any cached-token mismatch
+# (e2e/real_vllm/engine_parity.py; a few minutes).
+sim-parity: vllm
+	$(PY) -m e2e.real_vllm.engine_parity
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
