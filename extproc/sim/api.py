@@ -6,13 +6,23 @@ Three endpoints, each plain or streamed (``"stream": true``, Server-Sent Events)
   list of either. Chunks are ``text_completion`` objects; with
   ``stream_options.include_usage`` a last chunk has ``choices: []`` and the usage; the
   stream ends with ``data: [DONE]``.
-- ``/v1/chat/completions``: ``messages`` rendered by ``tokenizer.render_chat``. The first
-  chunk's delta is ``{"role": "assistant", "content": ""}``, then one chunk per token;
-  usage chunk and ``[DONE]`` as above.
+- ``/v1/chat/completions``: ``messages`` and ``tools`` rendered by
+  ``tokenizer.render_chat``. The first chunk's delta is
+  ``{"role": "assistant", "content": ""}``, then one chunk per token; usage chunk and
+  ``[DONE]`` as above.
+- ``/v1/responses``: ``input`` (a string, or items: messages, function calls and their
+  outputs) after ``instructions`` (a system message), with its function tools. Streamed
+  as ``event: <type>`` / ``data: <json>`` pairs from ``response.created`` to
+  ``response.completed``, with no ``[DONE]``, as vLLM does.
 
-- ``/v1/responses``: ``input`` (a string, or message items) after ``instructions`` (a
-  system message). Streamed as ``event: <type>`` / ``data: <json>`` pairs from
-  ``response.created`` to ``response.completed``, with no ``[DONE]``, as vLLM does.
+Both read the conversation as vLLM hands it to the chat template
+(``extproc.request.chat_input``: text parts joined, an assistant's ``tool_calls``, a
+function call item as one, tool outputs as ``tool`` messages, tools as the template gets
+them). The pods act as vLLM started with ``--enable-auto-tool-choice --tool-call-parser
+hermes``: ``tools`` and ``tool_choice`` are checked as vLLM checks them, ``"auto"``,
+``"none"`` or none gets text, and a forced choice (a named function, or ``"required"``)
+gets a tool call (``tool_calls.py``), a ``tool_calls`` entry or a ``function_call``
+output item, whole or streamed.
 
 With a real tokenizer (``sim-pods --tokenizer DIR``: a Hugging Face ``tokenizer.json`` and
 ``tokenizer_config.json``), prompts are rendered and tokenized as vLLM does, by
@@ -25,29 +35,36 @@ pseudo-tokenizer's.
 Usage everywhere counts ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` and
 ``prompt_tokens_details.cached_tokens`` (Responses: ``input_tokens``,
 ``input_tokens_details.cached_tokens``, ...). The serving pod's name is in
-``system_fingerprint`` of every completions and chat body and chunk. Output always stops
+``system_fingerprint`` of every completions and chat body and chunk. Text always stops
 at the token limit: ``finish_reason`` is ``"length"``, a Responses object is
-``"incomplete"`` with ``incomplete_details.reason`` ``"max_output_tokens"``, as vLLM says.
+``"incomplete"`` with ``incomplete_details.reason`` ``"max_output_tokens"``, as vLLM says;
+a tool call ends when it is written, unless the limit comes first.
 Fields follow vLLM 0.32's non-null fields (``e2e/real_vllm/test_sim_parity.py`` checks).
 
 Errors have vLLM's body ``{"error": {"message", "type", "param", "code"}}`` with ``code``
-the HTTP status: 400 ``BadRequestError``, 404 ``NotFoundError`` for an unknown model.
+the HTTP status: 400 ``BadRequestError``, 404 ``NotFoundError`` for an unknown model; a
+body that does not fit vLLM's request model (a tool that is not an object, a function
+without a name) is a 400 of type ``"Bad Request"``, as vLLM's validation answers it.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Literal
 
 import orjson
 
+from extproc.request.chat_input import ChatInput, NotExact, chat_input, responses_input
 from extproc.request.parse import Api
-from extproc.request.tokens import NotExact, SegmentTokenizer
+from extproc.request.tokens import SegmentTokenizer
 from extproc.sim.engine import FinishedRequest, TokenOutput
-from extproc.sim.tokenizer import VOCAB_SIZE, ChatMessage, render_chat, tokenize
+from extproc.sim.tokenizer import VOCAB_SIZE, ChatMessage, ToolCall, render_chat, tokenize
+from extproc.sim.tool_calls import ToolCallAnswer, plan_tool_call
 
 Kind = Literal["completion", "chat", "responses"]
 _ERROR_TYPES = {
@@ -66,19 +83,37 @@ _MAX_TOKENS_KEYS: dict[Kind, tuple[str, ...]] = {
 class ApiError(Exception):
     """An error answered to the client with vLLM's error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, err_type: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.err_type = err_type
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.status, self.message, self.param)
+        return error_body(self.status, self.message, self.param, self.err_type)
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    err_type = _ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
+def error_body(
+    status: int, message: str, param: str | None = None, err_type: str | None = None
+) -> dict[str, Any]:
+    """vLLM's error body; ``err_type`` defaults to the status's (``BadRequestError``...)."""
+    if err_type is None:
+        err_type = _ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
     return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def _invalid(message: str, param: str) -> ApiError:
+    """A 400 as vLLM words a request validator's refusal (``VLLMValidationError``)."""
+    return ApiError(400, f"{message} (parameter={param})", param)
+
+
+def _malformed(kind: str, loc: str, message: str) -> ApiError:
+    """A 400 as vLLM words a body that does not fit its request model (pydantic's)."""
+    error = {"type": kind, "loc": loc, "msg": message}
+    return ApiError(400, f"1 validation error:\n  {error}", loc, "Bad Request")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +126,22 @@ class GenerationRequest:
     seed: int
     stream: bool
     include_usage: bool
+    tool_call: ToolCallAnswer | None = None  # the answer, when tool_choice forces a call
+    tools: tuple[dict[str, Any], ...] = ()  # a responses request's, echoed back
+    tool_choice: Any = "none"  # likewise
+
+    @property
+    def output_words(self) -> tuple[str, ...] | None:
+        """The engine's preset output: the tool call, cut at ``max_tokens``."""
+        if self.tool_call is None:
+            return None
+        return self.tool_call.words[: self.max_tokens]
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens the engine generates: ``max_tokens``, or the tool call's, if fewer."""
+        words = self.output_words
+        return self.max_tokens if words is None else len(words)
 
 
 def parse_request(
@@ -139,23 +190,37 @@ def parse_request(
     seed = body.get("seed") or 0
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ApiError(400, "seed must be an integer", "seed")
+    call = None
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: Any = "none"
     if kind == "completion":
         tokens = _completion_prompt(body.get("prompt"), tokenizer)
     else:
         if kind == "chat":
-            messages = _chat_messages(body.get("messages"))
+            _check_messages(body.get("messages"))
+            tool_choice = _chat_tool_choice(body)
+            chat = _chat_input(chat_input, body)
         else:
-            messages = _responses_messages(body.get("input"), body.get("instructions"))
+            _check_input(body.get("input"), body.get("instructions"))
+            chat = _chat_input(responses_input, body)
+            tool_choice = _responses_tool_choice(body, chat)
+            tools = tuple(body.get("tools") or ())
         if tokenizer is None:
-            tokens = render_chat(messages)
+            messages = [to_chat_message(m) for m in chat.messages]
+            add_generation_prompt = bool(chat.variables.get("add_generation_prompt"))
+            tokens = render_chat(messages, chat.tools or (), add_generation_prompt)
         else:
             api = Api.CHAT_COMPLETIONS if kind == "chat" else Api.RESPONSES
             tokens = _exact_tokens(tokenizer, api, body)
+        if tool_choice == "required" or isinstance(tool_choice, dict):
+            name = _function_name(tool_choice) if isinstance(tool_choice, dict) else None
+            call = plan_tool_call(chat.tools or (), name, tokens, seed)
     if not tokens:
         raise ApiError(400, "The prompt is empty.", "prompt")
     return GenerationRequest(
-        kind, model, tuple(tokens), max_tokens, salt, seed, stream, include_usage
-    )
+        kind, model, tuple(tokens), max_tokens, salt, seed, stream, include_usage,
+        call, tools, tool_choice,
+    )  # fmt: skip
 
 
 def _exact_tokens(tokenizer: SegmentTokenizer, api: Api, body: dict[str, Any]) -> list[int]:
@@ -185,51 +250,162 @@ def _completion_prompt(prompt: Any, tokenizer: SegmentTokenizer | None) -> list[
     )
 
 
-def _content_text(content: Any, param: str) -> str:
-    """A message's content: a string, null, or a list of text parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not (isinstance(part, dict) and isinstance(part.get("text"), str)):
-                raise ApiError(400, "only text content parts are supported", param)
-            parts.append(part["text"])
-        return "".join(parts)
-    raise ApiError(400, "content must be a string or a list of text parts", param)
-
-
-def _chat_messages(messages: Any) -> list[ChatMessage]:
+def _check_messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", "messages")
-    out = []
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, "each message must be an object with a string role", "messages")
-        out.append(ChatMessage(m["role"], _content_text(m.get("content"), "messages")))
-    return out
 
 
-def _responses_messages(input_: Any, instructions: Any) -> list[ChatMessage]:
-    out = []
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise ApiError(400, "instructions must be a string", "instructions")
-        out.append(ChatMessage("system", instructions))
-    if isinstance(input_, str):
-        out.append(ChatMessage("user", input_))
-    elif isinstance(input_, list) and input_:
-        for item in input_:
-            if not isinstance(item, dict) or item.get("type", "message") != "message":
-                raise ApiError(400, "only message input items are supported", "input")
-            if not isinstance(item.get("role"), str):
-                raise ApiError(400, "each input message needs a string role", "input")
-            out.append(ChatMessage(item["role"], _content_text(item.get("content"), "input")))
-    else:
-        raise ApiError(400, "input must be a string or a non-empty list of messages", "input")
-    return out
+def _check_input(input_: Any, instructions: Any) -> None:
+    if instructions is not None and not isinstance(instructions, str):
+        raise ApiError(400, "instructions must be a string", "instructions")
+    if not (isinstance(input_, str) or (isinstance(input_, list) and input_)):
+        raise ApiError(400, "input must be a string or a non-empty list of items", "input")
+
+
+def _chat_input(build: Callable[[dict[str, Any]], ChatInput], body: dict[str, Any]) -> ChatInput:
+    """The messages and tools as vLLM hands them to the chat template
+    (``request.chat_input``, shared with the real tokenizer's path)."""
+    try:
+        return build(body)
+    except NotExact as e:
+        raise ApiError(400, str(e)) from None
+
+
+def to_chat_message(message: dict[str, Any]) -> ChatMessage:
+    """A ``chat_input`` message for the pseudo-tokenizer's template: role, text and the
+    assistant's calls, arguments as the template writes them (JSON of the parsed object)."""
+    calls = tuple(
+        ToolCall(
+            str(c["function"].get("name")),
+            json.dumps(c["function"]["arguments"], ensure_ascii=False),
+        )
+        for c in message.get("tool_calls", ())
+    )
+    return ChatMessage(message["role"], message["content"], calls)
+
+
+def _function_name(tool_choice: dict[str, Any]) -> str:
+    """The function a named ``tool_choice`` forces (chat's nested form, or responses')."""
+    function = tool_choice.get("function")
+    return str(function["name"] if isinstance(function, dict) else tool_choice["name"])
+
+
+_CORRECT_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
+
+
+def _chat_tool_choice(body: dict[str, Any]) -> Any:
+    """``tools`` and ``tool_choice`` checked as vLLM's ``ChatCompletionRequest`` checks
+    them; returns the tool choice in effect (``"auto"`` when tools come without one)."""
+    tools = body.get("tools")
+    if tools == []:
+        raise _invalid(
+            "`tools` must not be an empty array. Either provide at least one tool or omit "
+            "the field entirely.",
+            "tools",
+        )
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _malformed("list_type", "body.tools", "Input should be a valid list")
+        for i, tool in enumerate(tools):
+            _check_function_tool(tool, f"body.tools.{i}")
+    choice = body.get("tool_choice", "auto" if tools else "none")
+    if choice in (None, "none"):
+        return "none"
+    if tools is None:
+        raise _invalid("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    if choice in ("auto", "required"):
+        return choice
+    if not isinstance(choice, dict):
+        raise _invalid(
+            f"Invalid value for `tool_choice`: {choice}! "
+            'Only named tools, "none", "auto" or "required" are supported.',
+            "tool_choice",
+        )
+    function = choice.get("function")
+    if not isinstance(function, dict):
+        raise _invalid(
+            f"Invalid value for `function`: `{function}` in `tool_choice`! {_CORRECT_USAGE}",
+            "tool_choice.function",
+        )
+    name = function.get("name")
+    if name is None:
+        raise _invalid(
+            f"Expected field `name` in `function` in `tool_choice`! {_CORRECT_USAGE}",
+            "tool_choice.function.name",
+        )
+    if not isinstance(name, str) or not name:
+        raise _invalid(
+            f"Invalid `name` in `function`: `{name}` in `tool_choice`! {_CORRECT_USAGE}",
+            "tool_choice.function.name",
+        )
+    if all(tool["function"]["name"] != name for tool in tools):
+        raise _invalid(
+            "The tool specified in `tool_choice` does not match any of the specified `tools`",
+            "tool_choice",
+        )
+    return choice
+
+
+def _check_function_tool(tool: Any, loc: str) -> None:
+    """A chat tool as vLLM's ``ChatCompletionToolsParam`` takes it."""
+    if not isinstance(tool, dict):
+        raise _malformed(
+            "model_attributes_type", loc,
+            "Input should be a valid dictionary or object to extract fields from",
+        )  # fmt: skip
+    if tool.get("type", "function") != "function":
+        raise _malformed("literal_error", f"{loc}.type", "Input should be 'function'")
+    function = tool.get("function")
+    if function is None:
+        raise _malformed("missing", f"{loc}.function", "Field required")
+    if not isinstance(function, dict):
+        raise _malformed(
+            "model_attributes_type", f"{loc}.function",
+            "Input should be a valid dictionary or object to extract fields from",
+        )  # fmt: skip
+    if "name" not in function:
+        raise _malformed("missing", f"{loc}.function.name", "Field required")
+    if not isinstance(function["name"], str):
+        raise _malformed("string_type", f"{loc}.function.name", "Input should be a valid string")
+    if not isinstance(function.get("parameters", {}), dict | None):
+        raise _malformed(
+            "dict_type", f"{loc}.function.parameters", "Input should be a valid dictionary"
+        )
+
+
+def _responses_tool_choice(body: dict[str, Any], chat: ChatInput) -> Any:
+    """``tool_choice`` checked as vLLM's ``ResponsesRequest`` checks it, against the
+    function tools ``chat`` renders (namespaced ones flattened to ``<namespace>__<name>``,
+    which a unique local name selects too); returns it as vLLM echoes it."""
+    choice = body.get("tool_choice", "auto")
+    names = [tool["function"]["name"] for tool in chat.tools or ()]
+    named = isinstance(choice, dict) and choice.get("type") in ("function", "custom")
+    if not body.get("tools"):
+        if choice == "required":
+            raise _invalid(
+                "Tool choice 'required' must be specified with 'tools' parameter.", "tool_choice"
+            )
+        if named:
+            raise _invalid("Tool choice 'function' not found in 'tools' parameter.", "tool_choice")
+        return "none"
+    if not named:
+        return choice
+    name = choice.get("name")
+    local = [n for n in names if n.endswith(f"__{name}")]
+    if name in names:
+        return choice
+    if len(local) > 1:
+        raise _invalid(
+            f"Tool choice '{name}' is ambiguous: it is defined in more than one namespace "
+            f"({', '.join(local)}). Select it by its full '<namespace>__<name>' name.",
+            "tool_choice",
+        )
+    if len(local) == 1:
+        return {**choice, "name": local[0]}
+    raise _invalid("Tool choice 'function' not found in 'tools' parameter.", "tool_choice")
 
 
 def render_body(req: GenerationRequest) -> dict[str, Any]:
@@ -277,23 +453,34 @@ class ResponseFormat:
         self.created = int(time.time())
         prefix = {"completion": "cmpl-", "chat": "chatcmpl-", "responses": "resp_"}[req.kind]
         self.id = prefix + uuid.uuid4().hex
-        self._item_id = "msg_" + uuid.uuid4().hex
+        self.call = req.tool_call
+        self._item_id = ("fc_" if self.call else "msg_") + uuid.uuid4().hex
         self._seq = 0
 
     def full(self, fin: FinishedRequest) -> dict[str, Any]:
         if self.req.kind == "responses":
             return self._response_object(fin)
         choice: dict[str, Any] = {"index": 0}
+        finish = fin.finish_reason
         if self.req.kind == "completion":
             choice["text"] = fin.output_text
+        elif self.call is not None:
+            num_tokens = len(fin.output_token_ids)
+            choice["message"] = self.call.message(num_tokens)
+            finish = self.call.finish(num_tokens)
         else:
             choice["message"] = {"role": "assistant", "content": fin.output_text}
-        choice.update(logprobs=None, finish_reason=fin.finish_reason, stop_reason=None)
+        choice.update(logprobs=None, finish_reason=finish, stop_reason=None)
         return {**self._envelope(False), "choices": [choice], "usage": _usage(fin, self.req.kind)}
 
     def head(self) -> list[bytes]:
         if self.req.kind == "completion":
             return []
+        if self.req.kind == "responses" and self.call is not None:
+            return [
+                self._event("response.created", response=self._response_object(None)),
+                self._event("response.in_progress", response=self._response_object(None)),
+            ]
         if self.req.kind == "chat":
             delta = {"role": "assistant", "content": ""}
             return [_sse(self._chunk({"delta": delta, "logprobs": None, "finish_reason": None}))]
@@ -309,6 +496,8 @@ class ResponseFormat:
         ]  # fmt: skip
 
     def token(self, out: TokenOutput) -> list[bytes]:
+        if self.call is not None:
+            return self._tool_call_token(out)
         finish = "length" if out.finished else None
         choice: dict[str, Any]
         if self.req.kind == "completion":
@@ -332,6 +521,8 @@ class ResponseFormat:
                 usage = _usage(fin, self.req.kind)
                 frames.append(_sse({**self._envelope(True), "choices": [], "usage": usage}))
             return [*frames, SSE_DONE]
+        if self.call is not None:
+            return self._tool_call_tail(fin)
         part = {"type": "output_text", "text": fin.output_text, "annotations": []}
         response = self._response_object(fin)
         return [
@@ -342,6 +533,71 @@ class ResponseFormat:
             self._event("response.output_item.done", output_index=0, item=response["output"][0]),
             self._event("response.completed", response=response),
         ]  # fmt: skip
+
+    def _tool_call_token(self, out: TokenOutput) -> list[bytes]:
+        """A tool call's token: what the parser streams once it is read (``tool_calls``)."""
+        assert self.call is not None
+        num_tokens = out.index + 1
+        deltas = self.call.stream_deltas(num_tokens)
+        if self.req.kind == "responses":
+            frames = []
+            for delta in deltas:
+                if "name" in delta["function"]:
+                    item = self._function_call_item(num_tokens, "in_progress")
+                    frames.append(self._event("response.output_item.added", output_index=0,
+                                              item={**item, "arguments": ""}))  # fmt: skip
+                else:
+                    frames.append(self._event("response.function_call_arguments.delta",
+                                              item_id=self._item_id, output_index=0,
+                                              delta=delta["function"]["arguments"]))  # fmt: skip
+            return frames
+        finish = self.call.finish(num_tokens) if out.finished else None
+        if not deltas and finish is None:
+            return []  # vLLM sends no chunk for a token the parser holds back
+        delta = {"content": None, "tool_calls": deltas} if deltas else {}
+        return [_sse(self._chunk({"delta": delta, "logprobs": None, "finish_reason": finish}))]
+
+    def _tool_call_tail(self, fin: FinishedRequest) -> list[bytes]:
+        assert self.call is not None
+        num_tokens = len(fin.output_token_ids)
+        name, arguments = self.call.streamed(num_tokens)
+        response = self._response_object(fin)
+        if name is None:  # cut before the call's name: nothing was streamed
+            return [self._event("response.completed", response=response)]
+        item = self._function_call_item(num_tokens, "completed")
+        return [
+            self._event("response.function_call_arguments.done", arguments=arguments,
+                        item_id=self._item_id, output_index=0, name=name),
+            self._event("response.output_item.done", output_index=0, item=item),
+            self._event("response.completed", response=response),
+        ]  # fmt: skip
+
+    def _function_call_item(self, num_tokens: int, status: str) -> dict[str, Any]:
+        assert self.call is not None
+        return {
+            "arguments": self.call.streamed(num_tokens)[1],
+            "call_id": self.call.id,
+            "name": self.call.name,
+            "type": "function_call",
+            "id": self._item_id,
+            "status": status,
+        }
+
+    def _output(self, fin: FinishedRequest) -> list[dict[str, Any]]:
+        """A responses answer's output items: the tool call once parsed (streamed: once its
+        name was, as vLLM answers with the items it streamed), else the text."""
+        num_tokens = len(fin.output_token_ids)
+        if self.call is None:
+            text, item_id = fin.output_text, self._item_id
+        elif self.call.parsed(num_tokens) or (
+            self.req.stream and self.call.streamed(num_tokens)[0] is not None
+        ):
+            return [self._function_call_item(num_tokens, "completed")]
+        else:
+            text, item_id = self.call.text(num_tokens), "msg_" + self._item_id[3:]
+        part = {"type": "output_text", "text": text, "annotations": []}
+        return [{"id": item_id, "type": "message", "role": "assistant",
+                 "status": "completed", "content": [part]}]  # fmt: skip
 
     def _envelope(self, chunk: bool) -> dict[str, Any]:
         obj = {"completion": "text_completion", "chat": "chat.completion"}[self.req.kind]
@@ -364,10 +620,13 @@ class ResponseFormat:
     def _response_object(self, fin: FinishedRequest | None) -> dict[str, Any]:
         output: list[dict[str, Any]] = []
         usage = None
+        status = "in_progress"
         if fin is not None:
-            part = {"type": "output_text", "text": fin.output_text, "annotations": []}
-            output = [{"id": self._item_id, "type": "message", "role": "assistant",
-                       "status": "completed", "content": [part]}]  # fmt: skip
+            output = self._output(fin)
+            # text always stops at the token limit; a tool call may end first
+            num_tokens = len(fin.output_token_ids)
+            cut = self.call is None or self.call.finish(num_tokens) == "length"
+            status = "incomplete" if cut else "completed"
             u = _usage(fin, self.req.kind)
             usage = {
                 "input_tokens": u["prompt_tokens"],
@@ -391,15 +650,16 @@ class ResponseFormat:
             "object": "response",
             "created_at": self.created,
             "model": self.req.model,
-            # output always stops at the token limit, which vLLM reports as incomplete
-            "status": "incomplete" if fin is not None else "in_progress",
+            "status": status,
             "output": output,
             "usage": usage,
-            "incomplete_details": {"reason": "max_output_tokens"} if fin is not None else None,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete"
+            else None,
             "max_output_tokens": self.req.max_tokens,
             "parallel_tool_calls": True,
-            "tool_choice": "auto",
-            "tools": [],
+            "tool_choice": self.req.tool_choice,
+            "tools": list(self.req.tools),
             "temperature": 1.0,
             "top_p": 1.0,
             "background": False,

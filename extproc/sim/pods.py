@@ -353,9 +353,10 @@ class SimPod:
             req = SimRequest(
                 request_id=f"{kind}-{uuid.uuid4().hex}",
                 prompt_token_ids=parsed.prompt_token_ids,
-                max_tokens=parsed.max_tokens,
+                max_tokens=parsed.num_output_tokens,
                 cache_salt=parsed.cache_salt,
                 seed=parsed.seed,
+                output_words=parsed.output_words,
             )
             stream = self.runner.submit(req)
         except orjson.JSONDecodeError as e:

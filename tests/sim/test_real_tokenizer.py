@@ -16,13 +16,16 @@ from prometheus_client import CollectorRegistry
 
 from extproc.datalayer.kv_events import EVENTS_PORT_LABEL, EventsSettings, KvEventsSubscriber
 from extproc.prefix.precise.keys import chain_keys
+from extproc.request.chat_input import chat_input
+from extproc.request.parse import Api
 from extproc.request.parse import parse_request as parse_for_routing
 from extproc.request.tokens import SegmentTokenizer
 from extproc.scheduling.interfaces import Cycle, PluginContext
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
-from extproc.sim.api import ApiError, parse_request
+from extproc.sim.api import ApiError, parse_request, to_chat_message
 from extproc.sim.launch import SimPods
 from extproc.sim.pods import GroupSettings, KvEventsSettings
+from extproc.sim.tokenizer import chat_pieces
 from testkit.e2e_cache import MODEL_DIR, needs_model_tokenizer
 from testkit.factories import FAST_ENGINE
 from testkit.harness import run_sim_pods
@@ -66,6 +69,43 @@ def test_prompts_are_the_tokenizers(
     request = parse_for_routing(path, orjson.dumps(routed))
     assert request.data is not None
     assert list(parsed.prompt_token_ids) == tokenizer.request_tokens(request.api, request.data)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_time", "description": "Now.",
+                                           "parameters": {"type": "object"}}}]  # fmt: skip
+TOOL_CONVERSATION = [
+    {"role": "system", "content": SYSTEM},
+    {"role": "user", "content": "What time is it?"},
+    {"role": "assistant", "content": "Let me look.", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+        {"id": "b", "type": "function",
+         "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}},
+    ]},
+    {"role": "tool", "tool_call_id": "a", "content": "12:00"},
+    {"role": "tool", "tool_call_id": "b", "content": "11:00"},
+    {"role": "assistant", "content": "Noon."},
+    {"role": "user", "content": "Thanks."},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("tools", [TOOLS, None], ids=["tools", "no-tools"])
+def test_the_pseudo_template_writes_qwen3s_text(
+    tokenizer: SegmentTokenizer, tools: list[Any] | None
+) -> None:
+    """The pseudo-tokenizer's pieces, joined, are the text the model's template renders."""
+    body = {"messages": TOOL_CONVERSATION, "tools": tools}
+    chat = chat_input(body)
+    messages = [to_chat_message(m) for m in chat.messages]
+    assert "".join(chat_pieces(messages, chat.tools or ())) == tokenizer.render(chat)
+
+
+def test_a_forced_tool_choice_gets_a_call_with_the_real_tokenizer(
+    tokenizer: SegmentTokenizer,
+) -> None:
+    body = {"messages": TOOL_CONVERSATION[:2], "tools": TOOLS, "tool_choice": "required"}
+    parsed = parse_request("chat", body, "m", 16, tokenizer)
+    assert parsed.prompt_token_ids == tuple(tokenizer.request_tokens(Api.CHAT_COMPLETIONS, body))
+    assert parsed.tool_call is not None and parsed.tool_call.name == "get_time"
 
 
 def test_a_prompt_the_template_refuses_is_a_bad_request(tokenizer: SegmentTokenizer) -> None:
