@@ -1,16 +1,20 @@
-"""The simulated pods against real vLLM: metric names and types, API shapes, KV events.
+"""The simulated pods against real vLLM: metric names and types, API shapes, KV events,
+forced tool calls.
 
 Both sides get the same requests; what is compared is structure, never values (the sim's
-tokenizer and timing are its own). A shape is the set of dotted key paths of a JSON
-value, list items merged under ``[]``.
+tokenizer and timing are its own), except for a forced tool call whose one possible
+answer both must give. A shape is the set of dotted key paths of a JSON value, list items
+merged under ``[]``.
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,7 +24,8 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from e2e.real_vllm.pods import MODEL, VllmPod
+from e2e.real_vllm.pods import MODEL, VllmPod, start_vllm_pods
+from e2e.real_vllm.prepare import prepare
 from extproc.datalayer.engine_metrics import SAMPLE_NAMES, PageParser, read_samples
 from extproc.datalayer.scrape import FILTERED_PAGE
 from extproc.sim.launch import SimPods, free_port
@@ -56,9 +61,13 @@ def shape(value: Any, path: str = "") -> set[str]:
 
 def stream_shapes(resp: httpx.Response) -> dict[str, set[str]]:
     """Per SSE event name (``data`` when unnamed): the union of its payloads' shapes."""
+    return stream_shapes_of(resp.iter_lines())
+
+
+def stream_shapes_of(lines: Iterable[str]) -> dict[str, set[str]]:
     shapes: dict[str, set[str]] = {}
     event = "data"
-    for line in resp.iter_lines():
+    for line in lines:
         if line.startswith("event: "):
             event = line[7:]
         elif line.startswith("data: "):
@@ -213,3 +222,99 @@ def test_sim_render_endpoints_answer_like_vllms(
         item = answer[0] if api == "/v1/completions" else answer
         assert item["token_ids"] and all(isinstance(t, int) for t in item["token_ids"])
     assert shape(answers["sim"]) <= shape(answers["vllm"])
+
+
+# Forced tool calls: the sim answers as vLLM with Hermes' tool parser does, which the
+# shared pods are not started with (vLLM refuses tools without a parser).
+TOOL_PARSER_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+# One possible call: the random-weight model, held to the schema by vLLM's structured
+# output (strict tool calling), can only end it, and the sim's schema value is the same.
+PICK = {"name": "pick_unit", "strict": True, "parameters": {"enum": ["celsius"]}}
+TOOL_BODIES: dict[str, dict[str, Any]] = {
+    "/v1/chat/completions": {
+        "messages": [{"role": "user", "content": QUESTION}],
+        "tools": [{"type": "function", "function": PICK}],
+        "tool_choice": {"type": "function", "function": {"name": "pick_unit"}},
+        "max_tokens": 200,
+    },
+    "/v1/responses": {
+        "input": QUESTION,
+        "tools": [{"type": "function", **PICK}],
+        "tool_choice": {"type": "function", "name": "pick_unit"},
+        "max_output_tokens": 200,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def vllm_tool_pod() -> Iterator[VllmPod]:
+    prepare()
+    with (
+        tempfile.TemporaryDirectory(prefix="extproc-vllm-tools-") as tmp,
+        start_vllm_pods(1, Path(tmp), extra_args=TOOL_PARSER_FLAGS) as pods,
+    ):
+        yield pods[0]
+
+
+def tool_call_of(api: str, answer: Any) -> tuple[str, str, str]:
+    """A whole answer's (name, arguments, finish): chat's finish reason, or the
+    response's status."""
+    if api == "/v1/responses":
+        (item,) = answer["output"]
+        return item["name"], item["arguments"], answer["status"]
+    (choice,) = answer["choices"]
+    (call,) = choice["message"]["tool_calls"]
+    return call["function"]["name"], call["function"]["arguments"], choice["finish_reason"]
+
+
+def streamed_tool_call_of(api: str, events: list[Any]) -> tuple[str, str, str]:
+    """The same, added up from a stream's events."""
+    if api == "/v1/responses":
+        done = next(e for e in events if e["type"] == "response.output_item.done")["item"]
+        arguments = "".join(e["delta"] for e in events if e["type"].endswith("arguments.delta"))
+        return done["name"], arguments, events[-1]["response"]["status"]
+    name, arguments, finish = "", "", ""
+    for choice in (c["choices"][0] for c in events if c["choices"]):
+        for delta in choice["delta"].get("tool_calls") or []:
+            name += delta["function"].get("name", "")
+            arguments += delta["function"].get("arguments", "")
+        finish = choice["finish_reason"] or finish
+    return name, arguments, finish
+
+
+@pytest.mark.parametrize("api", list(TOOL_BODIES))
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_sim_forced_tool_call_matches_vllm(
+    vllm_tool_pod: VllmPod, sim_pod: tuple[SimPods, str], api: str, stream: bool
+) -> None:
+    body = {"model": MODEL, **TOOL_BODIES[api], **(STREAMED if stream else {})}
+    if stream and api != "/v1/responses":
+        body.update(USAGE)
+    shapes, calls = {}, {}
+    for name, url in {"vllm": vllm_tool_pod.url, "sim": sim_pod[0].urls[0]}.items():
+        with httpx.stream("POST", url + api, json=body, timeout=120) as resp:
+            assert resp.status_code == 200, resp.read()
+            if not stream:
+                answer = orjson.loads(resp.read())
+                shapes[name], calls[name] = {"body": shape(answer)}, tool_call_of(api, answer)
+                continue
+            lines = list(resp.iter_lines())
+        shapes[name] = stream_shapes_of(lines)
+        events = [orjson.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        calls[name] = streamed_tool_call_of(api, events)
+    finish = "completed" if api == "/v1/responses" else "stop"
+    assert calls["vllm"] == calls["sim"] == ("pick_unit", '"celsius"', finish)
+    assert shapes["sim"] == shapes["vllm"]
+
+
+def test_sim_refuses_an_unknown_tool_choice_as_vllm_does(
+    vllm_tool_pod: VllmPod, sim_pod: tuple[SimPods, str]
+) -> None:
+    body = {**TOOL_BODIES["/v1/chat/completions"], "model": MODEL,
+            "tool_choice": {"type": "function", "function": {"name": "nope"}}}  # fmt: skip
+    errors = {
+        name: httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        for name, url in {"vllm": vllm_tool_pod.url, "sim": sim_pod[0].urls[0]}.items()
+    }
+    assert {r.status_code for r in errors.values()} == {400}
+    assert errors["sim"].json() == errors["vllm"].json()
