@@ -33,6 +33,10 @@ from testkit.waiting import wait_until
 
 pytestmark = needs_model_tokenizer
 SYSTEM = "You are the support assistant of a cloud platform. Answer briefly. " * 8
+FUNCTION: dict[str, Any] = {
+    "type": "function",
+    "function": {"name": "f", "parameters": {"type": "object"}},
+}
 PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions",
          "responses": "/v1/responses"}  # fmt: skip
 
@@ -58,6 +62,15 @@ def tokenizer() -> SegmentTokenizer:
         pytest.param("completion", {"prompt": SYSTEM}, None, id="completion"),
         pytest.param("completion", {"prompt": [151_660, 7]}, None,
                      id="token-ids-of-the-real-vocabulary"),
+        pytest.param("chat", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [FUNCTION], "tool_choice": "required"}, None,
+                     id="chat-with-tools"),
+        pytest.param("responses", {"input": [
+            {"role": "user", "content": "hi"},
+            {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "a", "output": "done"},
+        ], "tools": [{"type": "function", **FUNCTION["function"]}]}, None,
+                     id="responses-with-tools-and-a-call"),
     ],
 )  # fmt: skip
 def test_prompts_are_the_tokenizers(
