@@ -24,7 +24,8 @@ within a token budget of ``max_num_batched_tokens`` and ``max_num_seqs`` running
    budget allows: a chunk. With ``enable_chunked_prefill`` off a request that does not
    fit the budget left stops the queue. The head of the queue blocks the rest.
 3. The step lasts ``profile.step_s(StepWork(prefill tokens, decoding requests, context
-   tokens)) * time_scale`` (``timing.py``). At its end a request whose computed tokens
+   tokens, prefilling requests)) * time_scale`` (``timing.py``); a request recomputing
+   after a preemption prefills, one computing only its last sampled token decodes. At its end a request whose computed tokens
    reach its last token samples one (a partial prefill chunk samples nothing). A request
    with ``max_tokens`` tokens finishes (``finish_reason`` "length") and its blocks are
    freed, tail first.
@@ -448,7 +449,7 @@ class Engine:
 
     def _compute(self, scheduled: dict[_Request, int]) -> StepWork:
         """Advance every scheduled request's computed tokens; what the step computed."""
-        num_prefill = num_decode = num_context = 0
+        num_prefill = num_prefill_seqs = num_decode = num_context = 0
         for r, num_new in scheduled.items():
             num_context += r.num_computed_tokens
             is_decode = (
@@ -460,8 +461,9 @@ class Engine:
                 num_decode += 1
             else:
                 num_prefill += num_new
+                num_prefill_seqs += 1
             r.num_computed_tokens += num_new
-        return StepWork(num_prefill, num_decode, num_context)
+        return StepWork(num_prefill, num_decode, num_context, num_prefill_seqs)
 
     def _sample(
         self, scheduled: dict[_Request, int], end: float

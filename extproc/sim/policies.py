@@ -26,7 +26,8 @@ real server does) and ``ok=False`` when the pod refused it.
       hit     = min(matched blocks * B / BYTES_PER_TOKEN, prompt tokens - 1)
       own     = prompt tokens - hit                       (prompt tokens = bytes / 4)
       queued  = sum of ``own`` of the pod's newest ``waiting`` unfinished requests
-      step(n) = the engine's profile.step_s(n prefill tokens, running decodes) * time_scale
+      step(n) = the engine's profile.step_s(n prefill tokens of one request,
+                                            running decodes) * time_scale
       TTFT    = full * step(max_num_batched_tokens) + step(rest)
                 where queued + own = full * max_num_batched_tokens + rest
 
@@ -190,9 +191,9 @@ class CostAware(_Learning):
         queued = sum(itertools.islice(reversed(unfinished.values()), num_waiting))
         profile, running = cfg.profile(), pod.metrics.running
         full, rest = divmod(queued + own, cfg.max_num_batched_tokens)
-        ttft_s = full * profile.step_s(StepWork(cfg.max_num_batched_tokens, running, 0))
+        ttft_s = full * profile.step_s(StepWork(cfg.max_num_batched_tokens, running, 0, 1))
         if rest:
-            ttft_s += profile.step_s(StepWork(rest, running, 0))
+            ttft_s += profile.step_s(StepWork(rest, running, 0, 1))
         return ttft_s * cfg.time_scale
 
     def pick(self, item: WorkItem, pods: Sequence[Pod]) -> int:

@@ -65,12 +65,15 @@ def test_a_step_lasts_what_the_profile_says_for_its_work() -> None:
     engine = engine_with(
         [("a", 800, 4), ("b", 800, 4), ("c", 800, 4)],
         max_num_batched_tokens=1024,
-        timing_profile=dataclasses.replace(ROUND_TIMING, s_per_decode_seq=0.005),
+        timing_profile=dataclasses.replace(
+            ROUND_TIMING, s_per_decode_seq=0.005, s_per_prefill_seq=0.1
+        ),
     )
     first, second = run(engine, 2)
-    assert first.end_s - first.start_s == pytest.approx(0.010 + 0.001 * 1024)
+    # a and b prefill 1024 tokens
+    assert first.end_s - first.start_s == pytest.approx(0.010 + 2 * 0.1 + 0.001 * 1024)
     # a decodes (one sequence), b and c prefill 1023 tokens
-    assert second.end_s - second.start_s == pytest.approx(0.010 + 0.005 + 0.001 * 1023)
+    assert second.end_s - second.start_s == pytest.approx(0.010 + 0.005 + 2 * 0.1 + 0.001 * 1023)
 
 
 def test_context_tokens_are_the_kv_the_scheduled_requests_had() -> None:
