@@ -2,7 +2,7 @@
 
     tokenizer.py  text and chat -> tokens; the deterministic "model output"
     kv_cache.py   block hashes, the block pool with vLLM's prefix cache, KV-cache events
-    engine.py     EngineConfig and Engine: admission, batching, timing, counters
+    engine.py     EngineConfig and Engine: vLLM V1's scheduler (chunked prefill, preemption), counters
     runner.py     drives an Engine in real time on an asyncio loop
     api.py        OpenAI request parsing and response / stream shapes, as vLLM serves them
     metrics.py    one Prometheus registry per pod with vLLM's metric names
