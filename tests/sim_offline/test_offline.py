@@ -96,7 +96,7 @@ def test_a_prefix_is_recorded_only_once_its_response_ended(
     (r0_end,) = [f.finished_s for r in solo.advance_to(1e9) for f in r.finished]
     items = [
         make_item("r0", 0.0, prompt, max_tokens=20),
-        make_item("r1", r0_end - 1e-4, prompt),  # a step lasts >= step_base_s = 10 ms
+        make_item("r1", r0_end - 1e-4, prompt),  # a step lasts at least the base of its profile
         make_item("r2", r0_end, prompt),
     ]
     policy = make_policy(
