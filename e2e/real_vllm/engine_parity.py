@@ -182,15 +182,21 @@ def read_settings(pod: VllmPod) -> EngineSettings:
     )
 
 
-def sim_args(settings: EngineSettings) -> list[str]:
+def sim_args(settings: EngineSettings, timing_profile: str = TIMING_PROFILE) -> list[str]:
     """``extproc sim-pods`` flags for a pod set up as the real one."""
+    chunked = (
+        "--enable-chunked-prefill"
+        if settings.enable_chunked_prefill
+        else "--no-enable-chunked-prefill"
+    )
     return [
         "--model", MODEL, "--tokenizer", str(model_dir()),
         "--block-size", str(settings.block_size),
         "--num-gpu-blocks", str(settings.num_gpu_blocks),
         "--max-num-seqs", str(settings.max_num_seqs),
         "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
-        "--max-model-len", str(settings.max_model_len),
+        "--max-model-len", str(settings.max_model_len), chunked,
+        "--timing-profile", timing_profile,
     ]  # fmt: skip
 
 
@@ -232,12 +238,12 @@ def sim_side(pods: SimPods) -> Side:
 
 @contextmanager
 def parity_pods(
-    log_dir: Path, num_gpu_blocks: int | None = None
+    log_dir: Path, num_gpu_blocks: int | None = None, timing_profile: str = TIMING_PROFILE
 ) -> Iterator[tuple[Side, Side, EngineSettings]]:
     """One real vLLM pod and one sim pod set up as it is; both stopped on leaving."""
     with start_vllm_pods(1, log_dir, extra_args=vllm_args(num_gpu_blocks)) as (pod,):
         settings = read_settings(pod)
-        with spawn_sim_pods(1, args=sim_args(settings)) as sim:
+        with spawn_sim_pods(1, args=sim_args(settings, timing_profile)) as sim:
             yield real_side(pod), sim_side(sim), settings
 
 
@@ -336,7 +342,7 @@ TOPICS = (
 
 
 def paragraph(topic: str, sentences: int) -> str:
-    """Deterministic filler text about ``topic``, about 14 tokens a sentence."""
+    """Deterministic filler text about ``topic``, about 23 tokens a sentence."""
     lines = [
         f"Sentence {i} is about {topic}, and it adds one more detail to the story."
         for i in range(sentences)
@@ -436,7 +442,7 @@ def memory_pressure(num_requests: int = 4) -> Sequence_:
     """Concurrent long requests outgrowing a small cache (see ``PRESSURE_GPU_BLOCKS``),
     then the first prompt again: what survived the preemptions."""
     bodies = [
-        {"prompt": f"Pressure {i}: " + paragraph(TOPICS[i], 17), "max_tokens": 150}
+        {"prompt": f"Pressure {i}: " + paragraph(TOPICS[i], 12), "max_tokens": 150}
         for i in range(num_requests)
     ]
     wave = tuple(Send(f"pressure-{i}", "completions", b, 0.04 * i) for i, b in enumerate(bodies))
@@ -534,12 +540,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m e2e.real_vllm.engine_parity", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--log-dir", type=Path, help="keep the real pod's log here")
+    parser.add_argument("--timing-profile", default=TIMING_PROFILE,
+                        help=f"the sim pod's (default {TIMING_PROFILE})")  # fmt: skip
     args = parser.parse_args(argv)
     prepare()
     with tempfile.TemporaryDirectory(prefix="extproc-parity-") as tmp:
         log_dir = args.log_dir or Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
-        with parity_pods(log_dir) as (real, sim, settings):
+        with parity_pods(log_dir, timing_profile=args.timing_profile) as (real, sim, settings):
             print(f"engine settings: {settings}", flush=True)
             comparisons = run_both(real, sim, mixed(encoder()))
     print(table(comparisons))
