@@ -440,18 +440,22 @@ def mixed(tokenizer: Tokenizer) -> list[Sequence_]:
 
 def memory_pressure(num_requests: int = 4) -> Sequence_:
     """Concurrent long requests outgrowing a small cache (see ``PRESSURE_GPU_BLOCKS``),
-    then the first prompt again: what survived the preemptions."""
+    then the last one's prompt again: the newest request is the one preempted, so it
+    finishes last, and its prompt, recomputed after the preemption, is still cached
+    whole. (What is left of the earlier requests depends on how decode steps and the
+    recompute interleave, which the arrival times shift by a step or two.)"""
     bodies = [
         {"prompt": f"Pressure {i}: " + paragraph(TOPICS[i], 12), "max_tokens": 150}
         for i in range(num_requests)
     ]
     wave = tuple(Send(f"pressure-{i}", "completions", b, 0.04 * i) for i, b in enumerate(bodies))
-    again = Send("pressure-again", "completions", {**bodies[0], "max_tokens": 4})
+    again = Send("pressure-again", "completions", {**bodies[-1], "max_tokens": 4})
     return Sequence_("memory-pressure", (wave, (again,)))
 
 
-# Four prompts of about 300 tokens (10 blocks each) fill 40 blocks; their answers need
-# 5 more blocks each, which a cache of 40 blocks does not have: someone is preempted.
+# Four prompts of 12 sentences (8 or 9 blocks of 32 tokens each, about 34 in all) fit
+# in 40 blocks; their 150-token answers need about 5 more blocks each (about 53 in
+# all), which the cache does not have: the newest running request is preempted.
 PRESSURE_GPU_BLOCKS = 40
 
 
