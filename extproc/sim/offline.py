@@ -68,7 +68,7 @@ class PodResult:
     name: str
     num_requests: int  # routed to it, rejected ones included
     num_rejected: int
-    prefix_cache_queries: int  # prompt tokens of admitted requests
+    prefix_cache_queries: int  # tokens looked up at first admissions (vLLM's counter)
     prefix_cache_hits: int  # of those, tokens found in its prefix cache
     num_evicted_blocks: int
 
