@@ -17,8 +17,10 @@ block may still hold a cached hash, and taking it for new data evicts that hash.
 vLLM's ``BlockPool``, a request's blocks are freed tail first, so a prompt's last blocks
 are evicted before its first ones. Only the pool edits the hash map and the free queue.
 
-A block whose hash is already cached (two identical prompts computed side by side)
-stays unhashed: one block per hash, so a hit is never ambiguous.
+As in vLLM, cached blocks are not de-duplicated: when two requests compute the same
+block side by side, both blocks are cached under its hash (each with its own
+``BlockStored``, and its own ``BlockRemoved`` when evicted); a hit takes the first one
+cached.
 """
 
 from __future__ import annotations
@@ -114,7 +116,9 @@ class BlockPool:
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks
         )
-        self._cached: dict[TokenBlockHash, KVCacheBlock] = {}
+        # hash -> the blocks cached under it, by block_id, first cached first
+        self._cached: dict[TokenBlockHash, dict[int, KVCacheBlock]] = {}
+        self._num_cached_blocks = 0
         self._events: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None
         self.num_evicted_blocks = 0
 
@@ -124,14 +128,16 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self._cached)
+        return self._num_cached_blocks
 
     def usage(self) -> float:
         """vLLM's KV-cache usage: the share of blocks that are not free (0.0-1.0)."""
         return 1.0 - len(self._free) / self.num_gpu_blocks
 
     def get_cached_block(self, block_hash: TokenBlockHash) -> KVCacheBlock | None:
-        return self._cached.get(block_hash)
+        """The first block cached under ``block_hash``, if any."""
+        blocks = self._cached.get(block_hash)
+        return next(iter(blocks.values())) if blocks else None
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[TokenBlockHash], num_tokens: int, block_size: int
@@ -143,7 +149,7 @@ class BlockPool:
         """
         hits: list[KVCacheBlock] = []
         for block_hash in block_hashes[: (num_tokens - 1) // block_size]:
-            block = self._cached.get(block_hash)
+            block = self.get_cached_block(block_hash)
             if block is None:
                 break
             hits.append(block)
@@ -170,12 +176,16 @@ class BlockPool:
         return out
 
     def _evict(self, block: KVCacheBlock) -> None:
-        assert block.block_hash is not None
-        if self._cached.get(block.block_hash) is block:
-            del self._cached[block.block_hash]
-            self.num_evicted_blocks += 1
-            if self._events is not None:
-                self._events.append(BlockRemoved((block.block_hash,)))
+        block_hash = block.block_hash
+        assert block_hash is not None
+        blocks = self._cached[block_hash]
+        del blocks[block.block_id]
+        if not blocks:
+            del self._cached[block_hash]
+        self._num_cached_blocks -= 1
+        self.num_evicted_blocks += 1
+        if self._events is not None:
+            self._events.append(BlockRemoved((block_hash,)))
         block.block_hash = None
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -195,41 +205,34 @@ class BlockPool:
         block_size: int,
         cache_salt: str | None,
     ) -> None:
-        """Register a request's blocks ``num_cached_blocks..num_full_blocks-1`` as cached.
+        """Register a request's blocks ``num_cached_blocks..num_full_blocks-1`` as cached,
+        with one ``BlockStored`` for them, as vLLM does per request and step.
 
-        Their KV is (being) computed, so later requests may hit them. A hash already cached
-        in another block leaves this block unhashed (module docstring).
+        Their KV is (being) computed, so later requests may hit them.
         """
-        stored: list[int] = []
+        if num_full_blocks <= num_cached_blocks:
+            return
         for idx in range(num_cached_blocks, num_full_blocks):
             block, block_hash = blocks[idx], block_hashes[idx]
-            if block.block_hash is not None or block_hash in self._cached:
-                continue
+            assert block.block_hash is None
             block.block_hash = block_hash
-            self._cached[block_hash] = block
-            stored.append(idx)
-        if self._events is None or not stored:
+            self._cached.setdefault(block_hash, {})[block.block_id] = block
+            self._num_cached_blocks += 1
+        if self._events is None:
             return
-        # One BlockStored per run of consecutive blocks, like vLLM's one per request step.
-        runs: list[list[int]] = []
-        for idx in stored:
-            if runs and runs[-1][-1] == idx - 1:
-                runs[-1].append(idx)
-            else:
-                runs.append([idx])
-        for run in runs:
-            first, last = run[0], run[-1]
-            self._events.append(
-                BlockStored(
-                    block_hashes=tuple(block_hashes[i] for i in run),
-                    parent_block_hash=block_hashes[first - 1] if first else None,
-                    token_ids=tuple(token_ids[first * block_size : (last + 1) * block_size]),
-                    block_size=block_size,
-                    extra_keys=tuple(
-                        (cache_salt,) if i == 0 and cache_salt is not None else None for i in run
-                    ),
-                )
+        first = num_cached_blocks
+        self._events.append(
+            BlockStored(
+                block_hashes=tuple(block_hashes[first:num_full_blocks]),
+                parent_block_hash=block_hashes[first - 1] if first else None,
+                token_ids=tuple(token_ids[first * block_size : num_full_blocks * block_size]),
+                block_size=block_size,
+                extra_keys=tuple(
+                    (cache_salt,) if i == 0 and cache_salt is not None else None
+                    for i in range(first, num_full_blocks)
+                ),
             )
+        )
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash, as vLLM does: only when no block is in use (else False)."""
@@ -238,6 +241,7 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self._cached.clear()
+        self._num_cached_blocks = 0
         if self._events is not None:
             self._events.append(AllBlocksCleared())
         return True
