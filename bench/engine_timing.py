@@ -62,6 +62,8 @@ CACHED_PREFILLS = ((224, 32), (224, 128), (224, 256), (448, 32))  # (cached C, n
 DECODE_PROMPTS = (17, 225, 449)  # P: all but the last token cached when decoding starts
 DECODE_SEQS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 DECODE_TOKENS = 48  # M
+# Beyond this many decoding requests the pod's steps stop growing linearly (see the docs).
+FIT_MAX_DECODE_SEQS = 48
 # StepWork's terms and the TimingProfile coefficient each one multiplies.
 COEFFICIENTS = {
     "num_prefill_tokens": "s_per_prefill_token",
@@ -253,14 +255,18 @@ def point(
 def fit(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Least squares of step_s on a base and ``TERMS``, in relative error.
 
-    Each point is weighted by 1/step_s, so a 4 ms step counts as much as a 30 ms one; a
-    term whose coefficient comes out negative is dropped and the rest refitted.
+    Only points marked ``fitted`` (all by default) enter it; the residuals are given for
+    every point, their largest over the fitted ones. Each point is weighted by 1/step_s,
+    so a 4 ms step counts as much as a 30 ms one; a term whose coefficient comes out
+    negative is dropped and the rest refitted.
     """
     x = np.array([[1.0, *(p["work"][t] for t in TERMS)] for p in points])
     y = np.array([p["step_s"] for p in points])
-    kept = [0] + [i + 1 for i, t in enumerate(TERMS) if x[:, i + 1].any()]
+    used = np.array([p.get("fitted", True) for p in points])
+    kept = [0] + [i + 1 for i, t in enumerate(TERMS) if x[used, i + 1].any()]
     while True:
-        coef, *_ = np.linalg.lstsq(x[:, kept] / y[:, None], np.ones_like(y), rcond=None)
+        a = x[used][:, kept] / y[used][:, None]
+        coef, *_ = np.linalg.lstsq(a, np.ones(int(used.sum())), rcond=None)
         negative = [(c, i) for c, i in zip(coef, kept) if c < 0 and i != 0]
         if not negative:
             break
@@ -268,17 +274,40 @@ def fit(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
     full = np.zeros(x.shape[1])
     full[kept] = coef
     predicted = x @ full
-    residual = y - predicted
+    relative = (y - predicted) / y
     return {
         "base_s": float(full[0]),
         **{COEFFICIENTS[t]: float(c) for t, c in zip(TERMS, full[1:])},
         "not_fitted": [t for i, t in enumerate(TERMS, 1) if i not in kept],
+        "num_points_fitted": int(used.sum()),
         "predicted_s": [float(v) for v in predicted],
-        "residual_s": [float(v) for v in residual],
-        "max_abs_residual_s": float(np.max(np.abs(residual))),
-        "max_rel_residual": float(np.max(np.abs(residual) / y)),
-        "rms_rel_residual": float(np.sqrt(np.mean((residual / y) ** 2))),
+        "max_abs_residual_s": float(np.max(np.abs(y - predicted)[used])),
+        "max_rel_residual": float(np.max(np.abs(relative)[used])),
+        "rms_rel_residual": float(np.sqrt(np.mean(relative[used] ** 2))),
     }
+
+
+def merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs' points pooled: each point's runs together, its median over all."""
+    merged = {
+        **results[0],
+        "merged_from": sorted({d for r in results for d in r.get("merged_from", [r["date"]])}),
+        "measured_by": [c for r in results for c in r.get("measured_by", [r["command"]])],
+    }
+    by_work: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for r in results:
+        for p in r["points"]:
+            key = (p["kind"], *(p["work"][t] for t in TERMS))
+            into = by_work.setdefault(key, {**p, "runs": [], "loadavg_1m": []})
+            into["runs"] += p["runs"]
+            loads = p["loadavg_1m"]
+            into["loadavg_1m"] += loads if isinstance(loads, list) else [loads]
+            into["other_vllm_servers"] = max(into["other_vllm_servers"], p["other_vllm_servers"])
+    key_s = {"prefill": "prefill_s", "prefill-cached": "prefill_s", "decode": "itl_mean_s"}
+    for p in by_work.values():
+        p["step_s"] = statistics.median(run[key_s[p["kind"]]] for run in p["runs"])
+    merged["points"] = list(by_work.values())
+    return merged
 
 
 # Resolves the scheduler settings a server started with these flags runs with.
@@ -361,8 +390,9 @@ def coefficient_rows(f: dict[str, Any]) -> list[str]:
         f"| s_per_context_token | {f['s_per_context_token'] * 1e9:.3f} ns |",
         "",
         (
-            f"Not fitted (no variation, or negative when fitted): {', '.join(f['not_fitted']) or 'none'}. "
-            f"Residuals: largest {f['max_abs_residual_s'] * 1e3:.2f} ms, largest relative "
+            f"Terms not fitted (no variation, or negative when fitted): "
+            f"{', '.join(f['not_fitted']) or 'none'}. Residuals over the "
+            f"{f['num_points_fitted']} fitted points: largest {f['max_abs_residual_s'] * 1e3:.2f} ms, largest relative "
             f"{f['max_rel_residual']:.0%}, RMS relative {f['rms_rel_residual']:.1%}."
         ),
     ]
@@ -379,7 +409,7 @@ def point_rows(points: Sequence[dict[str, Any]], f: dict[str, Any]) -> list[str]
     for p, pred in zip(points, f["predicted_s"]):
         w = p["work"]
         rows.append(
-            f"| {p['kind']} | {w['num_prefill_tokens']} | {w['num_prefill_seqs']} | "
+            f"| {p['kind']}{'' if p.get('fitted', True) else ' (not fitted)'} | {w['num_prefill_tokens']} | {w['num_prefill_seqs']} | "
             f"{w['num_decode_seqs']} | {w['num_context_tokens']} | {p['step_s'] * 1e3:.2f} | "
             f"{pred * 1e3:.2f} | {(p['step_s'] - pred) / p['step_s']:+.0%} |"
         )
@@ -387,7 +417,7 @@ def point_rows(points: Sequence[dict[str, Any]], f: dict[str, Any]) -> list[str]
 
 
 def conditions_line(points: Sequence[dict[str, Any]]) -> str:
-    loads = [p["loadavg_1m"] for p in points]
+    loads = [v for p in points for v in np.atleast_1d(p["loadavg_1m"]).tolist()]
     shared = sum(1 for p in points if p["other_vllm_servers"])
     return (
         f"Machine load while measuring: 1-minute load average {min(loads):.2f}-{max(loads):.2f} "
@@ -403,13 +433,19 @@ def markdown(result: dict[str, Any]) -> str:
             "# Engine step timing: vLLM-CPU, tiny Qwen3 (`cpu-qwen3-tiny`)",
             "",
             (
-                f"Measured {result['date']} on {result['machine']['cpu']} "
-                f"({result['machine']['cores']} cores), {result['vllm_version']}, one pod of "
-                f"`e2e.real_vllm` (block size {BLOCK_SIZE}, max-model-len {MAX_MODEL_LEN}), "
-                f"{result['repeats']} repeats a point, medians."
+                f"Measured {', '.join(result.get('merged_from', [result['date']]))} on "
+                f"{result['machine']['cpu']} ({result['machine']['cores']} cores), "
+                f"{result['vllm_version']}, one pod of `e2e.real_vllm` (block size {BLOCK_SIZE}, "
+                f"max-model-len {MAX_MODEL_LEN}); each point is the median of "
+                f"{min(len(p['runs']) for p in result['points'])} or more repeats."
             ),
             "",
-            f"Command: `{result['command']}`",
+            f"Command: `{result['command']}`"
+            + (
+                "; the runs pooled: " + ", ".join(f"`{c}`" for c in result["measured_by"])
+                if "measured_by" in result
+                else ""
+            ),
             "",
             conditions_line(result["points"]),
             "",
@@ -426,6 +462,12 @@ def markdown(result: dict[str, Any]) -> str:
             ),
             "",
             *coefficient_rows(result["fit"]),
+            "",
+            (
+                f"Points with more than {FIT_MAX_DECODE_SEQS} decoding requests are not fitted: "
+                "there the pod's steps stop growing linearly (its step time about doubles "
+                "between 48 and 64 requests, repeatably, in vLLM's own inter-token latency)."
+            ),
             "",
             "## Points (median of the repeats)",
             "",
@@ -466,12 +508,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--max-wait-s", type=float, default=900, help="wait at most this long, in all, for quiet"
     )
-    parser.add_argument("--refit", type=Path, help="refit this JSON's points; no pod started")
+    parser.add_argument(
+        "--refit", type=Path, nargs="+", help="refit these runs' points, pooled; no pod started"
+    )
     parser.add_argument("--json", type=Path, help="write the measurements and fit here")
     parser.add_argument("--md", type=Path, help="write the report here")
     args = parser.parse_args(argv)
     if args.refit:
-        result = json.loads(args.refit.read_text())
+        result = merge([json.loads(path.read_text()) for path in args.refit])
+        result["command"] = "python -m bench.engine_timing " + shlex.join(
+            sys.argv[1:] if argv is None else argv
+        )
     else:
         result = {
             "profile": "cpu-qwen3-tiny",
@@ -485,6 +532,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "scheduler_config": scheduler_config(),
             "points": measure(args.repeats, args.seed, args.max_wait_s),
         }
+    for p in result["points"]:
+        p["fitted"] = p["work"]["num_decode_seqs"] <= FIT_MAX_DECODE_SEQS
     result["fit"] = fit(result["points"])
     result["api_overhead_s"] = api_overhead(result["points"])
     report = markdown(result)

