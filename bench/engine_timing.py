@@ -13,14 +13,18 @@ requests, one kind at a time, and vLLM's own engine-side histograms time the ste
   ``vllm:inter_token_latency_seconds`` is the duration of a step decoding k sequences
   over about k * (P + M/2) context tokens.
 
-Each point is repeated and its median kept. ``StepWork``'s three terms and a base are
-then fitted by least squares (a term whose coefficient comes out negative is dropped and
-the rest refitted). The API server's own time per request (client wall time less the
-engine's queue and prefill) is recorded beside the fit: it is not part of a step.
+Each point waits until no other vLLM server runs on the machine (within a budget), is
+repeated, and keeps its median. ``StepWork``'s four terms and a base are then fitted by
+least squares in relative error (a term whose coefficient comes out negative is dropped
+and the rest refitted); points with more than ``FIT_MAX_DECODE_SEQS`` decoding requests
+are kept but not fitted. ``--refit`` pools the points of several runs. The API server's
+own time per request (client wall time less the engine's queue and prefill) is recorded
+beside the fit: it is not part of a step. The pod's scheduler settings, as vLLM resolves
+them for these flags, are recorded too.
 
     python -m bench.engine_timing --json bench/results/engine-timing-cpu.json \
         --md bench/results/engine-timing-cpu.md
-    python -m bench.engine_timing --refit bench/results/engine-timing-cpu.json --md ...
+    python -m bench.engine_timing --refit RUN1.json RUN2.json --json ... --md ...
 """
 
 from __future__ import annotations
@@ -95,7 +99,6 @@ class Meter:
         "vllm:request_prefill_time_seconds",
         "vllm:request_queue_time_seconds",
         "vllm:inter_token_latency_seconds",
-        "vllm:request_decode_time_seconds",
         "vllm:e2e_request_latency_seconds",
     )
 
