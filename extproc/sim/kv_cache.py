@@ -17,10 +17,8 @@ block may still hold a cached hash, and taking it for new data evicts that hash.
 vLLM's ``BlockPool``, a request's blocks are freed tail first, so a prompt's last blocks
 are evicted before its first ones. Only the pool edits the hash map and the free queue.
 
-As in vLLM, cached blocks are not de-duplicated: when two requests compute the same
-block side by side, both blocks are cached under its hash (each with its own
-``BlockStored``, and its own ``BlockRemoved`` when evicted); a hit takes the first one
-cached.
+A block whose hash is already cached (two identical prompts computed side by side)
+stays unhashed: one block per hash, so a hit is never ambiguous.
 """
 
 from __future__ import annotations
@@ -116,9 +114,7 @@ class BlockPool:
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks
         )
-        # hash -> the blocks cached under it, by block_id, first cached first
-        self._cached: dict[TokenBlockHash, dict[int, KVCacheBlock]] = {}
-        self._num_cached_blocks = 0
+        self._cached: dict[TokenBlockHash, KVCacheBlock] = {}
         self._events: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None
         self.num_evicted_blocks = 0
 
@@ -128,16 +124,14 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
-        return self._num_cached_blocks
+        return len(self._cached)
 
     def usage(self) -> float:
         """vLLM's KV-cache usage: the share of blocks that are not free (0.0-1.0)."""
         return 1.0 - len(self._free) / self.num_gpu_blocks
 
     def get_cached_block(self, block_hash: TokenBlockHash) -> KVCacheBlock | None:
-        """The first block cached under ``block_hash``, if any."""
-        blocks = self._cached.get(block_hash)
-        return next(iter(blocks.values())) if blocks else None
+        return self._cached.get(block_hash)
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[TokenBlockHash], num_tokens: int, block_size: int
@@ -149,7 +143,7 @@ class BlockPool:
         """
         hits: list[KVCacheBlock] = []
         for block_hash in block_hashes[: (num_tokens - 1) // block_size]:
-            block = self.get_cached_block(block_hash)
+            block = self._cached.get(block_hash)
             if block is None:
                 break
             hits.append(block)
@@ -176,16 +170,12 @@ class BlockPool:
         return out
 
     def _evict(self, block: KVCacheBlock) -> None:
-        block_hash = block.block_hash
-        assert block_hash is not None
-        blocks = self._cached[block_hash]
-        del blocks[block.block_id]
-        if not blocks:
-            del self._cached[block_hash]
-        self._num_cached_blocks -= 1
-        self.num_evicted_blocks += 1
-        if self._events is not None:
-            self._events.append(BlockRemoved((block_hash,)))
+        assert block.block_hash is not None
+        if self._cached.get(block.block_hash) is block:
+            del self._cached[block.block_hash]
+            self.num_evicted_blocks += 1
+            if self._events is not None:
+                self._events.append(BlockRemoved((block.block_hash,)))
         block.block_hash = None
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -205,34 +195,41 @@ class BlockPool:
         block_size: int,
         cache_salt: str | None,
     ) -> None:
-        """Register a request's blocks ``num_cached_blocks..num_full_blocks-1`` as cached,
-        with one ``BlockStored`` for them, as vLLM does per request and step.
+        """Register a request's blocks ``num_cached_blocks..num_full_blocks-1`` as cached.
 
-        Their KV is (being) computed, so later requests may hit them.
+        Their KV is (being) computed, so later requests may hit them. A hash already cached
+        in another block leaves this block unhashed (module docstring).
         """
-        if num_full_blocks <= num_cached_blocks:
-            return
+        stored: list[int] = []
         for idx in range(num_cached_blocks, num_full_blocks):
             block, block_hash = blocks[idx], block_hashes[idx]
-            assert block.block_hash is None
+            if block.block_hash is not None or block_hash in self._cached:
+                continue
             block.block_hash = block_hash
-            self._cached.setdefault(block_hash, {})[block.block_id] = block
-            self._num_cached_blocks += 1
-        if self._events is None:
+            self._cached[block_hash] = block
+            stored.append(idx)
+        if self._events is None or not stored:
             return
-        first = num_cached_blocks
-        self._events.append(
-            BlockStored(
-                block_hashes=tuple(block_hashes[first:num_full_blocks]),
-                parent_block_hash=block_hashes[first - 1] if first else None,
-                token_ids=tuple(token_ids[first * block_size : num_full_blocks * block_size]),
-                block_size=block_size,
-                extra_keys=tuple(
-                    (cache_salt,) if i == 0 and cache_salt is not None else None
-                    for i in range(first, num_full_blocks)
-                ),
+        # One BlockStored per run of consecutive blocks, like vLLM's one per request step.
+        runs: list[list[int]] = []
+        for idx in stored:
+            if runs and runs[-1][-1] == idx - 1:
+                runs[-1].append(idx)
+            else:
+                runs.append([idx])
+        for run in runs:
+            first, last = run[0], run[-1]
+            self._events.append(
+                BlockStored(
+                    block_hashes=tuple(block_hashes[i] for i in run),
+                    parent_block_hash=block_hashes[first - 1] if first else None,
+                    token_ids=tuple(token_ids[first * block_size : (last + 1) * block_size]),
+                    block_size=block_size,
+                    extra_keys=tuple(
+                        (cache_salt,) if i == 0 and cache_salt is not None else None for i in run
+                    ),
+                )
             )
-        )
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash, as vLLM does: only when no block is in use (else False)."""
@@ -241,7 +238,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self._cached.clear()
-        self._num_cached_blocks = 0
         if self._events is not None:
             self._events.append(AllBlocksCleared())
         return True
