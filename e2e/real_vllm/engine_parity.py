@@ -440,17 +440,19 @@ def mixed(tokenizer: Tokenizer) -> list[Sequence_]:
 
 def memory_pressure(num_requests: int = 4) -> Sequence_:
     """Concurrent long requests outgrowing a small cache (see ``PRESSURE_GPU_BLOCKS``),
-    then the last one's prompt again: the newest request is the one preempted, so it
-    finishes last, and its prompt, recomputed after the preemption, is still cached
-    whole. (What is left of the earlier requests depends on how decode steps and the
-    recompute interleave, which the arrival times shift by a step or two.)"""
+    then the first prompt and the last one again: what the preemptions and the
+    evictions left cached. The last (newest) request is the one preempted, so its
+    prompt, recomputed, is cached whole; of the first one's, only what the block pool's
+    free-queue order spared (vLLM reuses a freed block that holds no cached hash, a
+    partial last block, before evicting any cached one)."""
     bodies = [
         {"prompt": f"Pressure {i}: " + paragraph(TOPICS[i], 12), "max_tokens": 150}
         for i in range(num_requests)
     ]
     wave = tuple(Send(f"pressure-{i}", "completions", b, 0.04 * i) for i, b in enumerate(bodies))
-    again = Send("pressure-again", "completions", {**bodies[-1], "max_tokens": 4})
-    return Sequence_("memory-pressure", (wave, (again,)))
+    first = Send("pressure-again-first", "completions", {**bodies[0], "max_tokens": 4})
+    last = Send("pressure-again-last", "completions", {**bodies[-1], "max_tokens": 4})
+    return Sequence_("memory-pressure", (wave, (first,), (last,)))
 
 
 # Four prompts of 12 sentences (8 or 9 blocks of 32 tokens each, about 34 in all) fit
