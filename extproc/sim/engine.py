@@ -36,7 +36,7 @@ looked up) and ``prefix_cache_hits`` grow when a request is admitted for the fir
 (vLLM keeps the lookups of preempted requests apart, out of these counters);
 ``num_cached_tokens`` (the usage's cached tokens) is the hit of that first admission;
 ``num_preemptions`` counts preemptions; ``num_prompt_tokens`` grows at a request's first
-token. A request that could never fit (more blocks than ``num_gpu_blocks`` for
+token. A request that could never fit (more blocks than the pool's usable ones for
 ``prompt + max_tokens - 1`` tokens, or longer than ``max_model_len``) is rejected by
 ``add_request``.
 
@@ -286,11 +286,12 @@ class Engine:
                 "the messages or completion."
             )
         num_blocks = _cdiv(num_prompt + req.max_tokens - 1, cfg.block_size)
-        if num_blocks > cfg.num_gpu_blocks:
+        if num_blocks > self.pool.num_usable_blocks:
             raise RequestTooLarge(
                 f"the request needs {num_blocks} KV blocks of {cfg.block_size} tokens "
                 f"({num_prompt} prompt + {req.max_tokens} output tokens) but the cache has "
-                f"only num_gpu_blocks={cfg.num_gpu_blocks}"
+                f"only {self.pool.num_usable_blocks} (num_gpu_blocks={cfg.num_gpu_blocks}, "
+                "one of them vLLM's null block)"
             )
         if len(self._waiting) >= cfg.max_num_waiting:
             raise QueueFull(f"{len(self._waiting)} requests are waiting (max_num_waiting)")

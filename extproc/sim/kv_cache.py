@@ -11,11 +11,15 @@ The salt enters the first block only; every later hash inherits it through the c
 A hash is the digest's last 8 bytes as an unsigned int, which is also the integer form
 vLLM puts in its KV-cache events.
 
-Pool. ``num_gpu_blocks`` blocks, each with a reference count. Blocks of running requests
-are pinned (count > 0). Free blocks wait in a queue, least recently freed first; a free
-block may still hold a cached hash, and taking it for new data evicts that hash. Like
-vLLM's ``BlockPool``, a request's blocks are freed tail first, so a prompt's last blocks
-are evicted before its first ones. Only the pool edits the hash map and the free queue.
+Pool. ``num_gpu_blocks`` blocks, each with a reference count; as in vLLM, block 0 is the
+null block, never handed out, so ``num_gpu_blocks - 1`` hold KV (usage is their share in
+use). Blocks of running requests are pinned (count > 0). Free blocks wait in a queue and
+are taken from its front; a free block may still hold a cached hash, and taking it for
+new data evicts that hash. Like vLLM's ``BlockPool``, a request's blocks are freed tail
+first: those with a cached hash join the back of the queue (least recently freed are
+evicted first, a prompt's last blocks before its first ones), those without one (a
+partial last block) its front, to be reused first. Only the pool edits the hash map and
+the free queue.
 
 A block whose hash is already cached (two identical prompts computed side by side)
 stays unhashed: one block per hash, so a hit is never ambiguous.
@@ -110,9 +114,9 @@ class BlockPool:
     def __init__(self, num_gpu_blocks: int, enable_kv_cache_events: bool = False) -> None:
         self.num_gpu_blocks = num_gpu_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
-        # Front = least recently freed = first to be evicted. Keyed by block_id.
+        # Front = the next taken. Keyed by block_id; block 0 is the null block, never free.
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
-            (b.block_id, b) for b in self.blocks
+            (b.block_id, b) for b in self.blocks[1:]
         )
         self._cached: dict[TokenBlockHash, KVCacheBlock] = {}
         self._events: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None
@@ -126,9 +130,16 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that can hold KV: all but the null block."""
+        return self.num_gpu_blocks - 1
+
     def usage(self) -> float:
-        """vLLM's KV-cache usage: the share of blocks that are not free (0.0-1.0)."""
-        return 1.0 - len(self._free) / self.num_gpu_blocks
+        """vLLM's KV-cache usage: the share of usable blocks not free (0.0-1.0)."""
+        if not self.num_usable_blocks:
+            return 0.0
+        return 1.0 - len(self._free) / self.num_usable_blocks
 
     def get_cached_block(self, block_hash: TokenBlockHash) -> KVCacheBlock | None:
         return self._cached.get(block_hash)
@@ -179,11 +190,19 @@ class BlockPool:
         block.block_hash = None
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Unpin blocks; those no longer used join the free queue's tail in the given order."""
+        """Unpin blocks; those no longer used join the free queue in the given order: at
+        its back with a cached hash, at its front without one (module docstring)."""
+        unhashed: list[KVCacheBlock] = []
         for block in ordered_blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._free[block.block_id] = block
+                if block.block_hash is None:
+                    unhashed.append(block)
+                else:
+                    self._free[block.block_id] = block
+        for block in reversed(unhashed):
+            self._free[block.block_id] = block
+            self._free.move_to_end(block.block_id, last=False)
 
     def cache_full_blocks(
         self,
@@ -233,7 +252,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash, as vLLM does: only when no block is in use (else False)."""
-        if len(self._free) != self.num_gpu_blocks:
+        if len(self._free) != self.num_usable_blocks:
             return False
         for block in self.blocks:
             block.block_hash = None

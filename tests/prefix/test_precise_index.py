@@ -54,7 +54,7 @@ def test_index_predicts_the_pools_hits(
     pool = BlockPool(num_blocks, enable_kv_cache_events=True)
     index = PreciseIndex(capacity_blocks=num_blocks)
     for tokens, salt in requests:
-        if -(-len(tokens) // BS) > num_blocks or (layout == "array" and salt):
+        if -(-len(tokens) // BS) > num_blocks - 1 or (layout == "array" and salt):  # null block
             continue  # older vLLM's array layout does not publish extra keys (cache_salt)
         assert predicted(index, tokens, salt) == serve(pool, tokens, salt)
         for event in decode_batch(encode_event_batch(0.0, pool.take_events(), layout)):  # type: ignore[arg-type]

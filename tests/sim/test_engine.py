@@ -35,8 +35,8 @@ def test_zero_is_invalid_for_sizes_and_scale(name: str) -> None:
 
 
 def test_request_larger_than_the_whole_cache_is_rejected() -> None:
-    engine = Engine(EngineConfig(block_size=4, num_gpu_blocks=4))
-    with pytest.raises(RequestTooLarge, match="num_gpu_blocks=4"):
+    engine = Engine(EngineConfig(block_size=4, num_gpu_blocks=5))  # 4 usable, 1 null block
+    with pytest.raises(RequestTooLarge, match="only 4 .num_gpu_blocks=5"):
         engine.add_request(make_sim_request(seq(1, 14), max_tokens=4), 0.0)  # 17 tokens of KV
     engine.add_request(make_sim_request(seq(1, 13), max_tokens=4), 0.0)  # 16 fit exactly
     assert engine.stats().num_waiting == 1
@@ -57,7 +57,7 @@ def test_queue_is_bounded() -> None:
 
 
 def test_running_blocks_are_pinned_and_a_prompt_that_does_not_fit_waits() -> None:
-    engine = Engine(dataclasses.replace(TIMED, block_size=4, num_gpu_blocks=8))
+    engine = Engine(dataclasses.replace(TIMED, block_size=4, num_gpu_blocks=9))
     a = make_sim_request(seq(1, 16), max_tokens=5)  # 4 prompt blocks, a 5th to decode
     b = make_sim_request(seq(2, 17), max_tokens=1)  # 5 prompt blocks: never 5 free beside a
     engine.add_request(a, 0.0)
@@ -73,20 +73,22 @@ def test_running_blocks_are_pinned_and_a_prompt_that_does_not_fit_waits() -> Non
 
 
 def test_free_cached_blocks_are_evicted_least_recently_used_first() -> None:
-    # 6 blocks of 4; a 9-token prompt takes 3 blocks and caches 2.
-    engine = Engine(EngineConfig(block_size=4, num_gpu_blocks=6))
+    # 6 usable blocks of 4; a 9-token prompt takes 3 blocks and caches 2, and its third
+    # (partial, unhashed) block goes back to the front of the free queue, reused first.
+    engine = Engine(EngineConfig(block_size=4, num_gpu_blocks=7))
     x, y, z = seq(1, 9), seq(2, 9), seq(3, 9)
     run_alone(engine, make_sim_request(x))
     run_alone(engine, make_sim_request(y))
     assert run_alone(engine, make_sim_request(x)).num_cached_tokens == 8  # x used again: newest
-    run_alone(engine, make_sim_request(z))  # evicts y, the least recently used
-    assert engine.stats().num_evicted_blocks == 2
+    # z takes x's partial block, the never-used one, then y's tail: y is the least recent
+    run_alone(engine, make_sim_request(z))
+    assert engine.stats().num_evicted_blocks == 1
     assert run_alone(engine, make_sim_request(x)).num_cached_tokens == 8
-    assert run_alone(engine, make_sim_request(y)).num_cached_tokens == 0
+    assert run_alone(engine, make_sim_request(y)).num_cached_tokens == 4
 
 
 def test_kv_cache_usage_counts_blocks_in_use() -> None:
-    engine = Engine(EngineConfig(block_size=4, num_gpu_blocks=10))
+    engine = Engine(EngineConfig(block_size=4, num_gpu_blocks=11))  # 10 usable
     engine.add_request(make_sim_request(seq(1, 8), max_tokens=3), 0.0)
     engine.step(0.0)
     assert engine.stats().kv_cache_usage == pytest.approx(0.2)  # 2 prompt blocks
@@ -141,7 +143,7 @@ def test_max_num_seqs_queues_requests_and_counts_hits_only_on_admission() -> Non
 
 
 def test_abort_frees_blocks_and_forgets_the_request() -> None:
-    engine = Engine(EngineConfig(block_size=4, num_gpu_blocks=8))
+    engine = Engine(EngineConfig(block_size=4, num_gpu_blocks=9))  # 8 usable
     req = make_sim_request(seq(1, 16), max_tokens=8)
     engine.add_request(req, 0.0)
     engine.step(0.0)
@@ -183,7 +185,7 @@ def test_reset_prefix_cache_refuses_while_running_then_empties_the_cache() -> No
 
 
 def test_kv_events_follow_the_chain_through_prompt_decode_and_eviction() -> None:
-    engine = Engine(EngineConfig(block_size=4, num_gpu_blocks=4, enable_kv_cache_events=True))
+    engine = Engine(EngineConfig(block_size=4, num_gpu_blocks=5, enable_kv_cache_events=True))
     prompt = seq(1, 6)
     fin = run_alone(engine, make_sim_request(prompt, max_tokens=4, salt="s"))
     tokens = prompt + list(fin.output_token_ids)

@@ -93,3 +93,16 @@ def test_pool_keeps_one_block_per_hash() -> None:
     pool.cache_full_blocks(blocks[1:], [h], 0, 1, [1, 2], 2, None)
     assert pool.get_cached_block(h) is blocks[0]
     assert blocks[1].block_hash is None
+
+
+def test_block_0_is_the_null_block_and_unhashed_blocks_are_reused_first() -> None:
+    """vLLM's BlockPool: block 0 is never handed out (usage counts the others); freed
+    blocks without a hash go to the front of the free queue, tail first, hashed ones to
+    its back, so a cached prefix outlives a request's partial last block."""
+    pool = BlockPool(6)
+    assert pool.num_free_blocks == 5 and pool.usage() == 0.0
+    blocks = pool.get_new_blocks(3)
+    assert [b.block_id for b in blocks] == [1, 2, 3] and pool.usage() == 0.6
+    pool.cache_full_blocks(blocks, [hash_block_tokens(NONE_HASH, [1])], 0, 1, [1], 1, None)
+    pool.free_blocks(reversed(blocks))
+    assert [b.block_id for b in pool.get_new_blocks(5)] == [3, 2, 4, 5, 1]

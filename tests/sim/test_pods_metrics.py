@@ -115,7 +115,7 @@ def test_counters_and_histograms_move_with_requests(pods: SimPods) -> None:
 
 def test_gauges_show_a_running_request() -> None:
     slow = EngineConfig(
-        timing_profile=constant_step(0.05), num_gpu_blocks=100
+        timing_profile=constant_step(0.05), num_gpu_blocks=101
     )  # 20 tokens take 1 s
     with run_sim_pods(GroupSettings(num_pods=1, engine=slow)) as pods:
         body = {"prompt": "x" * 400, "max_tokens": 10}
@@ -126,6 +126,6 @@ def test_gauges_show_a_running_request() -> None:
         wait_until(lambda: value(scrape(pods), "vllm:num_requests_running") != 0)
         metrics = scrape(pods)
         usage = value(metrics, "vllm:kv_cache_usage_perc")
-        assert usage == pytest.approx(0.07)  # 100 prompt tokens in 7 of 100 blocks
+        assert usage == pytest.approx(0.07)  # 100 prompt tokens in 7 of 100 usable blocks
         assert value(metrics, "vllm:num_requests_waiting") == 0
         thread.join(5)

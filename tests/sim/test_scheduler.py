@@ -115,10 +115,10 @@ def test_without_chunked_prefill_a_prompt_over_the_budget_left_stops_the_queue(
 
 
 def test_a_waiting_request_is_admitted_only_when_its_whole_prompt_fits() -> None:
-    """Blocks of 4; 7 of them. a holds 4 from step 2 on, so b's 16 tokens (4 blocks)
-    wait until a is done, although its first chunk of 11 would fit in 3."""
+    """Blocks of 4; 7 usable (and the null block). a holds 4 from step 2 on, so b's 16
+    tokens (4 blocks) wait until a is done, although its first chunk of 11 would fit in 3."""
     engine = engine_with(
-        [("a", 12, 4), ("b", 16, 1)], block_size=4, num_gpu_blocks=7, max_num_batched_tokens=12
+        [("a", 12, 4), ("b", 16, 1)], block_size=4, num_gpu_blocks=8, max_num_batched_tokens=12
     )
     assert scheduled(run(engine, 6)) == [
         [("a", 12)],
@@ -137,10 +137,11 @@ def test_chunked_prefill_off_needs_a_budget_of_max_model_len() -> None:
 
 
 def test_the_newest_running_request_is_preempted_and_requeued_at_the_front() -> None:
-    """Blocks of 4; 7 of them. a, b, c take 2 each; a's decode takes the last free one,
-    b's needs one more: c, the newest, is preempted. It goes back before d (queued
-    later), and on its return hits what is left of its own cached prefix."""
-    engine = engine_with([("a", 8, 3), ("b", 8, 3), ("c", 8, 3)], block_size=4, num_gpu_blocks=7)
+    """Blocks of 4; 7 usable (and the null block). a, b, c take 2 each; a's decode takes
+    the last free one, b's needs one more: c, the newest, is preempted. It goes back
+    before d (queued later), and on its return hits what is left of its own cached
+    prefix."""
+    engine = engine_with([("a", 8, 3), ("b", 8, 3), ("c", 8, 3)], block_size=4, num_gpu_blocks=8)
     results = run(engine, 1)
     engine.add_request(make_sim_request(seq(9, 8), 3, request_id="d"), engine.clock)
     results += run(engine, 4)
@@ -166,9 +167,10 @@ def test_the_newest_running_request_is_preempted_and_requeued_at_the_front() -> 
 
 
 def test_a_request_preempted_by_its_own_allocation_stops_the_running_pass() -> None:
-    """Blocks of 4; 5 of them. a and b take 2 each; a's decode takes the last free one;
-    b needs one and is itself the newest: b is preempted, recomputed once a is done."""
-    engine = engine_with([("a", 8, 3), ("b", 8, 3)], block_size=4, num_gpu_blocks=5)
+    """Blocks of 4; 5 usable (and the null block). a and b take 2 each; a's decode takes
+    the last free one; b needs one and is itself the newest: b is preempted, recomputed
+    once a is done."""
+    engine = engine_with([("a", 8, 3), ("b", 8, 3)], block_size=4, num_gpu_blocks=6)
     results = run(engine, 5)
     assert scheduled(results) == [
         [("a", 8), ("b", 8)],
@@ -215,7 +217,7 @@ def test_kv_events_come_with_the_chunk_that_fills_the_blocks() -> None:
 
 
 def test_preemptions_are_counted_as_vllm_names_them() -> None:
-    engine = engine_with([("a", 8, 3), ("b", 8, 3)], block_size=4, num_gpu_blocks=5)
+    engine = engine_with([("a", 8, 3), ("b", 8, 3)], block_size=4, num_gpu_blocks=6)
     metrics = PodMetrics(engine, "m")
     run(engine, 2)
     families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
