@@ -25,10 +25,10 @@ within a token budget of ``max_num_batched_tokens`` and ``max_num_seqs`` running
    fit the budget left stops the queue. The head of the queue blocks the rest.
 3. The step lasts ``profile.step_s(StepWork(prefill tokens, decoding requests, context
    tokens, prefilling requests)) * time_scale`` (``timing.py``); a request recomputing
-   after a preemption prefills, one computing only its last sampled token decodes. At its end a request whose computed tokens
-   reach its last token samples one (a partial prefill chunk samples nothing). A request
-   with ``max_tokens`` tokens finishes (``finish_reason`` "length") and its blocks are
-   freed, tail first.
+   after a preemption prefills, one computing only its last sampled token decodes. At
+   the step's end a request whose computed tokens reach its last token samples one (a
+   partial prefill chunk samples nothing). A request with ``max_tokens`` tokens
+   finishes (``finish_reason`` "length") and its blocks are freed, tail first.
 
 A preempted request is recomputed later, prompt and sampled tokens alike, from whatever
 of it the prefix cache still holds. Counters as vLLM's: ``prefix_cache_queries`` (tokens
@@ -40,8 +40,9 @@ token. A request that could never fit (more blocks than the pool's usable ones f
 ``prompt + max_tokens - 1`` tokens, or longer than ``max_model_len``) is rejected by
 ``add_request``.
 
-Not modelled: async scheduling (a finished request's blocks are freed at the end of its
-last step, not one step later), spec decoding, ``long_prefill_token_threshold``.
+Not modelled: async scheduling (vLLM's default, which schedules the next step while one
+runs, so what a step frees or samples reaches the scheduler a step later), spec
+decoding, ``long_prefill_token_threshold``, the priority policy.
 
 A discrete-event loop over several engines::
 
