@@ -15,14 +15,19 @@ What is compared, and why so:
   empty cache on both sides.
 - **Preemption in both or in neither** (``vllm:num_preemptions_total`` over a sequence).
 - **Timing within a tolerance.** The sim's step time is the CPU timing profile fitted on
-  this kind of pod; what the client measures adds what the profile does not model: vLLM's
-  API server (tokenizing, detokenizing, the hop to the engine process), the sim's aiohttp
-  server, and a 2-core machine shared with other work, where a step of the tiny model
-  takes milliseconds and a scheduling hiccup as long. Per request that noise is of the
-  order of the figures themselves, so the tolerance applies to each sequence's median
-  TTFT and median end-to-end time: the sim's within ``TIMING_RATIO`` times the real one's
-  either way, give or take ``TIMING_SLACK_S`` (the API overheads, which a median does
-  not remove). The per-request figures are printed, not asserted.
+  this kind of pod, when the machine was otherwise quiet. What the client measures on
+  the real pod adds what the profile leaves out: vLLM's API server (tokenizing,
+  detokenizing, streaming, the hop to the engine process), and a 2-core machine shared
+  with other work, whose load alone moves the real pod's steps by a factor of 2 to 3
+  from one run to the next (its own inter-token latency, one stream or ten) while the
+  sim's timer does not move. A step of the tiny model takes milliseconds, as long as a
+  scheduling hiccup, so per request the noise is of the order of the figures; the
+  tolerance applies to each sequence's median TTFT and median end-to-end time: the
+  sim's within ``TIMING_RATIO`` times the real one's either way, give or take
+  ``TIMING_SLACK_S``. That catches a profile off by an order of magnitude or a
+  scheduling that serializes what vLLM batches, not a profile off by 50%: on this
+  machine the sim is faster than the real pod in every sequence. The per-request
+  figures are printed, not asserted.
 
 Output lengths match: every request sends ``ignore_eos`` (the random-weight model may
 sample its end-of-sequence token early; the sim always generates ``max_tokens`` and
@@ -82,8 +87,8 @@ from testkit.waiting import wait_until
 MAX_NUM_BATCHED_TOKENS = 256
 MAX_NUM_SEQS = 128  # vLLM's CPU default for the API server
 TIMING_PROFILE = "cpu-qwen3-tiny"
-TIMING_RATIO = 2.0  # the sim's median within [real / 2, real * 2] ...
-TIMING_SLACK_S = 0.05  # ... widened by this much either way
+TIMING_RATIO = 3.0  # the sim's median within [real / 3, real * 3] ...
+TIMING_SLACK_S = 0.02  # ... widened by this much either way
 PREEMPTIONS = "vllm:num_preemptions_total"
 REQUEST_TIMEOUT_S = 120.0
 RESET_TIMEOUT_S = 30.0
@@ -485,7 +490,8 @@ class Comparison:
     def timing_misses(self) -> list[str]:
         """The medians outside the tolerance (see the module docstring)."""
         return [
-            f"{self.sequence}: median {key} real {real:.3f} s, sim {sim:.3f} s"
+            f"{self.sequence}: median {key} real {real:.3f} s, sim {sim:.3f} s, outside "
+            f"x{TIMING_RATIO:g} +-{TIMING_SLACK_S:g} s (a loaded machine slows the real pod)"
             for key, (real, sim) in self.medians().items()
             if not within(real, sim)
         ]
