@@ -49,10 +49,14 @@ from bench.workloads import (
     prefix_bound,
 )
 from e2e.real_vllm.pods import cores_shared, num_cores
+from extproc.sim.timing import DEFAULT_PROFILE
 
 WORKLOADS = ("conversation", "synthetic", "tenants", "multiturn", "longchat")
 SIM_BLOCKS = 2048
-SIM_ENGINE = ["--num-gpu-blocks", str(SIM_BLOCKS), "--max-num-seqs", "8"]
+SIM_PROFILE = DEFAULT_PROFILE
+SIM_ENGINE = [
+    "--num-gpu-blocks", str(SIM_BLOCKS), "--max-num-seqs", "8", "--timing-profile", SIM_PROFILE
+]  # fmt: skip
 
 
 def build_workload(name: str, kind: str, args: argparse.Namespace) -> list[TimedRequest]:
@@ -262,8 +266,9 @@ def pod_sets(
         sim_setup = (
             f"{args.sim_pods} simulated pods (`extproc sim-pods {engine} --tokenizer QWEN3_DIR "
             f"--kv-events-endpoint tcp://127.0.0.1:*`: 2,048 blocks of 16 tokens each, at most 8 "
-            f"running requests, GPU-like step times; prompts tokenized by the vLLM pods' Qwen3 "
-            f"tokenizer and chat template and KV events published, for every contender of this "
+            f"running requests, the {SIM_PROFILE} timing profile, vLLM V1 scheduling with "
+            f"chunked prefill; prompts tokenized by the vLLM pods' Qwen3 tokenizer and chat "
+            f"template and KV events published, for every contender of this "
             f"run, since `extproc-precise` needs them). Mooncake traces: first "
             f"{args.trace_requests} requests, token counts / 16 (at 4 bytes a token), clock "
             f"x{args.speedup}."
@@ -271,9 +276,10 @@ def pod_sets(
     else:
         sim_setup = (
             f"{args.sim_pods} simulated pods (`extproc sim-pods {engine}`: 2,048 "
-            f"blocks of 16 tokens each, at most 8 running requests, GPU-like step times; the "
-            f"pseudo-tokenizer, no KV events). Mooncake traces: first {args.trace_requests} "
-            f"requests, token counts / 16, clock x{args.speedup}."
+            f"blocks of 16 tokens each, at most 8 running requests, the {SIM_PROFILE} timing "
+            f"profile, vLLM V1 scheduling with chunked prefill; the pseudo-tokenizer, no KV "
+            f"events). Mooncake traces: first {args.trace_requests} requests, token counts / "
+            f"16, clock x{args.speedup}."
         )
     binding = (
         f"on {num_cores()} shared cores"
