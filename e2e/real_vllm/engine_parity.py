@@ -114,7 +114,9 @@ class Send:
 
 
 @dataclass(frozen=True, slots=True)
-class Sequence_:
+class RequestSequence:
+    """Requests sent in waves: a wave's requests overlap, waves follow one another."""
+
     name: str
     waves: tuple[tuple[Send, ...], ...]
 
@@ -319,7 +321,7 @@ async def send_one(
     )
 
 
-async def _run(side: Side, seq: Sequence_) -> dict[str, Outcome]:
+async def _run(side: Side, seq: RequestSequence) -> dict[str, Outcome]:
     seen: dict[str, Outcome] = {}
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
         for wave in seq.waves:
@@ -328,7 +330,7 @@ async def _run(side: Side, seq: Sequence_) -> dict[str, Outcome]:
     return seen
 
 
-def run_sequence(side: Side, seq: Sequence_) -> SideRun:
+def run_sequence(side: Side, seq: RequestSequence) -> SideRun:
     """Send ``seq`` to ``side`` from an empty prefix cache."""
     side.reset_cache()
     before = side.num_preemptions()
@@ -363,17 +365,17 @@ def ids_of(text: str, tokenizer: Tokenizer) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
-def cold(n: int = 8) -> Sequence_:
+def cold(n: int = 8) -> RequestSequence:
     """Distinct prompts of growing length, one after another: nothing to find."""
     sends = [
         Send(f"cold-{i}", "completions",
              {"prompt": f"{i}: " + paragraph(TOPICS[i % len(TOPICS)], 2 + 3 * i), "max_tokens": 8})
         for i in range(n)
     ]  # fmt: skip
-    return Sequence_("cold", tuple((s,) for s in sends))
+    return RequestSequence("cold", tuple((s,) for s in sends))
 
 
-def shared_prefix(num_sequential: int = 8, num_concurrent: int = 4) -> Sequence_:
+def shared_prefix(num_sequential: int = 8, num_concurrent: int = 4) -> RequestSequence:
     """One long system prompt, several questions: one after another, then a staggered
     overlapping wave."""
     system = "You answer questions about nature. " + paragraph("the coastline", 14)
@@ -387,13 +389,13 @@ def shared_prefix(num_sequential: int = 8, num_concurrent: int = 4) -> Sequence_
 
     waves: list[tuple[Send, ...]] = [(ask(i),) for i in range(num_sequential)]
     waves.append(tuple(ask(num_sequential + j, 0.04 * j) for j in range(num_concurrent)))
-    return Sequence_("shared-prefix", tuple(waves))
+    return RequestSequence("shared-prefix", tuple(waves))
 
 
 REPLY = "Here is a short answer. " + paragraph("the question", 1)
 
 
-def chat_turns(num_conversations: int = 2, num_turns: int = 5) -> Sequence_:
+def chat_turns(num_conversations: int = 2, num_turns: int = 5) -> RequestSequence:
     """Conversations whose history carries a fixed assistant reply (the same on both
     sides), turns alternating between conversations."""
     histories: list[list[dict[str, str]]] = [
@@ -410,10 +412,12 @@ def chat_turns(num_conversations: int = 2, num_turns: int = 5) -> Sequence_:
             )
             body = {"messages": list(history), "max_tokens": 8}
             waves.append((Send(f"chat-{c}.{t}", "chat", body),))
-    return Sequence_("multi-turn-chat", tuple(waves))
+    return RequestSequence("multi-turn-chat", tuple(waves))
 
 
-def token_turns(tokenizer: Tokenizer, num_conversations: int = 2, num_turns: int = 5) -> Sequence_:
+def token_turns(
+    tokenizer: Tokenizer, num_conversations: int = 2, num_turns: int = 5
+) -> RequestSequence:
     """Conversations as token ids, each side fed its own answers (16 tokens a turn)."""
     waves: list[tuple[Send, ...]] = []
     for t in range(num_turns):
@@ -422,10 +426,10 @@ def token_turns(tokenizer: Tokenizer, num_conversations: int = 2, num_turns: int
             body = {"prompt": ids_of(text, tokenizer), "max_tokens": 16}
             follows = f"tokens-{c}.{t - 1}" if t else None
             waves.append((Send(f"tokens-{c}.{t}", "completions", body, follows=follows),))
-    return Sequence_("multi-turn-tokens", tuple(waves))
+    return RequestSequence("multi-turn-tokens", tuple(waves))
 
 
-def long_among_short(num_short: int = 9) -> Sequence_:
+def long_among_short(num_short: int = 9) -> RequestSequence:
     """One long prompt (prefilled in chunks) with short ones arriving during it."""
     long = Send("long", "completions",
                 {"prompt": "Long: " + paragraph("glaciers", 24), "max_tokens": 16})  # fmt: skip
@@ -435,15 +439,15 @@ def long_among_short(num_short: int = 9) -> Sequence_:
              delay_s=0.01 + 0.02 * i)
         for i in range(num_short)
     ]  # fmt: skip
-    return Sequence_("long-among-short", ((long, *shorts),))
+    return RequestSequence("long-among-short", ((long, *shorts),))
 
 
-def mixed(tokenizer: Tokenizer) -> list[Sequence_]:
+def mixed(tokenizer: Tokenizer) -> list[RequestSequence]:
     """The 50-request mix of ``make sim-parity``."""
     return [cold(), shared_prefix(), chat_turns(), token_turns(tokenizer), long_among_short()]
 
 
-def memory_pressure(num_requests: int = 4) -> Sequence_:
+def memory_pressure(num_requests: int = 4) -> RequestSequence:
     """Concurrent long requests outgrowing a small cache (see ``PRESSURE_GPU_BLOCKS``),
     then the first prompt and the last one again: what the preemptions and the
     evictions left cached. The last (newest) request is the one preempted, so its
@@ -457,7 +461,7 @@ def memory_pressure(num_requests: int = 4) -> Sequence_:
     wave = tuple(Send(f"pressure-{i}", "completions", b, 0.04 * i) for i, b in enumerate(bodies))
     first = Send("pressure-again-first", "completions", {**bodies[0], "max_tokens": 4})
     last = Send("pressure-again-last", "completions", {**bodies[-1], "max_tokens": 4})
-    return Sequence_("memory-pressure", (wave, (first,), (last,)))
+    return RequestSequence("memory-pressure", (wave, (first,), (last,)))
 
 
 # Four prompts of 12 sentences (8 or 9 blocks of 32 tokens each, about 34 in all) fit
@@ -503,7 +507,7 @@ def within(real: float, sim: float) -> bool:
     return real / TIMING_RATIO - TIMING_SLACK_S <= sim <= real * TIMING_RATIO + TIMING_SLACK_S
 
 
-def compare(seq: Sequence_, real: SideRun, sim: SideRun) -> Comparison:
+def compare(seq: RequestSequence, real: SideRun, sim: SideRun) -> Comparison:
     rows = [(real.outcomes[s.name], sim.outcomes[s.name]) for s in seq.sends()]
     mismatches = [
         f"{r.name}: prompt tokens real {r.prompt_tokens} sim {s.prompt_tokens}, "
@@ -518,7 +522,7 @@ def compare(seq: Sequence_, real: SideRun, sim: SideRun) -> Comparison:
     return Comparison(seq.name, rows, real.num_preemptions, sim.num_preemptions, mismatches)
 
 
-def run_both(real: Side, sim: Side, sequences: Sequence[Sequence_]) -> list[Comparison]:
+def run_both(real: Side, sim: Side, sequences: Sequence[RequestSequence]) -> list[Comparison]:
     """Each sequence on the real side, then on the sim side."""
     return [compare(seq, run_sequence(real, seq), run_sequence(sim, seq)) for seq in sequences]
 

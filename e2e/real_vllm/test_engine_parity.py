@@ -51,7 +51,7 @@ def _check(comparison: ep.Comparison) -> None:
     assert comparison.timing_misses() == []
 
 
-SEQUENCES: dict[str, Callable[[Tokenizer], ep.Sequence_]] = {
+SEQUENCES: dict[str, Callable[[Tokenizer], ep.RequestSequence]] = {
     "cold": lambda _: ep.cold(),
     "shared-prefix": lambda _: ep.shared_prefix(),
     "multi-turn-chat": lambda _: ep.chat_turns(),
