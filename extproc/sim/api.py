@@ -53,7 +53,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http import HTTPStatus
 from typing import Any, Literal
 
@@ -105,9 +105,10 @@ def error_body(
     return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
 
 
-def _invalid(message: str, param: str) -> ApiError:
+def _invalid(message: str, param: str, value: object = None) -> ApiError:
     """A 400 as vLLM words a request validator's refusal (``VLLMValidationError``)."""
-    return ApiError(400, f"{message} (parameter={param})", param)
+    extras = f"parameter={param}" if value is None else f"parameter={param}, value={value}"
+    return ApiError(400, f"{message} ({extras})", param)
 
 
 def _malformed(kind: str, loc: str, message: str) -> ApiError:
@@ -142,6 +143,33 @@ class GenerationRequest:
         """Tokens the engine generates: ``max_tokens``, or the tool call's, if fewer."""
         words = self.output_words
         return self.max_tokens if words is None else len(words)
+
+
+def fit_context(req: GenerationRequest, max_model_len: int) -> GenerationRequest:
+    """vLLM's length rules: a prompt longer than the context is refused, one that fills it
+    leaves no room for a token, and ``max_tokens`` is lowered to the room left.
+
+    Raises:
+        ApiError: 400, worded as vLLM words it.
+    """
+    num_prompt = len(req.prompt_token_ids)
+    if num_prompt > max_model_len:
+        raise _invalid(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt contains {num_prompt} input tokens, which exceeds this limit even without "
+            "any output tokens. Please reduce the length of the input prompt.",
+            "input_tokens",
+            value=num_prompt,
+        )
+    if num_prompt == max_model_len:
+        raise ApiError(
+            400,
+            f"The decoder prompt (length {num_prompt}) plus the number of requested output "
+            f"tokens (at least 1) is longer than the maximum model length of {max_model_len}. "
+            "Make sure that `max_model_len` is no smaller than the number of text tokens "
+            "(prompt + requested output tokens).",
+        )
+    return replace(req, max_tokens=min(req.max_tokens, max_model_len - num_prompt))
 
 
 def parse_request(

@@ -41,6 +41,7 @@ from extproc.sim.api import (
     Kind,
     ResponseFormat,
     error_body,
+    fit_context,
     parse_request,
     render_body,
 )
@@ -349,7 +350,7 @@ class SimPod:
             return self._error(faults.error_status, f"injected fault on pod {self.name}")
         try:
             body = orjson.loads(await request.read())
-            parsed = await self._parse(kind, body)
+            parsed = fit_context(await self._parse(kind, body), self.engine.config.max_model_len)
             req = SimRequest(
                 request_id=f"{kind}-{uuid.uuid4().hex}",
                 prompt_token_ids=parsed.prompt_token_ids,

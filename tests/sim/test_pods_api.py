@@ -199,7 +199,10 @@ def test_cache_salt_isolates_and_is_shared_within_a_salt(pods: SimPods) -> None:
         pytest.param("/v1/completions", {"prompt": "x", "cache_salt": ""}, 400,
                      "cache_salt", id="empty-salt"),
         pytest.param("/v1/completions", {"prompt": "x" * 200_000}, 400,
-                     "maximum context length is 32768 tokens", id="too-long"),
+                     "maximum context length is 32768 tokens. However, your prompt contains "
+                     "50000 input tokens", id="too-long"),
+        pytest.param("/v1/completions", {"prompt": "xxxx" * 32768}, 400,
+                     "(length 32768) plus the number of requested output tokens", id="full"),
         pytest.param("/v1/chat/completions", {"messages": []}, 400,
                      "messages must be a non-empty list", id="no-messages"),
         pytest.param("/v1/chat/completions", {"messages": [{"content": "x"}]}, 400,
@@ -220,6 +223,14 @@ def test_bad_requests_get_vllm_error_bodies(
     assert error["code"] == status
     assert error["type"] == {400: "BadRequestError", 404: "NotFoundError"}[status]
     assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_max_tokens_is_lowered_to_the_room_left_in_the_context(pods: SimPods) -> None:
+    """As vLLM: a prompt that fits but leaves less room than ``max_tokens`` is not refused."""
+    body = {"model": "sim-llm", "prompt": "xxxx" * 32760, "max_tokens": 100}
+    resp = httpx.post(pods.pods[0].url + "/v1/completions", json=body, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 8
 
 
 def test_body_that_is_not_json_is_a_bad_request(pods: SimPods) -> None:
