@@ -539,13 +539,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         p["fitted"] = p["work"]["num_decode_seqs"] <= FIT_MAX_DECODE_SEQS
     result["fit"] = fit(result["points"])
     result["api_overhead_s"] = api_overhead(result["points"])
-    report = markdown(result)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-    if args.md:
-        args.md.write_text(report)
-    print(report)
+    publish(result, markdown(result), args.json, args.md)
     return 0
+
+
+def publish(
+    result: dict[str, Any], report: str, json_path: Path | None, md_path: Path | None
+) -> None:
+    """Write the results' JSON and Markdown where asked, and print the Markdown."""
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=1) + "\n")
+    if md_path:
+        md_path.write_text(report)
+    print(report)
 
 
 if __name__ == "__main__":

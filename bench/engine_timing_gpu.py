@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.engine_timing import coefficient_rows, fit, point, point_rows
+from bench.engine_timing import coefficient_rows, fit, point, point_rows, publish
 
 LAMBDA_URL = (
     "https://github.com/LambdaLabsML/vllm-benchmark/blob/a4f9f4371a1ccac781293837fce2bce0cc6d25cc/"
@@ -178,12 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "predicted_s": decode_fit["base_s"] + prefill["s_per_prefill_token"] * prompt_tokens,
         },
     }
-    report = markdown(result)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-    if args.md:
-        args.md.write_text(report)
-    print(report)
+    publish(result, markdown(result), args.json, args.md)
     return 0
 
 
