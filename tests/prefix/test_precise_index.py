@@ -4,6 +4,8 @@ predicts exactly the hit the pool finds, request after request, evictions includ
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -108,3 +110,47 @@ def test_a_store_under_an_unknown_parent_is_an_orphan() -> None:
     index = PreciseIndex(8)
     assert index.stored(POD, [5], 999, list(range(BS)), BS, None) == 0
     assert index.view(POD).orphans == 1
+
+
+@pytest.mark.parametrize("medium", ["GPU", "CPU"])
+@pytest.mark.parametrize("num_copies", [2, 3])
+def test_a_block_cached_again_stays_until_every_copy_is_removed(
+    medium: str, num_copies: int
+) -> None:
+    """vLLM caches a block computed by two requests side by side twice, with a
+    ``BlockStored`` per copy and a ``BlockRemoved`` per evicted copy; it hits while one
+    copy is left."""
+    index = PreciseIndex(8)
+    tokens = [0] * BS
+    keys = chain_keys(tokens, BS)
+    for _ in range(num_copies):
+        index.stored(POD, [7], None, tokens, BS, None, medium)
+    assert index.view(POD).num_blocks(medium) == 1
+    for _ in range(num_copies - 1):
+        assert index.removed(POD, [7], medium) == 0
+        assert sum(index.match(POD, keys)) == 1
+    assert index.removed(POD, [7], medium) == 1
+    assert sum(index.match(POD, keys)) == 0
+    assert index.removed(POD, [7], medium) == 0
+
+
+@pytest.mark.parametrize(
+    "forget",
+    [
+        pytest.param(lambda index: index.cleared(POD), id="all-blocks-cleared"),
+        pytest.param(lambda index: index.mark_stale(POD), id="stale"),
+        pytest.param(  # capacity 2: two unrelated blocks push the first one out
+            lambda index: [index.stored(POD, [i], None, [i] * BS, BS, None) for i in (1, 2)],
+            id="over-capacity",
+        ),
+    ],
+)
+def test_a_forgotten_block_forgets_its_copies(forget: Callable[[PreciseIndex], object]) -> None:
+    index = PreciseIndex(capacity_blocks=2)
+    tokens = [0] * BS
+    for _ in range(3):
+        index.stored(POD, [7], None, tokens, BS, None)
+    forget(index)
+    index.stored(POD, [7], None, tokens, BS, None)  # cached once from now on
+    index.removed(POD, [7])
+    assert index.match(POD, chain_keys(tokens, BS)) == (0, 0)

@@ -7,6 +7,13 @@ map key -> engine hash and its inverse engine hash -> key; the inverse maps a
 not know (stored before we subscribed, or lost) cannot be keyed and is counted as an
 orphan; its blocks could not be matched anyway, since a match walks from block 0.
 
+vLLM does not de-duplicate its cache: two requests computing the same block side by
+side both cache it, each copy with its own ``BlockStored`` and, when evicted, its own
+``BlockRemoved``, and a lookup hits while any copy is left. So a hash stored again while
+known counts one more copy (in ``copies``, which holds only hashes with more than one,
+so the request path reads nothing more), and a removal drops the block only with its
+last copy.
+
 Memory is bounded by the pod's real capacity (``capacity`` blocks per medium, from the
 configuration): an engine never holds more, so an overflow means removals were lost,
 and the oldest-stored blocks go first.
@@ -36,6 +43,8 @@ class PodView:
     block_size: int | None = None  # learned from the pod's first BlockStored
     blocks: dict[str, dict[int, int]] = field(default_factory=dict)  # medium -> key -> hash
     keys: dict[str, dict[int, int]] = field(default_factory=dict)  # medium -> hash -> key
+    # medium -> hash -> copies beyond the first, for hashes cached more than once
+    copies: dict[str, dict[int, int]] = field(default_factory=dict)
     stale_until: float = 0.0  # monotonic time; the view is not trusted before it
     orphans: int = 0  # stored blocks whose parent was unknown
     evicted: int = 0  # blocks dropped over capacity (lost removals)
@@ -46,6 +55,7 @@ class PodView:
     def clear(self) -> None:
         self.blocks = {}
         self.keys = {}
+        self.copies = {}
 
     def num_blocks(self, medium: str) -> int:
         return len(self.blocks.get(medium, ()))
@@ -89,8 +99,9 @@ class PreciseIndex:
         extra_keys: Sequence[Sequence[Any] | None] | None,
         medium: Any = None,
     ) -> int:
-        """Apply one ``BlockStored``; returns the blocks added (0 for an orphan or a
-        partial block, which vLLM only stores with partial-block hits on)."""
+        """Apply one ``BlockStored``; returns the blocks added, a known block's further
+        copy included (0 for an orphan or a partial block, which vLLM only stores with
+        partial-block hits on)."""
         view = self.view(pod)
         med = medium_of(medium)
         if block_size < 1 or len(token_ids) != len(hashes) * block_size:
@@ -102,27 +113,38 @@ class PreciseIndex:
             return 0
         view.block_size = block_size
         blocks = view.blocks.setdefault(med, {})
+        copies = view.copies.setdefault(med, {})
         data = token_bytes(token_ids)
         step = 4 * block_size
         for i, engine_hash in enumerate(hashes):
             extra = extra_keys[i] if extra_keys and i < len(extra_keys) else None
             parent_key = block_key(parent_key, data[i * step : (i + 1) * step], extra)
-            blocks.pop(parent_key, None)  # re-stored: newest again
+            if blocks.pop(parent_key, None) == engine_hash:  # another copy, newest again
+                copies[engine_hash] = copies.get(engine_hash, 0) + 1
             blocks[parent_key] = engine_hash
             by_hash[engine_hash] = parent_key
         while len(blocks) > view.capacity:
             oldest = next(iter(blocks))
-            by_hash.pop(blocks.pop(oldest), None)
+            engine_hash = blocks.pop(oldest)
+            by_hash.pop(engine_hash, None)
+            copies.pop(engine_hash, None)
             view.evicted += 1
         return len(hashes)
 
     def removed(self, pod: PodId, hashes: Sequence[int], medium: Any = None) -> int:
-        """Apply one ``BlockRemoved``; returns the blocks dropped."""
+        """Apply one ``BlockRemoved``; returns the blocks dropped (a block with
+        copies left stays)."""
         view = self.view(pod)
         med = medium_of(medium)
         by_hash, blocks = view.keys.get(med, {}), view.blocks.get(med, {})
+        copies = view.copies.get(med, {})
         dropped = 0
         for engine_hash in hashes:
+            others = copies.pop(engine_hash, 0)
+            if others:
+                if others > 1:
+                    copies[engine_hash] = others - 1
+                continue
             key = by_hash.pop(engine_hash, None)
             if key is not None and blocks.pop(key, None) is not None:
                 dropped += 1
