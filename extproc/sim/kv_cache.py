@@ -21,8 +21,11 @@ evicted first, a prompt's last blocks before its first ones), those without one 
 partial last block) its front, to be reused first. Only the pool edits the hash map and
 the free queue.
 
-A block whose hash is already cached (two identical prompts computed side by side)
-stays unhashed: one block per hash, so a hit is never ambiguous.
+As in vLLM, cached blocks are not de-duplicated: when two requests compute the same
+block (two identical prompts side by side, or a prompt of whole blocks sent again, whose
+last block is always recomputed), both blocks are cached under its hash, each with its
+own ``BlockStored`` and, when evicted, its own ``BlockRemoved``; a hit takes the first
+one cached, and the hash stays findable while one is left.
 """
 
 from __future__ import annotations
@@ -118,7 +121,8 @@ class BlockPool:
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks[1:]
         )
-        self._cached: dict[TokenBlockHash, KVCacheBlock] = {}
+        # hash -> the blocks cached under it, by block_id, first cached first
+        self._cached: dict[TokenBlockHash, dict[int, KVCacheBlock]] = {}
         self._events: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None
         self.num_evicted_blocks = 0
 
@@ -128,6 +132,8 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
+        """Distinct hashes cached: a hash cached in two blocks counts once, as in the
+        length of vLLM's hash map (and in a view built from the pool's events)."""
         return len(self._cached)
 
     @property
@@ -142,7 +148,9 @@ class BlockPool:
         return 1.0 - len(self._free) / self.num_usable_blocks
 
     def get_cached_block(self, block_hash: TokenBlockHash) -> KVCacheBlock | None:
-        return self._cached.get(block_hash)
+        """The first block cached under ``block_hash``, if any."""
+        blocks = self._cached.get(block_hash)
+        return next(iter(blocks.values())) if blocks else None
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[TokenBlockHash], num_tokens: int, block_size: int
@@ -154,7 +162,7 @@ class BlockPool:
         """
         hits: list[KVCacheBlock] = []
         for block_hash in block_hashes[: (num_tokens - 1) // block_size]:
-            block = self._cached.get(block_hash)
+            block = self.get_cached_block(block_hash)
             if block is None:
                 break
             hits.append(block)
@@ -181,12 +189,15 @@ class BlockPool:
         return out
 
     def _evict(self, block: KVCacheBlock) -> None:
-        assert block.block_hash is not None
-        if self._cached.get(block.block_hash) is block:
-            del self._cached[block.block_hash]
-            self.num_evicted_blocks += 1
-            if self._events is not None:
-                self._events.append(BlockRemoved((block.block_hash,)))
+        block_hash = block.block_hash
+        assert block_hash is not None
+        blocks = self._cached[block_hash]
+        del blocks[block.block_id]
+        if not blocks:
+            del self._cached[block_hash]
+        self.num_evicted_blocks += 1
+        if self._events is not None:
+            self._events.append(BlockRemoved((block_hash,)))
         block.block_hash = None
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -214,41 +225,33 @@ class BlockPool:
         block_size: int,
         cache_salt: str | None,
     ) -> None:
-        """Register a request's blocks ``num_cached_blocks..num_full_blocks-1`` as cached.
+        """Register a request's blocks ``num_cached_blocks..num_full_blocks-1`` as cached,
+        with one ``BlockStored`` for them, as vLLM does per request and step.
 
-        Their KV is (being) computed, so later requests may hit them. A hash already cached
-        in another block leaves this block unhashed (module docstring).
+        Their KV is (being) computed, so later requests may hit them.
         """
-        stored: list[int] = []
+        if num_full_blocks <= num_cached_blocks:
+            return
         for idx in range(num_cached_blocks, num_full_blocks):
             block, block_hash = blocks[idx], block_hashes[idx]
-            if block.block_hash is not None or block_hash in self._cached:
-                continue
+            assert block.block_hash is None
             block.block_hash = block_hash
-            self._cached[block_hash] = block
-            stored.append(idx)
-        if self._events is None or not stored:
+            self._cached.setdefault(block_hash, {})[block.block_id] = block
+        if self._events is None:
             return
-        # One BlockStored per run of consecutive blocks, like vLLM's one per request step.
-        runs: list[list[int]] = []
-        for idx in stored:
-            if runs and runs[-1][-1] == idx - 1:
-                runs[-1].append(idx)
-            else:
-                runs.append([idx])
-        for run in runs:
-            first, last = run[0], run[-1]
-            self._events.append(
-                BlockStored(
-                    block_hashes=tuple(block_hashes[i] for i in run),
-                    parent_block_hash=block_hashes[first - 1] if first else None,
-                    token_ids=tuple(token_ids[first * block_size : (last + 1) * block_size]),
-                    block_size=block_size,
-                    extra_keys=tuple(
-                        (cache_salt,) if i == 0 and cache_salt is not None else None for i in run
-                    ),
-                )
+        first = num_cached_blocks
+        self._events.append(
+            BlockStored(
+                block_hashes=tuple(block_hashes[first:num_full_blocks]),
+                parent_block_hash=block_hashes[first - 1] if first else None,
+                token_ids=tuple(token_ids[first * block_size : num_full_blocks * block_size]),
+                block_size=block_size,
+                extra_keys=tuple(
+                    (cache_salt,) if i == 0 and cache_salt is not None else None
+                    for i in range(first, num_full_blocks)
+                ),
             )
+        )
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash, as vLLM does: only when no block is in use (else False)."""

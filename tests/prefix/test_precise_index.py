@@ -38,6 +38,12 @@ def predicted(index: PreciseIndex, tokens: list[int], salt: str | None) -> int:
     return min(gpu, (len(tokens) - 1) // BS) * BS
 
 
+def publish(pool: BlockPool, index: PreciseIndex, layout: str = "map") -> None:
+    """The pool's events since the last call, on the wire and into the index."""
+    for event in decode_batch(encode_event_batch(0.0, pool.take_events(), layout)):  # type: ignore[arg-type]
+        assert apply_event(index, POD, event)
+
+
 prompts = st.lists(
     st.tuples(
         st.lists(st.integers(0, 3), min_size=1, max_size=40),  # few values: shared prefixes
@@ -59,10 +65,28 @@ def test_index_predicts_the_pools_hits(
         if -(-len(tokens) // BS) > num_blocks - 1 or (layout == "array" and salt):  # null block
             continue  # older vLLM's array layout does not publish extra keys (cache_salt)
         assert predicted(index, tokens, salt) == serve(pool, tokens, salt)
-        for event in decode_batch(encode_event_batch(0.0, pool.take_events(), layout)):  # type: ignore[arg-type]
-            assert apply_event(index, POD, event)
+        publish(pool, index, layout)
     view = index.views.get(POD)
-    assert view is None or view.num_blocks("GPU") == pool.num_cached_blocks
+    if view is not None:  # every cached block, a hash cached twice (vLLM's) counted twice
+        assert view.num_blocks("GPU") == pool.num_cached_blocks
+        assert view.num_blocks("GPU") + sum(view.copies.get("GPU", {}).values()) == sum(
+            b.block_hash is not None for b in pool.blocks
+        )
+
+
+def test_a_prompt_cached_twice_is_hit_after_one_copy_is_evicted() -> None:
+    """A prompt of whole blocks sent twice is cached twice (its last block is always
+    computed again); evicting the older copy leaves the other one to hit."""
+    pool = BlockPool(5, enable_kv_cache_events=True)  # the null block and four
+    index = PreciseIndex(capacity_blocks=4)
+    for tokens, hit in [
+        ([0] * 4, 0),
+        ([0] * 4, 0),  # the same block again, in another block
+        ([1] * 4 + [2] * 4 + [3] * 3, 0),  # takes the first copy's block
+        ([0] * 4 + [5], 4),
+    ]:
+        assert predicted(index, tokens, None) == serve(pool, tokens, None) == hit
+        publish(pool, index)
 
 
 def test_all_blocks_cleared_empties_the_view() -> None:
@@ -70,8 +94,7 @@ def test_all_blocks_cleared_empties_the_view() -> None:
     index = PreciseIndex(8)
     serve(pool, [1, 2, 3, 4, 5, 6, 7, 8, 9], None)
     assert pool.reset_prefix_cache()
-    for event in decode_batch(encode_event_batch(0.0, pool.take_events())):
-        apply_event(index, POD, event)
+    publish(pool, index)
     assert index.view(POD).num_blocks("GPU") == 0
 
 

@@ -8,6 +8,8 @@ from extproc.sim.engine import Engine, EngineConfig
 from extproc.sim.kv_cache import (
     NONE_HASH,
     BlockPool,
+    BlockRemoved,
+    BlockStored,
     hash_block_tokens,
     hash_request_tokens,
 )
@@ -85,14 +87,26 @@ def test_lookup_stops_at_the_first_miss() -> None:
     assert run_alone(engine, make_sim_request(changed)).num_cached_tokens == 4
 
 
-def test_pool_keeps_one_block_per_hash() -> None:
-    pool = BlockPool(4)
+def test_pool_caches_identical_blocks_twice_as_vllm_does() -> None:
+    """No de-duplication: both blocks are cached (and announced); a hit takes the first
+    one; evicting either says so, and the hash stays findable while one is left."""
+    pool = BlockPool(3, enable_kv_cache_events=True)  # the null block and two
     blocks = pool.get_new_blocks(2)
     h = hash_block_tokens(NONE_HASH, [1, 2])
     pool.cache_full_blocks(blocks[:1], [h], 0, 1, [1, 2], 2, None)
     pool.cache_full_blocks(blocks[1:], [h], 0, 1, [1, 2], 2, None)
     assert pool.get_cached_block(h) is blocks[0]
-    assert blocks[1].block_hash is None
+    assert blocks[1].block_hash == h and pool.num_cached_blocks == 1
+    assert [type(e) for e in pool.take_events()] == [BlockStored, BlockStored]
+    pool.free_blocks(blocks)
+    (evicted,) = pool.get_new_blocks(1)  # the least recently freed: blocks[0]
+    assert evicted is blocks[0]
+    assert pool.get_cached_block(h) is blocks[1]
+    assert pool.take_events() == [BlockRemoved((h,))]
+    pool.get_new_blocks(1)
+    assert pool.get_cached_block(h) is None and pool.num_cached_blocks == 0
+    assert pool.take_events() == [BlockRemoved((h,))]
+    assert pool.num_evicted_blocks == 2
 
 
 def test_block_0_is_the_null_block_and_unhashed_blocks_are_reused_first() -> None:

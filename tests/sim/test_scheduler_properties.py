@@ -48,9 +48,10 @@ def check_blocks(engine: Engine, result: StepResult | None) -> None:
     for r in engine._running:
         assert len(r.blocks) == -(-r.num_computed_tokens // cfg.block_size)
         assert len({b.block_id for b in r.blocks}) == len(r.blocks)
-    for block_hash, block in pool._cached.items():
-        assert block.block_hash == block_hash
-    assert pool.num_cached_blocks == sum(b.block_hash is not None for b in pool.blocks)
+    cached = [(h, i, b) for h, blocks in pool._cached.items() for i, b in blocks.items()]
+    assert all(b.block_hash == h and b.block_id == i for h, i, b in cached)
+    assert all(pool._cached.values())  # a hash whose last block went is gone
+    assert len(cached) == sum(b.block_hash is not None for b in pool.blocks)
     assert len(engine._running) <= cfg.max_num_seqs
     if result is not None:
         assert sum(n for _, n in result.scheduled) <= cfg.max_num_batched_tokens
