@@ -284,6 +284,21 @@ def _check_messages(messages: Any) -> None:
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, "each message must be an object with a string role", "messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            for part in content:
+                _check_content_part(part)
+
+
+def _check_content_part(part: Any) -> None:
+    """As vLLM's request model: a content part is an object, and a text part's ``text`` a
+    string (vLLM's own parser would take a bare string, but validation refuses it first)."""
+    if not isinstance(part, dict):
+        raise _malformed("dict_type", "body.messages.content", "Input should be a valid dictionary")
+    if part.get("type") == "text" and not isinstance(part.get("text"), str):
+        raise _malformed(
+            "string_type", "body.messages.content.text", "Input should be a valid string"
+        )
 
 
 def _check_input(input_: Any, instructions: Any) -> None:
