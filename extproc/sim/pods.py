@@ -133,6 +133,9 @@ def _json(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
 
 
+INLINE_PARSE_BYTES = 1 << 20  # larger request bodies are parsed off the event loop
+
+
 class SimPod:
     """One pod: an engine, its runner, metrics, faults and HTTP site."""
 
@@ -303,8 +306,8 @@ class SimPod:
     async def _render(self, request: web.Request, kind: Kind) -> web.Response:
         """vLLM's ``GenerateRequest`` (completions: a list of one), token ids and all."""
         try:
-            body = orjson.loads(await request.read())
-            parsed = await self._parse(kind, body)
+            raw = await request.read()
+            parsed = await self._parse(kind, orjson.loads(raw), len(raw))
         except orjson.JSONDecodeError as e:
             return self._error(400, f"the body is not valid JSON: {e}")
         except ApiError as e:
@@ -312,12 +315,18 @@ class SimPod:
         rendered = render_body(parsed)
         return _json([rendered] if kind == "completion" else rendered)
 
-    async def _parse(self, kind: Kind, body: Any) -> GenerationRequest:
+    async def _parse(self, kind: Kind, body: Any, size: int) -> GenerationRequest:
         """``parse_request``; a real tokenizer's, which takes milliseconds on a long
-        prompt, runs off the pods' event loop (on the group's one tokenizing thread)."""
+        prompt, runs off the pods' event loop (on the group's one tokenizing thread), and
+        so does rendering a body of ``size`` bytes over ``INLINE_PARSE_BYTES`` (a chat of
+        thousands of messages takes seconds), so the pods keep answering meanwhile."""
         settings = self._settings
         if self._tokenizer is None:
-            return parse_request(kind, body, self.model, settings.default_max_tokens)
+            if size <= INLINE_PARSE_BYTES:
+                return parse_request(kind, body, self.model, settings.default_max_tokens)
+            return await asyncio.get_running_loop().run_in_executor(
+                None, parse_request, kind, body, self.model, settings.default_max_tokens
+            )
         tok = self._tokenizer
         return await asyncio.get_running_loop().run_in_executor(
             tok.thread,
@@ -349,8 +358,11 @@ class SimPod:
             self.counters["num_injected_errors"] += 1
             return self._error(faults.error_status, f"injected fault on pod {self.name}")
         try:
-            body = orjson.loads(await request.read())
-            parsed = fit_context(await self._parse(kind, body), self.engine.config.max_model_len)
+            raw = await request.read()
+            parsed = fit_context(
+                await self._parse(kind, orjson.loads(raw), len(raw)),
+                self.engine.config.max_model_len,
+            )
             req = SimRequest(
                 request_id=f"{kind}-{uuid.uuid4().hex}",
                 prompt_token_ids=parsed.prompt_token_ids,
