@@ -56,6 +56,7 @@ from e2e.real_vllm.pods import (
     MAX_MODEL_LEN,
     MODEL,
     VllmPod,
+    metric_sum,
     start_vllm_pods,
     vllm_argv,
 )
@@ -81,17 +82,6 @@ TOKEN_IDS = range(1000, 150000)
 METRICS_WAIT_S = 5.0
 
 
-def histogram(text: str, name: str) -> tuple[float, float]:
-    """(sum, count) of histogram ``name`` over all its label sets."""
-    total = count = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "_sum"):
-            total += float(line.rsplit(" ", 1)[1])
-        elif line.startswith(name + "_count"):
-            count += float(line.rsplit(" ", 1)[1])
-    return total, count
-
-
 class Meter:
     """Deltas of the pod's engine histograms across a batch of requests."""
 
@@ -108,7 +98,10 @@ class Meter:
 
     def _read(self) -> dict[str, tuple[float, float]]:
         text = self.pod.metrics_text()
-        return {name: histogram(text, name) for name in self.NAMES}
+        return {
+            name: (metric_sum(text, name + "_sum"), metric_sum(text, name + "_count"))
+            for name in self.NAMES
+        }
 
     def deltas(self, num_requests: int) -> dict[str, tuple[float, float]]:
         """Per histogram, (Δsum, Δcount) once ``num_requests`` more requests are recorded."""
