@@ -442,8 +442,7 @@ class Engine:
         return True
 
     def _preempt(self, r: _Request) -> None:
-        self.pool.free_blocks(reversed(r.blocks))
-        r.blocks = []
+        self._free_blocks(r)
         r.num_computed_tokens = r.num_hashed_blocks = 0
         r.num_preemptions += 1
         self._num_preemptions += 1
@@ -497,9 +496,13 @@ class Engine:
         return outputs, finished
 
     def _release(self, r: _Request) -> None:
+        self._free_blocks(r)
+        self._ids.discard(r.req.request_id)
+
+    def _free_blocks(self, r: _Request) -> None:
+        """Unpin ``r``'s blocks tail first, so its prefix stays cached longest."""
         self.pool.free_blocks(reversed(r.blocks))
         r.blocks = []
-        self._ids.discard(r.req.request_id)
 
     def _finished(self, r: _Request, end: float) -> FinishedRequest:
         self._num_finished += 1
