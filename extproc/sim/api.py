@@ -392,23 +392,20 @@ def _chat_tool_choice(body: dict[str, Any]) -> Any:
     return choice
 
 
+_NOT_AN_OBJECT = "Input should be a valid dictionary or object to extract fields from"
+
+
 def _check_function_tool(tool: Any, loc: str) -> None:
     """A chat tool as vLLM's ``ChatCompletionToolsParam`` takes it."""
     if not isinstance(tool, dict):
-        raise _malformed(
-            "model_attributes_type", loc,
-            "Input should be a valid dictionary or object to extract fields from",
-        )  # fmt: skip
+        raise _malformed("model_attributes_type", loc, _NOT_AN_OBJECT)
     if tool.get("type", "function") != "function":
         raise _malformed("literal_error", f"{loc}.type", "Input should be 'function'")
     function = tool.get("function")
     if function is None:
         raise _malformed("missing", f"{loc}.function", "Field required")
     if not isinstance(function, dict):
-        raise _malformed(
-            "model_attributes_type", f"{loc}.function",
-            "Input should be a valid dictionary or object to extract fields from",
-        )  # fmt: skip
+        raise _malformed("model_attributes_type", f"{loc}.function", _NOT_AN_OBJECT)
     if "name" not in function:
         raise _malformed("missing", f"{loc}.function.name", "Field required")
     if not isinstance(function["name"], str):

@@ -70,11 +70,13 @@ class ToolCallAnswer:
     arguments: str  # JSON text, as the Hermes parser hands it on
     finish_reason: ToolFinish
     id: str = field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex[:16]}")
+    # The model's output: the call's markup, then its end-of-turn token (read once a
+    # token while streaming, so split once).
+    words: tuple[str, ...] = field(init=False)
 
-    @property
-    def words(self) -> tuple[str, ...]:
-        """The model's output: the call's markup, then its end-of-turn token."""
-        return (*split_words(tool_call_text(ToolCall(self.name, self.arguments))), _EOS)
+    def __post_init__(self) -> None:
+        markup = split_words(tool_call_text(ToolCall(self.name, self.arguments)))
+        object.__setattr__(self, "words", (*markup, _EOS))
 
     def text(self, num_tokens: int) -> str:
         """The text of the first ``num_tokens`` words (a character cut short dropped, as
