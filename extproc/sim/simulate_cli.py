@@ -41,14 +41,16 @@ from extproc.sim.workloads import (
     DEFAULT_MODEL,
     BurstParams,
     ChatParams,
+    GroupsParams,
     Workload,
     burst_workload,
     chat_workload,
+    groups_workload,
     multiturn_workload,
     tenants_workload,
 )
 
-WORKLOADS = ("burst", "chat", "multiturn", "tenants", *TRACE_FILES, "trace")
+WORKLOADS = ("burst", "chat", "multiturn", "tenants", "groups", *TRACE_FILES, "trace")
 
 
 DESCRIPTION = """\
@@ -125,6 +127,11 @@ def make_workload(args: argparse.Namespace) -> Workload:
         return multiturn_workload(args.seed, args.model, args.requests)
     if args.workload == "tenants":
         return tenants_workload(args.seed, args.model, args.requests)
+    if args.workload == "groups":
+        groups = (
+            GroupsParams() if args.requests is None else GroupsParams(num_requests=args.requests)
+        )
+        return groups_workload(groups, args.seed, args.model)
     if args.workload == "trace":
         if args.trace is None:
             raise ConfigError("--workload trace needs --trace FILE")

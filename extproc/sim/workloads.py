@@ -266,3 +266,54 @@ def tenants_workload(
     params = replace(TENANTS_PARAMS, num_requests=num_requests or TENANTS_PARAMS.num_requests)
     workload = burst_workload(params, seed, model)
     return replace(workload, name="tenants", engine_defaults=BENCH_ENGINE_DEFAULTS)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupsParams:
+    """Groups of chat sessions sharing a short system prompt, every session's history
+    growing each round, sent at a fixed rate (``groups_workload``)."""
+
+    num_groups: int = 13
+    sessions_per_group: int = 5
+    system_tokens: int = 300
+    user_tokens: tuple[int, int] = (250, 350)
+    output_tokens: tuple[int, int] = (16, 32)
+    rate_per_s: float = 12.0
+    num_requests: int = 720
+
+
+def groups_workload(
+    params: GroupsParams = GroupsParams(), seed: int = 0, model: str = DEFAULT_MODEL
+) -> Workload:
+    """Sessions in groups (module docstring): request ``k`` arrives at ``k / rate`` and is
+    the next round of session ``order[k mod sessions]`` (a seeded order), whose prompt is
+    its whole history (its group's system prompt, earlier rounds and answers) plus a new
+    user message."""
+
+    def items() -> Iterator[WorkItem]:
+        rng = np.random.default_rng(seed)
+        systems = [
+            words_text(rng.integers(0, NUM_WORDS, params.system_tokens))[0]
+            for _ in range(params.num_groups)
+        ]
+        num_sessions = params.num_groups * params.sessions_per_group
+        order = rng.permutation(num_sessions)
+        histories = [
+            [ChatMessage("system", systems[s // params.sessions_per_group])]
+            for s in range(num_sessions)
+        ]
+        for k in range(params.num_requests):
+            session = int(order[k % num_sessions])
+            user = words_text(rng.integers(0, NUM_WORDS, _uniform(rng, params.user_tokens)))
+            messages = [*histories[session], ChatMessage("user", user[0])]
+            max_tokens = _uniform(rng, params.output_tokens)
+            answer = "".join(generate_words(render_chat(messages), max_tokens))
+            histories[session] = [*messages, ChatMessage("assistant", answer)]
+            round_ = k // num_sessions
+            yield chat_item(
+                f"groups-{session}-{round_}", k / params.rate_per_s, messages, max_tokens, model
+            )
+
+    return Workload(
+        "groups", {"seed": seed, "model": model, **asdict(params)}, items, BENCH_ENGINE_DEFAULTS
+    )

@@ -36,8 +36,25 @@ affinity pods are ranked by::
 
 and every other pod by ``est``. No pod has affinity when the longest match covers less
 than ``affinityMinMatch`` of the prompt (a shared system prompt alone must not pin every
-conversation to one pod); ``score = floor(100 * (max_cost - cost) / (max_cost
-- min_cost))`` (all 100 when equal). Ties are the scheduler's (least loaded first).
+conversation to one pod).
+
+Sessions: the cache a conversation is worth is the history it is about to grow, not the
+prefix it reuses now. ``SessionBook`` tells which conversation a request continues (its
+session header, else the earlier prompt it extends) and counts each pod's live
+*returning* sessions (those that sent a second request: one-shot requests sharing a
+system prompt are not conversations). Every pod's cost then gets, after the hysteresis::
+
+    session_ms = sessionMs * sessions(pod) / mean sessions of the candidates
+
+where ``sessions`` leaves out the request's own session on its own pod. A new
+conversation goes where fewest live ones grow; one placed on a crowded pod moves once
+the crowding costs more than recomputing its history elsewhere (its uncached tokens
+there, and the margin), early while its history is short. Moving makes the new pod
+hold its longest prefix, so it does not move back unless the other pod becomes the
+crowded one (``extproc_sessions_moved_total``, and the tokens the moves prefill).
+
+``score = floor(100 * (max_cost - cost) / (max_cost - min_cost))`` (all 100 when
+equal). Ties are the scheduler's (least loaded first).
 
 The prefix view is this plugin's own per-pod LRU (``PrefixIndex``, Kthena's block hashing
 and eviction), recorded on success only, in bytes of the prompt: ``uncached =
@@ -76,7 +93,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 
 from extproc.pods import Pod, PodId
 from extproc.prefix.hashing import Keys
@@ -93,6 +110,7 @@ from extproc.scheduling.plugins.arrivals import Arrivals
 from extproc.scheduling.plugins.pod_work import pod_work
 from extproc.scheduling.plugins.prefix_metrics import prefix_cache_metrics
 from extproc.scheduling.plugins.prefix_rows import match_lengths, per_row
+from extproc.scheduling.plugins.session_book import SessionBook
 from extproc.scheduling.podtable import PodTable, Positions, RowValues
 
 
@@ -107,7 +125,7 @@ class EstimatedTTFTArgs:
         50000, "Blocks recorded per pod; beyond, the least recently used are evicted."
     )
     prefillMsPerToken: float = arg(
-        0.1, "Milliseconds of one engine step per uncached prompt token (the prefill speed)."
+        0.02, "Milliseconds of one engine step per uncached prompt token (the prefill speed)."
     )
     queuedMs: float = arg(
         30.0, "Milliseconds each request queued ahead adds beyond its prefill (steps, a slot)."
@@ -124,13 +142,22 @@ class EstimatedTTFTArgs:
     affinityRatio: float = arg(1.5, "... and by more than this many times.")
     affinityMinMatch: float = arg(0.3, "No affinity for a match under this share of the prompt.")
     writtenMs: float = arg(
-        300.0,
+        100.0,
         "The most a pod's recent cache writes add to its estimate, in ms: a whole uncached "
         "prompt on the busiest writer (0: no write cost).",
         within=ZERO_UP,
     )
     writtenWindow: int = arg(
         1000, "Picks over which each pod's cache writes are counted (decayed)."
+    )
+    sessionMs: float = arg(
+        150.0,
+        "What a pod holding the candidates' mean number of live returning sessions (besides "
+        "the request's own) adds to its estimate, in ms, in proportion (0: sessions ignored).",
+        within=ZERO_UP,
+    )
+    sessionIdleS: float = arg(
+        120.0, "Seconds after its latest request a session stops counting as live."
     )
 
 
@@ -233,6 +260,23 @@ class EstimatedTTFT:
         self.index = PrefixIndex(args.maxHashCacheSize, observer=self.metrics)
         self.arrivals = Arrivals()
         self.written = Written(args.writtenWindow)
+        self.sessions = SessionBook(args.sessionIdleS)
+        self.sessions_moved = Counter(
+            "extproc_sessions_moved",
+            "Returning sessions picked for another pod than the one that served their "
+            "previous request.",
+            registry=ctx.registry,
+        )
+        self.moved_tokens = Counter(
+            "extproc_sessions_moved_recomputed_tokens",
+            "Prompt tokens the pods picked for moved sessions were estimated to prefill.",
+            registry=ctx.registry,
+        )
+        Gauge(
+            "extproc_sessions_live",
+            "Sessions (conversations) seen within sessionIdleS.",
+            registry=ctx.registry,
+        ).set_function(lambda: len(self.sessions))
         Gauge(
             "extproc_estimated_ttft_arriving_requests",
             "Routed requests whose prompt counts as arriving at their pick (not ended yet).",
@@ -338,6 +382,31 @@ class EstimatedTTFT:
         per_token = self.args.writtenMs / (most * max(1, num_tokens))
         return {pod: per_token * w * cycle.num_prefill_tokens(pod) for pod, w in written.items()}
 
+    def session_ms(self, cycle: Cycle, pods: Iterable[PodId]) -> dict[PodId, float]:
+        """Each pod's ``session_ms`` (module doc)."""
+        counts = self.sessions.returning_counts(pods)
+        own = self._own_pod(cycle)
+        if own is not None and own in counts:
+            counts[own] -= 1
+        mean = sum(counts.values()) / max(1, len(counts))
+        if self.args.sessionMs <= 0 or mean <= 0:
+            return dict.fromkeys(counts, 0.0)
+        return {pod: self.args.sessionMs * n / mean for pod, n in counts.items()}
+
+    def _tip_index(self, cycle: Cycle, keys: Keys) -> int:
+        """The index of the prompt's last whole block in ``keys``; a cycle replayed from
+        another replica has no prompt length, so its last key counts as partial."""
+        if cycle.num_prompt_bytes <= 0:
+            return len(keys) - 2
+        return min(len(keys), cycle.num_prompt_bytes // self.args.blockSizeToHash) - 1
+
+    def _own_pod(self, cycle: Cycle) -> PodId | None:
+        """The pod the request's session is placed on, if it is a returning one."""
+        keys = self._keys(cycle)
+        session = self.sessions.find(keys, self._tip_index(cycle, keys), cycle.request.session_key)
+        pod, returning = self.sessions.session_pod(session)
+        return pod if returning else None
+
     def _costs(
         self, cycle: Cycle, pods: Sequence[Pod], blocks: Mapping[PodId, int]
     ) -> dict[PodId, float]:
@@ -347,12 +416,13 @@ class EstimatedTTFT:
             estimates[pod] += ms
         longest = max(held.values(), default=0)
         a = self.args
-        if longest <= 0 or longest / max(1, length.units) < a.affinityMinMatch:
-            return estimates
-        for pod, units in held.items():
-            if units == longest:
-                est = estimates[pod]
-                estimates[pod] = min(est - a.affinityMarginMs, est / a.affinityRatio)
+        if longest > 0 and longest / max(1, length.units) >= a.affinityMinMatch:
+            for pod, units in held.items():
+                if units == longest:
+                    est = estimates[pod]
+                    estimates[pod] = min(est - a.affinityMarginMs, est / a.affinityRatio)
+        for pod, ms in self.session_ms(cycle, estimates).items():
+            estimates[pod] += ms
         return estimates
 
     def score(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
@@ -422,6 +492,15 @@ class EstimatedTTFT:
             affinity = held == longest
             est = costs[affinity]
             costs[affinity] = np.minimum(est - a.affinityMarginMs, est / a.affinityRatio)
+        if a.sessionMs > 0:
+            counts = self.sessions.returning_rows(table.position, len(table))
+            own = self._own_pod(cycle)
+            if own is not None and (row := table.position.get(own)) is not None:
+                counts[row] -= 1
+            counts = counts[positions]
+            mean = counts.sum() / max(1, len(counts))
+            if mean > 0:
+                costs += a.sessionMs * counts / mean
         return costs, int(blocks.max(initial=0))
 
     @staticmethod
@@ -458,6 +537,12 @@ class EstimatedTTFT:
         self.written.add(pod, cycle.num_prefill_tokens(pod))
         if len(keys):
             self.arrivals.add(keys, pod)
+        placed = self.sessions.place(
+            keys, self._tip_index(cycle, keys), pod, cycle.request.session_key
+        )
+        if placed.moved_from is not None:
+            self.sessions_moved.inc()
+            self.moved_tokens.inc(cycle.num_prefill_tokens(pod))
 
     def settled(self, cycle: Cycle, pod: PodId) -> None:
         """The request picked for ``pod`` ended (any outcome): its arriving credit goes."""
@@ -470,3 +555,4 @@ class EstimatedTTFT:
         self.index.retain_pods(ids)
         self.arrivals.forget_pods(ids)
         self.written.forget_pods(ids)
+        self.sessions.forget_pods(ids)
