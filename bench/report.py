@@ -11,10 +11,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 COLUMNS = (
-    "workload", "contender", "hit ratio", "bound", "TTFT p50 ms", "TTFT p99 ms",
+    "workload", "contender", "hit ratio", "bound", "TTFT p50 ms", "TTFT p99 ms", "RR p99 ms",
     "req/s", "out tok/s", "failed", "requests per pod", "chat turns lost history",
     "verdict vs best peer",
 )  # fmt: skip
+ROUND_ROBIN = "envoy-rr"  # the baseline whose p99 every extproc row must beat
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -22,8 +23,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         cells = [
             r["workload"], r["contender"], f"{r['hit_ratio']:.3f}", f"{r['bound']:.3f}",
-            f"{r['ttft_p50_ms']:.0f}", _p99(r), f"{r['req_per_s']:.1f}",
-            f"{r['out_tok_per_s']:.0f}", str(r["failed"]),
+            f"{r['ttft_p50_ms']:.0f}", _p99(r), _rr_cell(rows, r["workload"]),
+            f"{r['req_per_s']:.1f}", f"{r['out_tok_per_s']:.0f}", str(r["failed"]),
             " ".join(str(int(n)) for n in r["per_pod"]), history_cell(r), r.get("verdict", ""),
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
@@ -35,6 +36,18 @@ def _p99(row: dict[str, Any]) -> str:
     each = row.get("ttft_p99_each_ms", [])
     median = f"{row['ttft_p99_ms']:.0f}"
     return median if len(each) < 2 else f"{median} ({' / '.join(f'{v:.0f}' for v in each)})"
+
+
+def rr_p99(rows: list[dict[str, Any]]) -> float | None:
+    """Round robin's (``envoy-rr``'s) median TTFT p99 among ``rows`` of one workload, the
+    p99 every ``extproc-*`` row must beat; None when it did not run."""
+    return next((r["ttft_p99_ms"] for r in rows if r["contender"] == ROUND_ROBIN), None)
+
+
+def _rr_cell(rows: list[dict[str, Any]], workload: str) -> str:
+    """Computed from the rows, so results written before the column render too."""
+    p99 = rr_p99([r for r in rows if r["workload"] == workload])
+    return "" if p99 is None else f"{p99:.0f}"
 
 
 def history_cell(row: dict[str, Any]) -> str:

@@ -1,4 +1,5 @@
-"""Benchmark workloads as timed requests: Mooncake traces, multi-tenant burst, multi-turn chats.
+"""Benchmark workloads as timed requests: Mooncake traces, multi-tenant burst, multi-turn
+chats, groups of chat sessions.
 
 Every workload is a list of ``TimedRequest`` (arrival time, API path, JSON body, and the
 prompt text the prefix bound is computed on), deterministic for a seed.
@@ -162,6 +163,55 @@ def multi_turn(
             messages = [*messages, {"role": "assistant", "content": answer}]
             at += rng.expovariate(1 / think_s)
     return sorted(out, key=lambda r: r.at_s)
+
+
+def group_sessions(
+    sizing: Sizing,
+    *,
+    groups: int = 13,
+    sessions_per_group: int = 5,
+    system_tokens: int = 300,
+    user_tokens: tuple[int, int] = (250, 350),
+    answer_tokens: int = 32,
+    rate: float = 20.0,
+    requests: int = 1000,
+    seed: int = 3,
+) -> list[TimedRequest]:
+    """Groups of chat sessions (issue 35; ``extproc/sim/workloads.py::groups_workload`` for
+    the offline simulator): each group's sessions share a short system prompt of its own,
+    and every session's history grows each round by a user message of uniform
+    ``user_tokens`` and a fixed answer (about 330 tokens a round, some 15 rounds with the
+    defaults). Request ``k`` arrives at ``k / rate`` (a fixed rate, open loop, near what
+    the pods serve only when the load is spread) and is the next round of session
+    ``order[k mod sessions]`` (a seeded order). On the 8 simulated pods (32,768 tokens of
+    cache each) a group's 5 histories reach about 28,000 tokens: two groups piled on one
+    pod outgrow its cache past mid-run, while the 65 histories spread over all pods just
+    about fit (about 190,000 tokens at mid-run, 360,000 at the end, of 262,144). A history
+    that would exceed ``sizing.max_prompt_tokens`` starts over (its system prompt and the
+    new message) under a new session number, so that no prompt outgrows the pods and
+    ``routing_quality.lost_histories`` does not count the restart as a lost history."""
+    rng = random.Random(seed)
+    systems = [words(20_000 + g, system_tokens * BYTES_PER_TOKEN) for g in range(groups)]
+    num_sessions = groups * sessions_per_group
+    order = rng.sample(range(num_sessions), num_sessions)
+    histories = [[{"role": "system", "content": systems[s // sessions_per_group]}]
+                 for s in range(num_sessions)]  # fmt: skip
+    numbers = list(range(num_sessions))  # each session's current number (restarts renumber)
+    restarts = 0
+    out: list[TimedRequest] = []
+    for k in range(requests):
+        s = order[k % num_sessions]
+        question = words(rng.randrange(1 << 30), rng.randint(*user_tokens) * BYTES_PER_TOKEN)
+        messages = [*histories[s], {"role": "user", "content": question}]
+        if len(chatml(messages)) > sizing.max_prompt_tokens * BYTES_PER_TOKEN:
+            messages = [histories[s][0], messages[-1]]
+            numbers[s] = num_sessions + restarts
+            restarts += 1
+        max_tokens = rng.randint(4, sizing.max_output_tokens)
+        out.append(_chat(sizing, k / rate, messages, max_tokens, session=numbers[s]))
+        answer = words(rng.randrange(1 << 30), answer_tokens * BYTES_PER_TOKEN)
+        histories[s] = [*messages, {"role": "assistant", "content": answer}]
+    return out
 
 
 def prefix_bound(requests: list[TimedRequest], block_bytes: int) -> float:
