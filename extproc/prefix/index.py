@@ -114,6 +114,7 @@ class PrefixIndex:
         # draws among equal matches beyond top-K; seeded, so a simulation replays exactly
         self.rng = rng if rng is not None else random.Random(0)
         self.storage = PrefixStorage()
+        self._limits: dict[PodId, int] = {}  # pods held to fewer entries (``limit_pod``)
         self._lock = threading.Lock()
 
     # -- queries -------------------------------------------------------------------
@@ -321,7 +322,8 @@ class PrefixIndex:
             lru = storage.lru_by_pod.get(pod) or storage.add_pod(pod)
             seqs = storage.seqs_of(lru, keys)
             is_new = seqs < 0
-            evicted = max(0, lru.live + int(is_new.sum()) - self.max_entries_per_pod)
+            limit = self._limits.get(pod, self.max_entries_per_pod)
+            evicted = max(0, lru.live + int(is_new.sum()) - limit)
             by_tag: dict[int, int] = {}
             # A held block has at least live - (ring positions after it) entries older than
             # it; Kthena cannot reach it before evicting `evicted` others (docstring below).
@@ -332,7 +334,7 @@ class PrefixIndex:
                 and lru.live - (lru.base + lru.size - int(held_seqs.min()))
                 < evicted + len(held_seqs)
             ):
-                readded = self._kthena_readds(lru, keys, is_new, evicted)
+                readded = self._kthena_readds(lru, keys, is_new, evicted, limit)
                 if len(readded):  # counted under the tags they had
                     for old_tag in storage.tags_of(lru, readded):
                         by_tag[old_tag] = by_tag.get(old_tag, 0) + 1
@@ -345,7 +347,7 @@ class PrefixIndex:
             return len(new_keys) - evicted, by_tag
 
     def _kthena_readds(
-        self, lru: PodLru, keys: Keys, is_new: npt.NDArray[np.bool_], evicted: int
+        self, lru: PodLru, keys: Keys, is_new: npt.NDArray[np.bool_], evicted: int, limit: int
     ) -> Keys:
         """The prompt's blocks ``lru`` holds that Kthena's tail-first adds evict before
         reaching them (each then added again, evicting one more entry).
@@ -375,15 +377,25 @@ class PrefixIndex:
             order[key] = None
             alive.add(key)
             size += 1
-            if size > self.max_entries_per_pod:
+            if size > limit:
                 alive.discard(order.popitem(last=False)[0])
                 size -= 1
         return np.array(readded, dtype=np.int64)
+
+    def limit_pod(self, pod: PodId, max_entries: int | None) -> None:
+        """Hold ``pod`` to ``max_entries`` (at most ``max_entries_per_pod``) from its next
+        record on; None lifts the limit. For a view sized like the pod's own cache."""
+        with self._lock:
+            if max_entries is None or max_entries >= self.max_entries_per_pod:
+                self._limits.pop(pod, None)
+            else:
+                self._limits[pod] = max(1, max_entries)
 
     def remove_pod(self, pod: PodId) -> int:
         """Forget every entry of ``pod`` (not counted as evictions); returns how many."""
         with self._lock:
             removed = self.storage.remove_pod(pod)
+            self._limits.pop(pod, None)
         if self.observer is not None and removed:
             self.observer.entries_changed(-removed)
         return removed

@@ -61,6 +61,9 @@ class RequestResult:
     pod_idx: int
     ttft_s: float
     finished_s: float
+    queue_s: float = 0.0  # arrival to the step that first admitted it
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # its prefix-cache hit at that admission
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +161,17 @@ class _Replay:
         while heap and heap[0][0] <= t:
             _, pod_idx, _, fin = heapq.heappop(heap)
             self.policy.finished(self.in_flight.pop(fin.request_id), pod_idx, True)
-            self.results.append(RequestResult(fin.request_id, pod_idx, fin.ttft_s, fin.finished_s))
+            self.results.append(
+                RequestResult(
+                    fin.request_id,
+                    pod_idx,
+                    fin.ttft_s,
+                    fin.finished_s,
+                    fin.queue_s,
+                    fin.num_prompt_tokens,
+                    fin.num_cached_tokens,
+                )
+            )
 
     def scrape_if_due(self, t: float) -> None:
         """Refresh the metrics of the pods whose engines changed, if the interval passed."""

@@ -401,3 +401,31 @@ def assert_top_k(found: dict[PodId, int], lengths: dict[PodId, int], top_k: int)
     assert values == sorted(values, reverse=True)
     if values:
         assert {p for p, n in matched.items() if n > values[-1]} <= set(found)
+
+
+@pytest.mark.parametrize(
+    ("limit", "expected_a"),
+    [(3, 3), (None, 8), (100, 8)],
+    ids=["limited-pod-keeps-its-newest", "lifted", "above-the-index-bound-is-the-bound"],
+)
+def test_a_pod_limit_holds_only_that_pod_to_fewer_entries(
+    limit: int | None, expected_a: int
+) -> None:
+    index = PrefixIndex(max_entries_per_pod=8)
+    index.limit_pod(A, limit)
+    for i in range(4):
+        index.record([10 * i + 1, 10 * i + 2, 10 * i + 3], A)
+        index.record([10 * i + 1, 10 * i + 2, 10 * i + 3], B)
+    assert index.num_pod_entries(A) == expected_a
+    assert index.num_pod_entries(B) == 8
+    # the limit evicts as the bound does: least recently used first, the newest prompt stays
+    assert index.match([31, 32, 33], [A], 1) == {A: 3}
+    verify_index(index)
+
+
+def test_a_removed_pod_loses_its_limit() -> None:
+    index = PrefixIndex(max_entries_per_pod=8)
+    index.limit_pod(A, 2)
+    index.remove_pod(A)
+    index.record([1, 2, 3, 4], A)
+    assert index.num_pod_entries(A) == 4

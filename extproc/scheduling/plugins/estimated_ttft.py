@@ -246,6 +246,9 @@ class PromptLength(NamedTuple):
         return -(-(self.units - held) // self.units_per_token)
 
 
+_SIZED = "estimated-ttft sized the view"  # a pod table's scratch key
+
+
 class EstimatedTTFT:
     """Scores pods by estimated time to first token, with affinity hysteresis."""
 
@@ -425,7 +428,22 @@ class EstimatedTTFT:
             estimates[pod] += ms
         return estimates
 
+    def _size_view(self, table: PodTable) -> None:
+        """Hold each pod's view to what its KV cache holds (``vllm:cache_config_info``),
+        once per pod table: a view larger than the pod's cache credits histories the pod
+        has evicted."""
+        if table.scratch.get(_SIZED) is not self:
+            table.scratch[_SIZED] = self
+            self.size_view(table.pods)
+
+    def size_view(self, pods: Iterable[Pod]) -> None:
+        per_block = self.args.blockSizeToHash / BYTES_PER_TOKEN  # tokens in a view block
+        for pod in pods:
+            tokens = pod.metrics.kv_capacity_tokens
+            self.index.limit_pod(pod.id, None if not tokens else int(tokens / per_block))
+
     def score(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
+        self.size_view(pods)
         held = self.matched_blocks(cycle, pods)
         self._observe(cycle, max(held.values(), default=0))
         costs = self._costs(cycle, pods, held)
@@ -453,6 +471,7 @@ class EstimatedTTFT:
         """The costs, and the longest prefix a candidate holds or has arriving in this
         plugin's view, in blocks; leaves the candidates' uncached tokens in
         ``cycle.uncached_rows``."""
+        self._size_view(table)
         keys = self._keys(cycle)
         blocks = np.zeros(len(positions), dtype=np.int64)
         if len(keys):

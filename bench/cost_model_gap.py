@@ -1,0 +1,188 @@
+"""Where estimated-ttft's estimate and the pods' real waits part, offline.
+
+    python -m bench.cost_model_gap [--workloads groups,multiturn,...] [--markdown F]
+
+Replays workloads of the offline simulator (``extproc simulate``: simulated vLLM engines
+in simulated time, metrics scraped every 200 ms as the server does) under a scheduler
+configuration, and for every request compares what the picked pod's estimate assumed
+with what the engine then did:
+
+* the prompt tokens the pod would prefill (the view's ``uncached``) against the tokens
+  the engine really computed (prompt less its ``num_cached_tokens``): a view that
+  believes a pod holds a history the pod has evicted under-counts (``over-credit``);
+* the wait before the request's first step, which the estimate prices by the queue it
+  sees (scraped waiting/running, the router's own in-flight counts);
+* the estimate in ms (``est_ms``, queue and prefill, before the write cost, hysteresis
+  and sessions) against the request's real time to first token.
+
+Each configuration is a shipped one by name (``default``) or a YAML file; ``--before``
+names the configuration to compare with (by default the shipped one as it was before
+issue 35: ``prefillMsPerToken: 0.1``, ``writtenMs: 300``, no session term).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from extproc.pods import Pod
+from extproc.scheduling.config import (
+    SchedulerConfig,
+    default_config_text,
+    named_config_text,
+    parse_config,
+)
+from extproc.scheduling.interfaces import Cycle
+from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT
+from extproc.sim.engine import EngineConfig
+from extproc.sim.offline import SimSettings, simulate
+from extproc.sim.policies import PrefixCachePolicy
+from extproc.sim.workloads import (
+    GroupsParams,
+    Workload,
+    groups_workload,
+    multiturn_workload,
+    tenants_workload,
+)
+
+WORKLOADS = ("groups", "multiturn", "tenants")
+BEFORE = {"prefillMsPerToken": "0.1", "writtenMs": "300.0", "sessionMs": "0"}
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    uncached: int  # prompt tokens the view expects the pod to prefill
+    est_ms: float  # queue and prefill, as estimated-ttft prices them
+
+
+class MeasuredPolicy(PrefixCachePolicy):
+    """The configured scheduler, keeping the picked pod's estimate of every request."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        super().__init__(config, seed=0)
+        plugins = [p for p in self.scheduler.provisional if isinstance(p, EstimatedTTFT)]
+        if not plugins:
+            raise SystemExit("the configuration has no estimated-ttft scorer to measure")
+        self.plugin = plugins[0]
+        self.estimates: dict[str, Estimate] = {}
+
+    def pick(self, item: Any, pods: Sequence[Pod]) -> int:
+        by_id = {p.id: p for p in pods}
+        # the estimate as the pick saw it: before the pick itself is counted in flight
+        probe = Cycle(item.request)
+        estimates = self.plugin.estimate_ms(probe, pods)
+        idx = super().pick(item, pods)
+        pod = self._pod_ids[idx]
+        self.estimates[item.request_id] = Estimate(
+            probe.num_prefill_tokens(by_id[pod].id), estimates[pod]
+        )
+        return idx
+
+
+def config_with(text: str, changes: dict[str, str]) -> str:
+    """``text`` with the estimated-ttft arguments in ``changes`` set (added if absent)."""
+    lines = text.splitlines()
+    for key, value in changes.items():
+        found = [i for i, line in enumerate(lines) if line.strip().startswith(f"{key}:")]
+        if found:
+            indent = lines[found[0]][: len(lines[found[0]]) - len(lines[found[0]].lstrip())]
+            lines[found[0]] = f"{indent}{key}: {value}"
+        else:
+            lines.append(f"        {key}: {value}")
+    return "\n".join(lines) + "\n"
+
+
+def workload(name: str) -> Workload:
+    if name == "groups":
+        return groups_workload(GroupsParams(rate_per_s=20.0, num_requests=1000))
+    if name == "multiturn":
+        return multiturn_workload()
+    if name == "tenants":
+        return tenants_workload()
+    raise SystemExit(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+
+
+def measure(work: Workload, config: SchedulerConfig) -> dict[str, float]:
+    """The gaps of one replay (module doc), as medians and shares over its requests."""
+    policy = MeasuredPolicy(config)
+    engine = EngineConfig(**work.engine_defaults)
+    run = simulate(work, policy, SimSettings(8, engine, 0.2))
+    rows = []
+    for r in run.requests:
+        est = policy.estimates[r.request_id]
+        computed = r.num_prompt_tokens - r.num_cached_tokens
+        rows.append((est, computed, r))
+    over = [computed - est.uncached for est, computed, _ in rows]
+    errors = [r.ttft_s * 1000 - est.est_ms for est, _, r in rows]
+    hits = sum(r.num_cached_tokens for *_, r in rows)
+    prompts = sum(r.num_prompt_tokens for *_, r in rows)
+    ttfts = sorted(r.ttft_s * 1000 for *_, r in rows)
+    return {
+        "requests": len(rows),
+        "hit_ratio": hits / max(1, prompts),
+        "ttft_p50_ms": statistics.median(ttfts),
+        "ttft_p99_ms": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "over_credit_share": sum(1 for o in over if o > 16) / len(rows),
+        "over_credit_tokens_mean": statistics.fmean(max(0, o) for o in over),
+        "est_ms_median": statistics.median(est.est_ms for est, _, _ in rows),
+        "ttft_minus_est_ms_median": statistics.median(errors),
+        "queue_ms_p99": sorted(r.queue_s * 1000 for *_, r in rows)[int(0.99 * len(rows))],
+    }
+
+
+COLUMNS = (
+    ("hit_ratio", "hit ratio", "{:.3f}"),
+    ("ttft_p50_ms", "TTFT p50 ms", "{:.0f}"),
+    ("ttft_p99_ms", "TTFT p99 ms", "{:.0f}"),
+    ("est_ms_median", "est ms median", "{:.0f}"),
+    ("ttft_minus_est_ms_median", "TTFT - est ms median", "{:+.0f}"),
+    ("over_credit_share", "picks over-credited", "{:.1%}"),
+    ("over_credit_tokens_mean", "over-credit tokens mean", "{:.0f}"),
+    ("queue_ms_p99", "queue p99 ms", "{:.0f}"),
+)
+
+
+def markdown(results: dict[tuple[str, str], dict[str, float]]) -> str:
+    head = "| workload | configuration | " + " | ".join(c[1] for c in COLUMNS) + " |"
+    lines = [head, "|" + "---|" * (len(COLUMNS) + 2)]
+    for (name, label), row in results.items():
+        cells = [fmt.format(row[key]) for key, _, fmt in COLUMNS]
+        lines.append(f"| {name} | {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.cost_model_gap", description=__doc__)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--config", default="default", help="a shipped name or a YAML file")
+    parser.add_argument("--markdown", type=Path, help="write the table here")
+    args = parser.parse_args(argv)
+    text = (
+        default_config_text()
+        if args.config == "default"
+        else named_config_text(args.config)
+        if not Path(args.config).exists()
+        else Path(args.config).read_text()
+    )
+    configs = {
+        "before (issue 35)": parse_config(config_with(text, BEFORE), "before"),
+        args.config: parse_config(text, args.config),
+    }
+    results = {
+        (name, label): measure(workload(name), config)
+        for name in args.workloads.split(",")
+        for label, config in configs.items()
+    }
+    table = markdown(results)
+    print(table)
+    if args.markdown:
+        args.markdown.write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
