@@ -25,12 +25,32 @@ from testkit import estimated_ttft
 from testkit.factories import PREFIX_ONLY, make_cycle, make_pod, make_scheduler
 
 PROMPT = "w" * 4000  # 1,000 tokens at 4 bytes a token, 62.5 blocks of 64 bytes
-A = EstimatedTTFTArgs()  # prefill 0.1 ms/token, queued 30 ms, running 5 ms
+# The arithmetic's tests pin what they compute with (not the shipped defaults): prefill 0.1
+# ms/token, queued 30 ms, running 5 ms, writes 300 ms, no session term.
+A = EstimatedTTFTArgs(prefillMsPerToken=0.1, writtenMs=300.0, sessionMs=0.0)
+DEFAULTS = EstimatedTTFTArgs()
 
 
 def plugin(in_flight: InFlight | None = None) -> EstimatedTTFT:
-    ctx = PluginContext(CollectorRegistry(), in_flight=in_flight or InFlight())
-    return EstimatedTTFT.from_args(None, ctx)
+    return EstimatedTTFT(A, PluginContext(CollectorRegistry(), in_flight=in_flight or InFlight()))
+
+
+def test_the_defaults_are_priced_for_the_h100_8b_engine() -> None:
+    """The shipped defaults (config.yaml writes them out too)."""
+    expected = {
+        "prefillMsPerToken": 0.02,
+        "queuedMs": 30.0,
+        "runningMs": 5.0,
+        "affinityMarginMs": 50.0,
+        "affinityRatio": 1.5,
+        "affinityMinMatch": 0.3,
+        "writtenMs": 100.0,
+        "sessionMs": 150.0,
+        "sessionIdleS": 120.0,
+    }
+    assert {name: getattr(DEFAULTS, name) for name in expected} == expected
+    shipped = ttft_plugin(default_router()).args
+    assert shipped == DEFAULTS
 
 
 @pytest.mark.parametrize(
@@ -252,8 +272,8 @@ def default_router(pending_ttl_s: float = DEFAULT_PENDING_TTL_S, num_pods: int =
     )
 
 
-def body(question: str) -> bytes:
-    return b'{"model": "m", "prompt": "%s %s"}' % (PROMPT.encode(), question.encode())
+def body(question: str, prefix: str = PROMPT) -> bytes:
+    return b'{"model": "m", "prompt": "%s %s"}' % (prefix.encode(), question.encode())
 
 
 def ttft_plugin(router: Router) -> EstimatedTTFT:
@@ -263,9 +283,14 @@ def ttft_plugin(router: Router) -> EstimatedTTFT:
 
 
 def test_a_burst_with_a_new_prefix_follows_its_first_pick_before_any_response() -> None:
+    """The shipped defaults: the third request of an 8,000-token document costs the warm
+    pod, two deep, (0.02 x 8,003 + 30 x 3) / 1.5 = 167 ms against 190 ms on a cold pod
+    (without the credit the second already finds no match there: 380 ms). A 1,000-token
+    prompt is not worth the queue (60 ms against 50): that burst rightly spreads."""
     router = default_router()
-    picks = {router.route("/v1/completions", body(f"q{i}"), request_id=f"r{i}").pods[0].id
-             for i in range(3)}  # fmt: skip
+    document = "d" * 32_000
+    picks = {router.route("/v1/completions", body(f"q{i}", document), request_id=f"r{i}")
+             .pods[0].id for i in range(3)}  # fmt: skip
     assert len(picks) == 1  # without provisional credit the least loaded would differ
 
 
@@ -470,7 +495,8 @@ def test_a_zero_write_cost_or_margin_turns_the_term_off(name: str) -> None:
     """Unlike Kthena's arguments (0 means the default), these two take 0."""
     args = EstimatedTTFT.from_args({name: 0}, PluginContext(CollectorRegistry())).args
     assert getattr(args, name) == 0.0
-    assert EstimatedTTFT.from_args({"queuedMs": 0}, PluginContext(CollectorRegistry())).args == A
+    zero_queued = EstimatedTTFT.from_args({"queuedMs": 0}, PluginContext(CollectorRegistry()))
+    assert zero_queued.args == DEFAULTS
 
 
 @pytest.mark.parametrize("value", [-1.0, math.inf, math.nan])
@@ -479,8 +505,8 @@ def test_a_negative_or_infinite_write_cost_uses_the_default_and_logs(
 ) -> None:
     with caplog.at_level("WARNING", logger="extproc.scheduling.config"):
         args = EstimatedTTFT.from_args({"writtenMs": value}, PluginContext(CollectorRegistry()))
-    assert args.args.writtenMs == A.writtenMs
-    assert f"Invalid writtenMs {value}, using default value 300.0" in caplog.text
+    assert args.args.writtenMs == DEFAULTS.writtenMs == 100.0
+    assert f"Invalid writtenMs {value}, using default value 100.0" in caplog.text
 
 
 def test_no_write_cost_leaves_only_the_estimate() -> None:

@@ -1,14 +1,14 @@
 """estimated-ttft's table path (``score_table``: NumPy columns) against its per-pod path
 (``score``: one pod at a time): the same costs, scores, uncached tokens and match ratio, to
-the last bit, on generated tables of pods, in-flight counts, records and arriving prompts,
-alone or with exact counts (an ``ExactPrefix`` as precise-prefix-cache's, some pods
-without an exact view)."""
+the last bit, on generated tables of pods, in-flight counts, records, arriving prompts and
+conversations (live returning sessions, the request continuing one), alone or with exact
+counts (an ``ExactPrefix`` as precise-prefix-cache's, some pods without an exact view)."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -28,6 +28,21 @@ SYSTEM = "You are a terse assistant. Answer in one line. " * 12  # ~9 blocks
 PROMPTS = [SYSTEM + f"question {q}: " + "detail " * (15 * q) for q in range(5)]
 LONG = "x" * 40_000  # past maxBlocksToMatch (32,768 bytes hashed): the tail is uncached
 MATCH_RATIO_SUM = "kthena_router_prefix_cache_match_ratio_sum"
+TURN_BYTES = 150  # each turn of a conversation grows its prompt by two blocks or more
+
+
+def chat(number: int) -> str:
+    """Conversation ``number``'s text; its turn t (from 0) is its first 150 x (t + 1) bytes."""
+    return f"chat {number}: " + "".join(f"turn {i} of chat {number}. " for i in range(200))
+
+
+def turn_prompt(conversation: int, turn: int) -> str:
+    return chat(conversation)[: TURN_BYTES * (turn + 1)]
+
+
+def next_turn(conversation: int, turns: list[tuple[int, int]]) -> str:
+    """The conversation's next prompt after ``turns`` ((pod, conversation) each)."""
+    return turn_prompt(conversation, sum(c == conversation for _, c in turns))
 
 
 @dataclass(frozen=True)
@@ -42,6 +57,9 @@ class Case:
     # precise-prefix-cache's counts: the prompt's tokens, and the cached tokens of the pods
     # with an exact view (by index); None: not configured
     exact: tuple[int, dict[int, int]] | None = None
+    # conversations' turns in order, each (pod, conversation) picked, served and ended: a
+    # conversation's second turn makes it a live returning session on its pod
+    turns: list[tuple[int, int]] = field(default_factory=list)
 
 
 class FixedExact:
@@ -85,7 +103,9 @@ def cases(draw: st.DrawFn) -> Case:
     records = draw(st.lists(st.tuples(pod, prompt_starts()), max_size=12))
     arriving = draw(st.lists(st.tuples(pod, prompt_starts()), max_size=6))
     positions = sorted(draw(st.sets(st.integers(0, num_pods - 1), min_size=1)))
-    prompt = draw(st.one_of(prompt_starts(), st.just("")))
+    turns = draw(st.lists(st.tuples(pod, st.integers(0, 3)), max_size=16))
+    continued = st.integers(0, 3).map(lambda c: next_turn(c, turns))
+    prompt = draw(st.one_of(prompt_starts(), st.just(""), continued))
     ms = st.floats(0.001, 500.0)
     args = EstimatedTTFTArgs(
         prefillMsPerToken=draw(st.sampled_from([0.1, 0.025]) | st.floats(0.0001, 5.0)),
@@ -96,6 +116,7 @@ def cases(draw: st.DrawFn) -> Case:
         affinityMinMatch=draw(st.sampled_from([0.3, 0.0]) | st.floats(0.0, 1.0)),
         writtenMs=draw(st.sampled_from([300.0, 0.0]) | ms),
         writtenWindow=draw(st.sampled_from([1000, 1]) | st.integers(2, 10**6)),
+        sessionMs=draw(st.sampled_from([150.0, 0.0]) | ms),
     )
     exact = draw(
         st.none()
@@ -105,7 +126,7 @@ def cases(draw: st.DrawFn) -> Case:
             )
         )
     )
-    return Case(pods, in_flight, records, arriving, positions, prompt, args, exact)
+    return Case(pods, in_flight, records, arriving, positions, prompt, args, exact, turns)
 
 
 def build(case: Case) -> tuple[EstimatedTTFT, CollectorRegistry]:
@@ -120,6 +141,11 @@ def build(case: Case) -> tuple[EstimatedTTFT, CollectorRegistry]:
         plugin.record(make_cycle(prompt), case.pods[idx].id)
     for idx, prompt in case.arriving:
         plugin.arriving(make_cycle(prompt), case.pods[idx].id)
+    for i, (idx, conversation) in enumerate(case.turns):  # as the router: picked, served, ended
+        cycle, pick = make_cycle(next_turn(conversation, case.turns[:i])), case.pods[idx].id
+        plugin.arriving(cycle, pick)
+        plugin.record(cycle, pick)
+        plugin.settled(cycle, pick)
     return plugin, registry
 
 
@@ -171,15 +197,22 @@ def test_table_path_equals_per_pod_path(case: Case) -> None:
 
 
 @pytest.mark.parametrize(
-    ("waiting", "seed"),
+    ("waiting", "seed", "args", "conversations"),
     [
         # 2 in 7 filtered out: the candidates' own slot masks (many rows left out)
-        pytest.param((0, 0, 1, 3, 9, 10, 15), 0, id="many-filtered"),
-        # 1 in 81: "every pod but these few"
-        pytest.param((0,) * 80 + (12,), 1, id="few-filtered"),
+        pytest.param((0, 0, 1, 3, 9, 10, 15), 0, EstimatedTTFTArgs(), 0, id="many-filtered"),
+        # 1 in 81: "every pod but these few". No session term (the case below has it):
+        # the arriving prompts extend each other into returning sessions on 7 of the 999
+        # candidates, and sessionMs over so small a mean (150 ms / 0.007) costs each of
+        # those 21 s, which squashes every other score into 98 or 99.
+        pytest.param((0,) * 80 + (12,), 1, EstimatedTTFTArgs(sessionMs=0.0), 0, id="few-filtered"),
+        # 400 conversations of two turns over the pods, the request the third turn of one
+        pytest.param((0, 0, 1, 3, 12), 2, EstimatedTTFTArgs(), 400, id="returning-sessions"),
     ],
 )
-def test_1000_pods_table_path_equals_per_pod_path(waiting: tuple[int, ...], seed: int) -> None:
+def test_1000_pods_table_path_equals_per_pod_path(
+    waiting: tuple[int, ...], seed: int, args: EstimatedTTFTArgs, conversations: int
+) -> None:
     rng = random.Random(seed)
     pods = [
         Pod(
@@ -191,17 +224,32 @@ def test_1000_pods_table_path_equals_per_pod_path(waiting: tuple[int, ...], seed
         for i in range(1000)
     ]
     prompt_of = [rng.choice(PROMPTS)[: rng.randrange(64, 2000)] for _ in range(600)]
+    positions = [i for i, p in enumerate(pods) if p.metrics.waiting < 10]
+    # conversation 0's second turn on a candidate: the request leaves its own session out
+    turns = [(rng.randrange(1000), c) for _ in range(2) for c in range(conversations)]
+    if conversations:
+        turns[conversations] = (rng.choice(positions), 0)
     case = Case(
         pods=pods,
         in_flight=[(rng.choice([0, 0, 1, 3]), rng.randrange(5000)) for _ in pods],
         records=[(rng.randrange(1000), p) for p in prompt_of[:500]],
         arriving=[(rng.randrange(1000), p) for p in prompt_of[500:]],
-        positions=[i for i, p in enumerate(pods) if p.metrics.waiting < 10],
-        prompt=PROMPTS[3],
-        args=EstimatedTTFTArgs(),
+        positions=positions,
+        prompt=next_turn(0, turns) if conversations else PROMPTS[3],
+        args=args,
+        turns=turns,
     )
     plugin, registry = build(case)
     by_pods, by_table = both_paths(plugin, registry, case)
     assert by_table == by_pods
     scores = [score for score, *_ in by_table.values()]
     assert len(set(scores)) > 10, "the case should spread the scores"
+    if conversations:
+        returning = plugin.sessions.returning_counts(p.id for p in pods)
+        assert sum(returning.values()) >= conversations
+        assert sum(n > 1 for n in returning.values()) > 10  # several share a pod
+        keys = make_cycle(case.prompt).block_keys(args.blockSizeToHash, args.maxBlocksToMatch)
+        tip = min(len(keys), len(case.prompt) // args.blockSizeToHash) - 1
+        session = plugin.sessions.find(keys, tip)
+        own = pods[turns[conversations][0]].id
+        assert plugin.sessions.session_pod(session) == (own, True)
