@@ -44,7 +44,7 @@ session header, else the earlier prompt it extends) and counts each pod's live
 *returning* sessions (those that sent a second request: one-shot requests sharing a
 system prompt are not conversations). Every pod's cost then gets, after the hysteresis::
 
-    session_ms = sessionMs * sessions(pod) / mean sessions of the candidates
+    session_ms = sessionMs * sessions(pod) / max(1, mean sessions of the candidates)
 
 where ``sessions`` leaves out the request's own session on its own pod. A new
 conversation goes where fewest live ones grow; one placed on a crowded pod moves once
@@ -110,7 +110,7 @@ from extproc.scheduling.plugins.arrivals import Arrivals
 from extproc.scheduling.plugins.pod_work import pod_work
 from extproc.scheduling.plugins.prefix_metrics import prefix_cache_metrics
 from extproc.scheduling.plugins.prefix_rows import match_lengths, per_row
-from extproc.scheduling.plugins.session_book import SessionBook
+from extproc.scheduling.plugins.session_book import SessionBook, SessionPrompt
 from extproc.scheduling.podtable import PodTable, Positions, RowValues
 
 
@@ -391,23 +391,23 @@ class EstimatedTTFT:
         own = self._own_pod(cycle)
         if own is not None and own in counts:
             counts[own] -= 1
-        mean = sum(counts.values()) / max(1, len(counts))
-        if self.args.sessionMs <= 0 or mean <= 0:
+        if self.args.sessionMs <= 0:
             return dict.fromkeys(counts, 0.0)
+        mean = max(1.0, sum(counts.values()) / max(1, len(counts)))
         return {pod: self.args.sessionMs * n / mean for pod, n in counts.items()}
 
-    def _tip_index(self, cycle: Cycle, keys: Keys) -> int:
-        """The index of the prompt's last whole block in ``keys``; a cycle replayed from
-        another replica has no prompt length, so its last key counts as partial."""
-        if cycle.num_prompt_bytes <= 0:
-            return len(keys) - 2
-        return min(len(keys), cycle.num_prompt_bytes // self.args.blockSizeToHash) - 1
+    def _session_prompt(self, cycle: Cycle) -> SessionPrompt:
+        """What the session book reads of ``cycle``; a cycle replayed from another
+        replica has keys but no prompt."""
+        request = cycle.request
+        data = request.prompt.encode() if cycle.num_prompt_bytes > 0 else None
+        return SessionPrompt(
+            self._keys(cycle), self.args.blockSizeToHash, data, request.session_key
+        )
 
     def _own_pod(self, cycle: Cycle) -> PodId | None:
         """The pod the request's session is placed on, if it is a returning one."""
-        keys = self._keys(cycle)
-        session = self.sessions.find(keys, self._tip_index(cycle, keys), cycle.request.session_key)
-        pod, returning = self.sessions.session_pod(session)
+        pod, returning = self.sessions.session_pod(self.sessions.find(self._session_prompt(cycle)))
         return pod if returning else None
 
     def _costs(
@@ -517,9 +517,7 @@ class EstimatedTTFT:
             if own is not None and (row := table.position.get(own)) is not None:
                 counts[row] -= 1
             counts = counts[positions]
-            mean = counts.sum() / max(1, len(counts))
-            if mean > 0:
-                costs += a.sessionMs * counts / mean
+            costs += a.sessionMs * counts / max(1.0, counts.sum() / max(1, len(counts)))
         return costs, int(blocks.max(initial=0))
 
     @staticmethod
@@ -556,10 +554,8 @@ class EstimatedTTFT:
         self.written.add(pod, cycle.num_prefill_tokens(pod))
         if len(keys):
             self.arrivals.add(keys, pod)
-        placed = self.sessions.place(
-            keys, self._tip_index(cycle, keys), pod, cycle.request.session_key
-        )
-        if placed.moved_from is not None:
+        placed = self.sessions.place(self._session_prompt(cycle), pod)
+        if placed.moved_from is not None and cycle.num_prompt_bytes > 0:  # ours, not a replica's
             self.sessions_moved.inc()
             self.moved_tokens.inc(cycle.num_prefill_tokens(pod))
 

@@ -4,11 +4,14 @@ A *session* is a conversation: the requests carrying one session key (the config
 session header), or, without one, a chain of prompts each extending an earlier one (a
 chat resends its history, so its next prompt starts with the previous one). A prompt's
 *tip* is the key of its last whole block (a partial last block changes as the prompt
-grows). A request continues the session whose latest tip is one of its own block keys
-before its own tip (the deepest found): it grew by at least a block; its own tip then
-replaces that one. A prompt no tip matches starts a new session. A tip two sessions
-reach (short prompts ending inside a shared system prompt) belongs to none: it is
-forgotten, and ``shared_tips`` of them are remembered as such.
+grows; past the hashed range, the last hashed block). A request continues the session
+whose latest tip is one of its block keys, deepest first, when it holds that session's
+whole latest prompt and is longer: the bytes after the tip match (a digest of them is
+kept), so prompts that merely share a block (tenants' one-shot questions after one
+system prompt) are not chained. Its own tip then replaces that one; a tip reached by
+two sessions belongs to the newer. A prompt that continues none starts a new session.
+A pick replayed from another replica carries keys but no prompt: its tip is its
+next-to-last key (its last may be partial) and it is matched by keys alone.
 
 A session is *returning* once it has sent a second request: only returning sessions
 count towards a pod's load, so one-shot requests that share a system prompt (tenants of
@@ -28,19 +31,44 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
+import xxhash
 
 from extproc.pods import PodId
 from extproc.prefix.hashing import Keys
 
 
+class SessionPrompt(NamedTuple):
+    """What the book reads of a request."""
+
+    keys: Keys  # the prompt's chained block keys
+    block_size: int  # bytes per block of ``keys``
+    data: bytes | None  # the rendered prompt; None for a pick replayed from another replica
+    session_key: str | None = None  # the session header's value
+
+    def tip_index(self) -> int:
+        """The index of the tip (module doc) in ``keys``; -1 when there is none."""
+        if self.data is None:
+            return len(self.keys) - 2
+        return min(len(self.data) // self.block_size, len(self.keys)) - 1
+
+    def walk_from(self, tip: int) -> int:
+        """The deepest key a continued session's tip may be: before the tip, unless the
+        prompt runs past the hashed range (then it grew beyond the keys)."""
+        beyond = self.data is not None and len(self.data) > len(self.keys) * self.block_size
+        return tip if beyond else tip - 1
+
+
 @dataclass(slots=True)
 class Session:
     pod: PodId | None
-    tip: int | None  # its latest prompt's last block key (None: keyed by header only)
+    tip: int | None  # its latest prompt's tip key (None: keyed by header only)
     requests: int
     last_s: float
+    end: int = 0  # its latest prompt's length in bytes (0: unknown, a replayed pick)
+    tail: int = 0  # digest of that prompt's bytes after the tip
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +95,6 @@ class SessionBook:
         self._clock = clock
         self._sessions: OrderedDict[int, Session] = OrderedDict()  # least recent first
         self._by_tip: dict[int, int] = {}
-        self._shared: OrderedDict[int, None] = OrderedDict()
         self._by_key: dict[str, int] = {}
         self._key_of: dict[int, str] = {}
         self._returning: dict[PodId, int] = {}  # live returning sessions per pod
@@ -77,23 +104,33 @@ class SessionBook:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def find(self, keys: Keys, tip_index: int, session_key: str | None = None) -> int | None:
-        """The session a request continues: its block ``keys``, the index of its last
-        whole block in them (``tip_index``), its session header."""
+    def find(self, prompt: SessionPrompt) -> int | None:
+        """The session a request continues, or None."""
         with self._lock:
             self._expire(self._clock())
-            return self._find(keys, tip_index, session_key)
+            return self._find(prompt)
 
-    def _find(self, keys: Keys, tip_index: int, session_key: str | None) -> int | None:
-        if session_key is not None:
-            return self._by_key.get(session_key)
-        by_tip = self._by_tip
-        if by_tip and tip_index > 0:
-            for key in keys[tip_index - 1 :: -1].tolist():
-                found = by_tip.get(key)
-                if found is not None:
-                    return found
+    def _find(self, prompt: SessionPrompt) -> int | None:
+        if prompt.session_key is not None:
+            return self._by_key.get(prompt.session_key)
+        by_tip, keys = self._by_tip, prompt.keys
+        if not by_tip:
+            return None
+        start = prompt.walk_from(prompt.tip_index())
+        for i in range(start, -1, -1):
+            found = by_tip.get(int(keys[i]))
+            if found is not None and self._extends(prompt, i, self._sessions[found]):
+                return found
         return None
+
+    @staticmethod
+    def _extends(prompt: SessionPrompt, tip: int, s: Session) -> bool:
+        """Whether ``prompt`` holds ``s``'s whole latest prompt (whose tip is key ``tip``)."""
+        data = prompt.data
+        if data is None or not s.end:
+            return True  # keys alone: no prompt to compare
+        after = (tip + 1) * prompt.block_size
+        return len(data) > s.end and xxhash.xxh3_64_intdigest(data[after : s.end]) == s.tail
 
     def session_pod(self, session: int | None) -> tuple[PodId | None, bool]:
         """The pod a session is placed on, and whether it is returning."""
@@ -103,42 +140,42 @@ class SessionBook:
             s = self._sessions.get(session)
             return (None, False) if s is None else (s.pod, s.requests >= 2)
 
-    def place(
-        self, keys: Keys, tip_index: int, pod: PodId, session_key: str | None = None
-    ) -> Placement:
+    def place(self, prompt: SessionPrompt, pod: PodId) -> Placement:
         """Bind the session of a request picked for ``pod`` (a new one if it continues
-        none) to ``pod``; its tip becomes the request's (``find``'s arguments)."""
+        none) to ``pod``; its tip becomes the request's."""
         now = self._clock()
         with self._lock:
             self._expire(now)
-            found = self._find(keys, tip_index, session_key)
-            tip = int(keys[tip_index]) if 0 <= tip_index < len(keys) else None
-            if tip is not None and tip in self._shared:
-                tip = None
+            found = self._find(prompt)
             if found is None:
-                found = self._new(session_key, tip, now)
+                found = self._new(prompt.session_key, now)
             s = self._sessions[found]
-            was_returning = s.requests >= 2
             moved_from = s.pod if s.pod is not None and s.pod != pod else None
-            if was_returning and s.pod is not None:
+            if s.requests >= 2 and s.pod is not None:
                 self._returning[s.pod] -= 1
             s.requests += 1
             s.pod, s.last_s = pod, now
             self._returning[pod] = self._returning.get(pod, 0) + (s.requests >= 2)
-            if tip is not None and tip != s.tip:
-                if s.tip is not None and self._by_tip.get(s.tip) == found:
-                    del self._by_tip[s.tip]
-                s.tip = tip
-                other = self._by_tip.setdefault(tip, found)
-                if other != found:  # two sessions reached it: a shared block, nobody's tip
-                    del self._by_tip[tip]
-                    self._shared[tip] = None
-                    if len(self._shared) > self.max_sessions:
-                        self._shared.popitem(last=False)
+            self._set_tip(found, s, prompt)
             self._sessions.move_to_end(found)
             return Placement(found, s.requests >= 2, moved_from)
 
-    def _new(self, session_key: str | None, tip: int | None, now: float) -> int:
+    def _set_tip(self, sid: int, s: Session, prompt: SessionPrompt) -> None:
+        index = prompt.tip_index()
+        if index < 0:
+            return
+        if s.tip is not None and self._by_tip.get(s.tip) == sid:
+            del self._by_tip[s.tip]
+        s.tip = int(prompt.keys[index])
+        self._by_tip[s.tip] = sid  # a tip two sessions reach is the newer's
+        data = prompt.data
+        if data is None:
+            s.end = s.tail = 0
+        else:
+            s.end = len(data)
+            s.tail = xxhash.xxh3_64_intdigest(data[(index + 1) * prompt.block_size :])
+
+    def _new(self, session_key: str | None, now: float) -> int:
         sid = self._next_id
         self._next_id += 1
         self._sessions[sid] = Session(None, None, 0, now)

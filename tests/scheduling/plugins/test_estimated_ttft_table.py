@@ -20,6 +20,7 @@ from extproc.pods import Pod, PodId, PodMetrics
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.interfaces import Cycle, ExactMatches, PluginContext
 from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT, EstimatedTTFTArgs
+from extproc.scheduling.plugins.session_book import SessionPrompt
 from extproc.scheduling.podtable import PodTable
 from testkit import estimated_ttft
 from testkit.factories import make_cycle
@@ -249,7 +250,7 @@ def test_1000_pods_table_path_equals_per_pod_path(
         assert sum(returning.values()) >= conversations
         assert sum(n > 1 for n in returning.values()) > 10  # several share a pod
         keys = make_cycle(case.prompt).block_keys(args.blockSizeToHash, args.maxBlocksToMatch)
-        tip = min(len(keys), len(case.prompt) // args.blockSizeToHash) - 1
-        session = plugin.sessions.find(keys, tip)
+        prompt = SessionPrompt(keys, args.blockSizeToHash, case.prompt.encode())
+        session = plugin.sessions.find(prompt)
         own = pods[turns[conversations][0]].id
         assert plugin.sessions.session_pod(session) == (own, True)

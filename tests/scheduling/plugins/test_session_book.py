@@ -11,7 +11,7 @@ import pytest
 
 from extproc.pods import PodId
 from extproc.prefix.hashing import prompt_keys
-from extproc.scheduling.plugins.session_book import Placement, SessionBook
+from extproc.scheduling.plugins.session_book import Placement, SessionBook, SessionPrompt
 
 BS, MAX_BLOCKS = 64, 512  # estimated-ttft's default geometry
 # Two conversations' texts (every turn is a start of one), and a system prompt two
@@ -36,19 +36,17 @@ def pod(name: str) -> PodId:
     return PodId("ns", name)
 
 
-def tip_index(prompt: str, num_keys: int) -> int:
-    """The prompt's last whole block (``EstimatedTTFT._tip_index``)."""
-    return min(num_keys, len(prompt.encode()) // BS) - 1
+def session_prompt(prompt: str, key: str | None = None) -> SessionPrompt:
+    keys = prompt_keys("m", prompt, BS, MAX_BLOCKS, None)
+    return SessionPrompt(keys, BS, prompt.encode(), key)
 
 
 def place(book: SessionBook, prompt: str, at: str, key: str | None = None) -> Placement:
-    keys = prompt_keys("m", prompt, BS, MAX_BLOCKS, None)
-    return book.place(keys, tip_index(prompt, len(keys)), pod(at), key)
+    return book.place(session_prompt(prompt, key), pod(at))
 
 
 def find(book: SessionBook, prompt: str, key: str | None = None) -> int | None:
-    keys = prompt_keys("m", prompt, BS, MAX_BLOCKS, None)
-    return book.find(keys, tip_index(prompt, len(keys)), key)
+    return book.find(session_prompt(prompt, key))
 
 
 @dataclass(frozen=True)
@@ -91,9 +89,10 @@ CASES = [
     pytest.param(
         Case(
             [Step(CHAT[:300], "a"), Step(CHAT[:300], "b"), Step(CHAT[:400], "a")],
-            [Expect("s1"), Expect("s2"), Expect("s3")],
+            [Expect("s1"), Expect("s2"), Expect("s2", True, "b")],
+            {"a": 1},
         ),
-        id="a-regenerate-is-a-new-session-and-their-shared-tip-continues-nobody",
+        id="a-regenerate-is-a-new-session-that-the-conversation-continues",
     ),
     pytest.param(
         Case(
@@ -120,6 +119,26 @@ CASES = [
             {"a": 1},
         ),
         id="tenants-ending-in-the-system-prompt-are-not-continued",
+    ),
+    pytest.param(
+        Case(
+            [
+                Step(SYSTEM + "hi?", "a"),  # its tip is inside the system prompt
+                Step(SYSTEM + OTHER[:100], "a"),  # holds that tip, not the "hi?" after it
+                Step(SYSTEM + OTHER[:200], "a"),
+            ],
+            [Expect("s1"), Expect("s2"), Expect("s2", True)],
+            {"a": 1},
+        ),
+        id="a-prompt-sharing-a-sessions-tip-but-not-its-whole-prompt-is-not-continued",
+    ),
+    pytest.param(
+        Case(
+            [Step(CHAT[:40000], "a"), Step(CHAT[:41000], "a"), Step(CHAT[:42000], "a")],
+            [Expect("s1"), Expect("s1", True), Expect("s1", True)],
+            {"a": 1},
+        ),
+        id="past-the-hashed-range-a-conversation-still-continues",
     ),
     pytest.param(
         Case(

@@ -158,13 +158,6 @@ def test_tenants_sharing_a_system_prompt_are_not_sessions(keyed: bool) -> None:
     assert routed.best(one_shot.next_body(), "tenant-next" if keyed else None) == {A}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a tenant's short question ends its prompt's last whole block inside the "
-    "shared system prompt; the next tenant's prompt holds that block, so it 'continues' it "
-    "and a returning session appears on the warm pod, which then costs 600 ms (sessionMs "
-    "over a mean of 0.25) and loses the tenants",
-)
 def test_a_short_tenant_question_does_not_make_the_next_tenant_a_session() -> None:
     routed = Routed(EstimatedTTFTArgs())
     for i, question_bytes in enumerate((10, 300)):
@@ -172,12 +165,6 @@ def test_a_short_tenant_question_does_not_make_the_next_tenant_a_session() -> No
     assert routed.best(Conversation("tenant-next", LONG_SYSTEM, 300).next_body()) == {A}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: session_ms divides by the candidates' mean sessions however small: one "
-    "returning session among 4 pods costs its pod 4 x sessionMs (600 ms), more than 10 "
-    "requests queued on every other pod",
-)
 def test_one_session_on_an_idle_pod_does_not_outweigh_long_queues() -> None:
     pods = [make_pod("idle"), *(make_pod(n, metrics=PodMetrics(waiting=10)) for n in "xyz")]
     routed = Routed(EstimatedTTFTArgs(), pods)
@@ -230,11 +217,6 @@ def test_a_crowded_session_moves_once_while_its_history_is_cheap(
         assert history_bytes // 4 < recomputed <= prompt_tokens - len(TUTOR) // 4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: past maxBlocksToMatch x blockSizeToHash bytes (32 KB) a prompt's keys stop "
-    "growing, so each later turn has its predecessor's tip: a new session, the tip shared",
-)
 def test_a_conversation_past_the_hashed_blocks_stays_one_session() -> None:
     routed = Routed(EstimatedTTFTArgs())
     talk = Conversation("long", "You are a patient tutor.", turn_bytes=11_000)
