@@ -131,7 +131,7 @@ class EstimatedTTFTArgs:
         30.0, "Milliseconds each request queued ahead adds beyond its prefill (steps, a slot)."
     )
     runningMs: float = arg(
-        5.0, "Milliseconds each running request adds (its decode share of each step)."
+        15.0, "Milliseconds each running request adds (its decode share of each step)."
     )
     affinityMarginMs: float = arg(
         50.0,

@@ -27,7 +27,7 @@ from testkit.factories import PREFIX_ONLY, make_cycle, make_pod, make_scheduler
 PROMPT = "w" * 4000  # 1,000 tokens at 4 bytes a token, 62.5 blocks of 64 bytes
 # The arithmetic's tests pin what they compute with (not the shipped defaults): prefill 0.1
 # ms/token, queued 30 ms, running 5 ms, writes 300 ms, no session term.
-A = EstimatedTTFTArgs(prefillMsPerToken=0.1, writtenMs=300.0, sessionMs=0.0)
+A = EstimatedTTFTArgs(prefillMsPerToken=0.1, runningMs=5.0, writtenMs=300.0, sessionMs=0.0)
 DEFAULTS = EstimatedTTFTArgs()
 
 
@@ -40,7 +40,7 @@ def test_the_defaults_are_priced_for_the_h100_8b_engine() -> None:
     expected = {
         "prefillMsPerToken": 0.02,
         "queuedMs": 30.0,
-        "runningMs": 5.0,
+        "runningMs": 15.0,
         "affinityMarginMs": 50.0,
         "affinityRatio": 1.5,
         "affinityMinMatch": 0.3,
