@@ -131,8 +131,8 @@ def test_the_cost_model_reads_exact_counts_and_falls_back_where_precise_does(
     assert uncached(router, body) == want
 
 
-def route(router: Router, request_id: str) -> Pod:
-    return router.route("/v1/chat/completions", orjson.dumps(CHAT), request_id=request_id).pods[0]
+def route(router: Router, request_id: str, body: dict[str, Any] = CHAT) -> Pod:
+    return router.route("/v1/chat/completions", orjson.dumps(body), request_id=request_id).pods[0]
 
 
 @pytest.mark.parametrize("events", [pytest.param(False, id="no-events"),
@@ -163,5 +163,8 @@ def test_a_pick_counts_as_cached_until_it_ends_then_only_events_tell(
 
 def test_a_burst_follows_its_first_pick_before_any_event() -> None:
     router = precise_router()  # estimated-ttft's own credit is overruled by the events'
-    picks = {route(router, f"r{i}").id for i in range(3)}
+    # a document long enough that prefilling it elsewhere costs more than queueing behind
+    # the burst's first requests (at 0.02 ms a token, a short prompt rightly spreads)
+    document = {"model": "m", "messages": [{"role": "user", "content": SYSTEM * 6}]}
+    picks = {route(router, f"r{i}", document).id for i in range(3)}
     assert len(picks) == 1  # the least loaded would differ without precise's credit
