@@ -117,8 +117,11 @@ class SessionBook:
         if not by_tip:
             return None
         start = prompt.walk_from(prompt.tip_index())
+        if start < 0:
+            return None
+        candidates = keys[: start + 1].tolist()  # plain ints: a dict probe each, deepest first
         for i in range(start, -1, -1):
-            found = by_tip.get(int(keys[i]))
+            found = by_tip.get(candidates[i])
             if found is not None and self._extends(prompt, i, self._sessions[found]):
                 return found
         return None
