@@ -15,9 +15,10 @@ with what the engine then did:
 * the estimate in ms (``est_ms``, queue and prefill, before the write cost, hysteresis
   and sessions) against the request's real time to first token.
 
-Each configuration is a shipped one by name (``default``) or a YAML file; ``--before``
-names the configuration to compare with (by default the shipped one as it was before
-issue 35: ``prefillMsPerToken: 0.1``, ``writtenMs: 300``, no session term).
+The configuration is a shipped one by name (``default``) or a YAML file; the comparison
+is the shipped one as it was before issue 35 (``prefillMsPerToken: 0.1``, ``runningMs: 5``,
+``writtenMs: 300``, no session term, every pod's view ``maxHashCacheSize`` blocks
+whatever its cache).
 """
 
 from __future__ import annotations
@@ -50,24 +51,28 @@ from extproc.sim.workloads import (
 )
 
 WORKLOADS = ("groups", "multiturn", "tenants")
-BEFORE = {"prefillMsPerToken": "0.1", "writtenMs": "300.0", "sessionMs": "0"}
+BEFORE = {"prefillMsPerToken": "0.1", "runningMs": "5.0", "writtenMs": "300.0", "sessionMs": "0"}
+BEFORE_LABEL = "before (issue 35)"
 
 
 @dataclass(frozen=True, slots=True)
 class Estimate:
     uncached: int  # prompt tokens the view expects the pod to prefill
     est_ms: float  # queue and prefill, as estimated-ttft prices them
+    prefill_ms: float  # of which the prefill of ``uncached``
 
 
 class MeasuredPolicy(PrefixCachePolicy):
     """The configured scheduler, keeping the picked pod's estimate of every request."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, sized_view: bool = True) -> None:
         super().__init__(config, seed=0)
         plugins = [p for p in self.scheduler.provisional if isinstance(p, EstimatedTTFT)]
         if not plugins:
             raise SystemExit("the configuration has no estimated-ttft scorer to measure")
         self.plugin = plugins[0]
+        if not sized_view:  # as before issue 35: every pod's view holds maxHashCacheSize
+            self.plugin.size_view = lambda pods: None  # type: ignore[method-assign]
         self.estimates: dict[str, Estimate] = {}
 
     def pick(self, item: Any, pods: Sequence[Pod]) -> int:
@@ -77,9 +82,9 @@ class MeasuredPolicy(PrefixCachePolicy):
         estimates = self.plugin.estimate_ms(probe, pods)
         idx = super().pick(item, pods)
         pod = self._pod_ids[idx]
-        self.estimates[item.request_id] = Estimate(
-            probe.num_prefill_tokens(by_id[pod].id), estimates[pod]
-        )
+        uncached = probe.num_prefill_tokens(by_id[pod].id)
+        prefill_ms = self.plugin.args.prefillMsPerToken * uncached
+        self.estimates[item.request_id] = Estimate(uncached, estimates[pod], prefill_ms)
         return idx
 
 
@@ -106,11 +111,17 @@ def workload(name: str) -> Workload:
     raise SystemExit(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
 
 
-def measure(work: Workload, config: SchedulerConfig) -> dict[str, float]:
+def measure(
+    work: Workload,
+    config: SchedulerConfig,
+    scrape_s: float = 0.2,
+    time_scale: float = 1.0,
+    sized_view: bool = True,
+) -> dict[str, float]:
     """The gaps of one replay (module doc), as medians and shares over its requests."""
-    policy = MeasuredPolicy(config)
-    engine = EngineConfig(**work.engine_defaults)
-    run = simulate(work, policy, SimSettings(8, engine, 0.2))
+    policy = MeasuredPolicy(config, sized_view)
+    engine = EngineConfig(**{**work.engine_defaults, "time_scale": time_scale})
+    run = simulate(work, policy, SimSettings(8, engine, scrape_s))
     rows = []
     for r in run.requests:
         est = policy.estimates[r.request_id]
@@ -121,6 +132,8 @@ def measure(work: Workload, config: SchedulerConfig) -> dict[str, float]:
     hits = sum(r.num_cached_tokens for *_, r in rows)
     prompts = sum(r.num_prompt_tokens for *_, r in rows)
     ttfts = sorted(r.ttft_s * 1000 for *_, r in rows)
+    wait_gap = sorted(r.queue_s * 1000 - (est.est_ms - est.prefill_ms) for est, _, r in rows)
+    prefill_gap = sorted((r.ttft_s - r.queue_s) * 1000 - est.prefill_ms for est, _, r in rows)
     return {
         "requests": len(rows),
         "hit_ratio": hits / max(1, prompts),
@@ -131,6 +144,10 @@ def measure(work: Workload, config: SchedulerConfig) -> dict[str, float]:
         "est_ms_median": statistics.median(est.est_ms for est, _, _ in rows),
         "ttft_minus_est_ms_median": statistics.median(errors),
         "queue_ms_p99": sorted(r.queue_s * 1000 for *_, r in rows)[int(0.99 * len(rows))],
+        "wait_gap_ms_median": statistics.median(wait_gap),
+        "wait_gap_ms_p99": wait_gap[int(0.99 * len(rows))],
+        "prefill_gap_ms_median": statistics.median(prefill_gap),
+        "prefill_gap_ms_p99": prefill_gap[int(0.99 * len(rows))],
     }
 
 
@@ -143,15 +160,28 @@ COLUMNS = (
     ("over_credit_share", "picks over-credited", "{:.1%}"),
     ("over_credit_tokens_mean", "over-credit tokens mean", "{:.0f}"),
     ("queue_ms_p99", "queue p99 ms", "{:.0f}"),
+    ("wait_gap_ms_median", "wait: real - est ms, median", "{:+.0f}"),
+    ("wait_gap_ms_p99", "p99", "{:+.0f}"),
+    ("prefill_gap_ms_median", "first step: real - est prefill ms, median", "{:+.0f}"),
+    ("prefill_gap_ms_p99", "p99", "{:+.0f}"),
 )
 
 
-def markdown(results: dict[tuple[str, str], dict[str, float]]) -> str:
-    head = "| workload | configuration | " + " | ".join(c[1] for c in COLUMNS) + " |"
-    lines = [head, "|" + "---|" * (len(COLUMNS) + 2)]
-    for (name, label), row in results.items():
+# (label, scrape interval s, engine time scale): as the benchmark runs, then the estimate's
+# inputs made exact (metrics fresh at every arrival), then an engine slower than priced
+CONDITIONS = (
+    ("scraped every 200 ms", 0.2, 1.0),
+    ("fresh metrics", 0.0, 1.0),
+    ("engine 3x slower", 0.2, 3.0),
+)
+
+
+def markdown(results: dict[tuple[str, str, str], dict[str, float]]) -> str:
+    head = "| workload | configuration | condition | " + " | ".join(c[1] for c in COLUMNS) + " |"
+    lines = [head, "|" + "---|" * (len(COLUMNS) + 3)]
+    for (name, label, condition), row in results.items():
         cells = [fmt.format(row[key]) for key, _, fmt in COLUMNS]
-        lines.append(f"| {name} | {label} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | {label} | {condition} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -169,14 +199,20 @@ def main(argv: list[str] | None = None) -> int:
         else Path(args.config).read_text()
     )
     configs = {
-        "before (issue 35)": parse_config(config_with(text, BEFORE), "before"),
+        BEFORE_LABEL: parse_config(config_with(text, BEFORE), "before"),
         args.config: parse_config(text, args.config),
     }
-    results = {
-        (name, label): measure(workload(name), config)
-        for name in args.workloads.split(",")
-        for label, config in configs.items()
-    }
+    results: dict[tuple[str, str, str], dict[str, float]] = {}
+    for name in args.workloads.split(","):
+        for label, config in configs.items():
+            before = config is configs[BEFORE_LABEL]
+            results[name, label, CONDITIONS[0][0]] = measure(
+                workload(name), config, sized_view=not before
+            )
+        for condition, scrape_s, time_scale in CONDITIONS[1:]:
+            results[name, args.config, condition] = measure(
+                workload(name), configs[args.config], scrape_s, time_scale
+            )
     table = markdown(results)
     print(table)
     if args.markdown:
