@@ -122,7 +122,9 @@ class EstimatedTTFTArgs:
         512, "Blocks hashed per prompt: its first blockSizeToHash x maxBlocksToMatch bytes."
     )
     maxHashCacheSize: int = arg(
-        50000, "Blocks recorded per pod; beyond, the least recently used are evicted."
+        50000,
+        "Blocks recorded per pod (fewer for a pod whose KV cache holds fewer: "
+        "vllm:cache_config_info); beyond, the least recently used are evicted.",
     )
     prefillMsPerToken: float = arg(
         0.02, "Milliseconds of one engine step per uncached prompt token (the prefill speed)."
