@@ -20,8 +20,7 @@ an application) are not taken for conversations about to grow. A session stays l
 recently used dropped first), so memory stays bounded whatever clients send.
 
 ``place`` binds a session to the pod picked for its request: a session picked elsewhere
-than the pod of its previous request has *moved* (counted, with the tokens of history it recomputes).
-Thread-safe.
+than the pod of its previous request has *moved*. Thread-safe.
 """
 
 from __future__ import annotations
