@@ -268,7 +268,7 @@ class EstimatedTTFT:
         self.sessions = SessionBook(args.sessionIdleS)
         self.sessions_moved = Counter(
             "extproc_sessions_moved",
-            "Returning sessions picked for another pod than the one that served their "
+            "Sessions picked for another pod than the one that served their "
             "previous request.",
             registry=ctx.registry,
         )
