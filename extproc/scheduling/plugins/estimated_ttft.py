@@ -268,8 +268,7 @@ class EstimatedTTFT:
         self.sessions = SessionBook(args.sessionIdleS)
         self.sessions_moved = Counter(
             "extproc_sessions_moved",
-            "Sessions picked for another pod than the one that served their "
-            "previous request.",
+            "Sessions picked for another pod than the one that served their previous request.",
             registry=ctx.registry,
         )
         self.moved_tokens = Counter(
