@@ -31,12 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from extproc.pods import Pod
-from extproc.scheduling.config import (
-    SchedulerConfig,
-    default_config_text,
-    named_config_text,
-    parse_config,
-)
+from extproc.scheduling.config import SchedulerConfig, config_text, parse_config
 from extproc.scheduling.interfaces import Cycle
 from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT
 from extproc.sim.engine import EngineConfig
@@ -76,13 +71,12 @@ class MeasuredPolicy(PrefixCachePolicy):
         self.estimates: dict[str, Estimate] = {}
 
     def pick(self, item: Any, pods: Sequence[Pod]) -> int:
-        by_id = {p.id: p for p in pods}
         # the estimate as the pick saw it: before the pick itself is counted in flight
         probe = Cycle(item.request)
         estimates = self.plugin.estimate_ms(probe, pods)
         idx = super().pick(item, pods)
         pod = self._pod_ids[idx]
-        uncached = probe.num_prefill_tokens(by_id[pod].id)
+        uncached = probe.num_prefill_tokens(pod)
         prefill_ms = self.plugin.args.prefillMsPerToken * uncached
         self.estimates[item.request_id] = Estimate(uncached, estimates[pod], prefill_ms)
         return idx
@@ -191,13 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="default", help="a shipped name or a YAML file")
     parser.add_argument("--markdown", type=Path, help="write the table here")
     args = parser.parse_args(argv)
-    text = (
-        default_config_text()
-        if args.config == "default"
-        else named_config_text(args.config)
-        if not Path(args.config).exists()
-        else Path(args.config).read_text()
-    )
+    text, _ = config_text(args.config)
     configs = {
         BEFORE_LABEL: parse_config(config_with(text, BEFORE), "before"),
         args.config: parse_config(text, args.config),

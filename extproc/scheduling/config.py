@@ -104,17 +104,26 @@ def load_config(path: str | Path | None = None) -> SchedulerConfig:
     A name of ``NAMED_CONFIGS`` (``kthena``: Kthena's default) that is not also a file
     here selects that embedded configuration.
     """
+    return parse_config(*config_text(path))
+
+
+def config_text(path: str | Path | None = None) -> tuple[str, str]:
+    """The text of the configuration ``load_config`` reads for ``path``, and its source
+    (the name its errors give).
+
+    Raises:
+        ConfigError: the file is missing or unreadable.
+    """
     if path is None:
-        return parse_config(default_config_text(), DEFAULT_CONFIG_NAME)
+        return default_config_text(), DEFAULT_CONFIG_NAME
     if str(path) in NAMED_CONFIGS and not Path(path).exists():
-        return parse_config(named_config_text(str(path)), f"<embedded {path} configuration>")
+        return named_config_text(str(path)), f"<embedded {path} configuration>"
     try:
-        text = Path(path).read_text("utf-8")
+        return Path(path).read_text("utf-8"), str(path)
     except FileNotFoundError:
         raise ConfigError(f"{path}: configuration file not found") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read the configuration file: {exc}") from None
-    return parse_config(text, str(path))
 
 
 def parse_config(text: str, source: str) -> SchedulerConfig:

@@ -389,11 +389,11 @@ class EstimatedTTFT:
     def session_ms(self, cycle: Cycle, pods: Iterable[PodId]) -> dict[PodId, float]:
         """Each pod's ``session_ms`` (module doc)."""
         counts = self.sessions.returning_counts(pods)
+        if self.args.sessionMs <= 0:
+            return dict.fromkeys(counts, 0.0)
         own = self._own_pod(cycle)
         if own is not None and own in counts:
             counts[own] -= 1
-        if self.args.sessionMs <= 0:
-            return dict.fromkeys(counts, 0.0)
         mean = max(1.0, sum(counts.values()) / max(1, len(counts)))
         return {pod: self.args.sessionMs * n / mean for pod, n in counts.items()}
 
