@@ -5,6 +5,8 @@
     │   └── BodyTooLarge      413  invalid_request_error over the configured body limit
     ├── ModelNotFound         404  not_found_error       no known pod serves the model
     ├── NoCapacity            429  rate_limit_error      the filters removed every pod
+    ├── Overloaded            429  rate_limit_error      flow control refused it (shed, queue
+    │                                                   full, time to live); with Retry-After
     └── NoReadyPods           503  service_unavailable   pods serve the model, none is ready
 
     ConfigError                                         bad configuration; stops start-up
@@ -33,6 +35,8 @@ class ExtProcError(Exception):
         self.param = param
 
     default_code: ClassVar[str] = "internal_error"
+    # Seconds a client should wait before retrying (the reply's ``Retry-After``); None: no header.
+    retry_after_s: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -69,6 +73,19 @@ class NoCapacity(ExtProcError):
     http_status = 429
     error_type = "rate_limit_error"
     default_code = "no_capacity"
+
+
+class Overloaded(ExtProcError):
+    """Flow control refused the request while every pod was saturated: it is sheddable,
+    the queue was full, or its time to live ended in the queue."""
+
+    http_status = 429
+    error_type = "rate_limit_error"
+    default_code = "overloaded"
+
+    def __init__(self, message: str, *, code: str, retry_after_s: int) -> None:
+        super().__init__(message, code=code)
+        self.retry_after_s = retry_after_s
 
 
 class NoReadyPods(ExtProcError):

@@ -35,7 +35,6 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
@@ -43,6 +42,7 @@ from extproc.errors import ExtProcError, NoReadyPods
 from extproc.pods import Pod, PodId
 from extproc.request.parse import DEFAULT_MAX_BODY_BYTES, parse_request
 from extproc.request.render import Rendering
+from extproc.routing.decision import RouteDecision
 from extproc.routing.metrics import RouterMetrics
 from extproc.routing.pending import (
     DEFAULT_MAX_PENDING,
@@ -59,18 +59,6 @@ from extproc.scheduling.scheduler import Scheduler
 log = logging.getLogger("extproc.routing")
 
 RECENT_ENDS = 10_000  # ids of the latest ends, so a pick heard after its end is dropped
-
-
-@dataclass(frozen=True, slots=True)
-class RouteDecision:
-    pods: tuple[Pod, ...]  # best first: the pick, then the fallbacks
-    prefill: Pod | None = None  # with prefill/decode disaggregation
-    record: Record | None = None  # with ``carry_records``: what recording it needs
-
-    @property
-    def destination(self) -> str:
-        """The Endpoint Picker Protocol's value: ``ip:port,ip:port,...``."""
-        return ",".join(p.address for p in self.pods)
 
 
 class Router:
