@@ -34,6 +34,7 @@ from extproc.datalayer.store import PodStore
 from extproc.errors import ConfigError
 from extproc.pods import Pod
 from extproc.request.render import Rendering
+from extproc.routing.flow.config import parse_flow_control
 from extproc.routing.preparing import PreparePool
 from extproc.routing.router import Router
 from extproc.routing.sharing import RedisSharing
@@ -178,7 +179,9 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
     in_flight = InFlight()
     sticky = bool(args.session_header) and args.session_ttl_s > 0
     sessions = SessionStore(ttl_s=args.session_ttl_s) if sticky else None
-    scheduler = build_scheduler(load_config(args.config), registry, in_flight, sessions)
+    config = load_config(args.config)
+    scheduler = build_scheduler(config, registry, in_flight, sessions)
+    flow = parse_flow_control(config.flow_control, config.source)
     sharing = None
     if args.redis_url:
         try:
@@ -201,6 +204,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         carry_records=args.record_metadata == "on" and args.protocol != "epp",
         preparing=PreparePool(args.prepare_threads, args.prepare_queue),
         share=sharing.publish if sharing is not None else None,
+        flow=flow,
     )
     kv_events = _kv_events_subscriber(args, scheduler.listeners, registry)
     scraping = args.stale_after_s > 0

@@ -35,6 +35,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
+from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
@@ -43,6 +44,8 @@ from extproc.pods import Pod, PodId
 from extproc.request.parse import DEFAULT_MAX_BODY_BYTES, parse_request
 from extproc.request.render import Rendering
 from extproc.routing.decision import RouteDecision
+from extproc.routing.flow.config import FlowConfig
+from extproc.routing.flow.controller import FlowController
 from extproc.routing.metrics import RouterMetrics
 from extproc.routing.pending import (
     DEFAULT_MAX_PENDING,
@@ -81,10 +84,12 @@ class Router:
         replica_id: str | None = None,
         preparing: PreparePool | None = None,
         share: Callable[[Shared | Started], object] | None = None,
+        flow: FlowConfig | None = None,
     ) -> None:
         """``max_pending`` and ``pending_ttl_s`` bound the routed requests awaiting their
         end (``PendingRecords``); ``share``, when replicas share their view, is told of
-        every pick and end (``RedisSharing.publish``)."""
+        every pick and end (``RedisSharing.publish``); ``flow``: flow control's settings
+        (``routing.flow``; None or disabled: no request is held)."""
         if num_fallbacks < 0:
             raise ValueError(f"num_fallbacks must be >= 0, got {num_fallbacks}")
         self.scheduler = scheduler
@@ -104,6 +109,11 @@ class Router:
         self.share = share
         self._ended: OrderedDict[str, None] = OrderedDict()  # with ``share``: RECENT_ENDS
         self._ended_lock = threading.Lock()  # an id's end and its pick heard at once
+        self.flow = (
+            FlowController(flow, self.in_flight, registry, count_error=self._count_error)
+            if flow is not None and flow.enabled
+            else None
+        )
         self.pods: tuple[Pod, ...] = ()
         self._pod_ids: frozenset[PodId] = frozenset()
         self.set_pods(pods)
@@ -115,6 +125,8 @@ class Router:
         self.metrics.pods_known.set(len(self.pods))
         self.metrics.pods_ready.set(sum(p.ready for p in self.pods))
         self.scheduler.pods_changed(self.pods)
+        if self.flow is not None:
+            self.flow.pods_changed(self.pods)
 
     def route(
         self,
@@ -153,9 +165,33 @@ class Router:
         """``route``, but a request that needs slow preparation first (``Scheduler.
         prepare``: a prompt to tokenize) is routed on the ``preparing`` threads and comes
         as a Future (raising what ``route`` raises); when they are full it is routed here
-        at once without that work (the plugin falls back and counts it)."""
+        at once without that work (the plugin falls back and counts it).
+
+        With flow control, a request whose model's pods are all saturated is held: the
+        Future is a ``Held`` (``routing.flow``), routed when a pod has room, or raising
+        ``Overloaded`` (429) when refused; a sheddable one raises ``Overloaded`` at once.
+        """
         started = time.perf_counter()
         cycle, pods = self._begin(path, body, headers, subset)
+        if self.flow is not None:
+            request = cycle.request
+            held = self.flow.admit(
+                request.model,
+                self.flow.classify(headers, request.data),
+                len(body),
+                _estimated_tokens(request.prompt, request.data),
+                lambda: self._prepare_and_decide(
+                    cycle, self._candidates(subset), request_id, time.perf_counter()
+                ),
+            )
+            if held is not None:
+                return held
+        return self._prepare_and_decide(cycle, pods, request_id, started)
+
+    def _prepare_and_decide(
+        self, cycle: Cycle, pods: Sequence[Pod], request_id: str | None, started: float
+    ) -> RouteDecision | Future[RouteDecision]:
+        """Prepare the cycle on the preparing threads if it needs it, then decide."""
         work = self.scheduler.prepare(cycle)
         if work is not None:
 
@@ -189,19 +225,31 @@ class Router:
                 max_body_bytes=self.max_body_bytes,
                 rendering=self.rendering,
             )
-            pods: Sequence[Pod] = self.pods
-            if subset is not None:
-                allowed = set(subset)
-                pods = [p for p in pods if p.address in allowed]
-                if not pods:
-                    raise NoReadyPods(
-                        "none of the pods in the gateway's subset hint is known: "
-                        + ", ".join(sorted(allowed)[:5])
-                    )
+            pods = self._candidates(subset)
         except ExtProcError as exc:
             self.metrics.errors.labels(str(exc.http_status), exc.code).inc()
             raise
         return Cycle(request), pods
+
+    def _candidates(self, subset: Sequence[str] | None) -> Sequence[Pod]:
+        """The pods a request may go to: all, or those of the gateway's subset hint.
+
+        Raises:
+            NoReadyPods: no known pod is in the subset.
+        """
+        if subset is None:
+            return self.pods
+        allowed = set(subset)
+        pods = [p for p in self.pods if p.address in allowed]
+        if not pods:
+            raise NoReadyPods(
+                "none of the pods in the gateway's subset hint is known: "
+                + ", ".join(sorted(allowed)[:5])
+            )
+        return pods
+
+    def _count_error(self, error: ExtProcError) -> None:
+        self.metrics.errors.labels(str(error.http_status), error.code).inc()
 
     def _decide(
         self, cycle: Cycle, pods: Sequence[Pod], request_id: str | None, started: float
@@ -256,8 +304,13 @@ class Router:
         return RouteDecision(chosen, prefill, record)
 
     def close(self, timeout_s: float) -> bool:
-        """The drain: requests still waiting for preparation are routed without it, and
-        those being prepared are waited for, up to ``timeout_s``; whether all were."""
+        """The drain: requests held by flow control are routed now; requests still
+        waiting for preparation are routed without it, and those being prepared are
+        waited for, up to ``timeout_s``; whether all were."""
+        if self.flow is not None:
+            dispatched = self.flow.close()
+            if dispatched:
+                log.info("draining: %d requests held by flow control routed", dispatched)
         return self.preparing.close(timeout_s)
 
     def complete(
@@ -408,3 +461,15 @@ class Router:
         if pending.prefill is not None:
             self.in_flight.end(pending.prefill, pending.prefill_pod_tokens)
         self.scheduler.settled(pending.cycle, pending.pick)
+        if self.flow is not None:
+            self.flow.wake()
+
+
+def _estimated_tokens(prompt: str, data: Mapping[str, Any] | None) -> int:
+    """A request's tokens for fairness: its prompt's (about 4 characters a token) and
+    the output it asks for at most."""
+    asked = 0
+    if data is not None:
+        value = data.get("max_completion_tokens") or data.get("max_tokens") or 0
+        asked = value if isinstance(value, int) and not isinstance(value, bool) else 0
+    return len(prompt) // 4 + max(0, asked)

@@ -18,6 +18,8 @@ Format::
       groupKey: modelserving.volcano.sh/group-name      # (``scheduling.pdgroup``)
       prefillLabels: {modelserving.volcano.sh/role: prefill}
       decodeLabels: {modelserving.volcano.sh/role: decode}
+    flowControl: {...}                      # optional: priorities, fairness, a queue
+                                            # (``routing.flow.config``)
 
 Semantics follow Kthena's ``conf.go`` and ``factory.go``: a score weight that is missing,
 0 or negative stops start-up with ``score plugin "NAME" must set a weight greater than
@@ -83,6 +85,9 @@ class SchedulerConfig:
     scores: tuple[ScoreEntry, ...]
     plugin_args: dict[str, Any]
     pd_group: PDGroup | None = None  # the optional top-level ``pdGroup`` section
+    # The optional top-level ``flowControl`` section, as written: the routing layer
+    # parses it (``routing.flow.config``), the scheduler does not use it.
+    flow_control: Any = None
 
 
 NAMED_CONFIGS = ("default", "kthena", "cost-aware")  # extproc/data/<name>.yaml; default: config
@@ -164,7 +169,9 @@ def parse_config(text: str, source: str) -> SchedulerConfig:
     pd_group = None
     if doc.get("pdGroup") is not None:
         pd_group = PDGroup.parse(doc["pdGroup"], f"{source}: pdGroup")
-    return SchedulerConfig(source, filters, scores, plugin_args, pd_group)
+    return SchedulerConfig(
+        source, filters, scores, plugin_args, pd_group, doc.get("flowControl")
+    )
 
 
 def _known(names: Iterable[str], point: type) -> list[str]:

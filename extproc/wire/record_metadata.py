@@ -31,7 +31,7 @@ from extproc.routing.records import (
     parse_pod,
     pod_text,
 )
-from extproc.routing.router import RouteDecision
+from extproc.routing.decision import RouteDecision
 from extproc.wire.protocol import RECORD_KEY, RECORD_NAMESPACE
 
 

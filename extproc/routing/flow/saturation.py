@@ -1,0 +1,82 @@
+"""Whether a model's pods are all saturated: flow control's cue to hold requests.
+
+A pod is over its limits when its estimated waiting requests reach ``maxWaiting`` or
+its KV cache use reaches ``maxKvUsage``. The waiting count is the last scrape's, moved
+by what extproc routed to the pod since (its in-flight count now less the count when
+that scrape was published): a burst is seen at once, not a scrape interval later, and
+with ``--redis-url`` the other replicas' picks count too (they are in flight here). A
+pod whose next scrape repeats the last one exactly is not republished, so its baseline
+stays older: the estimate can then run high by the requests routed and ended since.
+
+A model is saturated when every ready pod serving it is over; a model no ready pod
+serves is not (routing answers 404 or 503 as without flow control).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from extproc.pods import Pod, PodId, PodMetrics
+from extproc.routing.flow.config import FlowConfig
+from extproc.scheduling.inflight import InFlight
+
+
+class SaturationDetector:
+    """Per-pod limits over the scraped metrics and extproc's in-flight counts."""
+
+    def __init__(self, config: FlowConfig, in_flight: InFlight) -> None:
+        self._max_waiting = config.max_waiting
+        self._max_kv_usage = config.max_kv_usage
+        self._in_flight = in_flight
+        # pod -> (the metrics it was last published with, its in-flight count then);
+        # rebound whole, read lock-free.
+        self._baselines: dict[PodId, tuple[PodMetrics, int]] = {}
+        self._pods: tuple[Pod, ...] = ()
+        self._by_id: dict[PodId, Pod] = {}
+        self._last_free: dict[str, PodId] = {}  # model -> a pod last found with room
+
+    def pods_changed(self, pods: Sequence[Pod]) -> None:
+        """A new pod snapshot: a pod with new metrics (a scrape) takes a new baseline."""
+        old = self._baselines
+        baselines: dict[PodId, tuple[PodMetrics, int]] = {}
+        for pod in pods:
+            seen = old.get(pod.id)
+            if seen is not None and seen[0] is pod.metrics:
+                baselines[pod.id] = seen
+            else:
+                baselines[pod.id] = (pod.metrics, self._in_flight.get(pod.id))
+        self._baselines = baselines
+        self._by_id = {pod.id: pod for pod in pods}
+        self._pods = tuple(pods)
+
+    def estimated_waiting(self, pod: Pod) -> int:
+        baseline = self._baselines.get(pod.id)
+        since = self._in_flight.get(pod.id) - (baseline[1] if baseline is not None else 0)
+        return max(0, pod.metrics.waiting + since)
+
+    def over(self, pod: Pod) -> bool:
+        """The pod is at or over one of its limits."""
+        return (
+            pod.metrics.kv_usage >= self._max_kv_usage
+            or self.estimated_waiting(pod) >= self._max_waiting
+        )
+
+    def saturated(self, model: str) -> bool:
+        """Every ready pod serving ``model`` (in the last snapshot) is over its limits;
+        False if there is none.
+
+        The pod last found with room is tried first: while the model is not saturated a
+        check usually costs one pod, not the whole pool.
+        """
+        last_id = self._last_free.get(model)
+        last = self._by_id.get(last_id) if last_id is not None else None
+        if last is not None and last.ready and not self.over(last):
+            return False
+        candidates = 0
+        for pod in self._pods:
+            if pod.ready and pod.serves(model):
+                candidates += 1
+                if not self.over(pod):
+                    self._last_free[model] = pod.id
+                    return False
+        return candidates > 0
