@@ -1,0 +1,53 @@
+"""The flowControl section: defaults, and every bad value stops start-up, named."""
+
+from __future__ import annotations
+
+import pytest
+
+from extproc.errors import ConfigError
+from extproc.routing.flow.config import FlowConfig, parse_flow_control
+from extproc.scheduling.config import parse_config
+
+
+def test_no_section_is_off_and_an_empty_one_is_on_with_the_defaults() -> None:
+    assert parse_flow_control(None, "f") == FlowConfig()
+    assert not FlowConfig().enabled
+    on = parse_flow_control({}, "f")
+    assert on.enabled and on.max_waiting == 5 and on.max_kv_usage == 0.9
+    assert on.trusted_headers == frozenset() and on.ttl_s == 15
+
+
+def test_the_section_reaches_the_routing_layer_through_the_scheduler_config() -> None:
+    text = """
+scheduler:
+  plugins: {Filter: {enabled: []}, Score: {enabled: [{name: least-request, weight: 1}]}}
+flowControl:
+  trustedHeaders: [x-gateway-inference-objective]
+  objectives: {critical: 100, batch: -1}
+  queue: {ttlS: 3, bandTtlS: {"100": 30}}
+"""
+    config = parse_config(text, "c.yaml")
+    flow = parse_flow_control(config.flow_control, config.source)
+    assert flow.objectives == {"critical": 100, "batch": -1}
+    assert flow.ttl_for(100) == 30 and flow.ttl_for(0) == 3 and flow.longest_ttl_s == 30
+
+
+@pytest.mark.parametrize(
+    ("section", "named"),
+    [
+        ({"enabled": "yes"}, "flowControl.enabled"),
+        ({"saturation": {"maxWaitng": 3}}, "unknown key 'maxWaitng'"),
+        ({"saturation": {"maxKvUsage": 1.5}}, "maxKvUsage must be in (0, 1]"),
+        ({"queue": {"ttlS": 0}}, "queue.ttlS must be a number greater than 0"),
+        ({"queue": {"maxRequests": "many"}}, "queue.maxRequests"),
+        ({"objectives": {"critical": "high"}}, "objectives.critical must be an integer"),
+        ({"trustedHeaders": ["X-Tenant"]}, "not a lowercase header name"),
+        ({"fairness": {"bodyField": ""}}, "fairness.bodyField"),
+        ({"bogus": 1}, "unknown key 'bogus'"),
+        ([], "flowControl must be a mapping"),
+    ],
+)
+def test_a_bad_value_stops_start_up_naming_it(section: object, named: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_flow_control(section, "c.yaml")
+    assert named in str(raised.value) and "c.yaml" in str(raised.value)
