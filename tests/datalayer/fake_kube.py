@@ -412,3 +412,24 @@ def inference_pool(
         "metadata": {"name": name, "namespace": namespace},
         "spec": spec,
     }
+
+
+def inference_objective(
+    name: str, priority: Any = None, pool: str | None = "pool", *, namespace: str = "ns"
+) -> Obj:
+    """A v1alpha2 InferenceObjective; ``priority`` None leaves it out, ``pool`` None the poolRef."""
+    spec: Obj = {}
+    if priority is not None:
+        spec["priority"] = priority
+    if pool is not None:
+        spec["poolRef"] = {
+            "group": "inference.networking.k8s.io",
+            "kind": "InferencePool",
+            "name": pool,
+        }
+    return {
+        "apiVersion": "inference.networking.x-k8s.io/v1alpha2",
+        "kind": "InferenceObjective",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec,
+    }
