@@ -149,6 +149,13 @@ def test_discovery_args_and_least_rbac(mode: str, source_args: list[str], pool_r
                 "resourceNames": [FULLNAME],  # the pool is named after the release
             }
         )
+        expected.append(  # flow control's InferenceObjective priorities
+            {
+                "apiGroups": ["inference.networking.x-k8s.io"],
+                "resources": ["inferenceobjectives"],
+                "verbs": ["list", "watch"],
+            }
+        )
     assert rules == expected
     binding = find(docs, "RoleBinding")
     assert binding["subjects"] == [
