@@ -87,6 +87,9 @@ class _AccessLogStream:
     def on_close(self, delivered: bool) -> None:
         pass
 
+    def on_cancel(self) -> None:
+        pass  # never waits for a Future
+
 
 def access_log_method(handler: AccessLogHandler) -> Method:
     """``StreamAccessLogs``, each stream completing through ``handler``."""

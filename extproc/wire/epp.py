@@ -18,6 +18,11 @@ bidirectional stream:
   served (``x-gateway-destination-endpoint-served`` in ``envoy.lb`` metadata) or else the
   pick. A stream that ends otherwise records nothing.
 
+A request flow control holds (a ``Held``) gets, at the body's end, a reply extending
+Envoy's message timeout past the hold (``override_message_timeout``), then the pick or
+the refusal; a stream cancelled meanwhile cancels the hold (envoy/README.md says how
+Envoy times each body mode).
+
 The one-round handler in ``one_round.py`` stays the default for extproc's own Envoy config;
 this one costs a message round per phase.
 """
@@ -28,7 +33,7 @@ import itertools
 import logging
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 
 from envoy.config.core.v3 import base_pb2
@@ -36,10 +41,13 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc.errors import BadRequest, BodyTooLarge, ExtProcError
-from extproc.routing.router import RouteDecision, Router
+from extproc.routing.decision import RouteDecision
+from extproc.routing.flow.held import Held
+from extproc.routing.router import Router
 from extproc.wire.ext_proc import (
     OFF_LOOP_BODY_BYTES,
     error_response,
+    hold_response,
     internal_error_response,
     process_method,
     route_metadata,
@@ -65,6 +73,7 @@ class _Exchange:
     full_duplex: bool = False
     body: bytearray = field(default_factory=bytearray)
     decision: RouteDecision | None = None
+    held: Held | None = None  # while flow control holds the request
     subset: list[str] | None = None
     status: int = 0
     served: str | None = None
@@ -174,6 +183,8 @@ class GatewayHandler:
             subset=exchange.subset,
         )
         if isinstance(decided, Future):
+            if isinstance(decided, Held):
+                exchange.held = decided
             return then(decided, lambda result: list(self._routed(exchange, result())))
         return list(self._routed(exchange, decided))
 
@@ -247,25 +258,37 @@ def _served(message: ep.ProcessingRequest) -> str | None:
 class _EppStream:
     """One EPP stream: its request's messages in, replies out as the protocol asks."""
 
-    __slots__ = ("_exchange", "_handler")
+    __slots__ = ("_cancelled", "_exchange", "_handler")
 
     def __init__(self, handler: GatewayHandler) -> None:
         self._handler = handler
         self._exchange = _Exchange()
+        self._cancelled = False
 
     def on_message(self, message: ep.ProcessingRequest) -> Answer | Future[Answer]:
-        body = message.request_body
-        if body.end_of_stream and len(self._exchange.body) + len(body.body) >= OFF_LOOP_BODY_BYTES:
-            return run_off_loop(lambda: self._answer(message))
         if message.WhichOneof("request") != "request_body":
             return self._answer(message)
+        body = message.request_body
+        if body.end_of_stream and len(self._exchange.body) + len(body.body) >= OFF_LOOP_BODY_BYTES:
+            return run_off_loop(lambda: self._body(message))
+        return self._body(message)
+
+    def _body(self, message: ep.ProcessingRequest) -> Answer:
+        """A body message's answer: now, later (routing off the loop), or a held
+        request's longer message timeout now and the pick later."""
         try:
             replies = self._handler.on_request_body(self._exchange, message, defer=True)
         except Exception as exc:  # noqa: BLE001 - every error is answered
             return self._failed(exc)
-        if isinstance(replies, Future):
-            return then(replies, self._replies)
-        return Answer(replies, end=self._exchange.done)
+        if not isinstance(replies, Future):
+            return Answer(replies, end=self._exchange.done)
+        later = then(replies, self._replies)
+        held = self._exchange.held
+        if held is None:
+            return Answer(later=later)
+        if self._cancelled:  # cancelled while routing off the loop: see on_cancel
+            held.cancel()
+        return Answer((hold_response(held),), later=later)
 
     def _answer(self, message: ep.ProcessingRequest) -> Answer:
         return self._replies(lambda: list(self._handler.handle(self._exchange, message)))
@@ -273,6 +296,8 @@ class _EppStream:
     def _replies(self, replies: Callable[[], list[ep.ProcessingResponse]]) -> Answer:
         try:
             return Answer(replies(), end=self._exchange.done)
+        except CancelledError:  # the stream cancelled the hold: nobody to answer
+            raise
         except Exception as exc:  # noqa: BLE001 - every error is answered
             return self._failed(exc)
 
@@ -286,6 +311,13 @@ class _EppStream:
 
     def on_input_end(self) -> Answer:
         return Answer(end=True)
+
+    def on_cancel(self) -> None:
+        # Set before looking at the hold, which a thread routing off the loop may set
+        # meanwhile (and then looks at this): either side cancels it.
+        self._cancelled = True
+        if self._exchange.held is not None:
+            self._exchange.held.cancel()  # out of the queue: never routed
 
     def on_close(self, delivered: bool) -> None:
         if not delivered:

@@ -4,14 +4,16 @@ what they read from a request (the gateway's subset hint) and the replies they b
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
+from google.protobuf import duration_pb2, struct_pb2
 
 from extproc.errors import ExtProcError
+from extproc.routing.flow.held import Held
 from extproc.wire.grpc_loop import Method, Stream
 from extproc.wire.protocol import (
     DESTINATION_KEY,
@@ -25,6 +27,10 @@ from extproc.wire.protocol import (
 # Bodies this big are slow to parse and render; they are routed off the loop so that the
 # requests behind them are not held up.
 OFF_LOOP_BODY_BYTES = 1 << 20
+
+# A held request's message timeout runs this long past its time to live: the refusal
+# (or the route) is decided at the deadline and must reach Envoy before its timer fires.
+HOLD_MARGIN_S = 2.0
 
 _JSON_CONTENT_TYPE = base_pb2.HeaderValueOption(
     header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json")
@@ -63,15 +69,33 @@ def internal_error_response(request_id: str) -> ep.ProcessingResponse:
 
 
 def error_response(error: ExtProcError) -> ep.ProcessingResponse:
-    """An ImmediateResponse: the error's status and its OpenAI-style JSON body."""
+    """An ImmediateResponse: the error's status and its OpenAI-style JSON body (and
+    ``retry-after`` when the error says when to retry)."""
+    headers = [_JSON_CONTENT_TYPE]
+    if error.retry_after_s is not None:
+        headers.append(
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(
+                    key="retry-after", raw_value=str(error.retry_after_s).encode()
+                )
+            )
+        )
     return ep.ProcessingResponse(
         immediate_response=ep.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=error.http_status),
-            headers=ep.HeaderMutation(set_headers=[_JSON_CONTENT_TYPE]),
+            headers=ep.HeaderMutation(set_headers=headers),
             body=error.to_body(),
             details=f"extproc_{error.code}",
         )
     )
+
+
+def hold_response(held: Held) -> ep.ProcessingResponse:
+    """The reply that keeps Envoy waiting for a held request: its message timer restarted
+    for the hold's time left plus a margin (the route or refusal comes by then). Envoy
+    ignores it above the filter's ``max_message_timeout``."""
+    seconds = math.ceil(held.hold_s() + HOLD_MARGIN_S)
+    return ep.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=seconds))
 
 
 def route_metadata(destination: str, prefill: str | None = None) -> struct_pb2.Struct:

@@ -11,9 +11,13 @@ open stream holds no thread.
 This module knows gRPC, not ext_proc: a method is a ``Method`` (how to parse a message,
 how to open a ``Stream``), and a stream answers each message with an ``Answer``. The
 handlers run on the loop thread, so they must be quick; one that has slow work (routing
-a body of megabytes, a prompt to tokenize) returns a ``Future`` of its answer instead,
-computed elsewhere, and the stream reads nothing more until it is ready; the reply goes
-out from the thread that completes it, while the loop serves the other streams.
+a body of megabytes, a prompt to tokenize, a request held by flow control) returns a
+``Future`` of its answer instead (or an ``Answer`` whose ``later`` is one: replies now,
+the rest later), computed elsewhere, and the stream reads nothing more until it is ready;
+the loop serves the other streams meanwhile. The Future's completion is handed back to
+the loop thread (an empty batch on the call), so a stream is only ever called there.
+While a stream waits, the server watches for the client going away (a receive-close
+batch) and tells the stream (``on_cancel``), which may give up the work it waits for.
 grpcio's ``_cython.cygrpc`` layer is the one ``grpc.server`` and ``grpc.aio`` are built
 on, but it is private: it may change in any grpcio release. ``self_check`` says whether
 the installed one has what this loop uses (and serves one call through it);
@@ -28,7 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, NamedTuple, Protocol, TypeVar
@@ -53,10 +57,13 @@ _POLL_S = 1.0  # how often the loop looks up from the queue (nothing to do other
 class Answer(NamedTuple):
     """What a stream says to a message: replies to send, in order (messages, or their
     bytes serialized already); ``end``: then close the stream with OK (nothing more is
-    read)."""
+    read); ``later``: send the replies now, then wait for this answer (nothing is read
+    meanwhile; ``end`` is not read, the later answer says). A Future returned by
+    ``on_message`` is ``Answer(later=future)``."""
 
     replies: Sequence[Any] = ()
     end: bool = False
+    later: Future[Answer] | None = None
 
 
 class Stream(Protocol):
@@ -71,6 +78,13 @@ class Stream(Protocol):
     def on_close(self, delivered: bool) -> None:
         """The stream is over; ``delivered``: its replies and status reached the client
         (False: cancelled, timed out, or failed before they did)."""
+        ...
+
+    def on_cancel(self) -> None:
+        """The client went away (or the server cancelled the call) while the stream waits
+        for a Future: give up the work it waits for, if it can (a Future that then fails
+        with ``CancelledError`` ends the stream quietly). Called at most once, before
+        ``on_close``."""
         ...
 
 
@@ -282,11 +296,20 @@ def _refuse(call: Any, code: Any, details: bytes) -> None:
 
 
 class _Call:
-    """One stream's state: one receive and one send outstanding at most (gRPC's rule)."""
+    """One stream's state: one receive and one send outstanding at most (gRPC's rule).
+
+    Runs on the loop thread only: a Future's completion comes back through an empty batch.
+    The receive-close batch, which says whether the call was cancelled, goes with the final
+    send, or at the first wait for a Future (to notice a client leaving meanwhile); the
+    stream is closed once both the final send and the close were seen.
+    """
 
     __slots__ = (
         "_call",
+        "_cancelled",
+        "_close",
         "_ended",
+        "_final_ok",
         "_metadata_sent",
         "_method",
         "_outbox",
@@ -294,6 +317,7 @@ class _Call:
         "_server",
         "_status",
         "_stream",
+        "_waiting",
     )
 
     def __init__(self, server: LoopServer, call: Any, method: Method, stream: Stream) -> None:
@@ -306,6 +330,10 @@ class _Call:
         self._metadata_sent = False
         self._ended = False  # no more input is read; the status goes after the outbox
         self._status: tuple[Any, bytes] = (cygrpc.StatusCode.ok, b"")
+        self._close = _CLOSE_NOT_STARTED
+        self._cancelled = False  # the close was seen, cancelled
+        self._waiting = False  # for a Future's answer
+        self._final_ok: bool | None = None  # the final send's outcome, once seen
         self._receive()
 
     def _receive(self) -> None:
@@ -334,22 +362,59 @@ class _Call:
         try:
             answer = handle()
             if isinstance(answer, Future):
-                # Finished on the thread that computed it; safe because nothing else is
-                # outstanding on this call meanwhile (no receive was started).
-                answer.add_done_callback(lambda done: self._answer(done.result))
-                return
+                answer = Answer(later=answer)
             serialize = self._method.serialize
             replies = [r if type(r) is bytes else serialize(r) for r in answer.replies]
+        except CancelledError:  # the stream gave up what it waited for: the client left
+            log.debug("a stream's answer was cancelled")
+            self._fail(cygrpc.StatusCode.cancelled, b"cancelled")
+            return
         except Exception:
             log.exception("unexpected error in a stream handler")
             self._fail(cygrpc.StatusCode.internal, b"internal error in the endpoint picker")
             return
         self._outbox.extend(replies)
+        if answer.later is not None:
+            self._wait(answer.later)
+            return
         if answer.end:
             self._ended = True
         self._send()
         if not self._ended:
             self._receive()  # last: its completion may run on the loop thread at once
+
+    def _wait(self, later: Future[Answer]) -> None:
+        """Send what is ready, watch for the client leaving, and answer when ``later`` is
+        done (on the loop thread: the thread completing it starts an empty batch)."""
+        self._waiting = True
+        self._send()
+        if self._close == _CLOSE_NOT_STARTED:
+            self._close = _CLOSE_STARTED
+            self._call.start_server_batch(
+                (cygrpc.ReceiveCloseOnServerOperation(_NO_FLAGS),), self._on_close
+            )
+
+        def back_on_loop(done: Future[Answer]) -> None:
+            self._call.start_server_batch((), lambda _: self._answer_later(done))
+
+        later.add_done_callback(back_on_loop)
+
+    def _answer_later(self, done: Future[Answer]) -> None:
+        self._waiting = False
+        self._answer(done.result)
+
+    def _on_close(self, event: Any) -> None:
+        """The receive-close batch started by ``_wait`` completed: the call is over
+        (cancelled, or its status was sent)."""
+        self._close = _CLOSE_SEEN
+        self._cancelled = not event.success or event.batch_operations[0].cancelled()
+        if self._final_ok is not None:
+            self._finish()
+        elif self._cancelled and self._waiting:
+            try:
+                self._stream.on_cancel()
+            except Exception:
+                log.exception("unexpected error cancelling a stream")
 
     def _fail(self, code: Any, details: bytes) -> None:
         self._outbox.clear()
@@ -358,8 +423,9 @@ class _Call:
         self._send()
 
     def _send(self) -> None:
-        """Start the next send batch: a reply, and the status with the last one."""
-        if self._sending or not (self._outbox or self._ended):
+        """Start the next send batch: a reply, and the status with the last one (not
+        while an answer is awaited)."""
+        if self._sending or not (self._outbox or (self._ended and not self._waiting)):
             return
         operations: list[Any] = []
         if not self._metadata_sent:
@@ -371,7 +437,9 @@ class _Call:
         if final:
             code, details = self._status
             operations.append(cygrpc.SendStatusFromServerOperation(None, code, details, _NO_FLAGS))
-            operations.append(cygrpc.ReceiveCloseOnServerOperation(_NO_FLAGS))
+            if self._close == _CLOSE_NOT_STARTED:
+                self._close = _CLOSE_IN_FINAL
+                operations.append(cygrpc.ReceiveCloseOnServerOperation(_NO_FLAGS))
         self._sending = True
         self._call.start_server_batch(operations, self._on_final if final else self._on_sent)
 
@@ -383,12 +451,23 @@ class _Call:
         self._send()
 
     def _on_final(self, event: Any) -> None:
-        delivered = bool(event.success) and not event.batch_operations[-1].cancelled()
+        self._final_ok = bool(event.success)
+        if self._close == _CLOSE_IN_FINAL:
+            self._close = _CLOSE_SEEN
+            self._cancelled = event.batch_operations[-1].cancelled()
+        if self._close == _CLOSE_SEEN:
+            self._finish()
+
+    def _finish(self) -> None:
         self._server._closed(self)
         try:
-            self._stream.on_close(delivered)
+            self._stream.on_close(bool(self._final_ok) and not self._cancelled)
         except Exception:
             log.exception("unexpected error closing a stream")
+
+
+# The receive-close batch of a call: not started, with the final send, on its own, seen.
+_CLOSE_NOT_STARTED, _CLOSE_IN_FINAL, _CLOSE_STARTED, _CLOSE_SEEN = range(4)
 
 
 # What the loop uses of cygrpc: its classes, the server's methods, the status codes.
@@ -412,7 +491,14 @@ _NEEDED_SERVER_METHODS = (
     "cancel_all_calls",
     "destroy",
 )
-_NEEDED_CODES = ("ok", "unimplemented", "unavailable", "resource_exhausted", "internal")
+_NEEDED_CODES = (
+    "ok",
+    "unimplemented",
+    "unavailable",
+    "resource_exhausted",
+    "internal",
+    "cancelled",
+)
 _SELF_CHECK_PATH = "/extproc.SelfCheck/Echo"
 SELF_CHECK_TIMEOUT_S = 5.0
 
@@ -427,6 +513,9 @@ class _SelfCheckEcho:
         return Answer((b"end",), end=True)
 
     def on_close(self, delivered: bool) -> None:
+        pass
+
+    def on_cancel(self) -> None:
         pass
 
 

@@ -6,7 +6,9 @@ self_check``), or ``--grpc-server public`` asks for it, this server takes its pl
 the same behaviour: at most ``max_streams`` streams (RESOURCE_EXHAUSTED beyond, naming
 the flag), ``drain(keep=...)`` (UNAVAILABLE for the others), INTERNAL without a trace
 for a handler bug, INVALID_ARGUMENT for bytes that are no message, and ``on_close
-(delivered)`` for every stream opened. The price is grpcio's thread pool: each open
+(delivered)`` for every stream opened, ``on_cancel`` when the RPC ends while the handler
+waits for a Future (grpcio's termination callback; a Future then failing with
+``CancelledError`` ends the stream quietly). The price is grpcio's thread pool: each open
 stream holds a worker thread, and every message crosses threads (docs/performance.md).
 """
 
@@ -14,8 +16,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Collection, Generator, Iterator, Mapping, Sequence
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any, NoReturn
 
@@ -109,10 +111,16 @@ class PublicServer:
             self._closed()
             _abort(context, grpc.StatusCode.INTERNAL, "internal error")
         outcome = _Outcome(lambda delivered: self._close(stream, delivered))
-        if not context.add_callback(outcome.ended):  # already over (cancelled meanwhile)
+        watch = _Watch(stream)
+
+        def terminated() -> None:
+            watch.terminated()
             outcome.ended()
+
+        if not context.add_callback(terminated):  # already over (cancelled meanwhile)
+            terminated()
         try:
-            yield from _exchange(method, stream, requests, context, outcome)
+            yield from _exchange(method, stream, requests, context, outcome, watch)
         finally:  # also when grpcio drops the generator after a failed send
             outcome.ended()
 
@@ -151,12 +159,64 @@ class _Outcome:
             self._close(self.delivered)
 
 
+class _Watch:
+    """Tells a stream (``on_cancel``, once) that its RPC ended while its handler waits for
+    a Future: grpcio calls ``terminated`` when the RPC ends, on its own thread."""
+
+    __slots__ = ("_cancelled", "_lock", "_stream", "_terminated", "_waiting")
+
+    def __init__(self, stream: Stream) -> None:
+        self._stream = stream
+        self._lock = threading.Lock()
+        self._waiting = False
+        self._terminated = False
+        self._cancelled = False
+
+    def begin(self) -> None:
+        """The handler has a Future to wait for (from now: its replies first, which grpcio
+        may never ask for if the RPC is over)."""
+        with self._lock:
+            self._waiting = True
+            cancel = self._cancel_now()
+        if cancel:  # the RPC was over before the wait began
+            self._cancel()
+
+    def wait(self, future: Future[Answer]) -> Answer:
+        """``future``'s answer (what it raises, raised), after ``begin``."""
+        try:
+            return future.result()
+        finally:
+            with self._lock:
+                self._waiting = False
+
+    def terminated(self) -> None:
+        with self._lock:
+            self._terminated = True
+            cancel = self._cancel_now()
+        if cancel:
+            self._cancel()
+
+    def _cancel_now(self) -> bool:
+        """Under the lock: whether to cancel now (once)."""
+        if self._waiting and self._terminated and not self._cancelled:
+            self._cancelled = True
+            return True
+        return False
+
+    def _cancel(self) -> None:
+        try:
+            self._stream.on_cancel()
+        except Exception:
+            log.exception("unexpected error cancelling a stream")
+
+
 def _exchange(
     method: Method,
     stream: Stream,
     requests: Iterator[bytes],
     context: grpc.ServicerContext,
     outcome: _Outcome,
+    watch: _Watch,
 ) -> Iterator[bytes]:
     """Read messages and send each answer's replies until an answer ends the stream or
     the input ends; a failure becomes the status, as in the loop server."""
@@ -166,7 +226,7 @@ def _exchange(
         except grpc.RpcError:  # the client went away (cancelled, deadline): nothing to send
             return
         if data is None:
-            replies, end = _answer(method, stream.on_input_end, context, outcome)
+            end = yield from _answer(method, stream.on_input_end, context, outcome, watch)
         else:
             try:
                 message = method.parse(data)
@@ -177,8 +237,8 @@ def _exchange(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"the request is not a {method.name} message",
                 )
-            replies, end = _answer(method, partial(stream.on_message, message), context, outcome)
-        yield from replies
+            handle = partial(stream.on_message, message)
+            end = yield from _answer(method, handle, context, outcome, watch)
         if end or data is None:
             outcome.delivered = context.is_active()
             return
@@ -189,14 +249,28 @@ def _answer(
     handle: Callable[[], Answer | Future[Answer]],
     context: grpc.ServicerContext,
     outcome: _Outcome,
-) -> tuple[list[bytes], bool]:
-    """The handler's answer, its replies serialized; a bug in it aborts with INTERNAL."""
+    watch: _Watch,
+) -> Generator[bytes, None, bool]:
+    """Send the handler's answer (its replies now, then those of the answer it waits for)
+    and return its ``end``; a bug in it aborts with INTERNAL, a cancelled wait with
+    CANCELLED (quietly: the stream gave its work up, the client had left)."""
     try:
         answer = handle()
-        if isinstance(answer, Future):  # computed off the loop: here, just wait for it
-            answer = answer.result()
-        serialize = method.serialize
-        return [r if type(r) is bytes else serialize(r) for r in answer.replies], answer.end
+        while True:
+            if isinstance(answer, Future):
+                answer = Answer(later=answer)
+            serialize = method.serialize
+            replies = [r if type(r) is bytes else serialize(r) for r in answer.replies]
+            if answer.later is not None:
+                watch.begin()
+            yield from replies
+            if answer.later is None:
+                return answer.end
+            answer = watch.wait(answer.later)
+    except CancelledError:
+        log.debug("a stream's answer was cancelled")
+        outcome.delivered = context.is_active()
+        _abort(context, grpc.StatusCode.CANCELLED, "cancelled")
     except Exception:
         log.exception("unexpected error in a stream handler")
         outcome.delivered = context.is_active()

@@ -7,23 +7,33 @@ and the OK status together: the ordered pod list in dynamic metadata
 OpenAI-style JSON error (``envoy/README.md``). Every error is answered, never raised
 into the loop; nothing here knows a plugin: a request the router wants to prepare off
 the loop (``Router.route_or_defer``) is answered when its Future is done.
+
+A request flow control holds (a ``Held``) gets two replies: at once one that extends
+Envoy's message timeout past the hold (``override_message_timeout``, honoured up to the
+filter's ``max_message_timeout``), then the route or the refusal when it is decided. A
+stream cancelled meanwhile (the client or Envoy went away) cancels the hold.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from concurrent.futures import Future
+from collections.abc import Callable, Mapping
+from concurrent.futures import CancelledError, Future
+from typing import NamedTuple
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from google.protobuf import struct_pb2
 
 from extproc.errors import BadRequest, ExtProcError
 from extproc.memo import FifoMemo
-from extproc.routing.router import RouteDecision, Router
+from extproc.routing.decision import RouteDecision
+from extproc.routing.flow.held import Held
+from extproc.routing.router import Router
 from extproc.wire.ext_proc import (
     OFF_LOOP_BODY_BYTES,
     continue_response,
     error_response,
+    hold_response,
     internal_error_response,
     process_method,
     route_response,
@@ -32,9 +42,10 @@ from extproc.wire.ext_proc import (
 from extproc.wire.grpc_loop import Answer, Method, run_off_loop, then
 from extproc.wire.protocol import (
     ATTRIBUTES_KEY,
+    HEADER_ATTRIBUTE_PREFIX,
+    HEADER_ATTRIBUTE_SUFFIX,
     PATH_ATTRIBUTE,
     REQUEST_ID_ATTRIBUTE,
-    header_attribute,
 )
 from extproc.wire.record_metadata import record_reply
 
@@ -42,6 +53,13 @@ log = logging.getLogger("extproc.wire")
 
 # The reply (a route comes serialized), and the request id routed, if one was.
 Routed = tuple[ep.ProcessingResponse | bytes, str | None]
+
+
+class HeldRoute(NamedTuple):
+    """A request flow control holds: its ``Held``, and the Future of its reply."""
+
+    held: Held
+    routed: Future[Routed]
 
 
 class RouteHandler:
@@ -52,24 +70,24 @@ class RouteHandler:
         # Route replies serialized once per destination list (and prefill pod): the
         # lists repeat (the model's pods, best first), and building one is not free.
         self._replies: FifoMemo[tuple[str, str | None], bytes] = FifoMemo(4096)
-        self._session_attribute = (
-            header_attribute(router.session_header) if router.session_header else None
-        )
 
     def process(self, message: ep.ProcessingRequest) -> Routed:
         """The one-round ``Process`` message -> the reply (a route comes serialized), and
         the request id routed (to forget if the reply never reaches Envoy). Every error
         becomes the reply. All on the calling thread."""
         routed = self._process(message, defer=False)
-        assert not isinstance(routed, Future)  # only ``route_or_defer`` defers
+        assert not isinstance(routed, Future | HeldRoute)  # only ``route_or_defer`` defers
         return routed
 
-    def process_soon(self, message: ep.ProcessingRequest) -> Routed | Future[Routed]:
+    def process_soon(self, message: ep.ProcessingRequest) -> Routed | Future[Routed] | HeldRoute:
         """``process``, but the routes that need slow preparation (tokenizing) come later,
-        as a Future from the router's preparing threads (``Router.route_or_defer``)."""
+        as a Future from the router's preparing threads, and a request flow control holds
+        comes with its ``Held`` (``Router.route_or_defer``)."""
         return self._process(message, defer=True)
 
-    def _process(self, message: ep.ProcessingRequest, *, defer: bool) -> Routed | Future[Routed]:
+    def _process(
+        self, message: ep.ProcessingRequest, *, defer: bool
+    ) -> Routed | Future[Routed] | HeldRoute:
         request_id = ""
         try:
             attributes = message.attributes[ATTRIBUTES_KEY].fields
@@ -91,23 +109,19 @@ class RouteHandler:
                     "extproc needs the whole request body (ext_proc body mode BUFFERED)",
                     code="body_not_buffered",
                 )
-            headers = {}
-            if self._session_attribute and self._session_attribute in attributes:
-                headers[self.router.session_header or ""] = attributes[
-                    self._session_attribute
-                ].string_value
             route = self.router.route_or_defer if defer else self.router.route
             decided = route(
                 attributes[PATH_ATTRIBUTE].string_value,
                 body.body,
                 request_id=request_id or None,
-                headers=headers,
+                headers=request_headers(attributes),
                 subset=subset_hint(message),
             )
         except Exception as exc:  # noqa: BLE001 - every error becomes the reply
             return _failed(request_id, exc), None
         if isinstance(decided, Future):
-            return then(decided, lambda result: self._reply(request_id, result))
+            routed = then(decided, lambda result: self._reply(request_id, result))
+            return HeldRoute(decided, routed) if isinstance(decided, Held) else routed
         return self._reply(request_id, lambda: decided)
 
     def _reply(self, request_id: str, decide: Callable[[], RouteDecision]) -> Routed:
@@ -122,8 +136,19 @@ class RouteHandler:
             if decision.record is not None:
                 reply += record_reply(decision, decision.record, self.router.replica_id)
             return reply, request_id or None
+        except CancelledError:  # the stream cancelled the hold: nobody to answer
+            raise
         except Exception as exc:  # noqa: BLE001 - every error becomes the reply
             return _failed(request_id, exc), None
+
+
+def request_headers(attributes: Mapping[str, struct_pb2.Value]) -> dict[str, str]:
+    """The request headers Envoy sent as attributes (``request.headers['NAME']``)."""
+    return {
+        key[len(HEADER_ATTRIBUTE_PREFIX) : -len(HEADER_ATTRIBUTE_SUFFIX)]: value.string_value
+        for key, value in attributes.items()
+        if key.startswith(HEADER_ATTRIBUTE_PREFIX) and key.endswith(HEADER_ATTRIBUTE_SUFFIX)
+    }
 
 
 def _failed(request_id: str, exc: Exception) -> ep.ProcessingResponse:
@@ -137,28 +162,46 @@ def _failed(request_id: str, exc: Exception) -> ep.ProcessingResponse:
 
 
 class _OneRoundStream:
-    """One ``Process`` stream: one message, one reply."""
+    """One ``Process`` stream: one message, one reply (two for a held request: the longer
+    message timeout first)."""
 
-    __slots__ = ("_handler", "_routed")
+    __slots__ = ("_cancelled", "_handler", "_held", "_routed")
 
     def __init__(self, handler: RouteHandler) -> None:
         self._handler = handler
         self._routed: str | None = None
+        self._held: Held | None = None
+        self._cancelled = False
 
     def on_message(self, message: ep.ProcessingRequest) -> Answer | Future[Answer]:
         if len(message.request_body.body) >= OFF_LOOP_BODY_BYTES:
-            return run_off_loop(lambda: self._answer(self._handler.process(message)))
-        routed = self._handler.process_soon(message)
-        if isinstance(routed, Future):
-            return then(routed, lambda result: self._answer(result()))
-        return self._answer(routed)
+            return run_off_loop(lambda: self._answer(self._handler.process_soon(message)))
+        return self._answer(self._handler.process_soon(message))
 
-    def _answer(self, routed: Routed) -> Answer:
+    def _answer(self, routed: Routed | Future[Routed] | HeldRoute) -> Answer:
+        if isinstance(routed, HeldRoute):
+            self._hold(routed.held)
+            later = then(routed.routed, lambda result: self._answer(result()))
+            return Answer((hold_response(routed.held),), later=later)
+        if isinstance(routed, Future):
+            return Answer(later=then(routed, lambda result: self._answer(result())))
         reply, self._routed = routed
         return Answer((reply,), end=True)
 
+    def _hold(self, held: Held) -> None:
+        """Keep ``held`` to cancel; cancel it now if the stream was cancelled while it was
+        being made (off the loop: this and ``on_cancel`` each look at what the other set)."""
+        self._held = held
+        if self._cancelled:
+            held.cancel()
+
     def on_input_end(self) -> Answer:
         return Answer((ep.ProcessingResponse(),), end=True)
+
+    def on_cancel(self) -> None:
+        self._cancelled = True
+        if self._held is not None:
+            self._held.cancel()  # out of the queue: never routed
 
     def on_close(self, delivered: bool) -> None:
         if not delivered and self._routed is not None:

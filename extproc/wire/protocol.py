@@ -55,9 +55,18 @@ INTERNAL_HEADERS: tuple[str, ...] = (
 )
 
 
+HEADER_ATTRIBUTE_PREFIX = "request.headers['"
+HEADER_ATTRIBUTE_SUFFIX = "']"
+
+# The Gateway API Inference Extension's flow control headers: the request's objective
+# (an InferenceObjective's name, which gives its priority) and its fairness key.
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+
+
 def header_attribute(header: str) -> str:
     """The attribute name (a CEL expression) under which a request header arrives."""
-    return f"request.headers['{header}']"
+    return f"{HEADER_ATTRIBUTE_PREFIX}{header}{HEADER_ATTRIBUTE_SUFFIX}"
 
 
 # The gRPC services extproc serves on its one port.

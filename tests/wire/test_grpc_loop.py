@@ -31,17 +31,25 @@ ECHO = "/test.Loop/Echo"
 
 class Echo:
     """Answers each message with itself; "end" ends the stream, "boom" raises, "slow"
-    is answered off the loop once ``release`` is set (``computing`` says it started)."""
+    is answered off the loop once ``release`` is set (``computing`` says it started).
+    "later" answers "now" at once and then ``held``'s answer; "hold" waits for ``held``
+    alone, and ``on_cancel`` cancels it."""
 
     closed: ClassVar[list[bool]] = []
+    cancels: ClassVar[list[str]] = []  # the thread each on_cancel ran on
     computing = threading.Event()
     release = threading.Event()
+    held: Future[Answer] = Future()
 
     def on_message(self, message: bytes) -> Answer | Future[Answer]:
         if message == b"boom":
             raise RuntimeError("a handler bug")
         if message == b"slow":
             return run_off_loop(slow_answer)
+        if message == b"later":
+            return Answer((b"now",), later=Echo.held)
+        if message == b"hold":
+            return Echo.held
         return Answer((message,), end=message == b"end")
 
     def on_input_end(self) -> Answer:
@@ -49,6 +57,10 @@ class Echo:
 
     def on_close(self, delivered: bool) -> None:
         Echo.closed.append(delivered)
+
+    def on_cancel(self) -> None:
+        Echo.cancels.append(threading.current_thread().name)
+        Echo.held.cancel()
 
 
 def slow_answer() -> Answer:
@@ -63,6 +75,8 @@ Served = tuple[LoopServer | PublicServer, grpc.Channel]
 @pytest.fixture(params=[LoopServer, PublicServer], ids=["loop", "public"])
 def served(request: pytest.FixtureRequest) -> Iterator[Served]:
     Echo.closed = []
+    Echo.cancels = []
+    Echo.held = Future()
     server = request.param(
         {ECHO: Method(bytes, bytes, Echo, "bytes")},
         max_streams=8,
@@ -125,6 +139,69 @@ def test_a_slow_answer_off_the_loop_does_not_hold_up_other_streams(
         Echo.release.set()
     worker.join(30)
     assert slow == [[b"slow done", b"bye"]]
+
+
+def test_an_answer_later_sends_its_replies_first_then_the_later_answer(
+    served: Served,
+) -> None:
+    server, channel = served
+    gate = threading.Event()
+
+    def messages() -> Iterator[bytes]:
+        yield b"later"
+        gate.wait(5)  # the input stays open: the later answer must not wait for more
+        yield b"after"
+
+    responses = channel.stream_stream(ECHO)(messages(), timeout=10)
+    assert next(responses) == b"now"  # sent before the later answer exists
+    Echo.held.set_result(Answer((b"then",)))
+    assert next(responses) == b"then"
+    gate.set()
+    assert list(responses) == [b"after", b"bye"]  # and the stream reads on after it
+    wait_until(lambda: server.open_streams == 0 and Echo.closed == [True])
+    assert Echo.cancels == []
+
+
+def test_a_client_that_leaves_while_the_stream_waits_cancels_it_once_and_quietly(
+    served: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    server, channel = served
+    gate = threading.Event()
+
+    def messages() -> Iterator[bytes]:
+        yield b"later"
+        gate.wait(5)
+
+    responses = channel.stream_stream(ECHO)(messages(), timeout=10)
+    try:
+        assert next(responses) == b"now"
+        assert server.open_streams == 1 and Echo.cancels == []
+        with caplog.at_level(logging.DEBUG, "extproc.grpc"):
+            responses.cancel()
+            wait_until(
+                lambda: server.open_streams == 0 and Echo.closed == [False],
+                what=lambda: (server.open_streams, Echo.closed, Echo.cancels),
+            )
+    finally:
+        gate.set()
+    assert len(Echo.cancels) == 1 and Echo.held.cancelled()
+    if isinstance(server, LoopServer):
+        assert Echo.cancels == ["extproc-grpc"]  # on the loop thread
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert call(channel, b"x") == [b"x", b"bye"]  # the server goes on
+
+
+def test_an_answer_cancelled_by_its_stream_ends_it_cancelled_without_a_log(
+    served: Served, caplog: pytest.LogCaptureFixture
+) -> None:
+    server, channel = served
+    Echo.held.cancel()
+    with pytest.raises(grpc.RpcError) as info:
+        call(channel, b"hold")
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    wait_until(lambda: server.open_streams == 0 and Echo.closed == [True])  # the status went
+    assert Echo.cancels == []  # the client did not leave
 
 
 @contextmanager

@@ -317,14 +317,14 @@ def test_a_body_over_a_mebibyte_is_routed_off_the_loop(
 ) -> None:
     """Routing a big body takes long (a quarter of a million chat messages: 0.7 s); it
     runs on a worker thread, and requests arriving meanwhile are routed at once."""
-    route = server.router.route
+    route = server.router.route_or_defer
 
     def slow_when_big(path: str, data: bytes, **kwargs: object) -> object:
         if len(data) >= OFF_LOOP_BODY_BYTES:
             time.sleep(0.5)
         return route(path, data, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(server.router, "route", slow_when_big)
+    monkeypatch.setattr(server.router, "route_or_defer", slow_when_big)
     big = orjson.dumps({"model": "m", "prompt": "x" * OFF_LOOP_BODY_BYTES})
     epp = server.protocol == "epp"
     with ThreadPoolExecutor(1) as pool:
