@@ -23,11 +23,13 @@ from grpc_health.v1 import health
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
 from extproc.datalayer.kv_events import KvEventsSubscriber, settings_from_args
+from extproc.datalayer.objectives import InferenceObjectiveWatcher
 from extproc.datalayer.scrape import MetricsScraper
 from extproc.datalayer.sources import (
     PodsSource,
     check_pods_source,
     describe_source,
+    make_objectives_watcher,
     make_pods_source,
 )
 from extproc.datalayer.store import PodStore
@@ -74,10 +76,13 @@ class Running:
     registry: CollectorRegistry
     sharing: RedisSharing | None = None
     kv_events: KvEventsSubscriber | None = None
+    objectives: InferenceObjectiveWatcher | None = None
 
     def stop(self, drain_s: float = 10.0) -> None:
         set_serving(self.health_servicer, False)
         self.watcher.stop()
+        if self.objectives is not None:
+            self.objectives.stop()
         if self.kv_events is not None:
             self.kv_events.stop()
         if self.scraper is not None:
@@ -218,6 +223,9 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
     store = PodStore(publish, stale_after_s=args.stale_after_s if scraping else None)
     watcher = make_pods_source(args, store.set_pods)
     store.set_pods(watcher.pods)
+    objectives = None
+    if router.flow is not None:
+        objectives = make_objectives_watcher(args, router.flow.objectives.set_watched)
     scraper = None
     if scraping:
         scraper = MetricsScraper(
@@ -249,6 +257,8 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
     grpc_server.start()
     health_server.start()
     watcher.start()
+    if objectives is not None:
+        objectives.start()
     if scraper is not None:
         scraper.start()
     if sharing is not None:
@@ -282,6 +292,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         registry,
         sharing,
         kv_events,
+        objectives,
     )
 
 

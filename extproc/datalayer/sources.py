@@ -9,15 +9,16 @@ Exactly one source, or ``serve`` refuses to start::
 Kubernetes options: ``--k8s-namespace`` (default: the kubeconfig context's, or in-cluster
 the service account's namespace), ``--kubeconfig``/``--kube-context`` (see
 ``kubeconfig``), ``--k8s-model-annotation``, ``--k8s-model-label``,
-``--k8s-default-model``, ``--k8s-role-label`` (see ``k8s_objects``), and
-``--inference-pool-api``. Every flag also reads ``EXTPROC_<FLAG>`` through the
+``--k8s-default-model``, ``--k8s-role-label`` (see ``k8s_objects``),
+``--inference-pool-api``, and ``--inference-objective-api`` (with an InferencePool, its
+InferenceObjectives' priorities for flow control: ``objectives``). Every flag also reads ``EXTPROC_<FLAG>`` through the
 caller's ``env`` helper.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from extproc.datalayer.k8s import DEFAULT_POOL_API, KubePodSource, WatchTiming
@@ -29,6 +30,7 @@ from extproc.datalayer.k8s_objects import (
     PodTarget,
 )
 from extproc.datalayer.kubeconfig import load_kube_config
+from extproc.datalayer.objectives import DEFAULT_OBJECTIVE_API, InferenceObjectiveWatcher
 from extproc.datalayer.pods_file import PodsFileWatcher
 from extproc.errors import ConfigError
 from extproc.pods import Pod
@@ -87,6 +89,12 @@ def add_source_arguments(p: argparse.ArgumentParser, env: Callable[[str, Any], A
         "--inference-pool-api",
         default=env("inference-pool-api", DEFAULT_POOL_API),
         help="the pool's group/version (default: %(default)s)",
+    )
+    g.add_argument(
+        "--inference-objective-api",
+        default=env("inference-objective-api", DEFAULT_OBJECTIVE_API),
+        help="with --inference-pool and flow control on, the InferenceObjectives' "
+        "group/version, watched for their priorities (default: %(default)s)",
     )
     g.add_argument(
         "--k8s-namespace",
@@ -191,6 +199,24 @@ def make_pods_source(
             default_model=args.k8s_default_model,
             role_label=args.k8s_role_label,
         ),
+        timing=WatchTiming(start_timeout_s=args.k8s_start_timeout_s),
+    )
+
+
+def make_objectives_watcher(
+    args: argparse.Namespace, on_change: Callable[[Mapping[str, int]], object]
+) -> InferenceObjectiveWatcher | None:
+    """With an InferencePool, the watcher of its InferenceObjectives' priorities (not
+    started); None otherwise (the chart grants their RBAC only with a pool)."""
+    if not args.inference_pool:
+        return None
+    config = load_kube_config(args.kubeconfig, args.kube_context)
+    return InferenceObjectiveWatcher(
+        config,
+        on_change,
+        namespace=args.k8s_namespace or config.namespace,
+        pool=args.inference_pool,
+        api=args.inference_objective_api,
         timing=WatchTiming(start_timeout_s=args.k8s_start_timeout_s),
     )
 
