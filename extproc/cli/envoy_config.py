@@ -95,6 +95,13 @@ def register(subparsers: Any) -> None:
         help="wait for extproc's reply to the body (default: %(default)s s)",
     )
     parser.add_argument(
+        "--max-message-timeout-s",
+        type=float,
+        default=_DEFAULTS.max_message_timeout_s,
+        help="longest wait extproc may ask for while flow control holds a request; keep it "
+        "above the longest queue time to live + 2 s (default: %(default)s s)",
+    )
+    parser.add_argument(
         "--max-body-bytes",
         type=int,
         default=_DEFAULTS.max_body_bytes,
@@ -150,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
             num_fallbacks=args.num_fallbacks,
             failure_mode_allow=args.failure_mode_allow,
             message_timeout_s=args.message_timeout_s,
+            max_message_timeout_s=args.max_message_timeout_s,
             max_body_bytes=args.max_body_bytes,
             attribute_headers=tuple(args.attribute_headers or _DEFAULTS.attribute_headers),
             pods_dns=args.pods_dns,

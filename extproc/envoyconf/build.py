@@ -236,6 +236,7 @@ def make_ext_proc(options: EnvoyOptions) -> ext_proc_pb2.ExternalProcessor:
             *map(header_attribute, options.attribute_headers),
         ],
         message_timeout=_duration(options.message_timeout_s),
+        max_message_timeout=_duration(options.max_message_timeout_s),
         metadata_options=ext_proc_pb2.MetadataOptions(
             forwarding_namespaces=ext_proc_pb2.MetadataOptions.MetadataNamespaces(
                 untyped=[SUBSET_HINT_NAMESPACE]

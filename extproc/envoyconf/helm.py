@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from extproc.envoyconf.build import make_bootstrap
-from extproc.envoyconf.options import EnvoyOptions
+from extproc.envoyconf.options import DEFAULT_ATTRIBUTE_HEADERS, EnvoyOptions
 from extproc.envoyconf.render import render_bootstrap
 
 TEMPLATE_PATH = Path(__file__).resolve().parents[2] / "charts/extproc/templates/_envoy-config.tpl"
@@ -45,8 +45,9 @@ _OPTIONS = EnvoyOptions(
     num_fallbacks=37,
     failure_mode_allow=True,
     message_timeout_s=7.125,
+    max_message_timeout_s=61.875,
     max_body_bytes=16777259,
-    attribute_headers=("sentinel-session-header",),
+    attribute_headers=("sentinel-session-header", *DEFAULT_ATTRIBUTE_HEADERS[1:]),
     # TLS towards extproc in full (mTLS); the parts a mode does not use are cut by
     # conditions around them (_TLS_BLOCKS).
     extproc_tls=True,
@@ -82,6 +83,7 @@ _SENTINELS = (
         "failure_mode_allow: true", "failure_mode_allow: {{ .Values.envoy.failureModeAllow }}", 1
     ),
     Sentinel("7.125s", "{{ .Values.envoy.messageTimeoutSeconds }}s", 1),
+    Sentinel("61.875s", "{{ .Values.envoy.maxMessageTimeoutSeconds }}s", 1),
     # The listener's buffer limit and the buffer filter's limit.
     Sentinel("16777259", "{{ .Values.picker.maxBodyBytes | int64 }}", 2),
     Sentinel("sentinel-session-header", "{{ .Values.picker.sessionHeader }}", 1),

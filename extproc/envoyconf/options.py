@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from extproc.datalayer.pods_file import parse_address
 from extproc.request.parse import DEFAULT_MAX_BODY_BYTES
+from extproc.wire.protocol import FAIRNESS_HEADER, OBJECTIVE_HEADER
 
 _HEADER_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*")  # lowercase, and safe inside CEL quotes
 _DNS_NAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?)+")
@@ -20,6 +21,14 @@ _DNS_NAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9]
 # (bench/results/ext_proc_round.md). A hung extproc holds each request this long before
 # the 504 or the round-robin fallback; a dead one is answered at once.
 DEFAULT_MESSAGE_TIMEOUT_S = 10.0
+
+# The longest message timeout extproc may ask for (override_message_timeout) while flow
+# control holds a request: the longest time to live in its queue plus a margin must fit
+# under it, or Envoy ignores the override and answers 504 at message_timeout.
+DEFAULT_MAX_MESSAGE_TIMEOUT_S = 60.0
+
+# Request headers extproc reads: the session, and flow control's objective and fairness key.
+DEFAULT_ATTRIBUTE_HEADERS = ("x-session-id", OBJECTIVE_HEADER, FAIRNESS_HEADER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,11 +48,15 @@ class EnvoyOptions:
             504 (message timeout); True forwards the request to a round-robin pod.
         message_timeout_s: how long Envoy waits for the body reply (includes sending
             the body to extproc: keep it above a max-size body's transfer time).
+        max_message_timeout_s: the longest wait extproc may ask for per request
+            (``override_message_timeout``, sent while flow control holds a request);
+            Envoy ignores a longer one. Keep it above the longest queue time to live
+            plus two seconds.
         max_body_bytes: largest request body; the listener's per-connection buffer,
             the buffer filter and ext_proc's BUFFERED mode all hold the whole body.
         connect_timeout_s: TCP connect timeout for pods and extproc.
         attribute_headers: request headers sent to extproc as attributes (lowercase),
-            see ``header_attribute``.
+            see ``header_attribute``; flow control's are among the defaults.
         pods_dns: ``dns-name:port`` whose addresses are the pods (in Kubernetes a
             headless Service); replaces the static pod list with a STRICT_DNS cluster
             that follows the pods as DNS does.
@@ -63,9 +76,10 @@ class EnvoyOptions:
     num_fallbacks: int = 2
     failure_mode_allow: bool = False
     message_timeout_s: float = DEFAULT_MESSAGE_TIMEOUT_S
+    max_message_timeout_s: float = DEFAULT_MAX_MESSAGE_TIMEOUT_S
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     connect_timeout_s: float = 1.0
-    attribute_headers: tuple[str, ...] = ("x-session-id",)
+    attribute_headers: tuple[str, ...] = DEFAULT_ATTRIBUTE_HEADERS
     pods_dns: str | None = None
     extproc_tls: bool = False
     extproc_ca_file: str | None = None
@@ -94,6 +108,11 @@ class EnvoyOptions:
             raise ValueError(f"num_fallbacks must be >= 0, got {self.num_fallbacks}")
         if self.message_timeout_s <= 0 or self.connect_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
+        if self.max_message_timeout_s < self.message_timeout_s:
+            raise ValueError(
+                f"max_message_timeout_s ({self.max_message_timeout_s}) must be at least "
+                f"message_timeout_s ({self.message_timeout_s})"
+            )
         if not 0 < self.max_body_bytes < 1 << 32:
             raise ValueError(f"max_body_bytes must be 1 .. 2**32-1, got {self.max_body_bytes}")
         for name in self.attribute_headers:

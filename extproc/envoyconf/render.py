@@ -92,6 +92,10 @@ the expression text (a header the client did not send is absent).""",
     "message_timeout:": """\
 Time for Envoy to send the body and get the reply; keep it above a max-size body's
 transfer plus extproc's worst parse time.""",
+    "max_message_timeout:": """\
+The longest message timeout extproc may ask for per request (override_message_timeout,
+sent while flow control holds a request in its queue); Envoy ignores a longer one, and
+every one when this is unset. Keep it above the longest queue time to live plus 2 s.""",
     "forwarding_namespaces:": """\
 Endpoint Picker Protocol subset hint (x-gateway-destination-endpoint-subset), if a
 filter before this one sets it; forwarded in metadata_context.""",

@@ -37,7 +37,11 @@ def socket(cluster: dict[str, Any]) -> dict[str, Any]:
         pytest.param({}, id="defaults"),
         pytest.param(
             {
-                "envoy": {"failureModeAllow": True, "messageTimeoutSeconds": 0.25},
+                "envoy": {
+                    "failureModeAllow": True,
+                    "messageTimeoutSeconds": 0.25,
+                    "maxMessageTimeoutSeconds": 40,
+                },
                 "picker": {"numFallbacks": 0, "maxBodyBytes": 1048576, "sessionHeader": "x-t"},
                 "modelServers": {"targetPort": 9000},
                 "clusterDomain": "corp.local",
@@ -75,8 +79,13 @@ def test_rendered_bootstrap_validates_and_follows_values(
     ext_proc = hcm(config)["http_filters"][0]["typed_config"]
     assert ext_proc["failure_mode_allow"] is envoy.get("failureModeAllow", False)
     assert ext_proc["message_timeout"] == f"{envoy.get('messageTimeoutSeconds', 10)}s"
+    assert ext_proc["max_message_timeout"] == f"{envoy.get('maxMessageTimeoutSeconds', 60)}s"
     header = picker.get("sessionHeader", "x-session-id")
-    assert ext_proc["request_attributes"][-1] == f"request.headers['{header}']"
+    assert ext_proc["request_attributes"][2:] == [
+        f"request.headers['{header}']",
+        "request.headers['x-gateway-inference-objective']",
+        "request.headers['x-gateway-inference-fairness-id']",
+    ]
     route = hcm(config)["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
     assert route["retry_policy"]["num_retries"] == picker.get("numFallbacks", 2)
     body_limit = picker.get("maxBodyBytes", 16777216)

@@ -307,6 +307,24 @@ def test_request_attributes() -> None:
     assert header_attribute("x-a") == "request.headers['x-a']"
 
 
+def test_default_attributes_carry_the_session_and_flow_control_headers() -> None:
+    """Flow control classifies by the objective and fairness headers: Envoy must send them."""
+    ext_proc = http_filter(bootstrap(), "envoy.filters.http.ext_proc")
+    assert ext_proc["request_attributes"][2:] == [
+        "request.headers['x-session-id']",
+        "request.headers['x-gateway-inference-objective']",
+        "request.headers['x-gateway-inference-fairness-id']",
+    ]
+
+
+def test_overrides_of_the_message_timeout_are_allowed_up_to_the_max() -> None:
+    """Without max_message_timeout Envoy ignores extproc's override for a held request."""
+    ext_proc = http_filter(bootstrap(), "envoy.filters.http.ext_proc")
+    assert (ext_proc["message_timeout"], ext_proc["max_message_timeout"]) == ("10s", "60s")
+    ext_proc = http_filter(bootstrap(max_message_timeout_s=90), "envoy.filters.http.ext_proc")
+    assert ext_proc["max_message_timeout"] == "90s"
+
+
 def test_filter_order_buffer_between_ext_proc_and_router() -> None:
     names = [f["name"] for f in hcm(bootstrap())["http_filters"]]
     assert names == [
@@ -490,6 +508,11 @@ def test_fail_open_option() -> None:
         pytest.param({"admin_port": 70000}, "admin_port", id="admin-port"),
         pytest.param({"num_fallbacks": -1}, "num_fallbacks", id="fallbacks"),
         pytest.param({"message_timeout_s": 0}, "timeouts", id="timeout"),
+        pytest.param(
+            {"message_timeout_s": 30, "max_message_timeout_s": 20},
+            "max_message_timeout_s",
+            id="max-below-timeout",
+        ),
         pytest.param({"max_body_bytes": 1 << 32}, "max_body_bytes", id="body-too-big"),
         pytest.param({"attribute_headers": ("X-Session",)}, "lowercase", id="header-upper"),
         pytest.param({"attribute_headers": ("a']",)}, "lowercase", id="header-quote"),
@@ -549,6 +572,8 @@ def test_cli_options_reach_the_config(tmp_path: Path) -> None:
         "--failure-mode-allow",
         "--message-timeout-s",
         "0.3",
+        "--max-message-timeout-s",
+        "45",
         "--max-body-bytes",
         "2048",
         "--attribute-header",
@@ -561,6 +586,7 @@ def test_cli_options_reach_the_config(tmp_path: Path) -> None:
     ext_proc = http_filter(config, "envoy.filters.http.ext_proc")
     assert ext_proc["failure_mode_allow"] is True
     assert ext_proc["message_timeout"] == "0.300s"
+    assert ext_proc["max_message_timeout"] == "45s"
     assert ext_proc["request_attributes"][-1] == "request.headers['x-tenant']"
     assert http_filter(config, "envoy.filters.http.buffer")["max_request_bytes"] == 2048
 

@@ -100,9 +100,16 @@ static_resources:
               - request.url_path
               - request.id
               - request.headers['{{ .Values.picker.sessionHeader }}']
+              - request.headers['x-gateway-inference-objective']
+              - request.headers['x-gateway-inference-fairness-id']
               # Time for Envoy to send the body and get the reply; keep it above a max-size body's
               # transfer plus extproc's worst parse time.
               message_timeout: {{ .Values.envoy.messageTimeoutSeconds }}s
+              # The longest message timeout extproc may ask for per request
+              # (override_message_timeout, sent while flow control holds a request in its queue);
+              # Envoy ignores a longer one, and every one when this is unset. Keep it above the
+              # longest queue time to live plus 2 s.
+              max_message_timeout: {{ .Values.envoy.maxMessageTimeoutSeconds }}s
               metadata_options:
                 # Endpoint Picker Protocol subset hint (x-gateway-destination-endpoint-subset), if a
                 # filter before this one sets it; forwarded in metadata_context.
