@@ -15,6 +15,7 @@ from extproc.pods import PodMetrics
 from extproc.routing.decision import RouteDecision
 from extproc.routing.flow.config import FAIRNESS_HEADER, OBJECTIVE_HEADER, FlowConfig
 from extproc.routing.flow.held import Held
+from extproc.routing.records import Shared, Started
 from extproc.routing.router import Router
 from testkit.factories import PREFIX_ONLY, make_pod, make_scheduler
 
@@ -196,3 +197,28 @@ def test_off_is_todays_behaviour() -> None:
     router, _ = make_router(enabled=False)
     assert router.flow is None
     assert all(isinstance(send(router, f"r{i}"), RouteDecision) for i in range(5))
+
+
+def test_another_replicas_pick_counts_towards_saturation() -> None:
+    """Replicas share their picks (Redis in production; applied directly here): the pod's
+    one slot taken by replica a is full for replica b too, and b's request is held until
+    a's request ends and that end reaches b."""
+    published: list[Shared | Started] = []
+    a = Router(
+        make_scheduler(PREFIX_ONLY),
+        [make_pod("p0")],
+        registry=CollectorRegistry(),
+        share=published.append,
+        flow=FlowConfig(enabled=True, max_waiting=1),
+    )
+    b, _ = make_router()
+    first = a.route_or_defer(PATH, BODY, request_id="ra")
+    assert isinstance(first, RouteDecision)
+    started = published.pop()
+    assert isinstance(started, Started) and b.apply_started(started)
+    held = send(b, "rb")
+    assert isinstance(held, Held) and not held.done()
+    a.complete("ra", first.pods[0].address, succeeded=True)
+    ended = published.pop()
+    assert isinstance(ended, Shared) and b.apply_shared(ended)  # recorded there too
+    assert isinstance(settle(held), RouteDecision)
