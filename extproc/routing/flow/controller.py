@@ -73,6 +73,8 @@ class FlowController:
         self._bytes = 0
         self._wake = threading.Event()
         self._closed = False
+        self._was_saturated: dict[str, bool] = {}
+        self._straight: dict[int, Any] = {}  # priority -> its not_saturated counter
         self._thread = threading.Thread(target=self._run, name="extproc-flow", daemon=True)
         self._thread.start()
 
@@ -97,7 +99,7 @@ class FlowController:
             queue = self._queues.get(model)
             idle = queue is None or not queue.count
             if self._closed or (idle and not self._saturated(model)):
-                self.metrics.dispatched.labels(str(flow.priority), "not_saturated").inc()
+                self._straight_through(flow.priority).inc()
                 return None
             refusal: Overloaded | None
             if flow.priority < 0 and (idle or self._saturated(model)):
@@ -108,6 +110,16 @@ class FlowController:
                 return self._hold(model, flow, size, cost, route)
         self._count_error(refusal)
         raise refusal
+
+    def _straight_through(self, priority: int) -> Any:
+        """The dispatched{reason=not_saturated} counter of ``priority`` (looked up once:
+        it counts every request)."""
+        counter = self._straight.get(priority)
+        if counter is None:
+            counter = self._straight[priority] = self.metrics.dispatched.labels(
+                str(priority), "not_saturated"
+            )
+        return counter
 
     def pods_changed(self, pods: tuple[Pod, ...]) -> None:
         """A new pod snapshot (scrape, pods joining or leaving): room may have freed."""
@@ -137,7 +149,9 @@ class FlowController:
 
     def _saturated(self, model: str) -> bool:
         saturated = self.saturation.saturated(model)
-        self.metrics.saturated.labels(model).set(1 if saturated else 0)
+        if self._was_saturated.get(model) is not saturated:  # the gauge moves on changes only
+            self._was_saturated[model] = saturated
+            self.metrics.saturated.labels(model).set(1 if saturated else 0)
         return saturated
 
     def _make_room(self, priority: int, size: int) -> Overloaded | None:
