@@ -1,4 +1,5 @@
-"""The Grafana dashboard: Grafana's dashboard schema, PromQL that parses, the panels asked for.
+"""The Grafana dashboard: Grafana's dashboard schema, PromQL that parses, the panels asked for,
+and series that the code emits.
 
 The schema is the ``Dashboard`` type of the npm package @grafana/schema, generated into
 grafana/dashboard.schema.json by grafana/generate.sh (Grafana itself is not installable
@@ -10,13 +11,19 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from concurrent.futures import Future
 from pathlib import Path
 
 import jsonschema
+import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from extproc.errors import Overloaded
+from extproc.routing.decision import RouteDecision
+from extproc.routing.flow.config import FAIRNESS_HEADER, OBJECTIVE_HEADER, parse_flow_control
+from extproc.routing.flow.held import Held
 from extproc.routing.router import Router
 from extproc.scheduling.config import build_scheduler, default_config_text, parse_config
 from extproc.scheduling.inflight import InFlight
@@ -25,6 +32,8 @@ from testkit.factories import make_pod
 
 SCHEMA = Path(__file__).parent / "grafana" / "dashboard.schema.json"
 HIT_RATE_BUCKET = 'kthena_router_prefix_cache_match_ratio_bucket{le="0.0"}'
+FLOW_ROW = "Flow control"  # data only with a flowControl section
+SERIES = re.compile(r"\b(?:kthena|extproc)_[a-z_]+")
 
 
 def test_dashboard_matches_grafanas_schema() -> None:
@@ -68,6 +77,7 @@ def test_rows_and_prefix_cache_panels() -> None:
         "Scheduling",
         "Errors",
         "Pod load",
+        FLOW_ROW,
         PRECISE_ROW,
     ]
     titles = {p["title"] for p in panels(dashboard)}
@@ -130,7 +140,7 @@ def prefix_row_series() -> set[str]:
             in_row = panel["title"] == "Prefix cache"
         elif in_row:
             for target in panel["targets"]:
-                names.update(re.findall(r"\b(?:kthena|extproc)_[a-z_]+", target["expr"]))
+                names.update(SERIES.findall(target["expr"]))
     return names
 
 
@@ -156,5 +166,79 @@ def test_the_shipped_default_emits_every_series_the_prefix_cache_row_reads() -> 
         "kthena_router_prefix_cache_match_ratio_bucket",
         "kthena_router_prefix_cache_entries",
         "kthena_router_prefix_cache_evictions_total",
+    } <= wanted
+    assert wanted <= exposed, sorted(wanted - exposed)
+
+
+def test_flow_control_row_is_collapsed_and_plots_what_was_asked() -> None:
+    """Folded away unless flowControl is on: queue length per band, time queued p50/p99,
+    dispatches and refusals by reason, saturation per model."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    [row] = [p for p in dashboard["panels"] if p["title"] == FLOW_ROW]
+    assert row["collapsed"] is True
+    found = queries(rows=[FLOW_ROW])
+    assert not set(found) & set(queries(except_rows=[FLOW_ROW]))
+    assert "by (model, priority)" in found["Requests held per band/A"]
+    assert [found[f"Time queued p50 / p99/{r}"][:24] for r in "AB"] == [
+        "histogram_quantile(0.5, ",
+        "histogram_quantile(0.99,",
+    ]
+    assert "by (reason, priority)" in found["Dispatches by reason/A"]
+    assert "by (reason, priority)" in found["Refusals by reason/A"]
+    assert "by (model)" in found["Saturated models/A"]
+
+
+FLOW_SECTION = """
+flowControl:
+  trustedHeaders: [x-gateway-inference-objective, x-gateway-inference-fairness-id]
+  objectives: {standard: 0, sheddable: -1}
+  saturation: {maxWaiting: 1}
+"""
+
+
+def test_flow_control_emits_every_series_its_row_reads() -> None:
+    """The default configuration with a flowControl section, its registry after a request
+    held then routed, one shed and one whose client left: a sample of each series the
+    flow-control panels read (a misspelt name in a panel fails here)."""
+    config = parse_config(default_config_text() + FLOW_SECTION, "default")
+    registry, in_flight = CollectorRegistry(), InFlight()
+    scheduler = build_scheduler(config, registry, in_flight)
+    router = Router(
+        scheduler,
+        [make_pod("p0")],
+        in_flight=in_flight,
+        registry=registry,
+        flow=parse_flow_control(config.flow_control, config.source),
+    )
+
+    def send(rid: str, objective: str) -> RouteDecision | Future[RouteDecision]:
+        body = b'{"model": "m", "prompt": "hello", "max_tokens": 4}'
+        headers = {OBJECTIVE_HEADER: objective, FAIRNESS_HEADER: "tenant"}
+        return router.route_or_defer("/v1/completions", body, request_id=rid, headers=headers)
+
+    try:
+        first = send("r1", "standard")
+        assert isinstance(first, RouteDecision)  # the pod's one slot (maxWaiting 1)
+        held, gone = send("r2", "standard"), send("r3", "standard")
+        assert isinstance(held, Held) and isinstance(gone, Held)
+        with pytest.raises(Overloaded):
+            send("r4", "sheddable")
+        assert gone.cancel()
+        assert router.complete("r1", first.pods[0].address, succeeded=True)
+        held.result(timeout=5)
+    finally:
+        router.close(timeout_s=1)
+    exposed = {
+        sample.name
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for sample in family.samples
+    }
+    wanted = {name for expr in queries(rows=[FLOW_ROW]).values() for name in SERIES.findall(expr)}
+    assert {
+        "extproc_flow_queue_requests",
+        "extproc_flow_queued_seconds_bucket",
+        "extproc_flow_dispatched_total",
+        "extproc_flow_refused_total",
+        "extproc_flow_saturated",
     } <= wanted
     assert wanted <= exposed, sorted(wanted - exposed)
