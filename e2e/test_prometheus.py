@@ -40,7 +40,7 @@ from extproc.sim import launch
 from extproc.sim.kv_cache import BlockStored, hash_request_tokens
 from extproc.sim.launch import Proc, SimPods, Stack, free_port, run_stack, spawn
 from testkit.chart import PRECISE, find, render
-from testkit.dashboard import PRECISE_ROW, queries, require_binary
+from testkit.dashboard import FLOW_ROW, PRECISE_ROW, queries, require_binary
 from testkit.factories import write_tokenizer
 from testkit.kv_publisher import TOPIC, Publisher
 from testkit.waiting import wait_until
@@ -187,7 +187,7 @@ def test_every_dashboard_query_returns_data(picker: Stack, prometheus: str) -> N
         assert client.post("/v1/completions", json=warm).status_code == 200
     wait_for_first_scrapes(prometheus)
     run_workload(picker)
-    wait_for_data(prometheus, queries(RATE_INTERVAL, except_rows=[PRECISE_ROW]))
+    wait_for_data(prometheus, queries(RATE_INTERVAL, except_rows=[PRECISE_ROW, FLOW_ROW]))
     # The panel's figure is extproc's own: the share of routed requests that matched.
     # The first round and the warm-up miss (fresh prefixes); a later round misses only
     # where the 32-entry cache evicted the prefix's first blocks.

@@ -17,6 +17,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from extproc.cli import serve
+from extproc.routing.flow.config import parse_flow_control
 from extproc.scheduling.config import build_scheduler, default_config_text, parse_config
 from testkit.chart import CHART_DIR, GATEWAY_PEERS, MODES, NAMESPACE, find, render
 
@@ -298,3 +299,13 @@ def test_dashboard_configmap_holds_the_dashboard_json() -> None:
     assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
     shipped = (CHART_DIR / "dashboards" / "extproc.json").read_text()
     assert configmap["data"]["extproc.json"].strip() == shipped.strip()
+
+
+def test_the_flow_control_value_becomes_the_configs_section() -> None:
+    """flowControl (null by default: off, config.yaml as shipped) is rendered as the
+    configuration's top-level section, which extproc parses as it would its own file."""
+    configmap = find(render({"flowControl": {"queue": {"ttlS": 30}}}), "ConfigMap", FULLNAME)
+    text = configmap["data"]["config.yaml"]
+    config = parse_config(text, "chart")
+    flow = parse_flow_control(config.flow_control, config.source)
+    assert flow.enabled and flow.ttl_s == 30

@@ -43,8 +43,8 @@ def test_check_names_the_stale_page_and_fails(
 
 
 def test_the_metrics_page_lists_exactly_the_families_serve_exposes(tmp_path: Path) -> None:
-    """Every plugin configured (precise-prefix-cache with a tokenizer), scraping on, Redis
-    sharing on (unreachable: its metrics are there all the same)."""
+    """Every plugin configured (precise-prefix-cache with a tokenizer), flow control on,
+    scraping on, Redis sharing on (unreachable: its metrics are there all the same)."""
     plugins = sorted(BUILTIN)
     config = {
         "scheduler": {
@@ -58,7 +58,8 @@ def test_the_metrics_page_lists_exactly_the_families_serve_exposes(tmp_path: Pat
                     "args": {"models": {"m": str(write_tokenizer(tmp_path / "m"))}},
                 }
             ],
-        }
+        },
+        "flowControl": {},
     }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     (tmp_path / "pods.yaml").write_text(
@@ -85,4 +86,5 @@ def test_the_metrics_page_lists_exactly_the_families_serve_exposes(tmp_path: Pat
     page = (REFERENCE / "metrics.md").read_text()
     listed = set(re.findall(r"^\| `([a-z_:]+)` \|", page, re.MULTILINE))
     assert "extproc_precise_prefix_segments_total" in exposed
+    assert "extproc_flow_queue_requests" in exposed
     assert exposed == listed

@@ -1,6 +1,7 @@
 """metrics.md: every metric family ``extproc serve`` exposes, by when: found by starting
 what serve builds (``cli.app.start``) into a fresh registry, once per mode (no scraping
-and one plugin without metrics, then scraping on, each plugin, Redis sharing), plus
+and one plugin without metrics, then scraping on, each plugin, flow control, Redis
+sharing), plus
 prometheus_client's default collectors (the process and the Python runtime)."""
 
 from __future__ import annotations
@@ -48,10 +49,11 @@ class Condition(NamedTuple):
         return _HEADINGS.get(self.rank, f"the `{self.plugin}` plugin")
 
 
-ALWAYS, SCRAPING, PLUGIN, REDIS, RUNTIME = range(5)
+ALWAYS, SCRAPING, PLUGIN, FLOW, REDIS, RUNTIME = range(6)
 _HEADINGS = {
     ALWAYS: "Always",
     SCRAPING: "With scraping (`--stale-after-s` > 0, the default)",
+    FLOW: "With flow control (a `flowControl` section in the configuration)",
     REDIS: "With `--redis-url` (replicas sharing their view)",
     RUNTIME: "The process and the Python runtime (prometheus_client's default collectors)",
 }
@@ -72,6 +74,8 @@ def metrics_page() -> str:
     add(Condition(SCRAPING), _without(_serve_families([], "gpu-usage"), base))
     for plugin in sorted(BUILTIN):
         add(Condition(PLUGIN, plugin), _without(_serve_families(no_scraping, plugin), base))
+    flow = _serve_families(no_scraping, "gpu-usage", flow_control={})
+    add(Condition(FLOW), _without(flow, base))
     redis = [*no_scraping, "--redis-url", "redis://127.0.0.1:1"]
     add(Condition(REDIS), _without(_serve_families(redis, "gpu-usage"), base))
     runtime = CollectorRegistry()
@@ -118,15 +122,20 @@ def _without(found: Mapping[str, Family], base: Mapping[str, Family]) -> dict[st
     return {name: family for name, family in found.items() if name not in base}
 
 
-def _serve_families(flags: list[str], plugin: str) -> dict[str, Family]:
+def _serve_families(
+    flags: list[str], plugin: str, flow_control: dict[str, object] | None = None
+) -> dict[str, Family]:
     """The families ``extproc serve`` registers with ``flags`` and only ``plugin``
-    configured (a precise-prefix-cache without models: its tokenizers are per model)."""
-    config = {
+    configured (a precise-prefix-cache without models: its tokenizers are per model),
+    and ``flow_control`` as the ``flowControl`` section if given."""
+    config: dict[str, object] = {
         "scheduler": {
             "plugins": {"Score": {"enabled": [{"name": plugin, "weight": 1}]}},
             "pluginConfig": [{"name": plugin, "args": None}],
         }
     }
+    if flow_control is not None:
+        config["flowControl"] = flow_control
     with tempfile.TemporaryDirectory() as tmp, environment({}), _quiet():
         (Path(tmp) / "pods.yaml").write_text(_PODS)
         (Path(tmp) / "config.yaml").write_text(yaml.safe_dump(config))

@@ -64,7 +64,11 @@ app.kubernetes.io/component: envoy
 
 {{/* The scheduler configuration file, as extproc reads it. */}}
 {{- define "extproc.schedulerConfig" -}}
-{{ dict "scheduler" .Values.scheduler | toYaml }}
+{{- $config := dict "scheduler" .Values.scheduler }}
+{{- if kindIs "map" .Values.flowControl }}
+{{- $_ := set $config "flowControl" .Values.flowControl }}
+{{- end }}
+{{ $config | toYaml }}
 {{- end }}
 
 {{/* TLS on extproc's gRPC port: tls.mode, or the chart mode's default (gateway:
