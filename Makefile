@@ -9,7 +9,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check docs bench bench-routing bench-replicas sim-parity venv vllm peers system-deps bench-deps clean
+.PHONY: demo test check docs bench bench-routing bench-flow bench-replicas sim-parity venv vllm peers system-deps bench-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -82,6 +82,12 @@ bench: $(STAMP) bench-deps peers
 # Routing quality against Envoy round robin and the peers' routers (docs/routing-quality.md).
 bench-routing: peers
 	$(PY) -m bench.routing_quality
+
+# Flow control under overload (issue 30; results in bench/results/flow_control.md): simulated
+# pods at 2x their measured capacity, three classes and a noisy tenant, extproc with and
+# without flow control and sglang-router's queue side by side (about 5 minutes).
+bench-flow: peers
+	$(PY) -m bench.flow_control
 
 # Several replicas: lost records and hit ratio, today's behaviour beside metadata and Redis
 # (real Envoys, simulated pods, redis-server; about 3 minutes).
