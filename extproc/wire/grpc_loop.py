@@ -504,10 +504,13 @@ SELF_CHECK_TIMEOUT_S = 5.0
 
 
 class _SelfCheckEcho:
-    """Echoes each message, ends when the input ends."""
+    """Echoes each message, as an answer that comes later (what a held request takes: the
+    receive-close batch and the empty batch back to the loop), ends when the input ends."""
 
     def on_message(self, message: bytes) -> Answer:
-        return Answer((message,))
+        echo: Future[Answer] = Future()
+        echo.set_result(Answer((message,)))
+        return Answer(later=echo)
 
     def on_input_end(self) -> Answer:
         return Answer((b"end",), end=True)
