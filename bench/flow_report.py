@@ -23,7 +23,7 @@ SECTION_TITLE = "Flow control's section (appended to extproc's default scheduler
 GOALS = {
     "critical_ttft": "critical TTFT p99 overloaded <= 1.5x the TTFT p99 not overloaded (ms)",
     "critical_not_refused": "no critical request refused",
-    "fairness": "Jain's index over the standard tenants' served tokens >= 0.9",
+    "fairness": "Jain's index over the standard tenants' tokens served overloaded >= 0.9",
     "goodput": "total goodput >= extproc without flow control's (tok/s)",
 }
 
