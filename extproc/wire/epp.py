@@ -104,13 +104,10 @@ class GatewayHandler:
     def handle(
         self, exchange: _Exchange, message: ep.ProcessingRequest
     ) -> Iterator[ep.ProcessingResponse]:
+        """The replies to any message but a body (``on_request_body``)."""
         kind = message.WhichOneof("request")
         if kind == "request_headers":
             yield from self._on_request_headers(exchange, message)
-        elif kind == "request_body":
-            replies = self.on_request_body(exchange, message, defer=False)
-            assert not isinstance(replies, Future)  # only ``route_or_defer`` defers
-            yield from replies
         elif kind == "request_trailers":
             yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
         elif kind == "response_headers":
@@ -151,10 +148,11 @@ class GatewayHandler:
             )
 
     def on_request_body(
-        self, exchange: _Exchange, message: ep.ProcessingRequest, *, defer: bool
+        self, exchange: _Exchange, message: ep.ProcessingRequest
     ) -> list[ep.ProcessingResponse] | Future[list[ep.ProcessingResponse]]:
-        """The replies to a body message; at the body's end the request is routed (with
-        ``defer``, on the router's preparing threads when it needs them: a Future)."""
+        """The replies to a body message; at the body's end the request is routed
+        (``Router.route_or_defer``: a Future when it is prepared on the router's threads
+        or held by flow control, then ``exchange.held`` is the hold)."""
         body = message.request_body
         if exchange.decision is not None:  # routed already: a second body is not routed again
             return [ep.ProcessingResponse(request_body=ep.BodyResponse())]
@@ -174,8 +172,7 @@ class GatewayHandler:
         # Keyed by stream: the completion comes on this stream, and a request id repeated
         # by a client (gateways may keep it) must not cross two streams' records.
         exchange.key = f"{exchange.request_id}/{next(self._streams)}"
-        route = self.router.route_or_defer if defer else self.router.route
-        decided = route(
+        decided = self.router.route_or_defer(
             exchange.path,
             bytes(exchange.body),
             request_id=exchange.key,
@@ -277,7 +274,7 @@ class _EppStream:
         """A body message's answer: now, later (routing off the loop), or a held
         request's longer message timeout now and the pick later."""
         try:
-            replies = self._handler.on_request_body(self._exchange, message, defer=True)
+            replies = self._handler.on_request_body(self._exchange, message)
         except Exception as exc:  # noqa: BLE001 - every error is answered
             return self._failed(exc)
         if not isinstance(replies, Future):
