@@ -1,7 +1,8 @@
 """ext_proc ``Process`` as extproc's own Envoy config drives it: one message each way.
 
 Envoy skips the request headers and sends the buffered body with the attributes extproc
-needs (path, request id, session header); ``RouteHandler.process`` answers with one reply
+needs (path, request id, the headers it reads: session, flow control's objective and
+fairness key, each passed on to the router); ``RouteHandler.process`` answers with one reply
 and the OK status together: the ordered pod list in dynamic metadata
 ``envoy.lb/x-gateway-destination-endpoint``, or an ``ImmediateResponse`` carrying the
 OpenAI-style JSON error (``envoy/README.md``). Every error is answered, never raised
