@@ -117,7 +117,9 @@ def parse_flow_control(section: Any, source: str) -> FlowConfig:
         ),
         fairness_body_field=_optional_str(fairness.get("bodyField"), f"{where}.fairness.bodyField"),
         max_waiting=_positive(
-            saturation.get("maxWaiting", defaults.max_waiting), f"{where}.saturation.maxWaiting"
+            saturation.get("maxWaiting", defaults.max_waiting),
+            f"{where}.saturation.maxWaiting",
+            zero=True,
         ),
         max_kv_usage=max_kv,
         max_requests=int(
@@ -168,14 +170,16 @@ def _int(value: Any, where: str) -> int:
     return value
 
 
-def _positive(value: Any, where: str) -> float:
+def _positive(value: Any, where: str, *, zero: bool = False) -> float:
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)
         or not math.isfinite(value)
-        or value <= 0
+        or value < 0
+        or (value == 0 and not zero)
     ):
-        raise ConfigError(f"{where} must be a number greater than 0, got {value!r}")
+        floor = "0 or more" if zero else "greater than 0"
+        raise ConfigError(f"{where} must be a number {floor}, got {value!r}")
     return float(value)
 
 

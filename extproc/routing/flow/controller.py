@@ -3,7 +3,8 @@
 ``admit`` runs on the request's thread. While the request's model is not saturated and
 none of its requests is held, it returns None: the request is routed at once, as
 without flow control (one saturation check, usually one pod). Otherwise a sheddable
-request (priority below 0) is refused at once, and any other is held: ``admit`` returns
+request (priority below 0) is refused at once (also while others are held: they go
+first), and any other is held: ``admit`` returns
 its ``Held`` and the request waits in its model's ``ModelQueue``. A full queue refuses
 the arriving request, unless it outranks the lowest band, whose newest request is then
 refused in its place.
@@ -102,7 +103,7 @@ class FlowController:
                 self._straight_through(flow.priority).inc()
                 return None
             refusal: Overloaded | None
-            if flow.priority < 0 and (idle or self._saturated(model)):
+            if flow.priority < 0:  # saturated, or requests wait: no room for it
                 refusal = self._refusal(flow.priority, "shed", "the pods are saturated")
             else:
                 refusal = self._make_room(flow.priority, size)

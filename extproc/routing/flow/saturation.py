@@ -1,12 +1,19 @@
 """Whether a model's pods are all saturated: flow control's cue to hold requests.
 
 A pod is over its limits when its estimated waiting requests reach ``maxWaiting`` or
-its KV cache use reaches ``maxKvUsage``. The waiting count is the last scrape's, moved
-by what extproc routed to the pod since (its in-flight count now less the count when
-that scrape was published): a burst is seen at once, not a scrape interval later, and
-with ``--redis-url`` the other replicas' picks count too (they are in flight here). A
-pod whose next scrape repeats the last one exactly is not republished, so its baseline
-stays older: the estimate can then run high by the requests routed and ended since.
+its KV cache use reaches ``maxKvUsage``. The estimate counts the requests in the pod
+now, the last scrape's running and waiting moved by extproc's in-flight count for the
+pod since that scrape (routed since, less ended since: a burst is seen at once, not a
+scrape interval later; with ``--redis-url`` the other replicas' picks are in flight here
+too), less the pod's batch slots: the most requests any scrape showed it running. A
+pod is known to be full once a scrape showed it with requests waiting; until then its
+slots may be more than it has shown, and it is over only one request beyond them (so
+``maxWaiting: 0``, dispatching only into free slots, still finds a pod's real size).
+Without scraping (``--stale-after-s 0``) no slot is known: the estimate is extproc's
+in-flight count, and ``maxWaiting`` (at least 1) caps it.
+
+A pod whose next scrape repeats the last one exactly is not republished, so its
+baseline stays older: the estimate can then run high by requests routed and ended since.
 
 A model is saturated when every ready pod serving it is over; a model no ready pod
 serves is not (routing answers 404 or 503 as without flow control).
@@ -31,6 +38,8 @@ class SaturationDetector:
         # pod -> (the metrics it was last published with, its in-flight count then);
         # rebound whole, read lock-free.
         self._baselines: dict[PodId, tuple[PodMetrics, int]] = {}
+        self._slots: dict[PodId, int] = {}  # the most requests a scrape showed it running
+        self._full: set[PodId] = set()  # pods a scrape showed with requests waiting
         self._pods: tuple[Pod, ...] = ()
         self._by_id: dict[PodId, Pod] = {}
         self._last_free: dict[str, PodId] = {}  # model -> a pod last found with room
@@ -43,23 +52,29 @@ class SaturationDetector:
             seen = old.get(pod.id)
             if seen is not None and seen[0] is pod.metrics:
                 baselines[pod.id] = seen
-            else:
-                baselines[pod.id] = (pod.metrics, self._in_flight.get(pod.id))
+                continue
+            baselines[pod.id] = (pod.metrics, self._in_flight.get(pod.id))
+            if pod.metrics.running > self._slots.get(pod.id, 0):
+                self._slots[pod.id] = pod.metrics.running
+            if pod.metrics.waiting > 0:
+                self._full.add(pod.id)
         self._baselines = baselines
         self._by_id = {pod.id: pod for pod in pods}
         self._pods = tuple(pods)
 
     def estimated_waiting(self, pod: Pod) -> int:
+        """Requests in the pod now beyond its known batch slots (negative: slots free)."""
         baseline = self._baselines.get(pod.id)
         since = self._in_flight.get(pod.id) - (baseline[1] if baseline is not None else 0)
-        return max(0, pod.metrics.waiting + since)
+        metrics = pod.metrics
+        return metrics.running + metrics.waiting + since - self._slots.get(pod.id, 0)
 
     def over(self, pod: Pod) -> bool:
         """The pod is at or over one of its limits."""
-        return (
-            pod.metrics.kv_usage >= self._max_kv_usage
-            or self.estimated_waiting(pod) >= self._max_waiting
-        )
+        if pod.metrics.kv_usage >= self._max_kv_usage:
+            return True
+        limit = self._max_waiting if pod.id in self._full else max(1.0, self._max_waiting)
+        return self.estimated_waiting(pod) >= limit
 
     def saturated(self, model: str) -> bool:
         """Every ready pod serving ``model`` (in the last snapshot) is over its limits;

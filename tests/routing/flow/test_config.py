@@ -15,6 +15,7 @@ def test_no_section_is_off_and_an_empty_one_is_on_with_the_defaults() -> None:
     on = parse_flow_control({}, "f")
     assert on.enabled and on.max_waiting == 5 and on.max_kv_usage == 0.9
     assert on.trusted_headers == frozenset() and on.ttl_s == 15
+    assert parse_flow_control({"saturation": {"maxWaiting": 0}}, "f").max_waiting == 0
 
 
 def test_the_section_reaches_the_routing_layer_through_the_scheduler_config() -> None:
@@ -39,6 +40,7 @@ flowControl:
         ({"saturation": {"maxWaitng": 3}}, "unknown key 'maxWaitng'"),
         ({"saturation": {"maxKvUsage": 1.5}}, "maxKvUsage must be in (0, 1]"),
         ({"queue": {"ttlS": 0}}, "queue.ttlS must be a number greater than 0"),
+        ({"saturation": {"maxWaiting": -1}}, "maxWaiting must be a number 0 or more"),
         ({"queue": {"maxRequests": "many"}}, "queue.maxRequests"),
         ({"objectives": {"critical": "high"}}, "objectives.critical must be an integer"),
         ({"trustedHeaders": ["X-Tenant"]}, "not a lowercase header name"),

@@ -116,6 +116,21 @@ def test_sheddable_requests_are_refused_at_once_while_saturated() -> None:
     )
 
 
+def test_sheddable_requests_are_refused_while_others_are_held() -> None:
+    """Room freed for the held requests is theirs: a sheddable one arriving meanwhile is
+    refused, not queued behind them to time out."""
+    router, _ = make_router()
+    first = send(router, "r0")
+    held = send(router, "r1")
+    assert isinstance(first, RouteDecision) and isinstance(held, Held)
+    assert router.flow is not None
+    router.flow.saturation.pods_changed((make_pod("p0", metrics=PodMetrics(running=5)),))
+    with pytest.raises(Overloaded) as refused:
+        send(router, "x", "sheddable")
+    assert refused.value.code == "shed"
+    settle(held)
+
+
 def test_a_request_whose_time_to_live_ends_is_refused_with_retry_after() -> None:
     router, registry = make_router(ttl_s=0.3, retry_after_s=4)
     send(router, "r0")

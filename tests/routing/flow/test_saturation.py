@@ -1,8 +1,9 @@
-"""A model is saturated when every ready pod serving it is over a limit."""
+"""A model is saturated when every ready pod serving it is over a limit: requests in the
+pod (scraped, moved by extproc's routing since) beyond its batch slots, or KV use."""
 
 from __future__ import annotations
 
-from extproc.pods import PodMetrics
+from extproc.pods import Pod, PodMetrics
 from extproc.routing.flow.config import FlowConfig
 from extproc.routing.flow.saturation import SaturationDetector
 from extproc.scheduling.inflight import InFlight
@@ -11,45 +12,79 @@ from testkit.factories import make_pod
 CONFIG = FlowConfig(enabled=True, max_waiting=2, max_kv_usage=0.9)
 
 
-def test_requests_routed_since_the_scrape_count_as_waiting() -> None:
+def scraped(
+    running: int, waiting: int = 0, kv: float = 0.0, name: str = "p0", port: int = 8000
+) -> Pod:
+    return make_pod(name, port=port, metrics=PodMetrics(waiting, running, kv))
+
+
+def test_requests_routed_since_the_scrape_count_at_once() -> None:
     in_flight = InFlight()
-    pod = make_pod("p0", metrics=PodMetrics(waiting=1))
     detector = SaturationDetector(CONFIG, in_flight)
-    in_flight.start(pod.id)  # in flight before the scrape: already in its numbers
+    pod = scraped(running=4, waiting=1)  # full: it has 4 slots
     detector.pods_changed((pod,))
     assert detector.estimated_waiting(pod) == 1 and not detector.saturated("m")
     in_flight.start(pod.id)  # routed after the scrape
     assert detector.estimated_waiting(pod) == 2 and detector.saturated("m")
-    rescraped = make_pod("p0", metrics=PodMetrics(waiting=0))
-    detector.pods_changed((rescraped,))  # the next scrape takes a new baseline
+    rescraped = scraped(running=4, waiting=0)  # the next scrape takes a new baseline
+    detector.pods_changed((rescraped,))
     assert detector.estimated_waiting(rescraped) == 0 and not detector.saturated("m")
 
 
-def test_ends_since_the_scrape_lower_the_estimate_but_not_below_zero() -> None:
+def test_requests_that_take_free_slots_are_not_waiting() -> None:
     in_flight = InFlight()
-    pod = make_pod("p0", metrics=PodMetrics(waiting=1))
-    for _ in range(3):
-        in_flight.start(pod.id)
-    detector = SaturationDetector(CONFIG, in_flight)
+    detector = SaturationDetector(FlowConfig(enabled=True, max_waiting=0), in_flight)
+    detector.pods_changed((scraped(running=4, waiting=2),))  # seen full: 4 slots
+    pod = scraped(running=2)
     detector.pods_changed((pod,))
-    for _ in range(3):
-        in_flight.end(pod.id)
-    assert detector.estimated_waiting(pod) == 0
+    assert detector.estimated_waiting(pod) == -2 and not detector.over(pod)
+    in_flight.start(pod.id)
+    assert not detector.over(pod)  # one slot still free
+    in_flight.start(pod.id)
+    assert detector.over(pod)  # every slot busy: maxWaiting 0 holds the next
+    in_flight.end(pod.id)  # an end frees a slot before the next scrape
+    assert not detector.over(pod)
+
+
+def test_a_pod_never_seen_full_is_fed_one_beyond_what_it_showed() -> None:
+    """maxWaiting 0 must not freeze a pod at the few requests it happened to run: until a
+    scrape shows it with requests waiting, one more is sent, so it shows its size."""
+    in_flight = InFlight()
+    detector = SaturationDetector(FlowConfig(enabled=True, max_waiting=0), in_flight)
+    pod = scraped(running=1)
+    detector.pods_changed((pod,))
+    assert not detector.over(pod)
+    in_flight.start(pod.id)
+    assert detector.over(pod)
+    grown = scraped(running=2)
+    detector.pods_changed((grown,))
+    assert not detector.over(grown)  # it ran both: room for a third
+
+
+def test_without_scraping_the_in_flight_count_is_capped() -> None:
+    in_flight = InFlight()
+    detector = SaturationDetector(CONFIG, in_flight)  # maxWaiting 2
+    pod = make_pod("p0")
+    detector.pods_changed((pod,))
+    in_flight.start(pod.id)
+    assert not detector.over(pod)
+    in_flight.start(pod.id)
+    assert detector.over(pod)
 
 
 def test_kv_use_alone_saturates_and_one_pod_with_room_keeps_the_model_open() -> None:
     detector = SaturationDetector(CONFIG, InFlight())
-    full = make_pod("p0", metrics=PodMetrics(kv_usage=0.95))
-    room = make_pod("p1", port=8001, metrics=PodMetrics(kv_usage=0.5))
+    full = scraped(0, kv=0.95)
+    room = scraped(0, kv=0.5, name="p1", port=8001)
     detector.pods_changed((full, room))
     assert not detector.saturated("m")
-    detector.pods_changed((full, make_pod("p1", port=8001, metrics=PodMetrics(kv_usage=0.9))))
+    detector.pods_changed((full, scraped(0, kv=0.9, name="p1", port=8001)))
     assert detector.saturated("m")
 
 
 def test_pods_not_ready_or_serving_another_model_do_not_count() -> None:
     detector = SaturationDetector(CONFIG, InFlight())
-    full = make_pod("p0", metrics=PodMetrics(waiting=5))
+    full = scraped(running=0, waiting=5)
     unready = make_pod("p1", port=8001, ready=False)
     other = make_pod("p2", port=8002, model="other")
     detector.pods_changed((full, unready, other))
