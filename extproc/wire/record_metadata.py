@@ -20,6 +20,7 @@ import orjson
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
+from extproc.routing.decision import RouteDecision
 from extproc.routing.records import (
     MAX_PODS_LISTED,
     BadRecord,
@@ -31,7 +32,6 @@ from extproc.routing.records import (
     parse_pod,
     pod_text,
 )
-from extproc.routing.decision import RouteDecision
 from extproc.wire.protocol import RECORD_KEY, RECORD_NAMESPACE
 
 
