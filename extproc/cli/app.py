@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,10 +34,11 @@ from extproc.datalayer.sources import (
     make_pods_source,
 )
 from extproc.datalayer.store import PodStore
+from extproc.envoyconf.options import DEFAULT_MAX_MESSAGE_TIMEOUT_S
 from extproc.errors import ConfigError
 from extproc.pods import Pod
 from extproc.request.render import Rendering
-from extproc.routing.flow.config import parse_flow_control
+from extproc.routing.flow.config import FlowConfig, parse_flow_control
 from extproc.routing.preparing import PreparePool
 from extproc.routing.router import Router
 from extproc.routing.sharing import RedisSharing
@@ -45,6 +47,7 @@ from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.scheduling.sessions import SessionStore
 from extproc.wire.epp import epp_process
+from extproc.wire.ext_proc import HOLD_MARGIN_S
 from extproc.wire.protocol import ACCESS_LOG_PATH
 from extproc.wire.server import (
     GRPC_MESSAGE_HEADROOM_BYTES,
@@ -187,6 +190,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
     config = load_config(args.config)
     scheduler = build_scheduler(config, registry, in_flight, sessions)
     flow = parse_flow_control(config.flow_control, config.source)
+    _check_hold_fits_envoy(flow)
     sharing = None
     if args.redis_url:
         try:
@@ -294,6 +298,23 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         kv_events,
         objectives,
     )
+
+
+def _check_hold_fits_envoy(flow: FlowConfig) -> None:
+    """Warn when a hold can outlast the Envoy message timeout the generated configuration
+    allows: Envoy ignores a longer override and answers 504 at ``message_timeout``."""
+    longest = flow.longest_ttl_s + HOLD_MARGIN_S
+    if flow.enabled and longest > DEFAULT_MAX_MESSAGE_TIMEOUT_S:
+        log.warning(
+            "flow control holds a request up to %.0f s (its longest time to live plus %.0f s),"
+            " above the %.0f s max_message_timeout Envoy's generated configuration allows by"
+            " default: generate it with --max-message-timeout-s %.0f or more (the chart:"
+            " envoy.maxMessageTimeoutSeconds), or held requests get 504",
+            longest,
+            HOLD_MARGIN_S,
+            DEFAULT_MAX_MESSAGE_TIMEOUT_S,
+            math.ceil(longest),
+        )
 
 
 def _kv_events_subscriber(

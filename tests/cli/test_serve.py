@@ -19,6 +19,8 @@ import grpc
 import pytest
 
 from extproc.cli import serve
+from extproc.cli.app import _check_hold_fits_envoy
+from extproc.routing.flow.config import parse_flow_control
 from extproc.sim.launch import free_port, start_extproc
 from extproc.wire.protocol import EXT_PROC_SERVICE
 from testkit.example_pods import EXAMPLE_PODS_FILE
@@ -304,3 +306,13 @@ def test_bad_configuration_is_refused_at_start_up_with_its_message(
     assert outcome.returncode == 2, f"started or crashed instead:\n{outcome.stderr[-2000:]}"
     assert outcome.fill(REFUSALS[name].message) in outcome.stderr
     assert "Traceback" not in outcome.stderr
+
+
+def test_serve_warns_when_a_hold_can_outlast_envoys_max_message_timeout(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", "extproc.serve"):
+        _check_hold_fits_envoy(parse_flow_control({"queue": {"ttlS": 15}}, "c"))
+        assert not caplog.records
+        _check_hold_fits_envoy(parse_flow_control({"queue": {"bandTtlS": {5: 90}}}, "c"))
+    assert "--max-message-timeout-s 92" in caplog.text
