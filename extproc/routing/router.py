@@ -168,20 +168,22 @@ class Router:
         at once without that work (the plugin falls back and counts it).
 
         With flow control, a request whose model's pods are all saturated is held: the
-        Future is a ``Held`` (``routing.flow``), routed when a pod has room, or raising
+        Future is a ``Held`` (``routing.flow``), routed when a pod has room (among the
+        pods with room: a held request is not sent behind another's queue), or raising
         ``Overloaded`` (429) when refused; a sheddable one raises ``Overloaded`` at once.
         """
         started = time.perf_counter()
         cycle, pods = self._begin(path, body, headers, subset)
         if self.flow is not None:
             request = cycle.request
-            held = self.flow.admit(
+            flow = self.flow
+            held = flow.admit(
                 request.model,
-                self.flow.classify(headers, request.data),
+                flow.classify(headers, request.data),
                 len(body),
                 _estimated_tokens(request.prompt, request.data),
                 lambda: self._prepare_and_decide(
-                    cycle, self._candidates(subset), request_id, time.perf_counter()
+                    cycle, flow.with_room(self._candidates(subset)), request_id, time.perf_counter()
                 ),
             )
             if held is not None:

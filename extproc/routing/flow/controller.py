@@ -11,7 +11,7 @@ refused in its place.
 
 One thread (``extproc-flow``) dispatches: woken when a request ends, when a new pod
 snapshot arrives (a scrape, a pod joining) or at the earliest time to live, it routes
-held requests, best band first, while their model has room (each routing moves the
+held requests, best band first, among the pods with room, while their model has room (each routing moves the
 in-flight counts the saturation check reads, so a freed slot takes one request), and
 refuses those whose time to live ended (429 ``queue_timeout``). On ``close`` (the
 drain) every held request is dispatched at once: none is lost.
@@ -23,7 +23,7 @@ import heapq
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -111,6 +111,13 @@ class FlowController:
                 return self._hold(model, flow, size, cost, route)
         self._count_error(refusal)
         raise refusal
+
+    def with_room(self, pods: Sequence[Pod]) -> Sequence[Pod]:
+        """The pods not over their limits (all of them if none is): where a request
+        dispatched from the queue may go, so that it takes the room that freed rather
+        than a place behind another pod's queue."""
+        room = [pod for pod in pods if not self.saturation.over(pod)]
+        return room or pods
 
     def _straight_through(self, priority: int) -> Any:
         """The dispatched{reason=not_saturated} counter of ``priority`` (looked up once:

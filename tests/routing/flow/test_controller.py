@@ -237,3 +237,27 @@ def test_another_replicas_pick_counts_towards_saturation() -> None:
     ended = published.pop()
     assert isinstance(ended, Shared) and b.apply_shared(ended)  # recorded there too
     assert isinstance(settle(held), RouteDecision)
+
+
+def test_a_held_request_goes_where_room_freed_not_where_its_prefix_is() -> None:
+    registry = CollectorRegistry()
+    pods = [make_pod("p0"), make_pod("p1", port=8001)]
+    router = Router(
+        make_scheduler(PREFIX_ONLY),
+        pods,
+        registry=registry,
+        flow=FlowConfig(enabled=True, max_waiting=1),
+    )
+    warm = router.route_or_defer(PATH, BODY, request_id="warm")
+    assert isinstance(warm, RouteDecision)
+    router.complete("warm", warm.pods[0].address, succeeded=True)  # its prefix is there
+    cached = warm.pods[0]
+    other = next(p for p in pods if p.id != cached.id)
+    for pod in pods:
+        router.in_flight.start(pod.id)  # both busy
+    held = send(router, "again")
+    assert isinstance(held, Held)
+    router.in_flight.end(other.id)  # room frees on the other pod only
+    assert router.flow is not None
+    router.flow.wake()
+    assert settle(held).pods[0].id == other.id
