@@ -2,10 +2,13 @@
 
 A pod is over its limits when its estimated waiting requests reach ``maxWaiting`` or
 its KV cache use reaches ``maxKvUsage``. The estimate counts the requests in the pod
-now, the last scrape's running and waiting moved by extproc's in-flight count for the
-pod since that scrape (routed since, less ended since: a burst is seen at once, not a
-scrape interval later; with ``--redis-url`` the other replicas' picks are in flight here
-too), less the pod's batch slots: the most requests any scrape showed it running. A
+now, less its batch slots (the most requests any scrape showed it running). The
+requests in the pod are extproc's in-flight count for it (exact and immediate for what
+extproc routed; with ``--redis-url`` the other replicas' picks are in flight here too),
+or, if more, the last scrape's running and waiting moved by that count since the scrape
+(traffic extproc did not route). A scrape alone would lag: requests routed between the
+pod's answer and its publication, or ended before the access log said so, would be
+missed or counted twice, and a pool held at its slots would be fed past them. A
 pod is known to be full once a scrape showed it with requests waiting; until then its
 slots may be more than it has shown, and it is over only one request beyond them (so
 ``maxWaiting: 0``, dispatching only into free slots, still finds a pod's real size).
@@ -64,10 +67,11 @@ class SaturationDetector:
 
     def estimated_waiting(self, pod: Pod) -> int:
         """Requests in the pod now beyond its known batch slots (negative: slots free)."""
+        in_flight = self._in_flight.get(pod.id)
         baseline = self._baselines.get(pod.id)
-        since = self._in_flight.get(pod.id) - (baseline[1] if baseline is not None else 0)
-        metrics = pod.metrics
-        return metrics.running + metrics.waiting + since - self._slots.get(pod.id, 0)
+        since = in_flight - (baseline[1] if baseline is not None else 0)
+        scraped = pod.metrics.running + pod.metrics.waiting + since
+        return max(in_flight, scraped) - self._slots.get(pod.id, 0)
 
     def over(self, pod: Pod) -> bool:
         """The pod is at or over one of its limits."""

@@ -90,3 +90,16 @@ def test_pods_not_ready_or_serving_another_model_do_not_count() -> None:
     detector.pods_changed((full, unready, other))
     assert detector.saturated("m")
     assert not detector.saturated("nobody-serves-this")  # routing answers it, not us
+
+
+def test_requests_routed_before_a_scrape_was_published_still_count() -> None:
+    """The pod answered its scrape before extproc routed its fifth request, and the
+    scrape was published after: the scrape shows four, extproc knows of five."""
+    in_flight = InFlight()
+    detector = SaturationDetector(FlowConfig(enabled=True, max_waiting=1), in_flight)
+    detector.pods_changed((scraped(running=4, waiting=1),))  # seen full: 4 slots
+    for _ in range(5):
+        in_flight.start(make_pod("p0").id)
+    pod = scraped(running=4)
+    detector.pods_changed((pod,))
+    assert detector.estimated_waiting(pod) == 1 and detector.over(pod)
