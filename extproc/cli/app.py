@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -189,7 +189,9 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
     sessions = SessionStore(ttl_s=args.session_ttl_s) if sticky else None
     config = load_config(args.config)
     scheduler = build_scheduler(config, registry, in_flight, sessions)
-    flow = parse_flow_control(config.flow_control, config.source)
+    flow = replace(
+        parse_flow_control(config.flow_control, config.source), scraped=args.stale_after_s > 0
+    )
     _check_hold_fits_envoy(flow)
     sharing = None
     if args.redis_url:

@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
@@ -208,7 +209,8 @@ def test_flow_control_emits_every_series_its_row_reads() -> None:
         [make_pod("p0")],
         in_flight=in_flight,
         registry=registry,
-        flow=parse_flow_control(config.flow_control, config.source),
+        # Not scraped: the pod's in-flight count is its estimate (one slot, maxWaiting 1).
+        flow=replace(parse_flow_control(config.flow_control, config.source), scraped=False),
     )
 
     def send(rid: str, objective: str) -> RouteDecision | Future[RouteDecision]:

@@ -48,6 +48,10 @@ class FlowConfig:
     ttl_s: float = 15.0
     band_ttl_s: Mapping[int, float] = field(default_factory=dict)
     retry_after_s: int = 1
+    # Not in the section: whether the pods' metrics are scraped (``serve
+    # --stale-after-s 0`` turns scraping off; saturation then counts extproc's in-flight
+    # requests alone).
+    scraped: bool = True
 
     def ttl_for(self, priority: int) -> float:
         """The time to live of a request of ``priority`` in the queue."""

@@ -8,12 +8,15 @@ extproc routed; with ``--redis-url`` the other replicas' picks are in flight her
 or, if more, the last scrape's running and waiting moved by that count since the scrape
 (traffic extproc did not route). A scrape alone would lag: requests routed between the
 pod's answer and its publication, or ended before the access log said so, would be
-missed or counted twice, and a pool held at its slots would be fed past them. A
-pod is known to be full once a scrape showed it with requests waiting; until then its
-slots may be more than it has shown, and it is over only one request beyond them (so
-``maxWaiting: 0``, dispatching only into free slots, still finds a pod's real size).
-Without scraping (``--stale-after-s 0``) no slot is known: the estimate is extproc's
-in-flight count, and ``maxWaiting`` (at least 1) caps it.
+missed or counted twice, and a pool held at its slots would be fed past them.
+
+The slots are known once a scrape showed the pod with requests waiting (it was full);
+until then a pod is over only by its KV use: the most it ran so far may be far below its
+batch size (a fresh extproc, a quiet pod), and feeding it only one request beyond that
+would ramp it up one request a scrape. Its engine queues the excess, as without flow
+control, and the next scrape tells its size. Without scraping (``--stale-after-s 0``,
+``FlowConfig.scraped`` False) no slot is ever known: the estimate is extproc's in-flight
+count alone, and ``maxWaiting`` (at least 1) caps it.
 
 A pod whose next scrape repeats the last one exactly is not republished, so its
 baseline stays older: the estimate can then run high by requests routed and ended since.
@@ -37,6 +40,7 @@ class SaturationDetector:
     def __init__(self, config: FlowConfig, in_flight: InFlight) -> None:
         self._max_waiting = config.max_waiting
         self._max_kv_usage = config.max_kv_usage
+        self._scraped = config.scraped
         self._in_flight = in_flight
         # pod -> (the metrics it was last published with, its in-flight count then);
         # rebound whole, read lock-free.
@@ -62,6 +66,9 @@ class SaturationDetector:
             if pod.metrics.waiting > 0:
                 self._full.add(pod.id)
         self._baselines = baselines
+        for gone in self._slots.keys() - baselines.keys():  # a pod back later may differ
+            del self._slots[gone]
+            self._full.discard(gone)
         self._by_id = {pod.id: pod for pod in pods}
         self._pods = tuple(pods)
 
@@ -77,8 +84,9 @@ class SaturationDetector:
         """The pod is at or over one of its limits."""
         if pod.metrics.kv_usage >= self._max_kv_usage:
             return True
-        limit = self._max_waiting if pod.id in self._full else max(1.0, self._max_waiting)
-        return self.estimated_waiting(pod) >= limit
+        if not self._scraped:
+            return self._in_flight.get(pod.id) >= max(1.0, self._max_waiting)
+        return pod.id in self._full and self.estimated_waiting(pod) >= self._max_waiting
 
     def saturated(self, model: str) -> bool:
         """Every ready pod serving ``model`` (in the last snapshot) is over its limits;

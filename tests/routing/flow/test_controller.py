@@ -32,6 +32,7 @@ def make_router(**changes: object) -> tuple[Router, CollectorRegistry]:
         "objectives": OBJECTIVES,
         "max_waiting": 1,
         "ttl_s": 5.0,
+        "scraped": False,  # the pods' in-flight count is the whole estimate: exact here
     }
     settings.update(changes)
     registry = CollectorRegistry()
@@ -123,8 +124,7 @@ def test_sheddable_requests_are_refused_while_others_are_held() -> None:
     first = send(router, "r0")
     held = send(router, "r1")
     assert isinstance(first, RouteDecision) and isinstance(held, Held)
-    assert router.flow is not None
-    router.flow.saturation.pods_changed((make_pod("p0", metrics=PodMetrics(running=5)),))
+    router.in_flight.end(first.pods[0].id)  # room, the dispatcher not woken yet
     with pytest.raises(Overloaded) as refused:
         send(router, "x", "sheddable")
     assert refused.value.code == "shed"
@@ -199,7 +199,7 @@ def test_the_drain_routes_every_held_request() -> None:
 
 
 def test_a_scrape_showing_room_dispatches() -> None:
-    router, _ = make_router()
+    router, _ = make_router(scraped=True)
     busy = make_pod("p0", metrics=PodMetrics(waiting=3))
     router.set_pods([busy])
     held = send(router, "r1")
@@ -224,7 +224,7 @@ def test_another_replicas_pick_counts_towards_saturation() -> None:
         [make_pod("p0")],
         registry=CollectorRegistry(),
         share=published.append,
-        flow=FlowConfig(enabled=True, max_waiting=1),
+        flow=FlowConfig(enabled=True, max_waiting=1, scraped=False),
     )
     b, _ = make_router()
     first = a.route_or_defer(PATH, BODY, request_id="ra")
@@ -246,7 +246,7 @@ def test_a_held_request_goes_where_room_freed_not_where_its_prefix_is() -> None:
         make_scheduler(PREFIX_ONLY),
         pods,
         registry=registry,
-        flow=FlowConfig(enabled=True, max_waiting=1),
+        flow=FlowConfig(enabled=True, max_waiting=1, scraped=False),
     )
     warm = router.route_or_defer(PATH, BODY, request_id="warm")
     assert isinstance(warm, RouteDecision)

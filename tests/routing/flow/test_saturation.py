@@ -46,24 +46,27 @@ def test_requests_that_take_free_slots_are_not_waiting() -> None:
     assert not detector.over(pod)
 
 
-def test_a_pod_never_seen_full_is_fed_one_beyond_what_it_showed() -> None:
-    """maxWaiting 0 must not freeze a pod at the few requests it happened to run: until a
-    scrape shows it with requests waiting, one more is sent, so it shows its size."""
+def test_a_pod_never_seen_full_is_over_only_by_its_kv_use() -> None:
+    """The most a pod ran so far may be far below its batch size: until a scrape shows
+    it queueing, its engine takes what comes (as without flow control), so a fresh
+    extproc does not ramp a pool up one request a scrape."""
     in_flight = InFlight()
     detector = SaturationDetector(FlowConfig(enabled=True, max_waiting=0), in_flight)
     pod = scraped(running=1)
     detector.pods_changed((pod,))
+    for _ in range(10):
+        in_flight.start(pod.id)
     assert not detector.over(pod)
-    in_flight.start(pod.id)
-    assert detector.over(pod)
-    grown = scraped(running=2)
-    detector.pods_changed((grown,))
-    assert not detector.over(grown)  # it ran both: room for a third
+    queueing = scraped(running=8, waiting=3)
+    detector.pods_changed((queueing,))
+    assert detector.over(queueing)  # 8 slots, 11 in it: 3 waiting
+    detector.pods_changed((scraped(running=1, kv=0.95),))
+    assert detector.saturated("m")
 
 
 def test_without_scraping_the_in_flight_count_is_capped() -> None:
     in_flight = InFlight()
-    detector = SaturationDetector(CONFIG, in_flight)  # maxWaiting 2
+    detector = SaturationDetector(FlowConfig(enabled=True, max_waiting=2, scraped=False), in_flight)
     pod = make_pod("p0")
     detector.pods_changed((pod,))
     in_flight.start(pod.id)
