@@ -9,7 +9,7 @@ behaviour: no request is held or refused by flow control)::
       objectives: {critical: 100, standard: 0, sheddable: -1}   # name -> priority
       defaultPriority: 0            # no objective, an unknown or a malformed one
       fairness: {header: x-gateway-inference-fairness-id, bodyField: user}
-      saturation: {maxWaiting: 5, maxKvUsage: 0.9}
+      saturation: {maxWaiting: 5, maxKvUsage: 0.9, reservedSlots: 0, reservedFor: 1}
       queue: {maxRequests: 1000, maxBytes: 104857600, ttlS: 15, bandTtlS: {100: 30},
               retryAfterS: 1}
 
@@ -43,6 +43,8 @@ class FlowConfig:
     fairness_body_field: str | None = None
     max_waiting: float = 5
     max_kv_usage: float = 0.9
+    reserved_slots: int = 0  # room kept for priorities >= reserved_for
+    reserved_for: int = 1
     max_requests: int = 1000
     max_bytes: int = 100 << 20
     ttl_s: float = 15.0
@@ -85,7 +87,9 @@ def parse_flow_control(section: Any, source: str) -> FlowConfig:
     top = _mapping(section, where, _TOP_KEYS)
     fairness = _mapping(top.get("fairness", {}), f"{where}.fairness", {"header", "bodyField"})
     saturation = _mapping(
-        top.get("saturation", {}), f"{where}.saturation", {"maxWaiting", "maxKvUsage"}
+        top.get("saturation", {}),
+        f"{where}.saturation",
+        {"maxWaiting", "maxKvUsage", "reservedSlots", "reservedFor"},
     )
     queue = _mapping(
         top.get("queue", {}),
@@ -126,6 +130,14 @@ def parse_flow_control(section: Any, source: str) -> FlowConfig:
             zero=True,
         ),
         max_kv_usage=max_kv,
+        reserved_slots=int(
+            _positive(
+                saturation.get("reservedSlots", 0), f"{where}.saturation.reservedSlots", zero=True
+            )
+        ),
+        reserved_for=_int(
+            saturation.get("reservedFor", defaults.reserved_for), f"{where}.saturation.reservedFor"
+        ),
         max_requests=int(
             _positive(queue.get("maxRequests", defaults.max_requests), f"{where}.queue.maxRequests")
         ),

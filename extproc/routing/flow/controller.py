@@ -1,7 +1,7 @@
 """Flow control: admit, hold, dispatch or refuse each request while pods are saturated.
 
 ``admit`` runs on the request's thread. While the request's model is not saturated and
-none of its requests is held, it returns None: the request is routed at once, as
+none of its requests of the same or a higher priority is held, it returns None: the request is routed at once, as
 without flow control (one saturation check, usually one pod). Otherwise a sheddable
 request (priority below 0) is refused at once (also while others are held: they go
 first), and any other is held: ``admit`` returns
@@ -98,8 +98,9 @@ class FlowController:
         """
         with self._lock:
             queue = self._queues.get(model)
-            idle = queue is None or not queue.count
-            if self._closed or (idle and not self._saturated(model)):
+            best = queue.best_priority() if queue is not None else None
+            first = best is None or flow.priority > best  # it would be dispatched first
+            if self._closed or (first and not self._saturated(model, flow.priority)):
                 self._straight_through(flow.priority).inc()
                 return None
             refusal: Overloaded | None
@@ -155,8 +156,8 @@ class FlowController:
 
     # -- holding (under the lock) --------------------------------------------------------
 
-    def _saturated(self, model: str) -> bool:
-        saturated = self.saturation.saturated(model)
+    def _saturated(self, model: str, priority: int) -> bool:
+        saturated = self.saturation.saturated(model, priority)
         if self._was_saturated.get(model) is not saturated:  # the gauge moves on changes only
             self._was_saturated[model] = saturated
             self.metrics.saturated.labels(model).set(1 if saturated else 0)
@@ -292,7 +293,9 @@ class FlowController:
             while True:
                 with self._lock:
                     queue = self._queues[model]
-                    if not queue.count or self._saturated(model):
+                    best = queue.best_priority()
+                    # Lower bands see the pods as full no later than the best one does.
+                    if best is None or self._saturated(model, best):
                         break
                     entry = queue.pop()
                     if entry is None:

@@ -55,8 +55,9 @@ class FlowMetrics:
         )
         self.saturated = Gauge(
             "extproc_flow_saturated",
-            "1 while every ready pod serving the model is over its limits (flow "
-            "control holds its requests), else 0; as of its last request or dispatch.",
+            "1 while flow control holds the model's requests: every ready pod serving "
+            "it is over its limits (or, with reservedSlots, only the reserve is left, for "
+            "a band below reservedFor), else 0; as of its last request or dispatch.",
             ["model"],
             registry=registry,
         )

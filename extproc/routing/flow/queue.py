@@ -104,6 +104,13 @@ class ModelQueue:
         band.push(entry)
         self.count += 1
 
+    def best_priority(self) -> int | None:
+        """The priority of the best band holding a request."""
+        for priority in self._order:
+            if self._bands[priority].count:
+                return priority
+        return None
+
     def pop(self) -> Entry | None:
         """The next request to dispatch: the best band's lowest tag."""
         for priority in self._order:

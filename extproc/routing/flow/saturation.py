@@ -22,7 +22,11 @@ A pod whose next scrape repeats the last one exactly is not republished, so its
 baseline stays older: the estimate can then run high by requests routed and ended since.
 
 A model is saturated when every ready pod serving it is over; a model no ready pod
-serves is not (routing answers 404 or 503 as without flow control).
+serves is not (routing answers 404 or 503 as without flow control). With
+``reservedSlots``, it is saturated for priorities below ``reservedFor`` while its pods'
+room (requests they take before they are over, summed) is that many or fewer: the last
+few places go to the high band, which then finds a free slot at once instead of waiting
+for one to free (a pod whose size is not known yet has room without end).
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class SaturationDetector:
         self._max_waiting = config.max_waiting
         self._max_kv_usage = config.max_kv_usage
         self._scraped = config.scraped
+        self._reserved_slots = config.reserved_slots
+        self._reserved_for = config.reserved_for
         self._in_flight = in_flight
         # pod -> (the metrics it was last published with, its in-flight count then);
         # rebound whole, read lock-free.
@@ -88,22 +94,38 @@ class SaturationDetector:
             return self._in_flight.get(pod.id) >= max(1.0, self._max_waiting)
         return pod.id in self._full and self.estimated_waiting(pod) >= self._max_waiting
 
-    def saturated(self, model: str) -> bool:
-        """Every ready pod serving ``model`` (in the last snapshot) is over its limits;
-        False if there is none.
+    def room(self, pod: Pod) -> float:
+        """Requests the pod takes before it is over its limits (0 if it is over)."""
+        if self.over(pod):
+            return 0.0
+        if not self._scraped:
+            return max(1.0, self._max_waiting) - self._in_flight.get(pod.id)
+        if pod.id not in self._full:
+            return float("inf")
+        return self._max_waiting - self.estimated_waiting(pod)
+
+    def saturated(self, model: str, priority: int) -> bool:
+        """Every ready pod serving ``model`` (in the last snapshot) is over its limits,
+        or, below ``reservedFor``, their room is no more than ``reservedSlots``; False if
+        no ready pod serves it.
 
         The pod last found with room is tried first: while the model is not saturated a
         check usually costs one pod, not the whole pool.
         """
+        needed = self._reserved_slots if priority < self._reserved_for else 0
         last_id = self._last_free.get(model)
         last = self._by_id.get(last_id) if last_id is not None else None
-        if last is not None and last.ready and not self.over(last):
+        if last is not None and last.ready and self.room(last) > needed:
             return False
         candidates = 0
+        room = 0.0
         for pod in self._pods:
             if pod.ready and pod.serves(model):
                 candidates += 1
-                if not self.over(pod):
+                pod_room = self.room(pod)
+                room += pod_room
+                if pod_room > 0:
                     self._last_free[model] = pod.id
+                if room > needed:
                     return False
         return candidates > 0

@@ -16,6 +16,9 @@ def test_no_section_is_off_and_an_empty_one_is_on_with_the_defaults() -> None:
     assert on.enabled and on.max_waiting == 5 and on.max_kv_usage == 0.9
     assert on.trusted_headers == frozenset() and on.ttl_s == 15
     assert parse_flow_control({"saturation": {"maxWaiting": 0}}, "f").max_waiting == 0
+    reserve = parse_flow_control({"saturation": {"reservedSlots": 2, "reservedFor": 50}}, "f")
+    assert (reserve.reserved_slots, reserve.reserved_for) == (2, 50)
+    assert (on.reserved_slots, on.reserved_for) == (0, 1)
 
 
 def test_the_section_reaches_the_routing_layer_through_the_scheduler_config() -> None:
@@ -41,6 +44,8 @@ flowControl:
         ({"saturation": {"maxKvUsage": 1.5}}, "maxKvUsage must be in (0, 1]"),
         ({"queue": {"ttlS": 0}}, "queue.ttlS must be a number greater than 0"),
         ({"saturation": {"maxWaiting": -1}}, "maxWaiting must be a number 0 or more"),
+        ({"saturation": {"reservedSlots": -2}}, "reservedSlots must be a number 0 or more"),
+        ({"saturation": {"reservedFor": "high"}}, "reservedFor must be an integer"),
         ({"queue": {"maxRequests": "many"}}, "queue.maxRequests"),
         ({"objectives": {"critical": "high"}}, "objectives.critical must be an integer"),
         ({"trustedHeaders": ["X-Tenant"]}, "not a lowercase header name"),

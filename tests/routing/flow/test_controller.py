@@ -261,3 +261,18 @@ def test_a_held_request_goes_where_room_freed_not_where_its_prefix_is() -> None:
     assert router.flow is not None
     router.flow.wake()
     assert settle(held).pods[0].id == other.id
+
+
+def test_with_a_reserve_the_high_band_passes_while_the_low_one_is_held() -> None:
+    router, _ = make_router(max_waiting=3, reserved_slots=1, reserved_for=100)
+    first, second = send(router, "r1"), send(router, "r2")
+    assert isinstance(first, RouteDecision) and isinstance(second, RouteDecision)
+    standard = send(router, "s1")  # one place left: the reserve
+    assert isinstance(standard, Held)
+    critical = send(router, "c1", "critical")
+    assert isinstance(critical, RouteDecision)
+    router.complete("r1", first.pods[0].address, succeeded=True)
+    time.sleep(0.2)
+    assert not standard.done()  # the freed place refills the reserve
+    router.complete("r2", second.pods[0].address, succeeded=True)
+    assert isinstance(settle(standard), RouteDecision)

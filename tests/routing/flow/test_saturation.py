@@ -23,12 +23,12 @@ def test_requests_routed_since_the_scrape_count_at_once() -> None:
     detector = SaturationDetector(CONFIG, in_flight)
     pod = scraped(running=4, waiting=1)  # full: it has 4 slots
     detector.pods_changed((pod,))
-    assert detector.estimated_waiting(pod) == 1 and not detector.saturated("m")
+    assert detector.estimated_waiting(pod) == 1 and not detector.saturated("m", 0)
     in_flight.start(pod.id)  # routed after the scrape
-    assert detector.estimated_waiting(pod) == 2 and detector.saturated("m")
+    assert detector.estimated_waiting(pod) == 2 and detector.saturated("m", 0)
     rescraped = scraped(running=4, waiting=0)  # the next scrape takes a new baseline
     detector.pods_changed((rescraped,))
-    assert detector.estimated_waiting(rescraped) == 0 and not detector.saturated("m")
+    assert detector.estimated_waiting(rescraped) == 0 and not detector.saturated("m", 0)
 
 
 def test_requests_that_take_free_slots_are_not_waiting() -> None:
@@ -61,7 +61,7 @@ def test_a_pod_never_seen_full_is_over_only_by_its_kv_use() -> None:
     detector.pods_changed((queueing,))
     assert detector.over(queueing)  # 8 slots, 11 in it: 3 waiting
     detector.pods_changed((scraped(running=1, kv=0.95),))
-    assert detector.saturated("m")
+    assert detector.saturated("m", 0)
 
 
 def test_without_scraping_the_in_flight_count_is_capped() -> None:
@@ -80,9 +80,9 @@ def test_kv_use_alone_saturates_and_one_pod_with_room_keeps_the_model_open() -> 
     full = scraped(0, kv=0.95)
     room = scraped(0, kv=0.5, name="p1", port=8001)
     detector.pods_changed((full, room))
-    assert not detector.saturated("m")
+    assert not detector.saturated("m", 0)
     detector.pods_changed((full, scraped(0, kv=0.9, name="p1", port=8001)))
-    assert detector.saturated("m")
+    assert detector.saturated("m", 0)
 
 
 def test_pods_not_ready_or_serving_another_model_do_not_count() -> None:
@@ -91,8 +91,8 @@ def test_pods_not_ready_or_serving_another_model_do_not_count() -> None:
     unready = make_pod("p1", port=8001, ready=False)
     other = make_pod("p2", port=8002, model="other")
     detector.pods_changed((full, unready, other))
-    assert detector.saturated("m")
-    assert not detector.saturated("nobody-serves-this")  # routing answers it, not us
+    assert detector.saturated("m", 0)
+    assert not detector.saturated("nobody-serves-this", 0)  # routing answers it, not us
 
 
 def test_requests_routed_before_a_scrape_was_published_still_count() -> None:
@@ -106,3 +106,27 @@ def test_requests_routed_before_a_scrape_was_published_still_count() -> None:
     pod = scraped(running=4)
     detector.pods_changed((pod,))
     assert detector.estimated_waiting(pod) == 1 and detector.over(pod)
+
+
+def test_the_reserve_keeps_the_last_room_for_the_high_band() -> None:
+    in_flight = InFlight()
+    config = FlowConfig(enabled=True, max_waiting=0, reserved_slots=2, reserved_for=100)
+    detector = SaturationDetector(config, in_flight)
+    pods = (scraped(4, 1), scraped(4, 1, name="p1", port=8001))  # seen full: 4 slots each
+    detector.pods_changed(pods)
+    quiet = (scraped(2), scraped(3, name="p1", port=8001))  # 2 + 1 slots free
+    detector.pods_changed(quiet)
+    assert detector.room(quiet[0]) == 2 and detector.room(quiet[1]) == 1
+    assert not detector.saturated("m", 0) and not detector.saturated("m", 100)
+    in_flight.start(quiet[0].id)  # 2 free: the reserve
+    assert detector.saturated("m", 0) and not detector.saturated("m", 100)
+    in_flight.start(quiet[0].id)
+    in_flight.start(quiet[1].id)
+    assert detector.saturated("m", 100)
+
+
+def test_a_pod_of_unknown_size_leaves_room_beyond_any_reserve() -> None:
+    config = FlowConfig(enabled=True, reserved_slots=50, reserved_for=100)
+    detector = SaturationDetector(config, InFlight())
+    detector.pods_changed((scraped(3),))
+    assert not detector.saturated("m", 0)
