@@ -12,7 +12,7 @@ the capacity, each for a bounded time and count, from three classes named in
 ``x-gateway-inference-fairness-id``, one of them noisy. Contenders:
 
 - ``extproc-flow``: Envoy + extproc, the shipped default configuration plus the
-  ``flowControl`` section of ``bench/configs/flow-control.yaml`` (``--max-waiting``
+  ``flowControl`` section of ``bench/configs/flow-control.yaml`` (``--saturation``
   overrides its saturation limit; several values: one contender each), the generated
   Envoy configuration as shipped (it sends both headers; extproc lengthens Envoy's
   message timeout for a held request);
@@ -74,21 +74,45 @@ class Served:
 Serve = Callable[[PodSet, Path], AbstractContextManager[Served]]
 
 
-def flow_section(path: Path, max_waiting: float | None) -> str:
-    """The ``flowControl`` section's YAML, with ``max_waiting`` as its saturation limit
-    when given."""
+@dataclass(frozen=True)
+class Saturation:
+    """A flow contender's saturation limits: ``maxWaiting`` and ``reservedSlots``
+    (kept for the critical band, priority 100); written ``W`` or ``WrR`` (``0r2``)."""
+
+    max_waiting: float
+    reserved_slots: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> Saturation:
+        waiting, _, reserved = text.partition("r")
+        return cls(float(waiting), int(reserved or 0))
+
+    @property
+    def name(self) -> str:
+        return f"w{self.max_waiting:g}" + (
+            f"-r{self.reserved_slots}" if self.reserved_slots else ""
+        )
+
+
+def flow_section(path: Path, limits: Saturation | None) -> str:
+    """The ``flowControl`` section's YAML, with ``limits`` as its saturation limits when
+    given."""
     doc = yaml.safe_load(path.read_text())
-    if max_waiting is not None:
-        doc["flowControl"].setdefault("saturation", {})["maxWaiting"] = max_waiting
+    if limits is not None:
+        saturation = doc["flowControl"].setdefault("saturation", {})
+        saturation["maxWaiting"] = limits.max_waiting
+        if limits.reserved_slots:
+            saturation["reservedSlots"] = limits.reserved_slots
+            saturation["reservedFor"] = 100
     return str(yaml.safe_dump(doc, sort_keys=False))
 
 
-def flow_sections(path: Path, max_waiting: list[float]) -> dict[str, str]:
-    """The flow contenders: ``extproc-flow`` (the file's limit, or the one given), or one
-    ``extproc-flow-wN`` per ``maxWaiting`` value when several are compared."""
-    if len(max_waiting) < 2:
-        return {"extproc-flow": flow_section(path, max_waiting[0] if max_waiting else None)}
-    return {f"extproc-flow-w{w:g}": flow_section(path, w) for w in max_waiting}
+def flow_sections(path: Path, variants: list[Saturation]) -> dict[str, str]:
+    """The flow contenders: ``extproc-flow`` (the file's limits, or the ones given), or
+    one ``extproc-flow-<limits>`` per variant when several are compared."""
+    if len(variants) < 2:
+        return {"extproc-flow": flow_section(path, variants[0] if variants else None)}
+    return {f"extproc-flow-{v.name}": flow_section(path, v) for v in variants}
 
 
 def extproc_serve(section: str | None) -> Serve:
@@ -278,15 +302,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--drain-s", type=float, default=45.0, help="after the last arrival")
     p.add_argument("--slo-ttft-s", type=float, default=1.0, help="goodput's TTFT limit")
     p.add_argument("--flow-config", type=Path, default=FLOW_SECTION)
-    p.add_argument("--max-waiting", default="",
-                   help="override saturation.maxWaiting; several (comma-separated): one "
-                   "extproc-flow-wN contender each")  # fmt: skip
+    p.add_argument("--saturation", default="",
+                   help="override the saturation limits: W (maxWaiting) or WrR (and "
+                   "reservedSlots R for the critical band); several (comma-separated): one "
+                   "extproc-flow-wW[-rR] contender each")  # fmt: skip
     p.add_argument("--sglang-queue-size", type=int, default=1000)
     p.add_argument("--sglang-queue-timeout-s", type=int, default=15)
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     args = p.parse_args()
-    args.max_waiting = [float(w) for w in args.max_waiting.split(",") if w]
-    args.sections = flow_sections(args.flow_config, args.max_waiting)
+    variants = [Saturation.parse(v) for v in args.saturation.split(",") if v]
+    args.sections = flow_sections(args.flow_config, variants)
     args.contenders = expand(args.contenders.split(","), args.sections)
     shares = tuple(float(s) for s in args.shares.split(","))
     if len(shares) != 3:

@@ -18,6 +18,7 @@ import yaml
 from bench.flow_client import FlowOutcome
 from bench.flow_control import (
     FLOW_SECTION,
+    Saturation,
     expand,
     flow_sections,
     run_all,
@@ -305,20 +306,18 @@ def test_run_all_judges_every_contender_against_extproc_default(
 # --- configuration of the contenders ---
 
 
-def test_the_flow_section_parses_and_max_waiting_overrides_its_saturation() -> None:
+def test_the_flow_section_parses_and_the_variants_override_its_saturation() -> None:
     one = flow_sections(FLOW_SECTION, [])
     assert list(one) == ["extproc-flow"]
     config = parse_flow_control(yaml.safe_load(one["extproc-flow"])["flowControl"], "test")
     assert config.enabled and config.objectives == {"critical": 100, "standard": 0,
                                                     "sheddable": -1}  # fmt: skip
     assert config.trusted_headers == {OBJECTIVE_HEADER, FAIRNESS_HEADER}
-    several = flow_sections(FLOW_SECTION, [5, 0.5])
-    assert list(several) == ["extproc-flow-w5", "extproc-flow-w0.5"]
-    waits = [
-        parse_flow_control(yaml.safe_load(s)["flowControl"], "t").max_waiting
-        for s in several.values()
-    ]
-    assert waits == [5, 0.5]
+    several = flow_sections(FLOW_SECTION, [Saturation.parse("5"), Saturation.parse("0.5r2")])
+    assert list(several) == ["extproc-flow-w5", "extproc-flow-w0.5-r2"]
+    limits = [parse_flow_control(yaml.safe_load(s)["flowControl"], "t") for s in several.values()]
+    assert [(c.max_waiting, c.reserved_slots) for c in limits] == [(5, 0), (0.5, 2)]
+    assert limits[1].reserved_for == 100
     assert expand(["extproc-flow", "sglang-router"], several) == [*several, "sglang-router"]
 
 
