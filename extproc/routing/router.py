@@ -188,6 +188,7 @@ class Router:
             )
             if held is not None:
                 return held
+            pods = flow.candidates(request.model, pods)
         return self._prepare_and_decide(cycle, pods, request_id, started)
 
     def _prepare_and_decide(

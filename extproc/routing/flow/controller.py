@@ -43,6 +43,7 @@ from extproc.scheduling.inflight import InFlight
 log = logging.getLogger("extproc.flow")
 
 IDLE_WAKE_S = 0.5  # the dispatcher looks at the queue at least this often
+HOT_S = 1.0  # after a model was saturated, this long its requests go to pods with room
 Route = Callable[[], RouteDecision | Future[RouteDecision]]
 
 
@@ -75,6 +76,7 @@ class FlowController:
         self._wake = threading.Event()
         self._closed = False
         self._was_saturated: dict[str, bool] = {}
+        self._hot_until: dict[str, float] = {}  # model -> when its last saturation is old
         self._straight: dict[int, Any] = {}  # priority -> its not_saturated counter
         self._thread = threading.Thread(target=self._run, name="extproc-flow", daemon=True)
         self._thread.start()
@@ -112,6 +114,14 @@ class FlowController:
                 return self._hold(model, flow, size, cost, route)
         self._count_error(refusal)
         raise refusal
+
+    def candidates(self, model: str, pods: Sequence[Pod]) -> Sequence[Pod]:
+        """Where a request admitted at once may go: while its model was saturated lately
+        (``HOT_S``), the pods with room only (a high band's request must take the room
+        left, not queue behind a full pod the scorers liked); else every pod, at no cost."""
+        if self._hot_until.get(model, 0.0) > time.monotonic():
+            return self.with_room(pods)
+        return pods
 
     def with_room(self, pods: Sequence[Pod]) -> Sequence[Pod]:
         """The pods not over their limits (all of them if none is): where a request
@@ -158,6 +168,8 @@ class FlowController:
 
     def _saturated(self, model: str, priority: int) -> bool:
         saturated = self.saturation.saturated(model, priority)
+        if saturated:
+            self._hot_until[model] = time.monotonic() + HOT_S
         if self._was_saturated.get(model) is not saturated:  # the gauge moves on changes only
             self._was_saturated[model] = saturated
             self.metrics.saturated.labels(model).set(1 if saturated else 0)

@@ -276,3 +276,33 @@ def test_with_a_reserve_the_high_band_passes_while_the_low_one_is_held() -> None
     assert not standard.done()  # the freed place refills the reserve
     router.complete("r2", second.pods[0].address, succeeded=True)
     assert isinstance(settle(standard), RouteDecision)
+
+
+def test_while_saturated_lately_a_request_admitted_at_once_takes_the_room_left() -> None:
+    """The reserve's last place is on p1; the critical request's prefix is on p0, which is
+    full: it goes to p1 rather than queue at p0 behind the request there."""
+    pods = [make_pod("p0"), make_pod("p1", port=8001)]
+    router = Router(
+        make_scheduler(PREFIX_ONLY),
+        pods,
+        registry=CollectorRegistry(),
+        flow=FlowConfig(
+            enabled=True,
+            trusted_headers=TRUSTED,
+            objectives=OBJECTIVES,
+            max_waiting=1,
+            reserved_slots=1,
+            reserved_for=100,
+            scraped=False,
+        ),
+    )
+    warm = router.route_or_defer(PATH, BODY, request_id="warm")
+    assert isinstance(warm, RouteDecision)
+    router.complete("warm", warm.pods[0].address, succeeded=True)
+    cached = warm.pods[0]
+    router.in_flight.start(cached.id)  # full: the room left is the reserve, elsewhere
+    standard = send(router, "s1")
+    assert isinstance(standard, Held)  # the model was saturated for its band: hot
+    critical = send(router, "c1", "critical")
+    assert isinstance(critical, RouteDecision) and critical.pods[0].id != cached.id
+    standard.cancel()
