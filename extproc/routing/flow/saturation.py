@@ -10,7 +10,10 @@ or, if more, the last scrape's running and waiting moved by that count since the
 pod's answer and its publication, or ended before the access log said so, would be
 missed or counted twice, and a pool held at its slots would be fed past them.
 
-The slots are known once a scrape showed the pod with requests waiting (it was full);
+The slots are known once a scrape showed the pod with requests waiting (it was full;
+a request also waits a moment for the engine's next step with slots free, so while a
+scrape shows the pod running its most and queueing nothing, one more is let in: a probe
+that lets slots learned low grow);
 until then a pod is over only by its KV use: the most it ran so far may be far below its
 batch size (a fresh extproc, a quiet pod), and feeding it only one request beyond that
 would ramp it up one request a scrape. Its engine queues the excess, as without flow
@@ -92,7 +95,16 @@ class SaturationDetector:
             return True
         if not self._scraped:
             return self._in_flight.get(pod.id) >= max(1.0, self._max_waiting)
-        return pod.id in self._full and self.estimated_waiting(pod) >= self._max_waiting
+        return pod.id in self._full and self.estimated_waiting(pod) >= self._limit(pod)
+
+    def _limit(self, pod: Pod) -> float:
+        """``maxWaiting``, one more while the last scrape showed the pod running its most
+        and queueing nothing: a probe, so that slots learned low (a request waits a
+        moment for the engine's next step even with slots free) grow to the real size."""
+        metrics = pod.metrics
+        if metrics.waiting == 0 and metrics.running >= self._slots.get(pod.id, 0):
+            return self._max_waiting + 1
+        return self._max_waiting
 
     def room(self, pod: Pod) -> float:
         """Requests the pod takes before it is over its limits (0 if it is over)."""
@@ -102,7 +114,7 @@ class SaturationDetector:
             return max(1.0, self._max_waiting) - self._in_flight.get(pod.id)
         if pod.id not in self._full:
             return float("inf")
-        return self._max_waiting - self.estimated_waiting(pod)
+        return self._limit(pod) - self.estimated_waiting(pod)
 
     def saturated(self, model: str, priority: int) -> bool:
         """Every ready pod serving ``model`` (in the last snapshot) is over its limits,

@@ -103,7 +103,7 @@ def test_requests_routed_before_a_scrape_was_published_still_count() -> None:
     detector.pods_changed((scraped(running=4, waiting=1),))  # seen full: 4 slots
     for _ in range(5):
         in_flight.start(make_pod("p0").id)
-    pod = scraped(running=4)
+    pod = scraped(running=3, waiting=1)
     detector.pods_changed((pod,))
     assert detector.estimated_waiting(pod) == 1 and detector.over(pod)
 
@@ -130,3 +130,25 @@ def test_a_pod_of_unknown_size_leaves_room_beyond_any_reserve() -> None:
     detector = SaturationDetector(config, InFlight())
     detector.pods_changed((scraped(3),))
     assert not detector.saturated("m", 0)
+
+
+def test_slots_learned_low_grow_by_a_probe() -> None:
+    """Seen queueing at 3 running (a request waiting for the engine's next step), the pod
+    has 4 slots: while a scrape shows it running its most with nothing queued, one more
+    request goes in, and the next scrape shows the fourth slot."""
+    in_flight = InFlight()
+    detector = SaturationDetector(FlowConfig(enabled=True, max_waiting=0), in_flight)
+    detector.pods_changed((scraped(running=3, waiting=1),))
+    pod_id = make_pod("p0").id
+    for _ in range(3):
+        in_flight.start(pod_id)
+    calm = scraped(running=3)
+    detector.pods_changed((calm,))
+    assert not detector.over(calm)  # the probe
+    in_flight.start(pod_id)
+    assert detector.over(calm)
+    grown = scraped(running=4)
+    detector.pods_changed((grown,))
+    assert detector.estimated_waiting(grown) == 0 and not detector.over(grown)
+    in_flight.start(pod_id)
+    assert detector.over(grown)
