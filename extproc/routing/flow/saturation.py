@@ -12,8 +12,9 @@ missed or counted twice, and a pool held at its slots would be fed past them.
 
 The slots are known once a scrape showed the pod with requests waiting (it was full;
 a request also waits a moment for the engine's next step with slots free, so while a
-scrape shows the pod running its most and queueing nothing, one more is let in: a probe
-that lets slots learned low grow);
+scrape shows the pod running its most and queueing nothing, one more is let in now and
+then, or at every scrape while that grows its slots: a probe that lets slots learned low
+grow);
 until then a pod is over only by its KV use: the most it ran so far may be far below its
 batch size (a fresh extproc, a quiet pod), and feeding it only one request beyond that
 would ramp it up one request a scrape. Its engine queues the excess, as without flow
@@ -34,11 +35,14 @@ for one to free (a pod whose size is not known yet has room without end).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from extproc.pods import Pod, PodId, PodMetrics
 from extproc.routing.flow.config import FlowConfig
 from extproc.scheduling.inflight import InFlight
+
+PROBE_EVERY_S = 5.0  # a pod at its known size is probed for more slots this often
 
 
 class SaturationDetector:
@@ -56,6 +60,8 @@ class SaturationDetector:
         self._baselines: dict[PodId, tuple[PodMetrics, int]] = {}
         self._slots: dict[PodId, int] = {}  # the most requests a scrape showed it running
         self._full: set[PodId] = set()  # pods a scrape showed with requests waiting
+        self._probing: set[PodId] = set()  # pods taking one request beyond their slots now
+        self._probed: dict[PodId, float] = {}  # when each pod's last probe began
         self._pods: tuple[Pod, ...] = ()
         self._by_id: dict[PodId, Pod] = {}
         self._last_free: dict[str, PodId] = {}  # model -> a pod last found with room
@@ -63,6 +69,7 @@ class SaturationDetector:
     def pods_changed(self, pods: Sequence[Pod]) -> None:
         """A new pod snapshot: a pod with new metrics (a scrape) takes a new baseline."""
         old = self._baselines
+        now = time.monotonic()
         baselines: dict[PodId, tuple[PodMetrics, int]] = {}
         for pod in pods:
             seen = old.get(pod.id)
@@ -70,14 +77,19 @@ class SaturationDetector:
                 baselines[pod.id] = seen
                 continue
             baselines[pod.id] = (pod.metrics, self._in_flight.get(pod.id))
-            if pod.metrics.running > self._slots.get(pod.id, 0):
-                self._slots[pod.id] = pod.metrics.running
+            metrics = pod.metrics
+            grew = metrics.running > self._slots.get(pod.id, 0)
+            if grew:
+                self._slots[pod.id] = metrics.running
+            self._probe(pod.id, metrics, grew, now)
             if pod.metrics.waiting > 0:
                 self._full.add(pod.id)
         self._baselines = baselines
         for gone in self._slots.keys() - baselines.keys():  # a pod back later may differ
             del self._slots[gone]
             self._full.discard(gone)
+            self._probed.pop(gone, None)
+            self._probing.discard(gone)
         self._by_id = {pod.id: pod for pod in pods}
         self._pods = tuple(pods)
 
@@ -97,14 +109,22 @@ class SaturationDetector:
             return self._in_flight.get(pod.id) >= max(1.0, self._max_waiting)
         return pod.id in self._full and self.estimated_waiting(pod) >= self._limit(pod)
 
+    def _probe(self, pod_id: PodId, metrics: PodMetrics, grew: bool, now: float) -> None:
+        """Until the next scrape, let one request beyond the pod's slots in (a probe) if
+        this scrape shows it running its most and queueing nothing, and its slots just
+        grew or it was not probed for ``PROBE_EVERY_S``: slots learned low (a request
+        waits a moment for the engine's next step even with slots free) grow to the
+        pod's size, while a pod at its size takes an extra request only now and then."""
+        quiet = metrics.waiting == 0 and metrics.running >= self._slots.get(pod_id, 0)
+        if quiet and (grew or now - self._probed.get(pod_id, -PROBE_EVERY_S) >= PROBE_EVERY_S):
+            self._probed[pod_id] = now
+            self._probing.add(pod_id)
+        else:
+            self._probing.discard(pod_id)
+
     def _limit(self, pod: Pod) -> float:
-        """``maxWaiting``, one more while the last scrape showed the pod running its most
-        and queueing nothing: a probe, so that slots learned low (a request waits a
-        moment for the engine's next step even with slots free) grow to the real size."""
-        metrics = pod.metrics
-        if metrics.waiting == 0 and metrics.running >= self._slots.get(pod.id, 0):
-            return self._max_waiting + 1
-        return self._max_waiting
+        """``maxWaiting``, one more while the pod is probed."""
+        return self._max_waiting + (1 if pod.id in self._probing else 0)
 
     def room(self, pod: Pod) -> float:
         """Requests the pod takes before it is over its limits (0 if it is over)."""
