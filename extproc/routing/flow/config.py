@@ -9,7 +9,7 @@ behaviour: no request is held or refused by flow control)::
       objectives: {critical: 100, standard: 0, sheddable: -1}   # name -> priority
       defaultPriority: 0            # no objective, an unknown or a malformed one
       fairness: {header: x-gateway-inference-fairness-id, bodyField: user}
-      saturation: {maxWaiting: 5, maxKvUsage: 0.9, reservedSlots: 0, reservedFor: 1}
+      saturation: {maxWaiting: 1, maxKvUsage: 0.9, reservedSlots: 0, reservedFor: 1}
       queue: {maxRequests: 1000, maxBytes: 104857600, ttlS: 15, bandTtlS: {100: 30},
               retryAfterS: 1}
 
@@ -41,7 +41,7 @@ class FlowConfig:
     default_priority: int = 0
     fairness_header: str | None = FAIRNESS_HEADER
     fairness_body_field: str | None = None
-    max_waiting: float = 5
+    max_waiting: float = 1
     max_kv_usage: float = 0.9
     reserved_slots: int = 0  # room kept for priorities >= reserved_for
     reserved_for: int = 1

@@ -13,7 +13,7 @@ def test_no_section_is_off_and_an_empty_one_is_on_with_the_defaults() -> None:
     assert parse_flow_control(None, "f") == FlowConfig()
     assert not FlowConfig().enabled
     on = parse_flow_control({}, "f")
-    assert on.enabled and on.max_waiting == 5 and on.max_kv_usage == 0.9
+    assert on.enabled and on.max_waiting == 1 and on.max_kv_usage == 0.9
     assert on.trusted_headers == frozenset() and on.ttl_s == 15
     assert parse_flow_control({"saturation": {"maxWaiting": 0}}, "f").max_waiting == 0
     reserve = parse_flow_control({"saturation": {"reservedSlots": 2, "reservedFor": 50}}, "f")
