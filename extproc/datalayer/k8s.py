@@ -92,7 +92,64 @@ class WatchTiming:
     backoff_max_s: float = 30.0
 
 
-class KubePodSource:
+class WatchThread:
+    """A list + watch run on its own daemon thread and asyncio loop (lightkube's client
+    is async): ``start`` returns once the first list is in (or failed), ``stop`` cancels
+    it. Subclasses set ``name``, ``timing`` and ``_thread_name`` and write ``_main``,
+    which sets ``started`` when the first list is done."""
+
+    name: str
+    timing: WatchTiming
+    _thread_name: str
+    _thread: threading.Thread | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
+    _main_task: asyncio.Task[None] | None = None
+    _stopping = False
+
+    def start(self) -> None:
+        """List, publish, then watch in a daemon thread until ``stop()``.
+
+        Raises:
+            ConfigError: the first list did not succeed within ``start_timeout_s``.
+        """
+        if self._thread is not None:
+            raise RuntimeError(f"{type(self).__name__} already started")
+        started: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(
+            target=lambda: asyncio.run(self._run(started)),
+            name=self._thread_name,
+            daemon=True,
+        )
+        self._thread.start()
+        try:
+            started.result(timeout=self.timing.start_timeout_s + 5.0)
+        except TimeoutError:  # the thread hung: _main bounds the list by start_timeout_s
+            self.stop()
+            raise ConfigError(f"{self.name}: the watch thread did not start") from None
+        except BaseException:
+            self._thread.join(self.timing.start_timeout_s)  # it is closing its connections
+            raise
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Cancel the watch, close connections and wait for the thread (at most ``timeout_s``)."""
+        loop, task = self._loop, self._main_task
+        if loop is not None and task is not None and not self._stopping:
+            self._stopping = True  # cancel once: a second cancel would cut the cleanup short
+            with contextlib.suppress(RuntimeError):  # the loop already ended
+                loop.call_soon_threadsafe(task.cancel)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    async def _run(self, started: concurrent.futures.Future[None]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._main_task = asyncio.current_task()
+        await self._main(started)
+
+    async def _main(self, started: concurrent.futures.Future[None]) -> None:
+        raise NotImplementedError
+
+
+class KubePodSource(WatchThread):
     """Publishes Kubernetes pods as ``tuple[Pod, ...]`` (see the module docstring).
 
     Args:
@@ -145,48 +202,9 @@ class KubePodSource:
         self._watching = False
         self._problems: set[tuple[PodId, str]] = set()
         self._last_error: KubeApiError | None = None
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._main_task: asyncio.Task[None] | None = None
-        self._stopping = False
-
-    def start(self) -> None:
-        """List, publish, then watch in a daemon thread until ``stop()``.
-
-        Raises:
-            ConfigError: the first list did not succeed within ``start_timeout_s``.
-        """
-        if self._thread is not None:
-            raise RuntimeError("KubePodSource already started")
-        started: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._thread = threading.Thread(
-            target=lambda: asyncio.run(self._main(started)),
-            name=f"k8s-watch:{self.namespace}/{self.pool or 'pods'}",
-            daemon=True,
-        )
-        self._thread.start()
-        try:
-            started.result(timeout=self.timing.start_timeout_s + 5.0)
-        except TimeoutError:  # the thread hung: _main bounds the list by start_timeout_s
-            self.stop()
-            raise ConfigError(f"{self.name}: the watch thread did not start") from None
-        except BaseException:
-            self._thread.join(self.timing.start_timeout_s)  # it is closing its connections
-            raise
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Cancel the watch, close connections and wait for the thread (at most ``timeout_s``)."""
-        loop, task = self._loop, self._main_task
-        if loop is not None and task is not None and not self._stopping:
-            self._stopping = True  # cancel once: a second cancel would cut the cleanup short
-            with contextlib.suppress(RuntimeError):  # the loop already ended
-                loop.call_soon_threadsafe(task.cancel)
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        self._thread_name = f"k8s-watch:{self.namespace}/{self.pool or 'pods'}"
 
     async def _main(self, started: concurrent.futures.Future[None]) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._main_task = asyncio.current_task()
         try:
             api = make_client(self.config, request_timeout_s=self.timing.request_timeout_s)
         except ConfigError as exc:

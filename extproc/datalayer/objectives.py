@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +45,7 @@ from lightkube import AsyncClient
 from lightkube.config.kubeconfig import SingleConfig
 from lightkube.generic_resource import GenericNamespacedResource, create_namespaced_resource
 
-from extproc.datalayer.k8s import WatchTiming
+from extproc.datalayer.k8s import WatchThread, WatchTiming
 from extproc.datalayer.kubeconfig import describe, make_client
 from extproc.datalayer.reflector import Backoff, KubeApiError, Reflector
 from extproc.errors import ConfigError
@@ -119,7 +117,7 @@ class _Entry:
     problem: str | None = None
 
 
-class InferenceObjectiveWatcher:
+class InferenceObjectiveWatcher(WatchThread):
     """Publishes ``{objective name: priority}`` from Kubernetes (see the module docstring).
 
     Args:
@@ -160,49 +158,9 @@ class InferenceObjectiveWatcher:
         self._published = False
         self._problems: set[tuple[str, str]] = set()
         self._last_error: KubeApiError | None = None
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._main_task: asyncio.Task[None] | None = None
-        self._stopping = False
-
-    def start(self) -> None:
-        """List, publish, then watch in a daemon thread until ``stop()``.
-
-        Raises:
-            ConfigError: the first list did not succeed within ``start_timeout_s``
-                (a missing CRD is not an error: see the module docstring).
-        """
-        if self._thread is not None:
-            raise RuntimeError("InferenceObjectiveWatcher already started")
-        started: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._thread = threading.Thread(
-            target=lambda: asyncio.run(self._main(started)),
-            name=f"k8s-watch:{self.namespace}/{PLURAL}",
-            daemon=True,
-        )
-        self._thread.start()
-        try:
-            started.result(timeout=self.timing.start_timeout_s + 5.0)
-        except TimeoutError:  # the thread hung: _main bounds the list by start_timeout_s
-            self.stop()
-            raise ConfigError(f"{self.name}: the watch thread did not start") from None
-        except BaseException:
-            self._thread.join(self.timing.start_timeout_s)  # it is closing its connections
-            raise
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Cancel the watch, close connections and wait for the thread (at most ``timeout_s``)."""
-        loop, task = self._loop, self._main_task
-        if loop is not None and task is not None and not self._stopping:
-            self._stopping = True  # cancel once: a second cancel would cut the cleanup short
-            with contextlib.suppress(RuntimeError):  # the loop already ended
-                loop.call_soon_threadsafe(task.cancel)
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        self._thread_name = f"k8s-watch:{self.namespace}/{PLURAL}"
 
     async def _main(self, started: concurrent.futures.Future[None]) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._main_task = asyncio.current_task()
         try:
             api = make_client(self.config, request_timeout_s=self.timing.request_timeout_s)
         except ConfigError as exc:
