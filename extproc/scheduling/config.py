@@ -169,9 +169,7 @@ def parse_config(text: str, source: str) -> SchedulerConfig:
     pd_group = None
     if doc.get("pdGroup") is not None:
         pd_group = PDGroup.parse(doc["pdGroup"], f"{source}: pdGroup")
-    return SchedulerConfig(
-        source, filters, scores, plugin_args, pd_group, doc.get("flowControl")
-    )
+    return SchedulerConfig(source, filters, scores, plugin_args, pd_group, doc.get("flowControl"))
 
 
 def _known(names: Iterable[str], point: type) -> list[str]:
