@@ -1,6 +1,6 @@
 """Flow control under overload: priorities, fairness and refusals, side by side (issue 30).
 
-    python -m bench.flow_control [--contenders extproc-flow,extproc-default,sglang-router]
+    python -m bench.flow_control [--contenders extproc-flow,extproc-off,sglang-router]
 
 On one set of simulated pods (``extproc sim-pods``, vLLM-like: ``--max-num-seqs`` running,
 a waiting queue, ``/metrics``): the pods' capacity is measured first (closed loop, no
@@ -11,12 +11,12 @@ the capacity, each for a bounded time and count, from three classes named in
 ``x-gateway-inference-objective`` and, within the standard band, tenants named in
 ``x-gateway-inference-fairness-id``, one of them noisy. Contenders:
 
-- ``extproc-flow``: Envoy + extproc, the shipped default configuration plus the
+- ``extproc-flow``: Envoy + extproc, the shipped default configuration with the
   ``flowControl`` section of ``bench/configs/flow-control.yaml`` (``--saturation``
   overrides its saturation limit; several values: one contender each), the generated
   Envoy configuration as shipped (it sends both headers; extproc lengthens Envoy's
   message timeout for a held request);
-- ``extproc-default``: Envoy + extproc, the shipped default (no flow control);
+- ``extproc-off``: Envoy + extproc, the shipped default with flow control off;
 - ``sglang-router``: its ``cache_aware`` policy with its request queue
   (``--max-concurrent-requests`` the pods' running slots, ``--rate-limit-tokens-per-second``
   the measured capacity, ``--queue-size``, ``--queue-timeout-secs`` the flow queue's time
@@ -57,8 +57,9 @@ from e2e.real_vllm.pods import metric_sum
 from extproc.sim.launch import free_port, run_stack
 
 FLOW_SECTION = Path(__file__).with_name("configs") / "flow-control.yaml"
-CONTENDERS = ("extproc-flow", "extproc-default", "sglang-router")
-REFERENCE = "extproc-default"  # the goodput every contender is held to
+CONTENDERS = ("extproc-flow", "extproc-off", "sglang-router")
+REFERENCE = "extproc-off"  # the goodput every contender is held to
+OFF_SECTION = "flowControl: {enabled: false}\n"
 IDLE_TIMEOUT_S = 120.0
 BASELINE_SEED, OVERLOAD_SEED = 2, 3
 
@@ -115,17 +116,25 @@ def flow_sections(path: Path, variants: list[Saturation]) -> dict[str, str]:
     return {f"extproc-flow-{v.name}": flow_section(path, v) for v in variants}
 
 
-def extproc_serve(section: str | None) -> Serve:
-    """Envoy + extproc, the default configuration plus ``section`` (None: as shipped)."""
+def with_section(section: str) -> str:
+    """The shipped default configuration with ``section``'s flowControl in place of its
+    own (the default turns flow control on with its defaults)."""
+    doc = yaml.safe_load((EXTPROC_DATA / "config.yaml").read_text())
+    doc["flowControl"] = yaml.safe_load(section)["flowControl"]
+    return str(yaml.safe_dump(doc, sort_keys=False))
+
+
+def extproc_serve(section: str) -> Serve:
+    """Envoy + extproc, the default configuration with ``section`` as its flowControl
+    (its flow metrics read unless the section turns flow control off)."""
+    flow_on = section != OFF_SECTION
 
     @contextmanager
     def serve(pods: PodSet, log_dir: Path) -> Iterator[Served]:
-        config = None
-        if section is not None:
-            config = log_dir / "flow-control-config.yaml"
-            config.write_text((EXTPROC_DATA / "config.yaml").read_text() + "\n" + section)
+        config = log_dir / "flow-control-config.yaml"
+        config.write_text(with_section(section))
         with run_stack(pods.pods, config=config) as stack:
-            yield Served(stack.url, stack.metrics_text if section is not None else None)
+            yield Served(stack.url, stack.metrics_text if flow_on else None)
 
     return serve
 
@@ -157,7 +166,7 @@ def sglang_serve(queue_args: list[str]) -> Serve:
 def contenders(sections: dict[str, str], queue_args: list[str]) -> dict[str, Serve]:
     return {
         **{name: extproc_serve(section) for name, section in sections.items()},
-        "extproc-default": extproc_serve(None),
+        "extproc-off": extproc_serve(OFF_SECTION),
         "sglang-router": sglang_serve(queue_args),
     }
 
@@ -258,7 +267,7 @@ for contenders without flow control. Goals (issue 30): critical TTFT p99
 overloaded at most 1.5x the TTFT p99 of the same contender not overloaded (every class
 of the baseline schedule: without overload a request's class changes nothing, and the
 critical class alone has too few requests there for a p99); no critical request refused;
-Jain's index at least 0.9; total goodput at least extproc-default's. One 2-core machine
+Jain's index at least 0.9; total goodput at least extproc-off's. One 2-core machine
 runs client, routers and pods: absolute latencies include CPU contention."""
 
 

@@ -268,16 +268,16 @@ def test_each_goal_fails_past_its_limit(overload: dict[str, Any], goal: str) -> 
 def test_the_critical_limit_is_the_baseline_p99_of_every_class() -> None:
     v = verdicts(summary(crit_p99=290.0), summary(crit_p99=50.0, all_p99=200.0), None)
     assert v["critical_ttft"]["limit"] == 300.0 and v["critical_ttft"]["pass"]
-    assert "goodput" not in v  # extproc-default did not run
+    assert "goodput" not in v  # extproc-off did not run
 
 
 def test_run_all_judges_every_contender_against_extproc_default(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Goodput is held to extproc-default's, whatever the order the contenders ran in."""
+    """Goodput is held to extproc-off's, whatever the order the contenders ran in."""
     import bench.flow_control as fc
 
-    goodputs = {"extproc-flow": 120.0, "extproc-default": 100.0, "sglang-router": 80.0}
+    goodputs = {"extproc-flow": 120.0, "extproc-off": 100.0, "sglang-router": 80.0}
 
     def stub(name: str) -> fc.Serve:
         @contextmanager
@@ -300,7 +300,7 @@ def test_run_all_judges_every_contender_against_extproc_default(
     judged = {
         n: r["verdicts"]["goodput"]["pass"] for n, r in runs.items() if "goodput" in r["verdicts"]
     }
-    assert judged == {"extproc-flow": True, "sglang-router": False}  # not extproc-default itself
+    assert judged == {"extproc-flow": True, "sglang-router": False}  # not extproc-off itself
 
 
 # --- configuration of the contenders ---

@@ -302,7 +302,7 @@ def test_dashboard_configmap_holds_the_dashboard_json() -> None:
 
 
 def test_the_flow_control_value_becomes_the_configs_section() -> None:
-    """flowControl (null by default: off, config.yaml as shipped) is rendered as the
+    """flowControl ({} by default, as config.yaml ships it; null: off) is rendered as the
     configuration's top-level section, which extproc parses as it would its own file."""
     configmap = find(render({"flowControl": {"queue": {"ttlS": 30}}}), "ConfigMap", FULLNAME)
     text = configmap["data"]["config.yaml"]
