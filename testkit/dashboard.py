@@ -10,7 +10,7 @@ from typing import Any
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "charts/extproc/dashboards/extproc.json"
 PRECISE_ROW = "Precise prefix cache (KV events)"  # data only with precise-prefix-cache on
-FLOW_ROW = "Flow control"  # data only with a flowControl section
+FLOW_ROW = "Flow control"  # most of its series appear only once a request was held
 
 
 def panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:

@@ -33,7 +33,7 @@ from testkit.factories import make_pod
 
 SCHEMA = Path(__file__).parent / "grafana" / "dashboard.schema.json"
 HIT_RATE_BUCKET = 'kthena_router_prefix_cache_match_ratio_bucket{le="0.0"}'
-FLOW_ROW = "Flow control"  # data only with a flowControl section
+FLOW_ROW = "Flow control"  # most of its series appear only once a request was held
 SERIES = re.compile(r"\b(?:kthena|extproc)_[a-z_]+")
 
 
