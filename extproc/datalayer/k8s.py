@@ -95,12 +95,14 @@ class WatchTiming:
 class WatchThread:
     """A list + watch run on its own daemon thread and asyncio loop (lightkube's client
     is async): ``start`` returns once the first list is in (or failed), ``stop`` cancels
-    it. Subclasses set ``name``, ``timing`` and ``_thread_name`` and write ``_main``,
-    which sets ``started`` when the first list is done."""
+    it. Subclasses set ``name``, ``config``, ``timing`` and ``_thread_name`` and write
+    ``_initial_sync`` and ``_follow``."""
 
     name: str
+    config: SingleConfig
     timing: WatchTiming
     _thread_name: str
+    _last_error: KubeApiError | None = None
     _thread: threading.Thread | None = None
     _loop: asyncio.AbstractEventLoop | None = None
     _main_task: asyncio.Task[None] | None = None
@@ -141,12 +143,56 @@ class WatchThread:
             self._thread.join(timeout_s)
 
     async def _run(self, started: concurrent.futures.Future[None]) -> None:
+        """Connect, list (``_initial_sync``, bounded by ``start_timeout_s``), tell
+        ``started``, then follow the changes until cancelled; close the client."""
         self._loop = asyncio.get_running_loop()
         self._main_task = asyncio.current_task()
-        await self._main(started)
+        try:
+            api = make_client(self.config, request_timeout_s=self.timing.request_timeout_s)
+        except ConfigError as exc:
+            started.set_exception(exc)
+            return
+        try:
+            try:
+                await asyncio.wait_for(self._initial_sync(api), self.timing.start_timeout_s)
+            except TimeoutError:
+                started.set_exception(self._start_error())
+                return
+            except Exception as exc:  # a bug, e.g. in on_change: logged, and start() fails
+                log.exception("%s: start-up failed", self.name)
+                started.set_exception(ConfigError(f"{self.name}: start-up failed: {exc!r}"))
+                return
+            started.set_result(None)
+            await self._follow()
+        except asyncio.CancelledError:
+            pass  # stop(): the normal end
+        finally:
+            if not started.done():
+                started.set_exception(ConfigError(f"{self.name}: stopped while starting"))
+            await self._stop_following()
+            await api.close()
 
-    async def _main(self, started: concurrent.futures.Future[None]) -> None:
+    async def _initial_sync(self, api: AsyncClient) -> None:
+        """The first list, retried on failures (``_last_error``) until cancelled."""
         raise NotImplementedError
+
+    async def _follow(self) -> None:
+        """Watch until cancelled."""
+        raise NotImplementedError
+
+    async def _stop_following(self) -> None:
+        """Cancelled: end what ``_follow`` started."""
+
+    def _backoff(self) -> Backoff:
+        return Backoff(self.timing.backoff_initial_s, self.timing.backoff_max_s)
+
+    def _start_error(self) -> ConfigError:
+        return ConfigError(
+            f"{self.name}: could not list from the Kubernetes API server "
+            f"{self.config.cluster.server} ({describe(self.config)}) within "
+            f"{self.timing.start_timeout_s:g} s: "
+            f"{self._last_error or 'no answer'}"
+        )
 
 
 class KubePodSource(WatchThread):
@@ -204,34 +250,14 @@ class KubePodSource(WatchThread):
         self._last_error: KubeApiError | None = None
         self._thread_name = f"k8s-watch:{self.namespace}/{self.pool or 'pods'}"
 
-    async def _main(self, started: concurrent.futures.Future[None]) -> None:
-        try:
-            api = make_client(self.config, request_timeout_s=self.timing.request_timeout_s)
-        except ConfigError as exc:
-            started.set_exception(exc)
-            return
-        try:
-            try:
-                await asyncio.wait_for(self._initial_sync(api), self.timing.start_timeout_s)
-            except TimeoutError:
-                started.set_exception(self._start_error())
-                return
-            except Exception as exc:  # a bug, e.g. in on_change: logged, and start() fails
-                log.exception("%s: start-up failed", self.name)
-                started.set_exception(ConfigError(f"{self.name}: start-up failed: {exc!r}"))
-                return
-            started.set_result(None)
-            await self._watch()
-        except asyncio.CancelledError:
-            pass  # stop(): the normal end
-        finally:
-            if not started.done():
-                started.set_exception(ConfigError(f"{self.name}: stopped while starting"))
-            if self._pods_task is not None:
-                self._pods_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._pods_task
-            await api.close()
+    async def _follow(self) -> None:
+        await self._watch()
+
+    async def _stop_following(self) -> None:
+        if self._pods_task is not None:
+            self._pods_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pods_task
 
     async def _initial_sync(self, api: AsyncClient) -> None:
         """List the pool (pool mode) and the pods, retrying until the caller's timeout."""
@@ -345,14 +371,3 @@ class KubePodSource(WatchThread):
         log.info("%s: %d pods, %d ready", self.name, len(pods), sum(p.ready for p in pods))
         self._on_change(pods)
         self.pods = pods  # after on_change: if it raised, the next change publishes again
-
-    def _backoff(self) -> Backoff:
-        return Backoff(self.timing.backoff_initial_s, self.timing.backoff_max_s)
-
-    def _start_error(self) -> ConfigError:
-        return ConfigError(
-            f"{self.name}: could not list from the Kubernetes API server "
-            f"{self.config.cluster.server} ({describe(self.config)}) within "
-            f"{self.timing.start_timeout_s:g} s: "
-            f"{self._last_error or 'no answer'}"
-        )

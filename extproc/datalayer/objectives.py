@@ -35,7 +35,6 @@ Least RBAC (in the Role of ``k8s``)::
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -46,8 +45,7 @@ from lightkube.config.kubeconfig import SingleConfig
 from lightkube.generic_resource import GenericNamespacedResource, create_namespaced_resource
 
 from extproc.datalayer.k8s import WatchThread, WatchTiming
-from extproc.datalayer.kubeconfig import describe, make_client
-from extproc.datalayer.reflector import Backoff, KubeApiError, Reflector
+from extproc.datalayer.reflector import KubeApiError, Reflector
 from extproc.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -158,38 +156,19 @@ class InferenceObjectiveWatcher(WatchThread):
         self._published = False
         self._problems: set[tuple[str, str]] = set()
         self._last_error: KubeApiError | None = None
+        self._objectives: Reflector[GenericNamespacedResource, _Entry] | None = None
         self._thread_name = f"k8s-watch:{self.namespace}/{PLURAL}"
 
-    async def _main(self, started: concurrent.futures.Future[None]) -> None:
-        try:
-            api = make_client(self.config, request_timeout_s=self.timing.request_timeout_s)
-        except ConfigError as exc:
-            started.set_exception(exc)
-            return
-        reflector = self._reflector(api)
-        try:
-            try:
-                await asyncio.wait_for(self._initial_sync(reflector), self.timing.start_timeout_s)
-            except TimeoutError:
-                started.set_exception(self._start_error())
-                return
-            except Exception as exc:  # a bug, e.g. in on_change: logged, and start() fails
-                log.exception("%s: start-up failed", self.name)
-                started.set_exception(ConfigError(f"{self.name}: start-up failed: {exc!r}"))
-                return
-            started.set_result(None)
-            if reflector.resource_version is None:
-                await self._wait_until_served(reflector)
-            await reflector.run()
-        except asyncio.CancelledError:
-            pass  # stop(): the normal end
-        finally:
-            if not started.done():
-                started.set_exception(ConfigError(f"{self.name}: stopped while starting"))
-            await api.close()
+    async def _follow(self) -> None:
+        reflector = self._objectives
+        assert reflector is not None  # set by _initial_sync
+        if reflector.resource_version is None:
+            await self._wait_until_served(reflector)
+        await reflector.run()
 
-    async def _initial_sync(self, reflector: Reflector[GenericNamespacedResource, _Entry]) -> None:
+    async def _initial_sync(self, api: AsyncClient) -> None:
         """List, retrying until the caller's timeout; a missing CRD publishes no objectives."""
+        reflector = self._objectives = self._reflector(api)
         backoff = self._backoff()
         while True:
             try:
@@ -259,14 +238,3 @@ class InferenceObjectiveWatcher(WatchThread):
         self._on_change(dict(priorities))
         self.priorities = priorities  # after on_change: if it raised, the next change publishes
         self._published = True
-
-    def _backoff(self) -> Backoff:
-        return Backoff(self.timing.backoff_initial_s, self.timing.backoff_max_s)
-
-    def _start_error(self) -> ConfigError:
-        return ConfigError(
-            f"{self.name}: could not list from the Kubernetes API server "
-            f"{self.config.cluster.server} ({describe(self.config)}) within "
-            f"{self.timing.start_timeout_s:g} s: "
-            f"{self._last_error or 'no answer'}"
-        )
