@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from extproc.pods import Pod
 from extproc.scheduling.config import SchedulerConfig, config_text, parse_config
 from extproc.scheduling.interfaces import Cycle
@@ -83,16 +85,14 @@ class MeasuredPolicy(PrefixCachePolicy):
 
 
 def config_with(text: str, changes: dict[str, str]) -> str:
-    """``text`` with the estimated-ttft arguments in ``changes`` set (added if absent)."""
-    lines = text.splitlines()
+    """``text`` with the estimated-ttft arguments in ``changes`` set (added if absent);
+    the values are YAML scalars, as written in the file."""
+    doc = yaml.safe_load(text)
+    entry = next(e for e in doc["scheduler"]["pluginConfig"] if e["name"] == "estimated-ttft")
+    args = entry.setdefault("args", {})
     for key, value in changes.items():
-        found = [i for i, line in enumerate(lines) if line.strip().startswith(f"{key}:")]
-        if found:
-            indent = lines[found[0]][: len(lines[found[0]]) - len(lines[found[0]].lstrip())]
-            lines[found[0]] = f"{indent}{key}: {value}"
-        else:
-            lines.append(f"        {key}: {value}")
-    return "\n".join(lines) + "\n"
+        args[key] = yaml.safe_load(value)
+    return str(yaml.safe_dump(doc, sort_keys=False))
 
 
 def workload(name: str) -> Workload:

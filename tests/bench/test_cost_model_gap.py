@@ -9,10 +9,11 @@ from extproc.sim.workloads import multiturn_workload
 
 def test_config_with_sets_the_arguments_it_names_and_adds_the_missing() -> None:
     text = config_with(default_config_text(), {"prefillMsPerToken": "0.1", "extra": "3"})
-    args = parse_config(text, "t")
-    assert "        prefillMsPerToken: 0.1\n" in text
-    assert "        extra: 3\n" in text
-    assert args is not None
+    config = parse_config(text, "t")
+    args = config.plugin_args["estimated-ttft"]
+    assert args["prefillMsPerToken"] == 0.1 and args["extra"] == 3
+    assert args["queuedMs"] == 30.0  # the others kept
+    assert config.flow_control == {}  # the rest of the file too
     assert text.count("prefillMsPerToken") == 1
 
 

@@ -126,9 +126,12 @@ def test_a_page_without_our_series_is_an_error_and_the_filter_stays(
     assert urlsplit(fake_pods[0].paths[-1]).path in {"/metrics/", "/metrics"}
     fake_pods[0].page = make_vllm_page([EngineState(waiting=5)])
     wait_until(lambda: rig.pod(0).metrics.waiting == 5)
-    asked = len(fake_pods[0].paths)
-    wait_until(lambda: len(fake_pods[0].paths) >= asked + 2)
-    assert urlsplit(fake_pods[0].paths[-1]).path == "/metrics/"
+    # The filtered page again (a scrape under way when the page changed may still have
+    # fallen back to the full page once): the filter stayed.
+    wait_until(
+        lambda: [urlsplit(p).path for p in fake_pods[0].paths[-2:]] == ["/metrics/"] * 2,
+        what="the filtered page is not asked again",
+    )
 
 
 def test_kv_capacity_from_a_real_vllm_page(rig: Rig, fake_pods: list[FakePod]) -> None:
