@@ -230,7 +230,7 @@ class Router:
             )
             pods = self._candidates(subset)
         except ExtProcError as exc:
-            self.metrics.errors.labels(str(exc.http_status), exc.code).inc()
+            self._count_error(exc)
             raise
         return Cycle(request), pods
 
@@ -261,7 +261,7 @@ class Router:
         try:
             schedule = self.scheduler.schedule_request(cycle, pods)
         except ExtProcError as exc:
-            self.metrics.errors.labels(str(exc.http_status), exc.code).inc()
+            self._count_error(exc)
             raise
         if schedule.pinned:
             self.metrics.pinned.inc()

@@ -204,10 +204,9 @@ class FlowController:
         return held
 
     def _remove(self, entry: Entry) -> None:
+        """``entry`` leaves its queue otherwise than by ``pop`` (refused, cancelled)."""
         self._queues[entry.model].discard(entry)
-        self._count -= 1
-        self._bytes -= entry.size
-        self._gauges(entry, -1)
+        self._taken(entry)
 
     def _gauges(self, entry: Entry, sign: int) -> None:
         labels = (entry.model, str(entry.priority))
