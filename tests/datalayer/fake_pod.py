@@ -6,7 +6,8 @@
 the same port again. Like vLLM, ``/metrics/?name[]=N`` answers only the samples named N
 (``/metrics`` ignores the parameter); with ``filters=False`` there is no ``/metrics/``
 (404), as on an engine that serves its page only at ``/metrics``. ``paths`` lists the
-paths with query asked for.
+paths with query asked for. ``page_at_next_scrape(P)`` serves ``P`` from the next
+``/metrics/`` request on: a scrape starts there, so no scrape reads two pages.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class FakePod:
         self.mode: Mode = "ok"
         self.delay_s = delay_s
         self.num_requests = 0
+        self._next_page: str | None = None
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -41,6 +43,9 @@ class FakePod:
         self._thread.start()
         self.up()
         return self
+
+    def page_at_next_scrape(self, page: str) -> None:
+        self._next_page = page
 
     def up(self) -> None:
         self._call(self._up())
@@ -75,6 +80,8 @@ class FakePod:
     async def _metrics(self, request: web.Request) -> web.Response:
         self.num_requests += 1
         self.paths.append(request.path_qs)
+        if request.path == "/metrics/" and self._next_page is not None:
+            self.page, self._next_page = self._next_page, None
         if request.path == "/metrics/" and not self.filters:
             raise web.HTTPNotFound()
         if self.mode == "error":

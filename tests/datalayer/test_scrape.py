@@ -124,14 +124,15 @@ def test_a_page_without_our_series_is_an_error_and_the_filter_stays(
     wait_until(lambda: rig.errors(0, "no_metrics") >= 2)
     assert full_page_pods(rig) == 0  # the full page failed too: no reason to give up the filter
     assert urlsplit(fake_pods[0].paths[-1]).path in {"/metrics/", "/metrics"}
-    fake_pods[0].page = make_vllm_page([EngineState(waiting=5)])
+    # Switched where a scrape starts: one that read the empty filtered page and then found
+    # our series on the full page would rightly keep to the full page.
+    fake_pods[0].page_at_next_scrape(make_vllm_page([EngineState(waiting=5)]))
     wait_until(lambda: rig.pod(0).metrics.waiting == 5)
-    # The filtered page again (a scrape under way when the page changed may still have
-    # fallen back to the full page once): the filter stayed.
     wait_until(
         lambda: [urlsplit(p).path for p in fake_pods[0].paths[-2:]] == ["/metrics/"] * 2,
         what="the filtered page is not asked again",
     )
+    assert full_page_pods(rig) == 0
 
 
 def test_kv_capacity_from_a_real_vllm_page(rig: Rig, fake_pods: list[FakePod]) -> None:
