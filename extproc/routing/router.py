@@ -35,6 +35,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -47,6 +48,14 @@ from extproc.routing.decision import RouteDecision
 from extproc.routing.flow.config import FlowConfig
 from extproc.routing.flow.controller import FlowController
 from extproc.routing.metrics import RouterMetrics
+from extproc.routing.observe import (
+    Ended,
+    EndTiming,
+    Routed,
+    RouteObserver,
+    tell_ended,
+    tell_routed,
+)
 from extproc.routing.pending import (
     DEFAULT_MAX_PENDING,
     DEFAULT_PENDING_TTL_S,
@@ -114,9 +123,18 @@ class Router:
             if flow is not None and flow.enabled
             else None
         )
+        self.observers: list[RouteObserver] = []  # told of each decision and end
         self.pods: tuple[Pod, ...] = ()
         self._pod_ids: frozenset[PodId] = frozenset()
         self.set_pods(pods)
+
+    def set_scheduler(self, scheduler: Scheduler) -> None:
+        """Route with ``scheduler`` from the next request on (a configuration reload):
+        the requests in flight end and are recorded through it, as pending records hold
+        their cycles, not their scheduler."""
+        scheduler.pods_changed(self.pods)
+        self.geometries = scheduler.block_geometries
+        self.scheduler = scheduler
 
     def set_pods(self, pods: Sequence[Pod]) -> None:
         """Publish a new pod snapshot (rebinding: the request path reads it lock-free)."""
@@ -151,7 +169,8 @@ class Router:
         """
         started = time.perf_counter()
         cycle, pods = self._begin(path, body, headers, subset)
-        return self._decide(cycle, pods, request_id, started)
+        arrival = _Arrival(started, headers) if self.observers else None
+        return self._decide(cycle, pods, request_id, started, arrival)
 
     def route_or_defer(
         self,
@@ -174,25 +193,37 @@ class Router:
         """
         started = time.perf_counter()
         cycle, pods = self._begin(path, body, headers, subset)
+        arrival = _Arrival(started, headers) if self.observers else None
         if self.flow is not None:
             request = cycle.request
             flow = self.flow
+
+            def dispatched() -> RouteDecision | Future[RouteDecision]:
+                now = time.perf_counter()
+                if arrival is not None:
+                    arrival.queued_s = now - started
+                pods = flow.with_room(self._candidates(subset))
+                return self._prepare_and_decide(cycle, pods, request_id, now, arrival)
+
             held = flow.admit(
                 request.model,
                 flow.classify(headers, request.data),
                 len(body),
                 _estimated_tokens(request.prompt, request.data),
-                lambda: self._prepare_and_decide(
-                    cycle, flow.with_room(self._candidates(subset)), request_id, time.perf_counter()
-                ),
+                dispatched,
             )
             if held is not None:
                 return held
             pods = flow.candidates(request.model, pods)
-        return self._prepare_and_decide(cycle, pods, request_id, started)
+        return self._prepare_and_decide(cycle, pods, request_id, started, arrival)
 
     def _prepare_and_decide(
-        self, cycle: Cycle, pods: Sequence[Pod], request_id: str | None, started: float
+        self,
+        cycle: Cycle,
+        pods: Sequence[Pod],
+        request_id: str | None,
+        started: float,
+        arrival: _Arrival | None,
     ) -> RouteDecision | Future[RouteDecision]:
         """Prepare the cycle on the preparing threads if it needs it, then decide."""
         work = self.scheduler.prepare(cycle)
@@ -203,13 +234,16 @@ class Router:
                     work.run()
                 else:
                     work.skip()
-                return self._decide(cycle, pods, request_id, started)
+                if arrival is not None:
+                    arrival.preparing_s = time.perf_counter() - submitted
+                return self._decide(cycle, pods, request_id, started, arrival)
 
+            submitted = time.perf_counter()
             future = self.preparing.submit(prepared)
             if future is not None:
                 return future
             work.skip()
-        return self._decide(cycle, pods, request_id, started)
+        return self._decide(cycle, pods, request_id, started, arrival)
 
     def _begin(
         self,
@@ -255,9 +289,15 @@ class Router:
         self.metrics.errors.labels(str(error.http_status), error.code).inc()
 
     def _decide(
-        self, cycle: Cycle, pods: Sequence[Pod], request_id: str | None, started: float
+        self,
+        cycle: Cycle,
+        pods: Sequence[Pod],
+        request_id: str | None,
+        started: float,
+        arrival: _Arrival | None = None,
     ) -> RouteDecision:
-        """Schedule the cycle and track the request from its pick to its end."""
+        """Schedule the cycle and track the request from its pick to its end; the
+        observers are told (``arrival``: given when there are observers)."""
         try:
             schedule = self.scheduler.schedule_request(cycle, pods)
         except ExtProcError as exc:
@@ -303,7 +343,15 @@ class Router:
                     )
                 )
         self.metrics.decided(cycle.request.model)
-        self.metrics.scheduling.observe(time.perf_counter() - started)
+        decided = time.perf_counter()
+        self.metrics.scheduling.observe(decided - started)
+        if arrival is not None:
+            tell_routed(
+                self.observers,
+                arrival.routed(
+                    cycle, request_id, len(pods), chosen, prefill, schedule.pinned, decided
+                ),
+            )
         return RouteDecision(chosen, prefill, record)
 
     def close(self, timeout_s: float) -> bool:
@@ -323,14 +371,44 @@ class Router:
         succeeded: bool,
         attempts: int = 1,
         carried: Callable[[], Carried | None] | None = None,
+        timing: EndTiming | None = None,
     ) -> bool:
         """A routed request ended; record it for the pod that served if it succeeded.
 
         ``carried``: reads the record the request brought back (access-log metadata),
         called only when this replica did not route it (another replica's pick applied
         here just ends: the request is recorded from what it brought, once, and its end
-        published). Returns whether anything was recorded.
+        published). ``timing``: the access log's figures, for the observers. Returns
+        whether anything was recorded.
         """
+        if not self.observers:
+            return self._complete(request_id, served_address, succeeded, attempts, carried)[0]
+        recorded, pod, model, cycle = self._complete(
+            request_id, served_address, succeeded, attempts, carried
+        )
+        if pod is None and served_address:
+            pod = next((p.id for p in self.pods if p.address == served_address), None)
+        ended = Ended(request_id, model, pod, succeeded, attempts, timing)
+        if cycle is not None and pod is not None:
+            ended = replace(
+                ended,
+                prompt_tokens=cycle.num_engine_prompt_tokens,
+                predicted_cached_tokens=cycle.predicted_cached_tokens(pod),
+                exact=cycle.token_ids is not None,
+            )
+        tell_ended(self.observers, ended)
+        return recorded
+
+    def _complete(
+        self,
+        request_id: str,
+        served_address: str | None,
+        succeeded: bool,
+        attempts: int,
+        carried: Callable[[], Carried | None] | None,
+    ) -> tuple[bool, PodId | None, str | None, Cycle | None]:
+        """``complete``: whether recorded, the pod that served (if known), the model
+        and the cycle of a request routed here."""
         if attempts > 1:
             self.metrics.retries.inc(attempts - 1)
         pending = self._pop(request_id)
@@ -345,13 +423,20 @@ class Router:
             self.metrics.outcome["unknown_request"].inc()
             if foreign:  # its router stops counting it in flight
                 self._publish(Shared(self.replica_id, request_id))
-            return False
+            return False, None, None, None
+        cycle: Cycle | None = None
+        if pending is not None:
+            cycle = pending.cycle
+            model = cycle.request.model
+        else:
+            assert brought is not None
+            model = brought.record.model
         if pending is not None:
             self._end(pending)
         if not succeeded:
             self.metrics.outcome["failed"].inc()
             self._publish(Shared(self.replica_id, request_id))
-            return False
+            return False, None, model, cycle
         pod_by_address: Mapping[str, PodId]
         if pending is not None:
             pod_by_address, prefill = pending.pod_by_address, pending.prefill
@@ -368,7 +453,7 @@ class Router:
                 "request %s was served by %s, which is no known pod", request_id, served_address
             )
             self._publish(Shared(self.replica_id, request_id))
-            return False
+            return False, None, model, cycle
         if pending is not None:
             self.scheduler.record(pending.cycle, pod, prefill)
             self.metrics.outcome["recorded"].inc()
@@ -380,7 +465,7 @@ class Router:
             self.scheduler.record(brought.record.cycle(), pod, prefill)
             self.metrics.outcome["recorded_from_metadata"].inc()
             self._publish(Shared(self.replica_id, request_id, brought.record, pod, prefill))
-        return True
+        return True, pod, model, cycle
 
     def apply_shared(self, shared: Shared) -> bool:
         """Another replica's end: the request (routed here, or another's pick applied
@@ -466,6 +551,49 @@ class Router:
         self.scheduler.settled(pending.cycle, pending.pick)
         if self.flow is not None:
             self.flow.wake()
+
+
+class _Arrival:
+    """When a request arrived and what it waited for, kept for its ``Routed`` (built
+    only when the router has observers)."""
+
+    __slots__ = ("arrived_s", "arrived_unix_ns", "headers", "preparing_s", "queued_s")
+
+    def __init__(self, arrived_s: float, headers: Mapping[str, str] | None) -> None:
+        self.arrived_s = arrived_s
+        self.arrived_unix_ns = time.time_ns() - int((time.perf_counter() - arrived_s) * 1e9)
+        self.headers: Mapping[str, str] = headers or {}
+        self.queued_s = 0.0
+        self.preparing_s = 0.0
+
+    def routed(
+        self,
+        cycle: Cycle,
+        request_id: str | None,
+        num_candidates: int,
+        pods: tuple[Pod, ...],
+        prefill: Pod | None,
+        pinned: bool,
+        decided_s: float,
+    ) -> Routed:
+        pick = pods[0].id
+        return Routed(
+            request_id,
+            cycle.request.model,
+            self.headers,
+            self.arrived_unix_ns,
+            self.arrived_s,
+            decided_s,
+            self.queued_s,
+            self.preparing_s,
+            num_candidates,
+            pods,
+            prefill,
+            pinned,
+            cycle.num_engine_prompt_tokens,
+            cycle.predicted_cached_tokens(pick),
+            cycle.token_ids is not None,
+        )
 
 
 def _estimated_tokens(prompt: str, data: Mapping[str, Any] | None) -> int:

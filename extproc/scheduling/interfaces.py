@@ -102,6 +102,19 @@ class Cycle:
                 return found
         return self.num_prompt_tokens
 
+    @property
+    def num_engine_prompt_tokens(self) -> int:
+        """The prompt's tokens as the engine counts them when it was tokenized exactly
+        (``token_ids``), else the estimate (``num_prompt_tokens``)."""
+        ids = self.token_ids
+        return len(ids) if ids is not None else self.num_prompt_tokens
+
+    def predicted_cached_tokens(self, pod: PodId) -> int:
+        """Prompt tokens the scheduler expects ``pod`` to find cached: the prompt less
+        what ``num_prefill_tokens`` says it would prefill (0 where no cost plugin scored
+        ``pod``)."""
+        return max(0, self.num_engine_prompt_tokens - self.num_prefill_tokens(pod))
+
     @classmethod
     def replayed(
         cls,

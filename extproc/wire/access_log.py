@@ -15,6 +15,7 @@ import logging
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2
 
+from extproc.routing.observe import EndTiming
 from extproc.routing.records import BadRecord, Carried
 from extproc.routing.router import Router
 from extproc.wire.grpc_loop import Answer, Method
@@ -57,7 +58,8 @@ class AccessLogHandler:
                 log.warning("request %s: bad extproc.record metadata: %s", request_id, exc)
                 return None
 
-        recorded = self.router.complete(request_id, served, succeeded, attempts, carried)
+        timing = _timing(entry, code) if self.router.observers else None
+        recorded = self.router.complete(request_id, served, succeeded, attempts, carried, timing)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "request %s ended: %d %s via %s, recorded=%s",
@@ -67,6 +69,24 @@ class AccessLogHandler:
                 served,
                 recorded,
             )
+
+
+def _timing(entry: accesslog_pb2.HTTPAccessLogEntry, code: int) -> EndTiming:
+    """The entry's times (from the request's first byte) and sizes."""
+    common, request, response = entry.common_properties, entry.request, entry.response
+    first = common.time_to_first_upstream_rx_byte
+    last = common.time_to_last_downstream_tx_byte
+    return EndTiming(
+        first.seconds + first.nanos / 1e9
+        if common.HasField("time_to_first_upstream_rx_byte")
+        else None,
+        last.seconds + last.nanos / 1e9
+        if common.HasField("time_to_last_downstream_tx_byte")
+        else None,
+        request.request_headers_bytes + request.request_body_bytes,
+        response.response_headers_bytes + response.response_body_bytes,
+        code,
+    )
 
 
 class _AccessLogStream:
