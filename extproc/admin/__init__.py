@@ -1,0 +1,1 @@
+"""The admin HTTP port: debug endpoints, the explain API and the status page."""
