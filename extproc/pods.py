@@ -39,6 +39,11 @@ class PodMetrics:
     ttft_s: float | None = None  # recent mean time to first token, None without data
     itl_s: float | None = None  # recent mean inter-token latency, None without data
     kv_capacity_tokens: int | None = None  # tokens the KV cache holds, None when not exposed
+    # The engine's prefix-cache counters (vLLM's prefix_cache_hits/queries: prompt tokens
+    # found cached / looked up) counted since extproc first scraped the pod; None when
+    # the page has none (SGLang, older vLLM).
+    prefix_cache_hits: float | None = None
+    prefix_cache_queries: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,12 @@ Series read; for each quantity the first name present on the page wins:
   its ``CacheConfig``: ``num_gpu_blocks * block_size`` summed over its series (one per
   engine). A series whose two labels are not positive integers (vLLM writes ``None``
   for a value it does not know) counts nothing; ``None`` when no series counts.
+* ``prefix_cache_hits`` / ``prefix_cache_queries`` (counters, prompt tokens found cached
+  / looked up): ``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total`` |
+  ``vllm:gpu_prefix_cache_hits_total`` / ``vllm:gpu_prefix_cache_queries_total`` (older
+  vLLM), published as their increase since the pod's first scrape (``CounterSince``), so
+  their ratio is the hit ratio the engine saw while extproc routed to it; ``None`` when
+  the page has neither pair (SGLang).
 
 Label sets: counts and histogram totals are summed over label sets (a data-parallel
 vLLM server exposes one per engine); ``kv_usage`` is their mean. When series carry a
@@ -59,9 +65,11 @@ ITL = (
     "sglang:time_per_output_token_seconds",
 )
 CACHE_CONFIG = "vllm:cache_config_info"
+CACHE_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
+CACHE_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
 MODEL_LABEL = "model_name"
 
-_GAUGE_NAMES = (*WAITING, *RUNNING, *KV_USAGE, CACHE_CONFIG)
+_GAUGE_NAMES = (*WAITING, *RUNNING, *KV_USAGE, CACHE_CONFIG, *CACHE_HITS, *CACHE_QUERIES)
 SAMPLE_NAMES = frozenset(
     [*_GAUGE_NAMES, *(f"{h}{suffix}" for h in (*TTFT, *ITL) for suffix in ("_sum", "_count"))]
 )
@@ -95,6 +103,8 @@ class Reading:
     ttft: HistogramTotals | None
     itl: HistogramTotals | None
     kv_capacity_tokens: int | None = None
+    cache_hits: float | None = None  # the engine's counters, as on the page
+    cache_queries: float | None = None
 
 
 class PageParser:
@@ -162,6 +172,7 @@ def read_samples(samples: Sequence[Sample], models: frozenset[str]) -> Reading |
     ttft, itl = _histogram(by_name, TTFT), _histogram(by_name, ITL)
     if waiting is None and running is None and kv is None and ttft is None and itl is None:
         return None
+    hits, queries = _cache_counters(by_name)
     return Reading(
         waiting=_count(waiting),
         running=_count(running),
@@ -169,6 +180,8 @@ def read_samples(samples: Sequence[Sample], models: frozenset[str]) -> Reading |
         ttft=ttft,
         itl=itl,
         kv_capacity_tokens=capacity,
+        cache_hits=hits,
+        cache_queries=queries,
     )
 
 
@@ -201,6 +214,14 @@ def _histogram(by_name: Mapping[str, list[float]], names: Sequence[str]) -> Hist
         if sums is not None and counts is not None:
             return HistogramTotals(math.fsum(sums), math.fsum(counts))
     return None
+
+
+def _cache_counters(by_name: Mapping[str, list[float]]) -> tuple[float | None, float | None]:
+    """Hits and queries summed over engines, from the first name pair on the page."""
+    for hits, queries in zip(CACHE_HITS, CACHE_QUERIES, strict=True):
+        if hits in by_name and queries in by_name:
+            return math.fsum(by_name[hits]), math.fsum(by_name[queries])
+    return None, None
 
 
 def _count(values: list[float] | None) -> int:
@@ -238,6 +259,24 @@ class LatencyWindow:
         return None
 
 
+class CounterSince:
+    """A counter's increase since the first scrape that showed it (Prometheus'
+    ``increase``): a value below the last one (the engine restarted) counts from 0."""
+
+    def __init__(self) -> None:
+        self._last: float | None = None
+        self._total = 0.0
+
+    def update(self, value: float | None) -> float | None:
+        """Feed one scrape's value; ``None`` (not on the page) while it is absent."""
+        if value is None or not math.isfinite(value):
+            return None
+        if self._last is not None:
+            self._total += value - self._last if value >= self._last else value
+        self._last = value
+        return self._total
+
+
 class PodReader:
     """One pod's page -> ``PodMetrics``, keeping the latency windows between scrapes."""
 
@@ -245,6 +284,8 @@ class PodReader:
         self.models = models
         self._ttft = LatencyWindow(hold_s)
         self._itl = LatencyWindow(hold_s)
+        self._hits = CounterSince()
+        self._queries = CounterSince()
 
     def read(self, samples: Sequence[Sample], now_s: float) -> PodMetrics | None:
         """``None`` when the page carries none of the series we read."""
@@ -258,4 +299,6 @@ class PodReader:
             ttft_s=self._ttft.update(reading.ttft, now_s),
             itl_s=self._itl.update(reading.itl, now_s),
             kv_capacity_tokens=reading.kv_capacity_tokens,
+            prefix_cache_hits=self._hits.update(reading.cache_hits),
+            prefix_cache_queries=self._queries.update(reading.cache_queries),
         )
