@@ -39,6 +39,7 @@ from extproc.errors import ConfigError
 from extproc.pods import Pod
 from extproc.request.render import Rendering
 from extproc.routing.flow.config import FlowConfig, parse_flow_control
+from extproc.routing.outcome_metrics import OutcomeMetrics
 from extproc.routing.preparing import PreparePool
 from extproc.routing.router import Router
 from extproc.routing.sharing import RedisSharing
@@ -217,6 +218,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         share=sharing.publish if sharing is not None else None,
         flow=flow,
     )
+    router.observers.append(OutcomeMetrics(registry))  # per-request outcomes, always on
     kv_events = _kv_events_subscriber(args, scheduler.listeners, registry)
     scraping = args.stale_after_s > 0
 

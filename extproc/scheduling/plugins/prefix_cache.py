@@ -8,6 +8,11 @@ Kthena's prefix-cache plugin, to the letter (``kthena-prefix-cache-plugin.txt``)
   found from the longest match down; every other candidate scores 0; an empty prompt
   is not scored;
 * record: after a response ended successfully, the prompt's blocks for the serving pod;
+* side output (extproc's): when no plugin before it did, the top-K pods' uncached tokens
+  as a cost plugin leaves them (``ceil((prompt bytes - held bytes) / 4)``; the other pods
+  the whole prompt), so ``Cycle.predicted_cached_tokens`` (the router's
+  ``extproc_predicted_cached_tokens_total``) is this view's estimate when no cost plugin
+  is configured; a cost plugin scoring after it overrides it;
 * shared: it is a ``PrefixMatcher``, which the configuration hands to the plugins that
   ask how much of the prompt each pod holds (cost-aware);
 * metrics: ``kthena_router_prefix_cache_match_ratio{model}`` (best pod's fraction, each
@@ -23,14 +28,17 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, ClassVar
 
+import numpy as np
+
 from extproc.pods import Pod, PodId
 from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PrefixIndex
 from extproc.scheduling.args import arg, load_args
-from extproc.scheduling.interfaces import Cycle, PluginContext, Scores
+from extproc.scheduling.interfaces import BYTES_PER_TOKEN, Cycle, PluginContext, Scores
+from extproc.scheduling.plugins.pod_work import uncached_tokens
 from extproc.scheduling.plugins.prefix_metrics import prefix_cache_metrics
 from extproc.scheduling.plugins.prefix_rows import match_rows, per_row
-from extproc.scheduling.podtable import PodTable, Positions
+from extproc.scheduling.podtable import PodTable, Positions, RowValues
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,21 +84,32 @@ class PrefixCacheScorer:
         if not len(keys):
             return {}
         matches = self.index.match(keys, [p.id for p in pods], self.args.topKMatches)
-        return self._scores(cycle, keys, matches)
+        if not (cycle.uncached_tokens or cycle.uncached_rows):
+            size, num_bytes = self.args.blockSizeToHash, cycle.num_prompt_bytes
+            for pod, matched in matches.items():
+                cycle.uncached_tokens[pod] = uncached_tokens(cycle, min(matched * size, num_bytes))
+        self._observe(cycle, matches, len(keys))
+        return {pod: matched * 100 // len(keys) for pod, matched in matches.items()}
 
     def score_table(self, cycle: Cycle, table: PodTable, positions: Positions) -> Scores:
         keys = self._keys(cycle)
         if not len(keys):
             return per_row(table, positions, {})
         matches = match_rows(self.index, keys, table, positions, self.args.topKMatches)
-        return per_row(table, positions, self._scores(cycle, keys, matches))
+        self._observe(cycle, matches, len(keys))
+        matched = per_row(table, positions, matches)
+        if not (cycle.uncached_tokens or cycle.uncached_rows):
+            num_bytes = cycle.num_prompt_bytes
+            held = np.minimum(matched * self.args.blockSizeToHash, num_bytes)
+            uncached = -((held - num_bytes) // BYTES_PER_TOKEN)
+            cycle.uncached_rows.append(RowValues(table, positions, uncached))
+        scores: Scores = matched * 100 // len(keys)
+        return scores
 
-    def _scores(self, cycle: Cycle, keys: Keys, matches: dict[PodId, int]) -> dict[PodId, int]:
-        num_hashed = len(keys)
+    def _observe(self, cycle: Cycle, matches: Mapping[PodId, int], num_hashed: int) -> None:
         self.metrics.observe_match(
             cycle.request.model, max(matches.values(), default=0), num_hashed
         )
-        return {pod: matched * 100 // num_hashed for pod, matched in matches.items()}
 
     def matched_bytes(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
         """Bytes of the prompt's start each pod holds: its matched blocks times the block

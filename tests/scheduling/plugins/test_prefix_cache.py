@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -9,6 +10,7 @@ from extproc.scheduling.config import build_scheduler, parse_config
 from extproc.scheduling.interfaces import PluginContext
 from extproc.scheduling.plugins.cost_aware import CostAware
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheArgs, PrefixCacheScorer
+from extproc.scheduling.podtable import PodTable
 from testkit.factories import make_cycle, make_pod
 
 
@@ -200,3 +202,32 @@ def test_is_the_prefix_matcher_the_configuration_hands_to_cost_aware() -> None:
     cost_aware, prefix_cache = (ws.scorer for ws in scheduler.scorers)
     assert isinstance(cost_aware, CostAware) and isinstance(prefix_cache, PrefixCacheScorer)
     assert cost_aware.prefix is prefix_cache
+
+
+def test_both_paths_leave_the_top_k_pods_uncached_tokens_and_score_alike() -> None:
+    plugin = make_plugin(CollectorRegistry(), topKMatches=2)
+    pods = [make_pod(f"p{i}", port=i + 1) for i in range(4)]
+    prompt = "m" * 300  # 5 blocks, the last one 44 bytes; 75 tokens estimated
+    plugin.record(make_cycle(prompt), pods[0].id)
+    plugin.record(make_cycle(prompt[:128]), pods[1].id)
+    plugin.record(make_cycle(prompt[:64]), pods[2].id)  # not in the top 2
+    by_pods, by_table = make_cycle(prompt), make_cycle(prompt)
+    scores = plugin.score(by_pods, pods)
+    table = PodTable(pods)
+    rows = plugin.score_table(by_table, table, np.arange(4, dtype=np.int64))
+    assert scores == {pods[0].id: 100, pods[1].id: 40}
+    assert rows.tolist() == [100, 40, 0, 0]
+    for cycle in (by_pods, by_table):  # the whole prompt where the view has no match
+        assert [cycle.num_prefill_tokens(p.id) for p in pods] == [0, 43, 75, 75]
+        assert [cycle.predicted_cached_tokens(p.id) for p in pods] == [75, 32, 0, 0]
+
+
+def test_a_cost_plugins_uncached_tokens_are_left_alone() -> None:
+    plugin = make_plugin(CollectorRegistry())
+    pod = make_pod("a")
+    plugin.record(make_cycle("y" * 640), pod.id)
+    cycle = make_cycle("y" * 640)
+    cycle.uncached_tokens[pod.id] = 7  # a cost plugin that scored before
+    plugin.score_table(cycle, PodTable([pod]), np.arange(1, dtype=np.int64))
+    plugin.score(cycle, [pod])
+    assert cycle.num_prefill_tokens(pod.id) == 7 and not cycle.uncached_rows
