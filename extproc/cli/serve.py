@@ -18,6 +18,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from extproc.admin.tracing import add_tracing_arguments
 from extproc.cli import CLI_REFERENCE
 from extproc.cli.app import check_args, start
 from extproc.datalayer.kv_events import add_events_arguments
@@ -264,6 +265,7 @@ def register(sub: Any) -> None:
         help="CA bundle that signs the clients' certificates (--grpc-tls mtls) (default: none)",
     )
     add_events_arguments(p, _env)
+    add_tracing_arguments(p, _env)
     g = p.add_argument_group("logging")
     g.add_argument(
         "--log-level",

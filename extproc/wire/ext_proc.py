@@ -14,7 +14,7 @@ from google.protobuf import duration_pb2, struct_pb2
 
 from extproc.errors import ExtProcError
 from extproc.routing.flow.held import Held
-from extproc.wire.grpc_loop import Method, Stream
+from extproc.wire.grpc_loop import Metadata, Method, Stream
 from extproc.wire.protocol import (
     DESTINATION_KEY,
     DESTINATION_NAMESPACE,
@@ -37,13 +37,18 @@ _JSON_CONTENT_TYPE = base_pb2.HeaderValueOption(
 )
 
 
-def process_method(open_stream: Callable[[], Stream]) -> Method:
-    """ext_proc's ``Process``, its streams opened by ``open_stream``."""
+def process_method(
+    open_stream: Callable[[], Stream],
+    open_with_metadata: Callable[[Metadata], Stream] | None = None,
+) -> Method:
+    """ext_proc's ``Process``, its streams opened by ``open_stream``, or given the call's
+    metadata (Envoy's trace context) by ``open_with_metadata``."""
     return Method(
         parse=ep.ProcessingRequest.FromString,
         serialize=ep.ProcessingResponse.SerializeToString,
         open=open_stream,
         name="ProcessingRequest",
+        open_with_metadata=open_with_metadata,
     )
 
 

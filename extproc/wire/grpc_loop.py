@@ -50,6 +50,9 @@ log = logging.getLogger("extproc.grpc")
 T = TypeVar("T")
 U = TypeVar("U")
 
+# A call's invocation metadata as grpcio gives it: (key, value) pairs, keys lowercase.
+Metadata = Sequence[tuple[str, str]]
+
 _NO_FLAGS = 0
 _POLL_S = 1.0  # how often the loop looks up from the queue (nothing to do otherwise)
 
@@ -96,6 +99,14 @@ class Method:
     serialize: Callable[[Any], bytes]
     open: Callable[[], Stream]
     name: str  # the request message's type, for errors
+    # Opens a stream given the call's metadata instead of ``open``: ext_proc's, where
+    # Envoy sends its trace context (``traceparent``) when it traces.
+    open_with_metadata: Callable[[Metadata], Stream] | None = None
+
+    def open_call(self, metadata: Metadata) -> Stream:
+        if self.open_with_metadata is not None:
+            return self.open_with_metadata(metadata)
+        return self.open()
 
 
 class StopSignal:
@@ -273,7 +284,7 @@ class LoopServer:
             )
         else:
             try:
-                stream = method.open()
+                stream = method.open_call(event.invocation_metadata)
             except Exception:
                 log.exception("cannot open a stream for %s", event.call_details.method)
                 _refuse(call, cygrpc.StatusCode.internal, b"internal error")

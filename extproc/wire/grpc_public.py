@@ -105,7 +105,7 @@ class PublicServer:
                 f"extproc serves at most {self._max_streams} streams at once (--max-streams)",
             )
         try:
-            stream = method.open()
+            stream = method.open_call(context.invocation_metadata())
         except Exception:
             log.exception("cannot open a stream for %s", path)
             self._closed()

@@ -2,7 +2,8 @@
 
 Envoy skips the request headers and sends the buffered body with the attributes extproc
 needs (path, request id, the headers it reads: session, flow control's objective and
-fairness key, each passed on to the router); ``RouteHandler.process`` answers with one reply
+fairness key, each passed on to the router, with the trace context Envoy sends in the
+stream's metadata when it traces); ``RouteHandler.process`` answers with one reply
 and the OK status together: the ordered pod list in dynamic metadata
 ``envoy.lb/x-gateway-destination-endpoint``, or an ``ImmediateResponse`` carrying the
 OpenAI-style JSON error (``envoy/README.md``). Every error is answered, never raised
@@ -40,7 +41,7 @@ from extproc.wire.ext_proc import (
     route_response,
     subset_hint,
 )
-from extproc.wire.grpc_loop import Answer, Method, run_off_loop, then
+from extproc.wire.grpc_loop import Answer, Metadata, Method, run_off_loop, then
 from extproc.wire.protocol import (
     ATTRIBUTES_KEY,
     HEADER_ATTRIBUTE_PREFIX,
@@ -54,6 +55,10 @@ log = logging.getLogger("extproc.wire")
 
 # The reply (a route comes serialized), and the request id routed, if one was.
 Routed = tuple[ep.ProcessingResponse | bytes, str | None]
+
+# W3C trace context: Envoy's async gRPC client puts the ext_proc call's span in the
+# stream's metadata (a child of Envoy's request span), not in the request's headers.
+TRACE_CONTEXT_KEYS = frozenset({"traceparent", "tracestate"})
 
 
 class HeldRoute(NamedTuple):
@@ -80,14 +85,17 @@ class RouteHandler:
         assert not isinstance(routed, Future | HeldRoute)  # only ``route_or_defer`` defers
         return routed
 
-    def process_soon(self, message: ep.ProcessingRequest) -> Routed | Future[Routed] | HeldRoute:
+    def process_soon(
+        self, message: ep.ProcessingRequest, trace: Metadata = ()
+    ) -> Routed | Future[Routed] | HeldRoute:
         """``process``, but the routes that need slow preparation (tokenizing) come later,
         as a Future from the router's preparing threads, and a request flow control holds
-        comes with its ``Held`` (``Router.route_or_defer``)."""
-        return self._process(message, defer=True)
+        comes with its ``Held`` (``Router.route_or_defer``). ``trace``: the stream's trace
+        context, passed to the router among the headers."""
+        return self._process(message, defer=True, trace=trace)
 
     def _process(
-        self, message: ep.ProcessingRequest, *, defer: bool
+        self, message: ep.ProcessingRequest, *, defer: bool, trace: Metadata = ()
     ) -> Routed | Future[Routed] | HeldRoute:
         request_id = ""
         try:
@@ -111,11 +119,13 @@ class RouteHandler:
                     code="body_not_buffered",
                 )
             route = self.router.route_or_defer if defer else self.router.route
+            headers = request_headers(attributes)
+            headers.update(trace)
             decided = route(
                 attributes[PATH_ATTRIBUTE].string_value,
                 body.body,
                 request_id=request_id or None,
-                headers=request_headers(attributes),
+                headers=headers,
                 subset=subset_hint(message),
             )
         except Exception as exc:  # noqa: BLE001 - every error becomes the reply
@@ -152,6 +162,11 @@ def request_headers(attributes: Mapping[str, struct_pb2.Value]) -> dict[str, str
     }
 
 
+def trace_context(metadata: Metadata) -> Metadata:
+    """The W3C trace context among a call's metadata (empty values left out)."""
+    return tuple((key, value) for key, value in metadata if key in TRACE_CONTEXT_KEYS and value)
+
+
 def _failed(request_id: str, exc: Exception) -> ep.ProcessingResponse:
     """The reply for an error while routing: its own for an ``ExtProcError``, else a
     logged bug answered 500 (call it from the ``except`` block, for the trace)."""
@@ -166,18 +181,21 @@ class _OneRoundStream:
     """One ``Process`` stream: one message, one reply (two for a held request: the longer
     message timeout first)."""
 
-    __slots__ = ("_cancelled", "_handler", "_held", "_routed")
+    __slots__ = ("_cancelled", "_handler", "_held", "_routed", "_trace")
 
-    def __init__(self, handler: RouteHandler) -> None:
+    def __init__(self, handler: RouteHandler, metadata: Metadata = ()) -> None:
         self._handler = handler
+        self._trace = trace_context(metadata)
         self._routed: str | None = None
         self._held: Held | None = None
         self._cancelled = False
 
     def on_message(self, message: ep.ProcessingRequest) -> Answer | Future[Answer]:
         if len(message.request_body.body) >= OFF_LOOP_BODY_BYTES:
-            return run_off_loop(lambda: self._answer(self._handler.process_soon(message)))
-        return self._answer(self._handler.process_soon(message))
+            return run_off_loop(
+                lambda: self._answer(self._handler.process_soon(message, self._trace))
+            )
+        return self._answer(self._handler.process_soon(message, self._trace))
 
     def _answer(self, routed: Routed | Future[Routed] | HeldRoute) -> Answer:
         if isinstance(routed, HeldRoute):
@@ -213,4 +231,6 @@ class _OneRoundStream:
 
 def one_round_process(handler: RouteHandler) -> Method:
     """``Process`` for extproc's own Envoy config: one message each way."""
-    return process_method(lambda: _OneRoundStream(handler))
+    return process_method(
+        lambda: _OneRoundStream(handler), lambda metadata: _OneRoundStream(handler, metadata)
+    )
