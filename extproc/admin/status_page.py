@@ -18,11 +18,13 @@ from outside (pod names, models, request ids, the configuration's path) goes thr
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from html import escape
+from typing import Any
 
-from extproc.admin.recent import Pick, PickEnd
+from extproc.admin.recent import Pick, PickEnd, Predicted, RecentPicks
+from extproc.pods import Pod, PodMetrics
 
 REFRESH_S = 5
 
@@ -83,10 +85,59 @@ class PodRow:
     in_flight_tokens: int
     view_blocks: int | None
     view_age_s: float | None  # since the view's last record for this pod
+    view_name: str  # the plugin whose view it is ("" without one)
     predicted_ratio: float | None
     predicted_prompt_tokens: int
     reported_ratio: float | None
     reported_queries: float | None
+
+
+def status_page(state: Mapping[str, Any], pods: Sequence[Pod], recent: RecentPicks) -> str:
+    """The page from ``admin.state.pods_state`` (its documented keys), the pods' scraped
+    metrics (the engines' prefix-cache counters) and ``recent``."""
+    metrics = {str(p.id): p.metrics for p in pods}
+    predicted = {str(pod): tally for pod, tally in recent.predicted().items()}
+    rows = [
+        pod_row(pod, metrics.get(pod["id"]), predicted.get(pod["id"], Predicted()))
+        for pod in state["pods"]
+    ]
+    flow = state["flow_control"]
+    facts = (
+        ("flow control", f"on, {flow['held']} held" if flow["enabled"] else "off"),
+        ("requests in flight", str(state["pending"])),
+    )
+    header = Header(state["replica"], state["uptime_s"], state["config_source"], facts)
+    return render_status(header, rows, recent.recent())
+
+
+def pod_row(pod: Mapping[str, Any], metrics: PodMetrics | None, predicted: Predicted) -> PodRow:
+    """One pod of ``pods_state``; of several prefix views, the one holding most blocks."""
+    load, flight = pod["load"], pod["in_flight"]
+    scraped = load["scrape_age_s"] is not None
+    views = sorted(pod["views"].items(), key=lambda kv: kv[1]["blocks"], reverse=True)
+    view_name, view = views[0] if views else ("", None)
+    hits = metrics.prefix_cache_hits if metrics else None
+    queries = metrics.prefix_cache_queries if metrics else None
+    return PodRow(
+        id=pod["id"],
+        address=pod["address"],
+        models=", ".join(pod["models"]),
+        role=pod["role"],
+        ready=pod["ready"],
+        waiting=load["waiting"] if scraped else None,
+        running=load["running"] if scraped else None,
+        kv_usage=load["kv_usage"] if scraped else None,
+        scrape_age_s=load["scrape_age_s"],
+        in_flight=flight["requests"],
+        in_flight_tokens=flight["tokens"],
+        view_blocks=view["blocks"] if view else None,
+        view_age_s=view["last_record_age_s"] if view else None,
+        view_name=view_name,
+        predicted_ratio=predicted.ratio,
+        predicted_prompt_tokens=predicted.prompt_tokens,
+        reported_ratio=hits / queries if hits is not None and queries else None,
+        reported_queries=queries,
+    )
 
 
 def render_status(
@@ -161,7 +212,8 @@ def _pod_cells(p: PodRow) -> list[str]:
         _age(p.scrape_age_s),
         str(p.in_flight),
         str(p.in_flight_tokens),
-        _num(p.view_blocks),
+        _num(p.view_blocks)
+        + (f"<div class='sub'>{escape(p.view_name)}</div>" if p.view_name else ""),
         _age(p.view_age_s),
         _ratio(p.predicted_ratio, f"{p.predicted_prompt_tokens} prompt tokens"),
         _ratio(

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from html.parser import HTMLParser
+from typing import Any
 
-from extproc.admin.recent import Pick, PickEnd
-from extproc.admin.status_page import REFRESH_S, Header, PodRow, render_status
-from extproc.pods import PodId
+from extproc.admin.recent import Pick, PickEnd, RecentPicks
+from extproc.admin.status_page import REFRESH_S, Header, PodRow, render_status, status_page
+from extproc.pods import PodId, PodMetrics
+from extproc.routing.observe import Ended
+from testkit.factories import make_pod
 
 HOSTILE = "<script>alert(1)</script>"
 
@@ -60,6 +63,7 @@ def row(pod_id: str, **changes: object) -> PodRow:
         "in_flight_tokens": 4096,
         "view_blocks": 120,
         "view_age_s": 2.5,
+        "view_name": "prefix-cache",
         "predicted_ratio": 0.5,
         "predicted_prompt_tokens": 1000,
         "reported_ratio": 0.4375,
@@ -89,6 +93,7 @@ def test_unknown_values_are_dashes() -> None:
         scrape_age_s=None,
         view_blocks=None,
         view_age_s=None,
+        view_name="",
         predicted_ratio=None,
         reported_ratio=None,
         reported_queries=None,
@@ -125,3 +130,58 @@ def test_recent_picks_show_pick_fallbacks_and_how_they_ended() -> None:
     assert rows[1][0] == "00:00:00"
     assert rows[1][3:] == ["default/a", "default/b", "800 est.", "512", "20 ms", "1.5 ms",
                            "default/b", "ok (2 attempts)", "750 ms"]  # fmt: skip
+
+
+def pod_state(
+    name: str, *, scraped: bool = True, views: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One pod as ``admin.state.pods_state`` gives it."""
+    return {
+        "id": f"default/{name}",
+        "address": "127.0.0.1:8000",
+        "models": ["m", "n"],
+        "role": "both",
+        "ready": True,
+        "load": {
+            "waiting": 2,
+            "running": 5,
+            "kv_usage": 0.5,
+            "scrape_age_s": 0.2 if scraped else None,
+        },
+        "in_flight": {"requests": 1, "tokens": 300},
+        "views": {} if views is None else views,
+        "kv_events": None,
+    }
+
+
+def test_the_page_joins_pods_state_the_scraped_counters_and_the_recent_picks() -> None:
+    a, b = (
+        make_pod("a"),
+        make_pod("b", metrics=PodMetrics(prefix_cache_hits=30, prefix_cache_queries=120)),
+    )
+    views = {
+        "prefix-cache": {"blocks": 7, "last_record_age_s": 1.5, "stale": False},
+        "precise-prefix-cache": {"blocks": 9, "last_record_age_s": 0.5, "stale": False},
+    }
+    state = {
+        "replica": "r-1",
+        "config_source": "config.yaml",
+        "uptime_s": 61.0,
+        "pending": 4,
+        "flow_control": {"enabled": True, "held": 2},
+        "pods": [pod_state("a", scraped=False), pod_state("b", views=views)],
+    }
+    recent = RecentPicks()
+    recent.ended(
+        Ended("r", "m", b.id, True, 1, None, prompt_tokens=200, predicted_cached_tokens=50)
+    )
+    html = status_page(state, [a, b], recent)
+    page = Page(html)
+    assert page.pods == ["default/a", "default/b"]
+    (row_a, row_b) = page.rows["pods"][1:]
+    assert row_a[4:8] == ["—"] * 4  # never scraped: no load shown as zeros
+    assert row_a[-2:] == ["—", "—"]  # no prediction, no counters
+    assert row_b[1] == "m, n" and row_b[4:7] == ["2", "5", "50%"]
+    assert row_b[8:12] == ["1", "300", "9precise-prefix-cache", "500 ms"]  # the larger view
+    assert row_b[-2:] == ["25.0%200 prompt tokens", "25.0%120 queried tokens"]
+    assert "on, 2 held" in html and "1 min 1 s" in html
