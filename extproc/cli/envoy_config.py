@@ -132,6 +132,21 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--extproc-client-key-file", help="Envoy's key, for mTLS (default: none)")
     parser.add_argument(
+        "--otlp-endpoint",
+        metavar="HOST:PORT",
+        help="turn on Envoy's OpenTelemetry tracing, exporting spans over OTLP gRPC to this "
+        "collector; extproc's pick span (serve --otlp-endpoint) joins Envoy's trace "
+        "(default: none, no tracing)",
+    )
+    parser.add_argument(
+        "--trace-sampling",
+        type=float,
+        default=_DEFAULTS.trace_sampling,
+        metavar="RATIO",
+        help="share of requests Envoy traces, 0 to 1; extproc follows Envoy's decision "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--output", "-o", type=Path, help="write the bootstrap here (default: stdout)"
     )
     parser.add_argument(
@@ -166,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
             extproc_sni=args.extproc_sni,
             extproc_client_cert_file=args.extproc_client_cert_file,
             extproc_client_key_file=args.extproc_client_key_file,
+            otlp_endpoint=args.otlp_endpoint,
+            trace_sampling=args.trace_sampling,
         )
     except (ConfigError, ValueError) as exc:
         print(f"extproc envoy-config: {exc}", file=sys.stderr)
@@ -176,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
         else f"{len(pods)} pods from {args.pods.name}"
     )
     summary = f"{source}, extproc at {options.extproc_address}"
+    if options.otlp_endpoint:
+        summary += f", traced to {options.otlp_endpoint}"
     bootstrap = render_bootstrap(make_bootstrap(pods, options), summary=summary)
     if args.output is None:
         sys.stdout.write(bootstrap)

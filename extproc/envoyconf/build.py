@@ -35,6 +35,7 @@ from envoy.config.core.v3 import (
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.config.trace.v3 import http_tracer_pb2, opentelemetry_pb2
 from envoy.extensions.access_loggers.grpc.v3 import als_pb2
 from envoy.extensions.filters.http.buffer.v3 import buffer_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
@@ -52,6 +53,7 @@ from envoy.type.matcher.v3 import metadata_pb2 as metadata_matcher_pb2
 from envoy.type.matcher.v3 import string_pb2 as string_matcher_pb2
 from envoy.type.matcher.v3 import value_pb2
 from envoy.type.metadata.v3 import metadata_pb2
+from envoy.type.v3 import percent_pb2
 from google.protobuf import any_pb2, duration_pb2, message, wrappers_pb2
 
 from extproc.envoyconf.options import EnvoyOptions, split_host_port
@@ -72,6 +74,10 @@ from extproc.wire.protocol import (
 
 PODS_CLUSTER = "extproc_pods"
 EXTPROC_CLUSTER = "extproc"
+OTLP_CLUSTER = "otlp_collector"
+ENVOY_SERVICE_NAME = "envoy"  # service.name on Envoy's spans
+# An export that takes longer is dropped: spans must never hold Envoy's workers.
+OTLP_EXPORT_TIMEOUT_S = 1.0
 
 
 RETRY_ON = "5xx,reset,connect-failure,refused-stream"
@@ -106,6 +112,9 @@ class Snippet:
     # client's copy is dropped and ours added): the prefill pod extproc chose
     request_headers_to_add: list[base_pb2.HeaderValueOption]
     per_connection_buffer_limit_bytes: int  # on the listener
+    # on the HttpConnectionManager, with ``options.otlp_endpoint`` (its cluster is in
+    # ``clusters``): Envoy's OpenTelemetry tracing, whose context extproc's span continues
+    tracing: hcm_pb2.HttpConnectionManager.Tracing | None = None
 
 
 def make_bootstrap(pods: Sequence[Pod], options: EnvoyOptions) -> bootstrap_pb2.Bootstrap:
@@ -141,6 +150,7 @@ def make_bootstrap(pods: Sequence[Pod], options: EnvoyOptions) -> bootstrap_pb2.
         # client's own id is replaced (edge request, preserve_external_request_id off).
         generate_request_id=wrappers_pb2.BoolValue(value=True),
         use_remote_address=wrappers_pb2.BoolValue(value=True),
+        tracing=snippet.tracing,
     )
     listener = listener_pb2.Listener(
         name="llm",
@@ -183,11 +193,52 @@ def make_snippet(pods: Sequence[Pod], options: EnvoyOptions) -> Snippet:
             ),
         ],
         access_log=make_access_log(),
-        clusters=[make_extproc_cluster(options), make_pods_cluster(pods, options)],
+        clusters=[
+            make_extproc_cluster(options),
+            make_pods_cluster(pods, options),
+            *([make_otlp_cluster(options.otlp_endpoint)] if options.otlp_endpoint else []),
+        ],
         route_action=make_route_action(options),
         request_headers_to_remove=[*INTERNAL_HEADERS, MAX_RETRIES_HEADER],
         request_headers_to_add=[make_prefill_header(), make_max_retries_header()],
         per_connection_buffer_limit_bytes=options.max_body_bytes,
+        tracing=make_tracing(options.trace_sampling) if options.otlp_endpoint else None,
+    )
+
+
+def make_tracing(sampling: float) -> hcm_pb2.HttpConnectionManager.Tracing:
+    """Envoy's OpenTelemetry tracer, exporting to the OTLP cluster, tracing ``sampling``
+    of the requests. Envoy's async gRPC client puts the ext_proc call's span context
+    (``traceparent``) in the stream's metadata: extproc's span continues the trace."""
+    config = opentelemetry_pb2.OpenTelemetryConfig(
+        grpc_service=grpc_service_pb2.GrpcService(
+            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=OTLP_CLUSTER),
+            timeout=_duration(OTLP_EXPORT_TIMEOUT_S),
+        ),
+        service_name=ENVOY_SERVICE_NAME,
+    )
+    return hcm_pb2.HttpConnectionManager.Tracing(
+        random_sampling=percent_pb2.Percent(value=sampling * 100),
+        provider=http_tracer_pb2.Tracing.Http(
+            name="envoy.tracers.opentelemetry", typed_config=_any(config)
+        ),
+    )
+
+
+def make_otlp_cluster(endpoint: str) -> cluster_pb2.Cluster:
+    """The OpenTelemetry collector's OTLP gRPC port (HTTP/2), by IP or DNS name."""
+    host, port, is_ip = split_host_port(endpoint)
+    return cluster_pb2.Cluster(
+        name=OTLP_CLUSTER,
+        type=cluster_pb2.Cluster.STATIC if is_ip else cluster_pb2.Cluster.STRICT_DNS,
+        connect_timeout=_duration(1.0),
+        typed_extension_protocol_options=_http2_options(),
+        load_assignment=endpoint_pb2.ClusterLoadAssignment(
+            cluster_name=OTLP_CLUSTER,
+            endpoints=[
+                endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[_lb_endpoint(host, port)])
+            ],
+        ),
     )
 
 
@@ -363,20 +414,13 @@ def make_pods_cluster(pods: Sequence[Pod], options: EnvoyOptions) -> cluster_pb2
 
 def make_extproc_cluster(options: EnvoyOptions) -> cluster_pb2.Cluster:
     """extproc's gRPC server over HTTP/2 (ext_proc streams and access-log streams)."""
-    http2 = http_protocol_options_pb2.HttpProtocolOptions(
-        explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
-            http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
-        )
-    )
     addresses = options.extproc_addresses
     all_ips = all(is_ip for _, _, is_ip in addresses)
     cluster = cluster_pb2.Cluster(
         name=EXTPROC_CLUSTER,
         type=cluster_pb2.Cluster.STATIC if all_ips else cluster_pb2.Cluster.STRICT_DNS,
         connect_timeout=_duration(options.connect_timeout_s),
-        typed_extension_protocol_options={
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _any(http2)
-        },
+        typed_extension_protocol_options=_http2_options(),
         circuit_breakers=_open_circuit_breakers(),
         load_assignment=endpoint_pb2.ClusterLoadAssignment(
             cluster_name=EXTPROC_CLUSTER,
@@ -450,6 +494,16 @@ def _grpc_service() -> grpc_service_pb2.GrpcService:
     return grpc_service_pb2.GrpcService(
         envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EXTPROC_CLUSTER)
     )
+
+
+def _http2_options() -> dict[str, any_pb2.Any]:
+    """A cluster's protocol options for gRPC: HTTP/2."""
+    http2 = http_protocol_options_pb2.HttpProtocolOptions(
+        explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
+            http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
+        )
+    )
+    return {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _any(http2)}
 
 
 def _open_circuit_breakers() -> circuit_breaker_pb2.CircuitBreakers:

@@ -27,6 +27,10 @@ DEFAULT_MESSAGE_TIMEOUT_S = 10.0
 # under it, or Envoy ignores the override and answers 504 at message_timeout.
 DEFAULT_MAX_MESSAGE_TIMEOUT_S = 60.0
 
+# The share of requests Envoy traces when its tracing is on (``otlp_endpoint``): extproc's
+# span follows Envoy's decision (its sampler is parent-based), so this sets both.
+DEFAULT_TRACE_SAMPLING = 0.01
+
 # Request headers extproc reads: the session, and flow control's objective and fairness key.
 DEFAULT_ATTRIBUTE_HEADERS = ("x-session-id", OBJECTIVE_HEADER, FAIRNESS_HEADER)
 
@@ -67,6 +71,12 @@ class EnvoyOptions:
             of ``extproc_address``.
         extproc_client_cert_file, extproc_client_key_file: Envoy's client certificate
             (extproc's ``mtls`` mode).
+        otlp_endpoint: ``host:port`` of an OpenTelemetry collector's OTLP gRPC port: Envoy
+            traces requests (``envoy.tracers.opentelemetry``) and exports its spans
+            there; its trace context reaches extproc with each ext_proc stream, so
+            extproc's pick span (``serve --otlp-endpoint``) joins Envoy's trace. None:
+            no tracing.
+        trace_sampling: the share of requests traced, 0 to 1 (Envoy's random_sampling).
     """
 
     extproc_address: str = "127.0.0.1:9002"
@@ -86,9 +96,15 @@ class EnvoyOptions:
     extproc_sni: str | None = None
     extproc_client_cert_file: str | None = None
     extproc_client_key_file: str | None = None
+    otlp_endpoint: str | None = None
+    trace_sampling: float = DEFAULT_TRACE_SAMPLING
 
     def __post_init__(self) -> None:
         _ = self.extproc_addresses  # raises on a bad address
+        if self.otlp_endpoint is not None:
+            split_host_port(self.otlp_endpoint)  # raises on a bad address
+        if not 0 <= self.trace_sampling <= 1:
+            raise ValueError(f"trace_sampling must be in [0, 1], got {self.trace_sampling}")
         tls_files = (
             self.extproc_ca_file,
             self.extproc_sni,

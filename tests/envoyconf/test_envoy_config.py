@@ -16,7 +16,7 @@ import yaml
 
 from extproc.cli import envoy_config as cli
 from extproc.datalayer.pods_file import load_pods
-from extproc.envoyconf.build import EXTPROC_CLUSTER, make_bootstrap, make_snippet
+from extproc.envoyconf.build import EXTPROC_CLUSTER, OTLP_CLUSTER, make_bootstrap, make_snippet
 from extproc.envoyconf.options import EnvoyOptions, split_host_port
 from extproc.envoyconf.render import render_bootstrap, render_snippet, to_yaml
 from extproc.pods import Pod, PodId
@@ -71,6 +71,8 @@ def assemble_snippet(snippet: dict[str, Any]) -> dict[str, Any]:
             ]
         },
     }
+    if "tracing" in snippet:
+        manager["tracing"] = snippet["tracing"]
     listener = {
         "name": "existing",
         "address": {"socket_address": {"address": "127.0.0.1", "port_value": 8080}},
@@ -187,6 +189,16 @@ def test_every_shipped_yaml_validates(path: Path, tmp_path: Path) -> None:
         ),
         pytest.param(
             make_pods(2), {"extproc_address": "127.0.0.1:9002,127.0.0.1:9012"}, id="two-replicas"
+        ),
+        pytest.param(
+            make_pods(2),
+            {"otlp_endpoint": "127.0.0.1:4317", "trace_sampling": 0.01},
+            id="tracing-ip",
+        ),
+        pytest.param(
+            make_pods(2),
+            {"otlp_endpoint": "otel-collector.monitoring:4317", "trace_sampling": 1.0},
+            id="tracing-dns",
         ),
     ],
 )
@@ -609,3 +621,57 @@ def test_cli_errors(argv: list[str], problem: str, capsys: pytest.CaptureFixture
     assert run_cli(*argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("extproc envoy-config: ") and problem in err
+
+
+# --- tracing --------------------------------------------------------------------------------
+
+
+def test_tracing_is_off_unless_asked() -> None:
+    config = bootstrap()
+    assert "tracing" not in hcm(config)
+    assert OTLP_CLUSTER not in {c["name"] for c in config["static_resources"]["clusters"]}
+    assert make_snippet(make_pods(1), EnvoyOptions()).tracing is None
+
+
+def test_tracing_exports_to_the_collector_and_samples_the_ratio() -> None:
+    config = bootstrap(otlp_endpoint="otel.monitoring:4317", trace_sampling=0.05)
+    tracing = hcm(config)["tracing"]
+    assert tracing["random_sampling"] == {"value": 5.0}
+    assert tracing["provider"]["name"] == "envoy.tracers.opentelemetry"
+    otel = tracing["provider"]["typed_config"]
+    assert otel["grpc_service"]["envoy_grpc"]["cluster_name"] == OTLP_CLUSTER
+    collector = cluster(config, OTLP_CLUSTER)
+    assert collector["type"] == "STRICT_DNS"  # a DNS name; an IP makes it STATIC
+    [endpoint] = collector["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert endpoint["endpoint"]["address"]["socket_address"] == {
+        "address": "otel.monitoring",
+        "port_value": 4317,
+    }
+    assert "http2_protocol_options" in str(collector["typed_extension_protocol_options"])
+
+
+def test_cli_turns_tracing_on(tmp_path: Path) -> None:
+    out, snippet = tmp_path / "e.yaml", tmp_path / "s.yaml"
+    argv = ("--otlp-endpoint", "127.0.0.1:4317", "--trace-sampling", "0.5")
+    assert run_cli(*EXAMPLE, *argv, "-o", str(out), "--snippet", str(snippet)) == 0
+    config = yaml.safe_load(out.read_text())
+    assert hcm(config)["tracing"]["random_sampling"] == {"value": 50.0}
+    assert cluster(config, OTLP_CLUSTER)["type"] == "STATIC"
+    pieces = yaml.safe_load(snippet.read_text())
+    assert pieces["tracing"] == hcm(config)["tracing"]
+    assert OTLP_CLUSTER in {c["name"] for c in pieces["clusters"]}
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        pytest.param(["--trace-sampling", "1.5"], "trace_sampling", id="ratio-above-1"),
+        pytest.param(["--trace-sampling", "-1"], "trace_sampling", id="negative-ratio"),
+        pytest.param(["--otlp-endpoint", "collector"], "collector", id="no-port"),
+    ],
+)
+def test_cli_refuses_bad_tracing_options(
+    argv: list[str], problem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_cli(*EXAMPLE, *argv) == 2
+    assert problem in capsys.readouterr().err
