@@ -55,6 +55,9 @@ _OPTIONS = EnvoyOptions(
     extproc_ca_file=f"{ENVOY_EXTPROC_CA_DIR}/ca.crt",
     extproc_client_cert_file=f"{ENVOY_CLIENT_TLS_DIR}/tls.crt",
     extproc_client_key_file=f"{ENVOY_CLIENT_TLS_DIR}/tls.key",
+    # Tracing in full; cut without tracing.otlpEndpoint (_TRACING_BLOCKS).
+    otlp_endpoint="otlp-sentinel.invalid:59998",
+    trace_sampling=0.375,
 )
 _TLS_MODE = '(include "extproc.tlsMode" .)'
 
@@ -70,6 +73,11 @@ _TLS_BLOCKS = (
     # extproc's certificate is verified unless it is self-signed.
     Block("          validation_context:", f'ne {_TLS_MODE} "self-signed"'),
     Block("          tls_certificates:", f'eq {_TLS_MODE} "mtls"'),
+)
+_TRACING = ".Values.tracing.otlpEndpoint"
+_TRACING_BLOCKS = (
+    Block("          tracing:", _TRACING),
+    Block("  - name: otlp_collector", _TRACING),
 )
 _SENTINELS = (
     # The headless Service: every replica's address, each ext_proc stream balanced.
@@ -87,6 +95,9 @@ _SENTINELS = (
     # The listener's buffer limit and the buffer filter's limit.
     Sentinel("16777259", "{{ .Values.picker.maxBodyBytes | int64 }}", 2),
     Sentinel("sentinel-session-header", "{{ .Values.picker.sessionHeader }}", 1),
+    Sentinel("otlp-sentinel.invalid", f'{{{{ (split ":" {_TRACING})._0 }}}}', 1),
+    Sentinel("port_value: 59998", f'port_value: {{{{ (split ":" {_TRACING})._1 }}}}', 1),
+    Sentinel("value: 37.5", "value: {{ mulf .Values.tracing.samplingRatio 100 }}", 1),
 )
 
 
@@ -102,7 +113,7 @@ def render_template() -> str:
     )
     if "{{" in text or "}}" in text:
         raise ValueError("the generated bootstrap contains template delimiters")
-    for block in _TLS_BLOCKS:
+    for block in (*_TLS_BLOCKS, *_TRACING_BLOCKS):
         text = _wrap(text, block)
     for sentinel in _SENTINELS:
         found = text.count(sentinel.text)
@@ -121,7 +132,8 @@ def render_template() -> str:
 
 
 def _wrap(text: str, block: Block) -> str:
-    """``text`` with ``block`` kept only under its condition.
+    """``text`` with ``block`` kept only under its condition, with the comment lines
+    right above it.
 
     Raises:
         ValueError: the block's key is not one line of ``text``.
@@ -132,6 +144,8 @@ def _wrap(text: str, block: Block) -> str:
         raise ValueError(f"block {block.key.strip()!r} occurs {len(starts)} times, expected 1")
     start = end = starts[0]
     indent = len(block.key) - len(block.key.lstrip())
+    while start > 0 and lines[start - 1].startswith(" " * indent + "# "):
+        start -= 1
     while end + 1 < len(lines) and (
         len(lines[end + 1]) - len(lines[end + 1].lstrip()) > indent
         or lines[end + 1].lstrip().startswith("- ")

@@ -111,7 +111,7 @@ def test_envoy_pod_and_services() -> None:
     ("sentinel", "problem"),
     [
         pytest.param(helm.Sentinel("no-such-text", "x", 1), "occurs 0 times", id="missing"),
-        pytest.param(helm.Sentinel("port_value:", "x", 1), "occurs 4 times", id="several"),
+        pytest.param(helm.Sentinel("port_value:", "x", 1), "occurs 5 times", id="several"),
     ],
 )
 def test_generator_refuses_a_sentinel_that_does_not_fit(

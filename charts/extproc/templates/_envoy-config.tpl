@@ -131,6 +131,24 @@ static_resources:
           - name: envoy.filters.http.router
             typed_config:
               '@type': type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+{{- if .Values.tracing.otlpEndpoint }}
+          # Envoy's OpenTelemetry tracing (envoy-config --otlp-endpoint): a span per request,
+          # random_sampling percent of them, exported over OTLP gRPC. Envoy's gRPC client sends the
+          # ext_proc call's span context (traceparent) in the stream's metadata, so extproc's pick
+          # span (serve --otlp-endpoint) joins the trace; it samples what Envoy samples.
+          tracing:
+            random_sampling:
+              value: {{ mulf .Values.tracing.samplingRatio 100 }}
+            provider:
+              name: envoy.tracers.opentelemetry
+              typed_config:
+                '@type': type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig
+                grpc_service:
+                  envoy_grpc:
+                    cluster_name: otlp_collector
+                  timeout: 1s
+                service_name: envoy
+{{- end }}
           access_log:
           # How extproc learns that a response ended, where and how: one entry per request on
           # extproc's own gRPC port (AccessLogService), batched (16 KiB or 10 ms, whichever first:
@@ -280,6 +298,26 @@ static_resources:
                   name: envoy.load_balancing_policies.round_robin
                   typed_config:
                     '@type': type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin
+{{- if .Values.tracing.otlpEndpoint }}
+  # The OpenTelemetry collector's OTLP gRPC port (HTTP/2).
+  - name: otlp_collector
+    type: STRICT_DNS
+    connect_timeout: 1s
+    load_assignment:
+      cluster_name: otlp_collector
+      endpoints:
+      - lb_endpoints:
+        - endpoint:
+            address:
+              socket_address:
+                address: {{ (split ":" .Values.tracing.otlpEndpoint)._0 }}
+                port_value: {{ (split ":" .Values.tracing.otlpEndpoint)._1 }}
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        '@type': type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config:
+          http2_protocol_options: {}
+{{- end }}
 # Admin interface, localhost only.
 admin:
   address:
