@@ -41,6 +41,9 @@ INSTALL_HINT = "pip install 'extproc[tracing]'"
 # (envoy-config --trace-sampling) decides for the requests it traces.
 DEFAULT_SAMPLING = 0.01
 TRACEPARENT = "traceparent"
+# One export's deadline, retries included: a collector that is down costs the exporter
+# thread this long per batch (its spans are then dropped), and the stop at most this.
+EXPORT_TIMEOUT_S = 2.0
 # traceparent ends with its flags in hex: an even last digit is the sampled bit unset.
 _UNSAMPLED_LAST_DIGITS = frozenset("02468aceACE")
 
@@ -192,7 +195,11 @@ def start_tracing(args: argparse.Namespace) -> Tracing | None:
         raise ConfigError(
             f"--otlp-endpoint needs the OTLP exporter, which is not installed: {INSTALL_HINT}"
         ) from None
-    exporter = OTLPSpanExporter(endpoint=endpoint, insecure=not endpoint.startswith("https://"))
+    exporter = OTLPSpanExporter(
+        endpoint=endpoint,
+        insecure=not endpoint.startswith("https://"),
+        timeout=EXPORT_TIMEOUT_S,
+    )
     provider.add_span_processor(BatchSpanProcessor(exporter))
     log.info(
         "tracing: spans to %s, sampling %g of requests without a trace context",
