@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
+from extproc.admin.server import AdminServer, start_admin
 from extproc.admin.tracing import Tracing, check_tracing_args, start_tracing
 from extproc.datalayer.kv_events import KvEventsSubscriber, settings_from_args
 from extproc.datalayer.objectives import InferenceObjectiveWatcher
@@ -83,6 +84,7 @@ class Running:
     kv_events: KvEventsSubscriber | None = None
     objectives: InferenceObjectiveWatcher | None = None
     tracing: Tracing | None = None
+    admin: AdminServer | None = None
 
     def stop(self, drain_s: float = 10.0) -> None:
         set_serving(self.health_servicer, False)
@@ -123,6 +125,8 @@ class Running:
             self.metrics_server.shutdown()
         if self.tracing is not None:
             self.tracing.stop()  # exports the spans still batched
+        if self.admin is not None:
+            self.admin.stop()
 
     def _recorded(self) -> int:
         value = self.registry.get_sample_value("extproc_completions_total", {"outcome": "recorded"})
@@ -281,6 +285,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         sharing.start(router)
     if kv_events is not None:
         kv_events.start()
+    admin = start_admin(args, router, config.source, store, kv_events)
     set_serving(servicer, True)
     log.info(
         "extproc %s serving ext_proc on %s:%d, health on :%d, metrics on :%s; %d pods from "
@@ -310,6 +315,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         kv_events,
         objectives,
         tracing,
+        admin=admin,
     )
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from extproc.admin.server import add_admin_arguments
 from extproc.admin.tracing import add_tracing_arguments
 from extproc.cli import CLI_REFERENCE
 from extproc.cli.app import check_args, start
@@ -266,6 +267,7 @@ def register(sub: Any) -> None:
     )
     add_events_arguments(p, _env)
     add_tracing_arguments(p, _env)
+    add_admin_arguments(p, _env)
     g = p.add_argument_group("logging")
     g.add_argument(
         "--log-level",

@@ -26,10 +26,11 @@ from __future__ import annotations
 import argparse
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import msgpack
 import zmq
@@ -296,6 +297,18 @@ class IndexCollector(Collector):
         return [blocks, stale, orphans, evicted]
 
 
+class EventsState(NamedTuple):
+    """One pod's event stream as the subscriber last saw it (``KvEventsSubscriber.
+    pod_states``, for ``/debug/pods``)."""
+
+    next_seq: int | None  # the sequence number expected next; None: none received yet
+    last_event_age_s: float | None  # since its last batch was applied; None: never
+    gaps: int  # sequence gaps (lost batches)
+    replays: int  # gaps and joins recovered by a replay
+    marked_stale: int  # times its view was forgotten: events lost and not replayed
+    restarts: int  # publisher seen starting again from 0
+
+
 class KvEventsSubscriber:
     """Keeps ``index`` up to date from the pods' events until ``stop``."""
 
@@ -319,6 +332,8 @@ class KvEventsSubscriber:
         self._sockets: dict[PodId, tuple[zmq.Socket[bytes], str]] = {}  # connect topology
         self._bound: list[zmq.Socket[bytes]] = []
         self._next_seq: dict[PodId, int] = {}
+        self._applied_at: dict[PodId, float] = {}  # monotonic, for ``pod_states``
+        self._tally: dict[tuple[PodId, str], int] = {}  # (pod, gaps|replays|...) -> count
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self.ready = threading.Event()  # bound (bind topology) and first pods taken
@@ -417,17 +432,20 @@ class KvEventsSubscriber:
                 self._recover(pod, 0, seq)
         elif seq < expected:  # replays apply only batches lost live, so never a duplicate
             self._metrics.restarts(label).inc()
+            self._count(pod, "restarts")
             self.index.cleared(pod)
             del self._next_seq[pod]
             if seq > 0:
                 self._recover(pod, 0, seq)
         elif seq > expected:
             self._metrics.gaps(label).inc()
+            self._count(pod, "gaps")
             self._recover(pod, expected, seq)
         self._apply(pod, seq, payload)
 
     def _apply(self, pod: PodId, seq: int, payload: bytes) -> None:
         self._next_seq[pod] = seq + 1
+        self._applied_at[pod] = time.monotonic()
         label = str(pod)
         self._metrics.received(label).inc()
         try:
@@ -449,11 +467,32 @@ class KvEventsSubscriber:
         """Batches ``first``..``until - 1`` were missed: replay them, else go stale."""
         if self.settings.replay_port is not None and self._replay(pod, first, until):
             self._metrics.replays(str(pod), "ok").inc()
+            self._count(pod, "replays")
             return
         if self.settings.replay_port is not None:
             self._metrics.replays(str(pod), "failed").inc()
         self._metrics.marked_stale(str(pod)).inc()
+        self._count(pod, "marked_stale")
         self.index.mark_stale(pod)
+
+    def _count(self, pod: PodId, what: str) -> None:
+        key = (pod, what)
+        self._tally[key] = self._tally.get(key, 0) + 1
+
+    def pod_states(self, pods: Iterable[PodId]) -> dict[PodId, EventsState]:
+        """Each pod's stream state (read-only, any thread: reads of dicts the
+        subscriber's thread writes, so a value may be one batch old)."""
+        now = time.monotonic()
+        tally = dict(self._tally)
+        out = {}
+        for pod in pods:
+            at = self._applied_at.get(pod)
+            out[pod] = EventsState(
+                self._next_seq.get(pod),
+                None if at is None else now - at,
+                *(tally.get((pod, w), 0) for w in ("gaps", "replays", "marked_stale", "restarts")),
+            )
+        return out
 
     def _replay(self, pod: PodId, first: int, until: int) -> bool:
         """Ask the pod's ROUTER for every batch from ``first``; True if all up to

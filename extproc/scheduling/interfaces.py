@@ -31,7 +31,8 @@ which ``estimated-ttft`` reads). The prefix-cache metrics are shared per registr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
@@ -262,3 +263,59 @@ class PodsListener(Protocol):
     def pods_changed(self, pods: Sequence[Pod]) -> None:
         """The known pods are now exactly ``pods``."""
         ...
+
+
+class RecordTimes:
+    """When each pod's view last learned a record (monotonic), for ``ViewInspector``:
+    one dict store per record, which the admin port reads as an age."""
+
+    __slots__ = ("_at",)
+
+    def __init__(self) -> None:
+        self._at: dict[PodId, float] = {}
+
+    def mark(self, pod: PodId) -> None:
+        self._at[pod] = time.monotonic()
+
+    def age(self, pod: PodId) -> float | None:
+        at = self._at.get(pod)
+        return None if at is None else time.monotonic() - at
+
+    def retain(self, keep: Container[PodId]) -> None:
+        self._at = {pod: at for pod, at in self._at.items() if pod in keep}
+
+
+class ViewState(NamedTuple):
+    """What a plugin's prefix view holds for one pod (``/debug/pods``)."""
+
+    blocks: int  # entries (blocks) the view holds for the pod
+    last_record_age_s: float | None  # since the pod's last record here; None: never
+    stale: bool = False  # the view is distrusted now (precise-prefix-cache after lost events)
+
+
+@runtime_checkable
+class ViewInspector(Protocol):
+    """A plugin keeping a per-pod prefix view, read by the admin port (read-only, any
+    thread; never on the request path)."""
+
+    type_name: ClassVar[str]
+
+    def pod_view(self, pod: PodId) -> ViewState: ...
+
+
+class PodTerms(NamedTuple):
+    """One pod's terms in a cost plugin's estimate (``explain``): the names and values of
+    its formula's terms, for a person to read."""
+
+    pod: PodId
+    terms: Mapping[str, float]
+
+
+@runtime_checkable
+class Explainer(Protocol):
+    """A scorer that can show its per-pod terms without changing any state (``/debug/
+    pick``): no metric observed, nothing recorded or credited."""
+
+    type_name: ClassVar[str]
+
+    def explain(self, cycle: Cycle, pods: Sequence[Pod]) -> list[PodTerms]: ...

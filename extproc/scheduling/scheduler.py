@@ -43,7 +43,7 @@ from functools import cache
 import numpy as np
 from prometheus_client import CollectorRegistry, Histogram
 
-from extproc.errors import NoCapacity, NoReadyPods
+from extproc.errors import ExtProcError, NoCapacity, NoReadyPods
 from extproc.pods import Pod, PodId
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.interfaces import (
@@ -136,6 +136,81 @@ class Schedule:
 
 
 @dataclass(slots=True)
+class TracePass:
+    """One filter-and-rank pass of ``explain`` (the serving pods, the prefill pods, a PD
+    group's prefill pods): its candidates, what each filter kept, each scorer's scores,
+    the totals, the load tie-break and the order; pod ids throughout."""
+
+    role: str
+    candidates: list[PodId]
+    filters: list[tuple[str, list[PodId]]] = field(default_factory=list)  # (name, kept)
+    scores: list[tuple[str, int, dict[PodId, int]]] = field(default_factory=list)
+    totals: dict[PodId, int] = field(default_factory=dict)
+    load: dict[PodId, int] = field(default_factory=dict)
+    order: list[PodId] = field(default_factory=list)
+
+    @property
+    def ties(self) -> list[list[PodId]]:
+        """Groups of pods whose order was drawn at random: equal totals and load."""
+        groups: dict[tuple[int, int], list[PodId]] = {}
+        for pod in self.order:
+            groups.setdefault((self.totals[pod], self.load[pod]), []).append(pod)
+        return [g for g in groups.values() if len(g) > 1]
+
+
+@dataclass(slots=True)
+class Trace:
+    """``Scheduler.explain``'s record of the passes, filled as ``_filter`` and ``_rank``
+    run (None on the request path: nothing is traced there)."""
+
+    passes: list[TracePass] = field(default_factory=list)
+    pinned: bool = False
+    _table: PodTable | None = None
+    _current: TracePass | None = None
+
+    def begin(self, role: str, table: PodTable, candidates: Positions) -> None:
+        self._table = table
+        self._current = TracePass(role, self._ids(candidates))
+        self.passes.append(self._current)
+
+    def resume(self, role: str) -> None:
+        """Back to the latest pass of ``role`` (filters ran for several first)."""
+        self._current = next(p for p in reversed(self.passes) if p.role == role)
+
+    def _ids(self, rows: Positions) -> list[PodId]:
+        assert self._table is not None
+        ids = self._table.ids
+        return [ids[i] for i in rows.tolist()]
+
+    def filtered(self, name: str, kept: Positions) -> None:
+        assert self._current is not None
+        self._current.filters.append((name, self._ids(kept)))
+
+    def scored(self, name: str, weight: int, rows: Positions, scores: Scores) -> None:
+        assert self._current is not None
+        by_pod = dict(zip(self._ids(rows), scores.tolist(), strict=True))
+        self._current.scores.append((name, weight, by_pod))
+
+    def ranked(self, rows: Positions, totals: Scores, load: Scores, order: Positions) -> None:
+        current = self._current
+        assert current is not None
+        ids = self._ids(rows)
+        current.totals = dict(zip(ids, totals.tolist(), strict=True))
+        current.load = dict(zip(ids, load.tolist(), strict=True))
+        current.order = self._ids(order)
+
+
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    """``Scheduler.explain``'s answer: the schedule (None when it would fail: ``error``)
+    and how it came about."""
+
+    schedule: Schedule | None
+    trace: Trace
+    error: ExtProcError | None
+
+
+@dataclass(slots=True)
 class Scheduler:
     """A configured profile: filters and weighted scorers, plus the plugins that learn."""
 
@@ -188,24 +263,49 @@ class Scheduler:
 
     def schedule_request(self, cycle: Cycle, pods: Sequence[Pod]) -> Schedule:
         """``schedule`` plus prefill/decode passes and session sticky (module doc)."""
-        table = self.table(pods)
+        return self._schedule_request(cycle, self.table(pods), None)
+
+    def explain(self, cycle: Cycle, pods: Sequence[Pod]) -> Explanation:
+        """What ``schedule_request`` would decide now, with every filter's and scorer's
+        part (``Trace``): the same code, traced. Nothing is recorded, credited or timed
+        (``record``, ``arriving`` and the plugin timer are not called); the plugins'
+        slow preparation (tokenizing) runs here. Scorers still observe their own
+        match-ratio histograms, and ties are drawn from ``rng`` as for a request.
+        """
+        work = self.prepare(cycle)
+        if work is not None:
+            work.run()
+        trace = Trace()
+        try:
+            schedule = self._schedule_request(cycle, self.table(pods), trace)
+        except ExtProcError as exc:
+            return Explanation(None, trace, exc)
+        return Explanation(schedule, trace, None)
+
+    def _schedule_request(self, cycle: Cycle, table: PodTable, trace: Trace | None) -> Schedule:
         candidates = table.candidates(cycle.request.model)
         if self.pd_group is not None:
-            return self._schedule_groups(cycle, table, candidates.all, self.pd_group)
+            return self._schedule_groups(cycle, table, candidates.all, self.pd_group, trace)
         if not len(candidates.serving):
             raise NoReadyPods(
                 f"model {cycle.request.model!r} has ready prefill pods but no ready decode pod"
             )
-        serving = self._filter(cycle, table, candidates.serving)
+        if trace is not None:
+            trace.begin("serving", table, candidates.serving)
+        serving = self._filter(cycle, table, candidates.serving, trace)
         prefill = candidates.prefill
         if len(prefill):
-            prefill = self._filter(cycle, table, prefill)
+            if trace is not None:
+                trace.begin("prefill", table, prefill)
+            prefill = self._filter(cycle, table, prefill, trace)
         binding = self._binding(cycle)
         if binding is not None:
             bound = _find(table, serving, binding.pod)
             bound_prefill = _find(table, prefill, binding.prefill) if binding.prefill else None
             if bound is not None and (bound_prefill is not None or not len(prefill)):
                 rest = self._shuffled(table.take(np.delete(serving, bound)))
+                if trace is not None:
+                    trace.pinned = True
                 return Schedule(
                     [table.pods[serving[bound]], *rest],
                     None if bound_prefill is None else table.pods[prefill[bound_prefill]],
@@ -213,11 +313,15 @@ class Scheduler:
                 )
         best_prefill = None
         if len(prefill):
-            best_prefill = table.pods[self._rank(cycle, table, prefill)[0]]
-        return Schedule(table.take(self._rank(cycle, table, serving)), best_prefill)
+            if trace is not None:
+                trace.resume("prefill")
+            best_prefill = table.pods[self._rank(cycle, table, prefill, trace)[0]]
+        if trace is not None:
+            trace.resume("serving")
+        return Schedule(table.take(self._rank(cycle, table, serving, trace)), best_prefill)
 
     def _schedule_groups(
-        self, cycle: Cycle, table: PodTable, ready: Positions, pd: PDGroup
+        self, cycle: Cycle, table: PodTable, ready: Positions, pd: PDGroup, trace: Trace | None
     ) -> Schedule:
         """PD groups: decode pods ranked, each paired with its group's best prefill pod."""
         cols = pd.columns(table)
@@ -228,30 +332,36 @@ class Scheduler:
                 f"model {model!r} has no ready decode pod in a PD group "
                 f"(label {pd.group_key!r} and the decodeLabels)"
             )
-        decode = self._filter(cycle, table, decode)
+        if trace is not None:
+            trace.begin("decode", table, decode)
+        decode = self._filter(cycle, table, decode, trace)
         prefill = ready[cols.is_prefill[ready]]
         binding = self._binding(cycle)
         if binding is not None and binding.prefill is not None:
             bound = _find(table, decode, binding.pod)
             if bound is not None:
                 group = cols.group[decode[bound]]
-                mates = self._group_prefill(cycle, table, prefill, cols, group)
+                mates = self._group_prefill(cycle, table, prefill, cols, group, trace)
                 at = None if mates is None else _find(table, mates, binding.prefill)
                 if mates is not None and at is not None:
                     rest = decode[(cols.group[decode] == group) & (decode != decode[bound])]
+                    if trace is not None:
+                        trace.pinned = True
                     return Schedule(
                         [table.pods[decode[bound]], *self._shuffled(table.take(rest))],
                         table.pods[mates[at]],
                         pinned=True,
                     )
-        ranked = self._rank(cycle, table, decode)
+        if trace is not None:
+            trace.resume("decode")
+        ranked = self._rank(cycle, table, decode, trace)
         best: dict[str, Pod | None] = {}
         for row in ranked.tolist():
             group = cols.group[row]
             if group not in best:
-                mates = self._group_prefill(cycle, table, prefill, cols, group)
+                mates = self._group_prefill(cycle, table, prefill, cols, group, trace)
                 best[group] = (
-                    None if mates is None else table.pods[self._rank(cycle, table, mates)[0]]
+                    None if mates is None else table.pods[self._rank(cycle, table, mates, trace)[0]]
                 )
             pair = best[group]
             if pair is not None:
@@ -262,15 +372,23 @@ class Scheduler:
         )
 
     def _group_prefill(
-        self, cycle: Cycle, table: PodTable, prefill: Positions, cols: PDColumns, group: str
+        self,
+        cycle: Cycle,
+        table: PodTable,
+        prefill: Positions,
+        cols: PDColumns,
+        group: str,
+        trace: Trace | None = None,
     ) -> Positions | None:
         """The prefill pods of ``group`` that pass the filters, or None (Kthena skips the
         decode pod then: "prefill pods were filtered out")."""
         mates = prefill[cols.group[prefill] == group]
         if not len(mates):
             return None
+        if trace is not None:
+            trace.begin(f"prefill of group {group}", table, mates)
         try:
-            return self._filter(cycle, table, mates)
+            return self._filter(cycle, table, mates, trace)
         except NoCapacity:
             return None
 
@@ -304,14 +422,19 @@ class Scheduler:
         key = cycle.request.session_key
         return self.sessions.get(key) if key and self.sessions is not None else None
 
-    def _filter(self, cycle: Cycle, table: PodTable, candidates: Positions) -> Positions:
+    def _filter(
+        self, cycle: Cycle, table: PodTable, candidates: Positions, trace: Trace | None = None
+    ) -> Positions:
         if self._filter_steps[0] is not self.filters:
             self._filter_steps = (self.filters, tuple(map(table_filter, self.filters)))
+        timer = self.timer if trace is None else None
         for f, step in zip(self.filters, self._filter_steps[1], strict=True):
             started = time.perf_counter()
             candidates = step(cycle, table, candidates)
-            if self.timer is not None:
-                self.timer.observe(f.type_name, "filter", time.perf_counter() - started)
+            if timer is not None:
+                timer.observe(f.type_name, "filter", time.perf_counter() - started)
+            if trace is not None:
+                trace.filtered(f.type_name, candidates)
             if not len(candidates):
                 raise NoCapacity(
                     f"no pod can take the request now: filter {f.type_name!r} removed "
@@ -319,9 +442,12 @@ class Scheduler:
                 )
         return candidates
 
-    def _rank(self, cycle: Cycle, table: PodTable, candidates: Positions) -> Positions:
+    def _rank(
+        self, cycle: Cycle, table: PodTable, candidates: Positions, trace: Trace | None = None
+    ) -> Positions:
         """``candidates`` by total score, best first; equal totals in random order."""
         totals = np.zeros(len(candidates), dtype=np.int64)
+        timer = self.timer if trace is None else None
         verbose = log.isEnabledFor(logging.DEBUG)
         if self._score_steps[0] is not self.scorers:
             self._score_steps = (
@@ -331,14 +457,20 @@ class Scheduler:
         for ws, step in zip(self.scorers, self._score_steps[1], strict=True):
             started = time.perf_counter()
             scores = step(cycle, table, candidates)
-            if self.timer is not None:
-                self.timer.observe(ws.scorer.type_name, "score", time.perf_counter() - started)
+            if timer is not None:
+                timer.observe(ws.scorer.type_name, "score", time.perf_counter() - started)
+            if trace is not None:
+                trace.scored(ws.scorer.type_name, ws.weight, candidates, scores)
             totals += ws.weight * scores
             if verbose:
                 _log_scores(ws.scorer.type_name, table, candidates, scores)
         if verbose:
             _log_totals(table, candidates, totals)
-        return candidates[self._order(totals, self._load(table, candidates))]
+        load = self._load(table, candidates)
+        order = candidates[self._order(totals, load)]
+        if trace is not None:
+            trace.ranked(candidates, totals, load, order)
+        return order
 
     def _load(self, table: PodTable, candidates: Positions) -> Scores:
         """Each candidate's load: ``max(in flight, waiting + running)`` (module doc)."""

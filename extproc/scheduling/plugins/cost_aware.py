@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 from extproc.pods import Pod, PodId
 from extproc.scheduling.args import arg, load_args
 from extproc.scheduling.inflight import InFlight
-from extproc.scheduling.interfaces import Cycle, PluginContext, PrefixMatcher
+from extproc.scheduling.interfaces import Cycle, PluginContext, PodTerms, PrefixMatcher
 from extproc.scheduling.plugins.pod_work import pod_work, uncached_tokens
 
 log = logging.getLogger("extproc.scheduling")
@@ -97,6 +97,35 @@ class CostAware:
                 work.queued * work.mean_tokens + work.uncached
             ) + decode_ms * (pod.metrics.running + work.queued)
         return estimates
+
+    def explain(self, cycle: Cycle, pods: Sequence[Pod]) -> list[PodTerms]:
+        """``Explainer``: each pod's terms of ``est_ms`` (module doc); changes nothing but
+        ``cycle``'s side output (give it a cycle of its own)."""
+        held = self._held_bytes(cycle, pods)
+        prefill_ms, decode_ms = self.args.prefillMsPerToken, self.args.decodeMsPerToken
+        out = []
+        for pod in pods:
+            uncached = uncached_tokens(cycle, held.get(pod.id, 0))
+            work = pod_work(cycle, pod, uncached, self.in_flight)
+            requests, tokens = self.in_flight.get_count(pod.id)
+            prefill = prefill_ms * (work.queued * work.mean_tokens + work.uncached)
+            decode = decode_ms * (pod.metrics.running + work.queued)
+            terms = {
+                "prompt_tokens": cycle.num_prompt_tokens,
+                "cached_tokens": max(0, cycle.num_prompt_tokens - uncached),
+                "uncached_tokens": uncached,
+                "waiting": pod.metrics.waiting,
+                "running": pod.metrics.running,
+                "in_flight": requests,
+                "in_flight_tokens": tokens,
+                "queued": work.queued,
+                "mean_queued_tokens": work.mean_tokens,
+                "prefill_ms": prefill,
+                "decode_ms": decode,
+                "est_ms": prefill + decode,
+            }
+            out.append(PodTerms(pod.id, terms))
+        return out
 
     def _held_bytes(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
         if self.prefix is None:

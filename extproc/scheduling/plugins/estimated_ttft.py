@@ -104,7 +104,10 @@ from extproc.scheduling.interfaces import (
     Cycle,
     ExactMatches,
     PluginContext,
+    PodTerms,
+    RecordTimes,
     Scores,
+    ViewState,
 )
 from extproc.scheduling.plugins.arrivals import Arrivals
 from extproc.scheduling.plugins.pod_work import pod_work
@@ -264,6 +267,7 @@ class EstimatedTTFT:
         self.metrics = prefix_cache_metrics(ctx.registry)
         self.index = PrefixIndex(args.maxHashCacheSize, observer=self.metrics)
         self.arrivals = Arrivals()
+        self.recorded = RecordTimes()  # for ``pod_view``
         self.written = Written(args.writtenWindow)
         self.sessions = SessionBook(args.sessionIdleS)
         self.sessions_moved = Counter(
@@ -429,6 +433,57 @@ class EstimatedTTFT:
             estimates[pod] += ms
         return estimates
 
+    def explain(self, cycle: Cycle, pods: Sequence[Pod]) -> list[PodTerms]:
+        """``Explainer``: each pod's terms of ``cost`` (module doc), in ms and tokens, as
+        ``score`` would weigh them now; changes nothing but ``cycle``'s side output (give
+        it a cycle of its own)."""
+        length, held = self.held(cycle, pods, self.matched_blocks(cycle, pods))
+        num_tokens = length.num_tokens
+        a = self.args
+        base: dict[PodId, dict[str, float]] = {}
+        for pod in pods:
+            uncached = length.uncached(held.get(pod.id, 0))
+            work = pod_work(cycle, pod, uncached, self.in_flight, num_tokens)
+            requests, tokens = self.in_flight.get_count(pod.id)
+            prefill_ms = a.prefillMsPerToken * (work.queued * work.mean_tokens + work.uncached)
+            queued_ms = a.queuedMs * (1 + work.queued)
+            running_ms = a.runningMs * pod.metrics.running
+            base[pod.id] = {
+                "prompt_tokens": num_tokens,
+                "cached_tokens": max(0, num_tokens - uncached),
+                "uncached_tokens": uncached,
+                "waiting": pod.metrics.waiting,
+                "running": pod.metrics.running,
+                "in_flight": requests,
+                "in_flight_tokens": tokens,
+                "queued": work.queued,
+                "mean_queued_tokens": work.mean_tokens,
+                "prefill_ms": prefill_ms,
+                "queued_ms": queued_ms,
+                "running_ms": running_ms,
+                "est_ms": prefill_ms + queued_ms + running_ms,
+            }
+        write = self.write_ms(cycle, base, num_tokens)
+        longest = max(held.values(), default=0)
+        affine = longest > 0 and longest / max(1, length.units) >= a.affinityMinMatch
+        sessions = self.session_ms(cycle, base)
+        out = []
+        for pod_id, terms in base.items():
+            est = terms["est_ms"] + write.get(pod_id, 0.0)
+            has_affinity = affine and held.get(pod_id, 0) == longest
+            if has_affinity:
+                est = min(est - a.affinityMarginMs, est / a.affinityRatio)
+            terms["write_ms"] = write.get(pod_id, 0.0)
+            terms["affinity"] = float(has_affinity)
+            terms["session_ms"] = sessions.get(pod_id, 0.0)
+            terms["cost_ms"] = est + terms["session_ms"]
+            out.append(PodTerms(pod_id, terms))
+        return out
+
+    def pod_view(self, pod: PodId) -> ViewState:
+        """``ViewInspector``: the blocks recorded for ``pod`` and its last record's age."""
+        return ViewState(self.index.num_pod_entries(pod), self.recorded.age(pod))
+
     def _size_view(self, table: PodTable) -> None:
         """Hold each pod's view to what its KV cache holds (``vllm:cache_config_info``),
         once per pod table: a view larger than the pod's cache credits histories the pod
@@ -548,6 +603,7 @@ class EstimatedTTFT:
         keys = self._keys(cycle)
         if len(keys):
             self.index.record(keys, pod, self.metrics.model_tag(cycle.request.model))
+            self.recorded.mark(pod)
 
     def arriving(self, cycle: Cycle, pod: PodId) -> None:
         """``pod`` was picked for ``cycle``: its blocks count as held there until it ends."""
@@ -572,3 +628,4 @@ class EstimatedTTFT:
         self.arrivals.forget_pods(ids)
         self.written.forget_pods(ids)
         self.sessions.forget_pods(ids)
+        self.recorded.retain(ids)

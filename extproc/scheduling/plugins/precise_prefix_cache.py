@@ -56,7 +56,9 @@ from extproc.scheduling.interfaces import (
     ExactMatches,
     PluginContext,
     Preparation,
+    RecordTimes,
     TokenIds,
+    ViewState,
 )
 from extproc.scheduling.plugins.arrivals import Arrivals
 from extproc.scheduling.plugins.prefix_metrics import MATCH_RATIO_BUCKETS
@@ -137,6 +139,7 @@ class PrecisePrefixCache:
         self.args = args
         self.index = PreciseIndex(args.capacityBlocks, args.staleSeconds)
         self.approx = PrefixIndex(args.maxHashCacheSize)
+        self.recorded = RecordTimes()  # the approximate view's, for ``pod_view``
         share = max(1, args.memoTokens // max(1, len(models)))
         try:
             self.tokenizers = {m: SegmentTokenizer(d, share) for m, d in models.items()}
@@ -355,6 +358,7 @@ class PrecisePrefixCache:
         keys = cycle.block_keys(self.args.blockSizeToHash, self.args.maxBlocksToMatch)
         if len(keys):
             evicted = self.approx.record(keys, pod)
+            self.recorded.mark(pod)
             if evicted:
                 self._evictions.labels(cycle.request.model).inc(evicted)
 
@@ -379,3 +383,13 @@ class PrecisePrefixCache:
     def pods_changed(self, pods: Sequence[Pod]) -> None:
         self.approx.retain_pods(p.id for p in pods)
         self.arrivals.forget_pods({p.id for p in pods})
+        self.recorded.retain({p.id for p in pods})
+
+    def pod_view(self, pod: PodId) -> ViewState:
+        """``ViewInspector``: the blocks ``pod``'s events say it holds (every medium),
+        whether that view is distrusted now, and the approximate view's last record."""
+        view = self.index.views.get(pod)
+        if view is None:
+            return ViewState(0, self.recorded.age(pod))
+        blocks = sum(len(b) for b in list(view.blocks.values()))
+        return ViewState(blocks, self.recorded.age(pod), view.stale())

@@ -34,7 +34,14 @@ from extproc.pods import Pod, PodId
 from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PrefixIndex
 from extproc.scheduling.args import arg, load_args
-from extproc.scheduling.interfaces import BYTES_PER_TOKEN, Cycle, PluginContext, Scores
+from extproc.scheduling.interfaces import (
+    BYTES_PER_TOKEN,
+    Cycle,
+    PluginContext,
+    RecordTimes,
+    Scores,
+    ViewState,
+)
 from extproc.scheduling.plugins.pod_work import uncached_tokens
 from extproc.scheduling.plugins.prefix_metrics import prefix_cache_metrics
 from extproc.scheduling.plugins.prefix_rows import match_rows, per_row
@@ -66,6 +73,7 @@ class PrefixCacheScorer:
         self.args = args
         self.metrics = prefix_cache_metrics(ctx.registry)
         self.index = PrefixIndex(args.maxHashCacheSize, observer=self.metrics)
+        self.recorded = RecordTimes()  # for ``pod_view``
 
     @classmethod
     def from_args(cls, args: Any, ctx: PluginContext) -> PrefixCacheScorer:
@@ -125,6 +133,12 @@ class PrefixCacheScorer:
         keys = self._keys(cycle)
         if len(keys):
             self.index.record(keys, pod, self.metrics.model_tag(cycle.request.model))
+            self.recorded.mark(pod)
 
     def pods_changed(self, pods: Sequence[Pod]) -> None:
         self.index.retain_pods(map(attrgetter("id"), pods))
+        self.recorded.retain({p.id for p in pods})
+
+    def pod_view(self, pod: PodId) -> ViewState:
+        """``ViewInspector``: the blocks recorded for ``pod`` and its last record's age."""
+        return ViewState(self.index.num_pod_entries(pod), self.recorded.age(pod))
