@@ -25,6 +25,8 @@ from extproc.errors import Overloaded
 from extproc.routing.decision import RouteDecision
 from extproc.routing.flow.config import FAIRNESS_HEADER, OBJECTIVE_HEADER, parse_flow_control
 from extproc.routing.flow.held import Held
+from extproc.routing.observe import EndTiming
+from extproc.routing.outcome_metrics import OutcomeMetrics
 from extproc.routing.router import Router
 from extproc.scheduling.config import build_scheduler, default_config_text, parse_config
 from extproc.scheduling.inflight import InFlight
@@ -35,6 +37,8 @@ SCHEMA = Path(__file__).parent / "grafana" / "dashboard.schema.json"
 HIT_RATE_BUCKET = 'kthena_router_prefix_cache_match_ratio_bucket{le="0.0"}'
 FLOW_ROW = "Flow control"  # most of its series appear only once a request was held
 SERIES = re.compile(r"\b(?:kthena|extproc)_[a-z_]+")
+REQUESTS_ROW = "Requests"
+PREDICTED = "Predicted vs reported prefix-cache hit ratio"
 
 
 def test_dashboard_matches_grafanas_schema() -> None:
@@ -76,6 +80,7 @@ def test_rows_and_prefix_cache_panels() -> None:
     assert rows == [
         "Prefix cache",
         "Scheduling",
+        REQUESTS_ROW,
         "Errors",
         "Pod load",
         FLOW_ROW,
@@ -131,44 +136,71 @@ def test_precise_row_is_collapsed_and_reads_every_precise_metric() -> None:
         assert name in exprs, name
 
 
-def prefix_row_series() -> set[str]:
-    """The series names the prefix-cache row's panels read."""
+def row_series(title: str) -> set[str]:
+    """The series names the panels of the (open) row ``title`` read."""
     dashboard = json.loads(DASHBOARD.read_text())
     names: set[str] = set()
     in_row = False
     for panel in dashboard["panels"]:
         if panel["type"] == "row":
-            in_row = panel["title"] == "Prefix cache"
+            in_row = panel["title"] == title
         elif in_row:
             for target in panel["targets"]:
                 names.update(SERIES.findall(target["expr"]))
     return names
 
 
-def test_the_shipped_default_emits_every_series_the_prefix_cache_row_reads() -> None:
-    """The default configuration's /metrics (its registry, as ``serve`` exposes it), after
-    hits, misses and evictions, has a sample of each series the prefix-cache panels read."""
+def test_the_shipped_default_emits_every_series_the_prefix_cache_and_requests_rows_read() -> None:
+    """The default configuration's /metrics (its registry, as ``serve`` exposes it, with
+    the per-request outcomes observer), after hits, misses and evictions, has a sample of
+    each series the prefix-cache and requests panels read."""
     text = default_config_text().replace("maxHashCacheSize: 50000", "maxHashCacheSize: 8")
     registry, in_flight = CollectorRegistry(), InFlight()
     scheduler = build_scheduler(parse_config(text, "default"), registry, in_flight)
     pods = [make_pod(f"p{i}", port=8000 + i) for i in range(2)]
     router = Router(scheduler, pods, in_flight=in_flight, registry=registry)
+    router.observers.append(OutcomeMetrics(registry))
+    timing = EndTiming(0.05, 0.5, 400, 2000, 200)
     for i in range(6):  # three prompts twice: misses, then hits; 5 blocks each, so evictions
         body = b'{"model": "m", "prompt": "%d%s"}' % (i % 3, b"x" * 300)
         decision = router.route("/v1/completions", body, request_id=f"r{i}")
-        assert router.complete(f"r{i}", decision.pods[0].address, succeeded=True)
+        assert router.complete(f"r{i}", decision.pods[0].address, True, timing=timing)
     exposed = {
         sample.name
         for family in text_string_to_metric_families(generate_latest(registry).decode())
         for sample in family.samples
     }
-    wanted = prefix_row_series()
+    wanted = row_series("Prefix cache")
     assert {
         "kthena_router_prefix_cache_match_ratio_bucket",
         "kthena_router_prefix_cache_entries",
         "kthena_router_prefix_cache_evictions_total",
+        "extproc_predicted_cached_tokens_total",
+        "extproc_routed_prompt_tokens_total",
     } <= wanted
-    assert wanted <= exposed, sorted(wanted - exposed)
+    requests = row_series(REQUESTS_ROW)
+    assert {
+        "extproc_request_first_byte_seconds_bucket",
+        "extproc_request_duration_seconds_bucket",
+    } <= requests
+    assert wanted | requests <= exposed, sorted((wanted | requests) - exposed)
+
+
+def test_predicted_and_reported_hit_ratios_are_per_pod_side_by_side() -> None:
+    found = queries()
+    predicted, reported = found[f"{PREDICTED}/A"], found[f"{PREDICTED}/B"]
+    assert predicted == (
+        "sum by (pod) (rate(extproc_predicted_cached_tokens_total[1m])) / "
+        "sum by (pod) (rate(extproc_routed_prompt_tokens_total[1m]))"
+    )
+    assert "vllm(:|_)prefix_cache_hits_total" in reported.split(" / ")[0]
+    assert "vllm(:|_)prefix_cache_queries_total" in reported.split(" / ")[1]
+    assert reported.count("sum by (namespace, pod)") == 2  # the pod's labels, as ns/name
+    rows = queries(rows=[REQUESTS_ROW])
+    assert [rows[f"Time to first upstream byte p50 / p99/{r}"][:24] for r in "AB"] == [
+        "histogram_quantile(0.5, ",
+        "histogram_quantile(0.99,",
+    ]
 
 
 def test_flow_control_row_is_collapsed_and_plots_what_was_asked() -> None:
