@@ -23,6 +23,8 @@ import grpc
 from grpc_health.v1 import health
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
+from extproc.admin.pick_log import PickLog
+from extproc.admin.reload import ConfigReloader
 from extproc.admin.server import AdminServer, start_admin
 from extproc.admin.tracing import Tracing, check_tracing_args, start_tracing
 from extproc.datalayer.kv_events import KvEventsSubscriber, settings_from_args
@@ -45,7 +47,7 @@ from extproc.routing.outcome_metrics import OutcomeMetrics
 from extproc.routing.preparing import PreparePool
 from extproc.routing.router import Router
 from extproc.routing.sharing import RedisSharing
-from extproc.scheduling.config import build_scheduler, load_config
+from extproc.scheduling.config import build_scheduler, config_text, parse_config
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.scheduling.sessions import SessionStore
@@ -84,10 +86,13 @@ class Running:
     kv_events: KvEventsSubscriber | None = None
     objectives: InferenceObjectiveWatcher | None = None
     tracing: Tracing | None = None
+    reloader: ConfigReloader | None = None
     admin: AdminServer | None = None
 
     def stop(self, drain_s: float = 10.0) -> None:
         set_serving(self.health_servicer, False)
+        if self.reloader is not None:
+            self.reloader.stop()
         self.watcher.stop()
         if self.objectives is not None:
             self.objectives.stop()
@@ -163,6 +168,7 @@ def check_args(args: argparse.Namespace) -> None:
         ("session_ttl_s", args.session_ttl_s >= 0, "must be 0 (off) or more"),
         ("redis_maxlen", args.redis_maxlen >= 1, "must be 1 or more"),
         ("v", args.v >= 0, "must be 0 or more"),
+        ("config_poll_s", args.config_poll_s >= 0, "must be 0 (only on SIGHUP) or more"),
     )
     for name, ok, rule in rules:
         if not ok:
@@ -197,7 +203,8 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
     in_flight = InFlight()
     sticky = bool(args.session_header) and args.session_ttl_s > 0
     sessions = SessionStore(ttl_s=args.session_ttl_s) if sticky else None
-    config = load_config(args.config)
+    text, source = config_text(args.config)
+    config = parse_config(text, source)
     scheduler = build_scheduler(config, registry, in_flight, sessions)
     flow = replace(
         parse_flow_control(config.flow_control, config.source), scraped=args.stale_after_s > 0
@@ -228,6 +235,9 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         flow=flow,
     )
     router.observers.append(OutcomeMetrics(registry))  # per-request outcomes, always on
+    if args.log_picks:
+        router.observers.append(PickLog())  # a log line per decision and end
+    reloader = ConfigReloader(router, args.config, text, config, registry, args.config_poll_s)
     tracing = start_tracing(args)
     if tracing is not None:
         router.observers.append(tracing.observer)
@@ -285,6 +295,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         sharing.start(router)
     if kv_events is not None:
         kv_events.start()
+    reloader.start()
     admin = start_admin(args, router, config.source, store, kv_events)
     set_serving(servicer, True)
     log.info(
@@ -315,6 +326,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         kv_events,
         objectives,
         tracing,
+        reloader=reloader,
         admin=admin,
     )
 

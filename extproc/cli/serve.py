@@ -3,7 +3,8 @@
 Every flag has an environment variable (``EXTPROC_<FLAG>``) and an embedded default,
 except the pods source: without ``--pods`` or a Kubernetes source serve refuses to start
 (exit 2), rather than serve pods nobody named. ``app.start`` wires the pieces;
-SIGTERM/SIGINT drain (``Running.stop``) and exit.
+SIGTERM/SIGINT drain (``Running.stop``) and exit; SIGHUP reloads the ``--config`` file
+(``admin.reload``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from extproc.admin.json_log import JsonFormatter
+from extproc.admin.reload import add_reload_arguments
 from extproc.admin.server import add_admin_arguments
 from extproc.admin.tracing import add_tracing_arguments
 from extproc.cli import CLI_REFERENCE
@@ -267,6 +270,7 @@ def register(sub: Any) -> None:
     )
     add_events_arguments(p, _env)
     add_tracing_arguments(p, _env)
+    add_reload_arguments(p, _env)
     add_admin_arguments(p, _env)
     g = p.add_argument_group("logging")
     g.add_argument(
@@ -283,13 +287,44 @@ def register(sub: Any) -> None:
         help="verbosity; 4 logs every score plugin's per-pod scores and the final scores "
         "(default: %(default)s)",
     )
+    g.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=_env("log-format", "text"),
+        help="text: one line for people; json: one JSON object a line (time, level, "
+        "logger, message and the record's fields) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--log-picks",
+        action=argparse.BooleanOptionalAction,
+        default=_env("log-picks", "false").lower() in ("1", "true", "yes", "on"),
+        help="a log line per routing decision (request id, model, pick, fallbacks, "
+        "predicted cached tokens, time queued) and per end (served by, succeeded, "
+        "duration) on logger extproc.picks; costs CPU per request (default: %(default)s)",
+    )
     p.set_defaults(func=run)
 
 
-def configure_logging(level: str, verbosity: int) -> None:
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_FORMATS = ("text", "json")
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def check_logging_args(args: argparse.Namespace) -> None:
+    """Raises: ConfigError: a --log-format not in ``LOG_FORMATS`` (from the environment:
+    argparse checks only the command line's)."""
+    if args.log_format not in LOG_FORMATS:
+        raise ConfigError(
+            f"--log-format must be one of {', '.join(LOG_FORMATS)}, got {args.log_format!r}"
+        )
+
+
+def configure_logging(level: str, verbosity: int, log_format: str = "text") -> None:
+    """The root logger to stderr, as text or JSON lines (``admin.json_log``)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(
+        JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
     )
+    logging.basicConfig(level=level.upper(), handlers=[handler])
     if verbosity >= 4:
         logging.getLogger("extproc.scheduling").setLevel(logging.DEBUG)
     if verbosity >= 5:
@@ -299,25 +334,34 @@ def configure_logging(level: str, verbosity: int) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         check_args(args)
+        check_logging_args(args)
     except ConfigError as exc:
         print(f"extproc serve: cannot start: {exc}", file=sys.stderr)
         return 2
-    configure_logging(args.log_level, args.v)
+    configure_logging(args.log_level, args.v, args.log_format)
     stop = threading.Event()
+    hangup = threading.Event()  # SIGHUP: reload the configuration (``admin.reload``)
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         stop.set()  # nothing else here: the handler may interrupt any code, logging included
 
+    def on_hangup(signum: int, _frame: FrameType | None) -> None:
+        hangup.set()  # likewise: the reload runs in the loop below
+
     # Installed before anything listens, so a SIGTERM right after start-up still drains.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_hangup)
     try:
         running = start(args)
     except (ConfigError, OSError) as exc:
         log.error("cannot start: %s", exc)
         return 2
-    while not stop.wait(1.0):
-        pass
+    while not stop.wait(0.5):
+        if hangup.is_set():
+            hangup.clear()
+            if running.reloader is not None:
+                running.reloader.reload_now()
     log.info("signal received: draining for up to %.1f s", args.drain_s)
     running.stop(args.drain_s)
     log.info("stopped")

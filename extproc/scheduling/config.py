@@ -57,6 +57,7 @@ from extproc.scheduling.interfaces import (
     Preparer,
     Provisional,
     Recorder,
+    Reloadable,
     Scorer,
 )
 from extproc.scheduling.pdgroup import PDGroup
@@ -64,6 +65,7 @@ from extproc.scheduling.plugins.least_latency import LeastLatency, check_least_l
 from extproc.scheduling.registry import BUILTIN
 from extproc.scheduling.scheduler import PluginTimer, Scheduler, WeightedScorer
 from extproc.scheduling.sessions import SessionStore
+from extproc.scheduling.shared_metrics import per_registry
 
 log = logging.getLogger("extproc.scheduling.config")
 
@@ -195,13 +197,17 @@ def build_scheduler(
     registry: CollectorRegistry = REGISTRY,
     in_flight: InFlight | None = None,
     sessions: SessionStore | None = None,
+    previous: Scheduler | None = None,
 ) -> Scheduler:
     """Instantiate each named plugin once and wire it into every role it was given.
 
     ``in_flight`` is the router's counters, shared with the plugins that read them;
     ``sessions`` turns session sticky on. A plugin that offers exact prefix counts
     (``ExactPrefix``), then one that offers the prefix view (``PrefixMatcher``), is built
-    first and handed to the others in their context.
+    first and handed to the others in their context. ``previous``, a reload's scheduler
+    in force: each new plugin takes over the state of the previous plugin of its type
+    (``Reloadable.adopt``), once all are built. Metrics are registered once per registry
+    (``shared_metrics``), so building again on the same registry reuses them.
     """
     ctx = PluginContext(
         registry=registry,
@@ -228,6 +234,8 @@ def build_scheduler(
         for entry in config.scores
         if isinstance(plugin := instances[entry.name], Scorer)
     ]
+    if previous is not None:
+        _adopt(instances, previous)
     unused = sorted(set(config.plugin_args) - set(instances))
     if unused:
         log.warning("%s: pluginConfig for plugins that are not enabled: %s", config.source, unused)
@@ -246,9 +254,36 @@ def build_scheduler(
         preparers=tuple(p for p in instances.values() if isinstance(p, Preparer)),
         in_flight=ctx.in_flight,
         sessions=sessions,
-        timer=PluginTimer(registry),
+        timer=per_registry(registry, "plugin-timer", lambda: PluginTimer(registry)),
         pd_group=config.pd_group,
     )
+
+
+def plugins_of(scheduler: Scheduler) -> dict[str, object]:
+    """The scheduler's plugin instances by type name (each in whatever roles it has)."""
+    found: dict[str, object] = {}
+    roles: Iterable[Iterable[object]] = (
+        scheduler.filters,
+        (w.scorer for w in scheduler.scorers),
+        scheduler.recorders,
+        scheduler.listeners,
+        scheduler.provisional,
+        scheduler.preparers,
+    )
+    for role in roles:
+        for plugin in role:
+            found.setdefault(getattr(plugin, "type_name", repr(plugin)), plugin)
+    return found
+
+
+def _adopt(instances: dict[str, Plugin], previous: Scheduler) -> None:
+    """Each new plugin takes over its predecessor's state (``Reloadable``)."""
+    before = plugins_of(previous)
+    for name, plugin in instances.items():
+        old = before.get(name)
+        if old is not None and isinstance(plugin, Reloadable):
+            kept = plugin.adopt(old)
+            log.info("reload: %s %s its state", name, "kept" if kept else "kept part of")
 
 
 def _mapping(value: Any, where: str) -> dict[str, Any]:

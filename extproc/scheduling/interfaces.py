@@ -319,3 +319,15 @@ class Explainer(Protocol):
     type_name: ClassVar[str]
 
     def explain(self, cycle: Cycle, pods: Sequence[Pod]) -> list[PodTerms]: ...
+
+
+@runtime_checkable
+class Reloadable(Protocol):
+    """A plugin whose state a configuration reload keeps (``admin.reload``): the plugin
+    built from the new configuration takes over its predecessor's (same type) views,
+    pending credit and counters, each where its geometry is unchanged."""
+
+    def adopt(self, previous: object) -> bool:
+        """Take over ``previous``'s state where compatible; False when some of it was
+        dropped (the plugin logs which view and why) or ``previous`` is not of its type."""
+        ...

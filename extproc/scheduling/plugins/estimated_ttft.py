@@ -109,12 +109,14 @@ from extproc.scheduling.interfaces import (
     Scores,
     ViewState,
 )
+from extproc.scheduling.plugins.adopt import same_geometry
 from extproc.scheduling.plugins.arrivals import Arrivals
 from extproc.scheduling.plugins.pod_work import pod_work
 from extproc.scheduling.plugins.prefix_metrics import prefix_cache_metrics
 from extproc.scheduling.plugins.prefix_rows import match_lengths, per_row
 from extproc.scheduling.plugins.session_book import SessionBook, SessionPrompt
 from extproc.scheduling.podtable import PodTable, Positions, RowValues
+from extproc.scheduling.shared_metrics import shared_metric
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +210,11 @@ class Written:
         if self._rows is not None:
             self._rows[1][:] /= scale
 
+    def set_window(self, window: int) -> None:
+        """Decay by ``1 - 1/window`` from the next pick on (a reload)."""
+        with self._lock:
+            self.decay = 1.0 - 1.0 / window
+
     def get(self, pod: PodId) -> float:
         """Tokens written to ``pod``, decayed."""
         with self._lock:
@@ -254,6 +261,10 @@ class PromptLength(NamedTuple):
 _SIZED = "estimated-ttft sized the view"  # a pod table's scratch key
 
 
+# The arguments that shape the view (the first two: the arriving prompts' keys too).
+VIEW_ARGS = ("blockSizeToHash", "maxBlocksToMatch", "maxHashCacheSize")
+
+
 class EstimatedTTFT:
     """Scores pods by estimated time to first token, with affinity hysteresis."""
 
@@ -270,35 +281,62 @@ class EstimatedTTFT:
         self.recorded = RecordTimes()  # for ``pod_view``
         self.written = Written(args.writtenWindow)
         self.sessions = SessionBook(args.sessionIdleS)
-        self.sessions_moved = Counter(
+        registry = ctx.registry  # its metrics are shared: a reload builds it again
+        self.sessions_moved = shared_metric(
+            registry,
+            Counter,
             "extproc_sessions_moved",
             "Sessions picked for another pod than the one that served their previous request.",
-            registry=ctx.registry,
         )
-        self.moved_tokens = Counter(
+        self.moved_tokens = shared_metric(
+            registry,
+            Counter,
             "extproc_sessions_moved_recomputed_tokens",
             "Prompt tokens the pods picked for moved sessions were estimated to prefill.",
-            registry=ctx.registry,
         )
-        Gauge(
+        shared_metric(
+            registry,
+            Gauge,
             "extproc_sessions_live",
             "Sessions (conversations) seen within sessionIdleS.",
-            registry=ctx.registry,
         ).set_function(lambda: len(self.sessions))
-        Gauge(
+        shared_metric(
+            registry,
+            Gauge,
             "extproc_estimated_ttft_arriving_requests",
             "Routed requests whose prompt counts as arriving at their pick (not ended yet).",
-            registry=ctx.registry,
         ).set_function(lambda: self.arrivals.num_requests)
-        Gauge(
+        shared_metric(
+            registry,
+            Gauge,
             "extproc_estimated_ttft_entries",
             "Prefix-view entries (blocks per pod) recorded by estimated-ttft.",
-            registry=ctx.registry,
         ).set_function(lambda: self.index.num_entries)
 
     @classmethod
     def from_args(cls, args: Any, ctx: PluginContext) -> EstimatedTTFT:
         return cls(load_args(cls.args_type, args), ctx)
+
+    def adopt(self, previous: object) -> bool:
+        """``Reloadable``: the recorded view and the arriving prompts, each when the
+        arguments that shape it are unchanged; the cache writes and the sessions always
+        (their new window and idle time apply from now on)."""
+        if not isinstance(previous, EstimatedTTFT):
+            return False
+        name, old, new = self.type_name, previous.args, self.args
+        kept_view = same_geometry(name, "prefix view", old, new, VIEW_ARGS)
+        if kept_view:
+            self.index, self.recorded = previous.index, previous.recorded
+        else:
+            self.metrics.entries_changed(-previous.index.num_entries)  # no longer held
+        kept_arrivals = same_geometry(name, "arriving prompts", old, new, VIEW_ARGS[:2])
+        if kept_arrivals:
+            self.arrivals = previous.arrivals
+        self.written = previous.written
+        self.written.set_window(new.writtenWindow)
+        self.sessions = previous.sessions
+        self.sessions.idle_s = new.sessionIdleS
+        return kept_view and kept_arrivals
 
     @property
     def block_geometry(self) -> tuple[int, int]:

@@ -38,7 +38,7 @@ from functools import cache
 from typing import Any, ClassVar
 
 import numpy as np
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -60,8 +60,10 @@ from extproc.scheduling.interfaces import (
     TokenIds,
     ViewState,
 )
+from extproc.scheduling.plugins.adopt import same_geometry
 from extproc.scheduling.plugins.arrivals import Arrivals
 from extproc.scheduling.plugins.prefix_metrics import MATCH_RATIO_BUCKETS
+from extproc.scheduling.shared_metrics import per_registry, shared_metric
 
 log = logging.getLogger("extproc.scheduling.precise")
 
@@ -129,6 +131,16 @@ class _MemoCollector(Collector):
         return [family, memo]
 
 
+def _memo_collector(registry: CollectorRegistry) -> _MemoCollector:
+    collector = _MemoCollector({})
+    registry.register(collector)
+    return collector
+
+
+# The arguments that shape the approximate view (the precise view is always kept).
+APPROX_ARGS = ("blockSizeToHash", "maxBlocksToMatch", "maxHashCacheSize")
+
+
 class PrecisePrefixCache:
     """Scores by the pods' reported KV cache; records prompts for the approximate view."""
 
@@ -139,6 +151,7 @@ class PrecisePrefixCache:
         self.args = args
         self.index = PreciseIndex(args.capacityBlocks, args.staleSeconds)
         self.approx = PrefixIndex(args.maxHashCacheSize)
+        self.models = dict(models)  # model -> tokenizer directory, for ``adopt``
         self.recorded = RecordTimes()  # the approximate view's, for ``pod_view``
         share = max(1, args.memoTokens // max(1, len(models)))
         try:
@@ -147,49 +160,58 @@ class PrecisePrefixCache:
             raise ConfigError(f"precise-prefix-cache: {exc}") from None
         self.arrivals = Arrivals()
         registry = ctx.registry
-        ratio = Histogram(
+        ratio = shared_metric(  # shared: a reload builds the plugin again
+            registry,
+            Histogram,
             "extproc_precise_prefix_cache_match_ratio",
             "Fraction of the prompt's blocks the best pod holds, each time it scores.",
             ["model"],
-            registry=registry,
             buckets=MATCH_RATIO_BUCKETS,
         )
         self._ratio = cache(ratio.labels)
-        fallbacks = Counter(
+        fallbacks = shared_metric(
+            registry,
+            Counter,
             "extproc_precise_prefix_fallbacks",
             "Scores taken from the approximate view: the request could not be tokenized "
             "exactly (not_exact, unknown_model), the tokenizing threads had no room for "
             "it (busy), or a pod's view was stale (stale_pod).",
             ["reason"],
-            registry=registry,
         )
         self._fallbacks = cache(fallbacks.labels)
-        tokenize = Histogram(
+        tokenize = shared_metric(
+            registry,
+            Histogram,
             "extproc_precise_prefix_tokenize_seconds",
             "Time to render and tokenize one request (memo lookups included).",
             ["model"],
-            registry=registry,
             buckets=TOKENIZE_BUCKETS,
         )
         self._tokenize_time = cache(tokenize.labels)
-        self._evictions = Counter(
+        self._evictions = shared_metric(
+            registry,
+            Counter,
             "extproc_precise_prefix_cache_evictions",
             "Approximate-view entries dropped because a pod's list was full.",
             ["model"],
-            registry=registry,
         )
-        entries = Gauge(
+        entries = shared_metric(
+            registry,
+            Gauge,
             "extproc_precise_prefix_cache_entries",
             "Approximate-view entries stored across all pods.",
-            registry=registry,
         )
         entries.set_function(lambda: self.approx.num_entries)
-        Gauge(
+        shared_metric(
+            registry,
+            Gauge,
             "extproc_precise_prefix_arriving_requests",
             "Routed requests whose prompt counts as cached on their pick (not ended yet).",
-            registry=registry,
         ).set_function(lambda: self.arrivals.num_requests)
-        registry.register(_MemoCollector(self.tokenizers))
+        self._memo = per_registry(
+            registry, "precise-prefix-memo", lambda: _memo_collector(registry)
+        )
+        self._memo.tokenizers = self.tokenizers
 
     @classmethod
     def from_args(cls, args: Any, ctx: PluginContext) -> PrecisePrefixCache:
@@ -203,6 +225,31 @@ class PrecisePrefixCache:
             )
         numeric = {k: v for k, v in raw.items() if k != "models"}
         return cls(load_args(cls.args_type, numeric), models, ctx)
+
+    def adopt(self, previous: object) -> bool:
+        """``Reloadable``: the pods' KV-event view always (the events subscriber feeds
+        that object; new ``capacityBlocks`` and ``staleSeconds`` apply to it from now on),
+        the tokenizers' memo when ``models`` and ``memoTokens`` are unchanged, the
+        approximate view and the provisional credit when their geometry is."""
+        if not isinstance(previous, PrecisePrefixCache):
+            return False
+        old, new = previous.args, self.args
+        self.index = previous.index
+        self.index.stale_s = new.staleSeconds
+        if new.capacityBlocks != old.capacityBlocks:
+            self.index.capacity = new.capacityBlocks  # new pods' views; and the known:
+            for view in list(self.index.views.values()):
+                view.capacity = new.capacityBlocks  # trimmed at their next stored event
+        if previous.models == self.models and old.memoTokens == new.memoTokens:
+            self.tokenizers = previous.tokenizers
+            self._memo.tokenizers = self.tokenizers
+        kept_approx = same_geometry(self.type_name, "approximate view", old, new, APPROX_ARGS)
+        if kept_approx:
+            self.approx, self.recorded = previous.approx, previous.recorded
+        kept_credit = same_geometry(self.type_name, "provisional credit", old, new, ["blockSize"])
+        if kept_credit:
+            self.arrivals = previous.arrivals
+        return kept_approx and kept_credit
 
     # Tokens and matches -----------------------------------------------------------
 

@@ -42,6 +42,7 @@ from extproc.scheduling.interfaces import (
     Scores,
     ViewState,
 )
+from extproc.scheduling.plugins.adopt import same_geometry
 from extproc.scheduling.plugins.pod_work import uncached_tokens
 from extproc.scheduling.plugins.prefix_metrics import prefix_cache_metrics
 from extproc.scheduling.plugins.prefix_rows import match_rows, per_row
@@ -63,6 +64,10 @@ class PrefixCacheArgs:
     )
 
 
+# The arguments that shape the view: a reload keeps it only when they are unchanged.
+VIEW_ARGS = ("blockSizeToHash", "maxBlocksToMatch", "maxHashCacheSize")
+
+
 class PrefixCacheScorer:
     """Scores by recorded prefix match and records served prompts."""
 
@@ -78,6 +83,16 @@ class PrefixCacheScorer:
     @classmethod
     def from_args(cls, args: Any, ctx: PluginContext) -> PrefixCacheScorer:
         return cls(load_args(cls.args_type, args), ctx)
+
+    def adopt(self, previous: object) -> bool:
+        """``Reloadable``: the recorded view, when its geometry is unchanged."""
+        if not isinstance(previous, PrefixCacheScorer):
+            return False
+        if not same_geometry(self.type_name, "prefix view", previous.args, self.args, VIEW_ARGS):
+            self.metrics.entries_changed(-previous.index.num_entries)  # no longer held
+            return False
+        self.index, self.recorded = previous.index, previous.recorded
+        return True
 
     @property
     def block_geometry(self) -> tuple[int, int]:
