@@ -111,17 +111,40 @@ def test_picker_pod_runs_hardened_with_grpc_probes() -> None:
     assert pod["terminationGracePeriodSeconds"] > 10  # the drain (10 s) fits
 
 
-def _checksum(values: dict[str, Any], deployment: str = FULLNAME) -> str:
+def _annotations(values: dict[str, Any], deployment: str = FULLNAME) -> dict[str, str]:
     template = find(render(values), "Deployment", deployment)["spec"]["template"]
-    return template["metadata"]["annotations"]["checksum/config"]  # type: ignore[no-any-return]
+    return template["metadata"]["annotations"]  # type: ignore[no-any-return]
 
 
-def test_a_config_change_rolls_the_pods() -> None:
-    weights = {"plugins": {"Score": {"enabled": [{"name": "prefix-cache", "weight": 2}]}}}
-    assert _checksum({}) == _checksum({})
-    assert _checksum({}) != _checksum({"scheduler": weights})
+def _checksum(values: dict[str, Any], deployment: str = FULLNAME) -> str:
+    return _annotations(values, deployment)["checksum/config"]
+
+
+WEIGHTS = {"plugins": {"Score": {"enabled": [{"name": "prefix-cache", "weight": 2}]}}}
+NO_RELOAD = {"config": {"reload": False}}
+
+
+def test_without_live_reload_a_config_change_rolls_the_pods() -> None:
+    assert _checksum(NO_RELOAD) == _checksum(NO_RELOAD)
+    assert _checksum(NO_RELOAD) != _checksum({**NO_RELOAD, "scheduler": WEIGHTS})
     envoy = f"{FULLNAME}-envoy"
     assert _checksum({}, envoy) != _checksum({"envoy": {"failureModeAllow": True}}, envoy)
+    assert "--config-poll-s=0" in picker_container(render(NO_RELOAD))["args"]
+
+
+def test_with_live_reload_only_a_flow_control_change_rolls_the_pods() -> None:
+    """The default: the scheduler section is applied live from the mounted ConfigMap (a
+    whole-volume mount, which the kubelet updates; a subPath mount never is), so its
+    change leaves the pod template alone; flowControl needs a restart, so it rolls."""
+    assert _annotations({}) == _annotations({"scheduler": WEIGHTS})
+    assert "checksum/config" not in _annotations({})
+    flow = _annotations({"flowControl": {"queue": {"ttlS": 30}}})
+    assert flow["checksum/flow-control"] != _annotations({})["checksum/flow-control"]
+    (mount,) = [m for m in picker_container(render())["volumeMounts"] if m["name"] == "config"]
+    assert mount["mountPath"] == "/etc/extproc" and "subPath" not in mount
+    args = picker_container(render())["args"]
+    assert "--config=/etc/extproc/config.yaml" in args
+    assert not any(a.startswith("--config-poll-s") for a in args)  # serve's default: 2 s
 
 
 @pytest.mark.parametrize(
