@@ -49,6 +49,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("serve", "extproc.cli.serve", None),
     Command("envoy-config", "extproc.cli.envoy_config", None),
     Command("hash", "extproc.cli.hash", None),
+    Command("explain", "extproc.cli.explain", None),
     Command("demo", "extproc.sim.demo", "sim"),
     Command("sim-pods", "extproc.sim.pods_cli", "sim"),
     Command("simulate", "extproc.sim.simulate_cli", "sim"),
