@@ -12,21 +12,32 @@ exporter does, but sends nothing). Cases:
 - 1% by extproc: no trace context (Envoy not tracing), ``--trace-sampling 0.01``;
 - 100%: every request traced by Envoy.
 
-    python -m bench.tracing_cost [--requests 20000]
+``--through-envoy N`` also sends N requests one at a time through real Envoy, extproc
+and simulated pods, tracing off, at 1% and at 100% (Envoy's and extproc's spans to an
+OTLP receiver in this process), and reports Envoy's and extproc's CPU per request.
+
+    python -m bench.tracing_cost [--requests 20000] [--through-envoy 3000]
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from contextlib import contextmanager
 
+import grpc
+import httpx
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
+from bench.picker import cpu_seconds
 from extproc.admin.tracing import PickTracer, make_provider
 from extproc.routing.observe import Routed, RouteObserver, tell_routed
+from extproc.sim.launch import run_stack, spawn_sim_pods
 from testkit.factories import make_pod
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
@@ -97,10 +108,76 @@ def case(sampling: float, routed: list[Routed]) -> tuple[float, float, int]:
     return thread_us, process_us, exporter.spans
 
 
+class CountingReceiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP trace collector that counts the spans of each service."""
+
+    def __init__(self) -> None:
+        self.spans: dict[str, int] = {}
+
+    def Export(
+        self, request: trace_service_pb2.ExportTraceServiceRequest, context: object
+    ) -> trace_service_pb2.ExportTraceServiceResponse:
+        for resource_spans in request.resource_spans:
+            name = next(
+                a.value.string_value
+                for a in resource_spans.resource.attributes
+                if a.key == "service.name"
+            )
+            count = sum(len(scope.spans) for scope in resource_spans.scope_spans)
+            self.spans[name] = self.spans.get(name, 0) + count
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+@contextmanager
+def receiver() -> Iterator[tuple[CountingReceiver, int]]:
+    counting = CountingReceiver()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(counting, server)  # type: ignore[no-untyped-call]
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield counting, port
+    finally:
+        server.stop(0).wait(2)
+
+
+def through_envoy(n: int) -> None:
+    """Envoy's and extproc's CPU per request, tracing off, at 1% and at 100%."""
+    model = "sim-llm"
+    body = {"model": model, "prompt": "You are a helpful assistant. " * 40, "max_tokens": 1}
+    print(f"\n{n} requests one at a time through Envoy; CPU us per request (envoy / extproc)")
+    with spawn_sim_pods(4, args=["--model", model]) as sim, receiver() as (counting, port):
+        for name, sampling in (("off", None), ("1%", 0.01), ("100%", 1.0)):
+            endpoint = f"127.0.0.1:{port}"
+            traced = sampling is not None
+            with (
+                run_stack(
+                    sim.as_pods(),
+                    envoy_options={"otlp_endpoint": endpoint, "trace_sampling": sampling}
+                    if traced
+                    else None,
+                    extproc_args=["--otlp-endpoint", endpoint, "--trace-sampling", str(sampling)]
+                    if traced
+                    else [],
+                ) as stack,
+                httpx.Client(base_url=stack.url, timeout=30) as client,
+            ):
+                for _ in range(200):  # warm-up
+                    client.post("/v1/completions", json=body).raise_for_status()
+                before = cpu_seconds(stack.envoy.pid), cpu_seconds(stack.extproc.pid)
+                for _ in range(n):
+                    client.post("/v1/completions", json=body).raise_for_status()
+                envoy_us = (cpu_seconds(stack.envoy.pid) - before[0]) / n * 1e6
+                extproc_us = (cpu_seconds(stack.extproc.pid) - before[1]) / n * 1e6
+            print(f"{name:6} {envoy_us:7.0f} / {extproc_us:7.0f}   spans so far {counting.spans}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20000)
-    n = parser.parse_args(argv).requests
+    parser.add_argument("--through-envoy", type=int, default=0, metavar="N")
+    args = parser.parse_args(argv)
+    n = args.requests
     print(f"{n} decisions per case; CPU us per request (thread / process incl. export)")
     off_thread, off_process = measure([], parents(None, n), lambda: None)
     print(f"{'off (no tracer)':28} {off_thread:7.2f} / {off_process:7.2f}   spans 0")
@@ -112,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         case(sampling, parents(share, 1000))  # warm-up
         thread_us, process_us, spans = case(sampling, parents(share, n))
         print(f"{name:28} {thread_us:7.2f} / {process_us:7.2f}   spans {spans}")
+    if args.through_envoy:
+        through_envoy(args.through_envoy)
     return 0
 
 
