@@ -234,7 +234,8 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         share=sharing.publish if sharing is not None else None,
         flow=flow,
     )
-    router.observers.append(OutcomeMetrics(registry))  # per-request outcomes, always on
+    if args.request_metrics == "on":
+        router.observers.append(OutcomeMetrics(registry))  # per-request outcomes
     if args.log_picks:
         router.observers.append(PickLog())  # a log line per decision and end
     reloader = ConfigReloader(router, args.config, text, config, registry, args.config_poll_s)

@@ -133,6 +133,14 @@ def register(sub: Any) -> None:
         default=_env("metrics-port", "9090"),
         help="Prometheus /metrics port (default: %(default)s)",
     )
+    g.add_argument(
+        "--request-metrics",
+        choices=("on", "off"),
+        default=_env("request-metrics", "on"),
+        help="per-request outcome metrics per model and pod (first byte, duration, bytes, "
+        "attempts, predicted cached tokens) from Envoy's access log; off spares their "
+        "series where pods are many (default: %(default)s)",
+    )
     g = p.add_argument_group("routing", "the scheduler and what a reply lists")
     g.add_argument(
         "--config",
