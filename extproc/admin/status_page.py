@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from html import escape
 from typing import Any
 
-from extproc.admin.recent import Pick, PickEnd, Predicted, RecentPicks
+from extproc.admin.recent import DEFAULT_SIZE, Pick, PickEnd, Predicted, RecentPicks
+from extproc.admin.server import AdminRequest, AdminResponse, AdminServer
 from extproc.pods import Pod, PodMetrics
 
 REFRESH_S = 5
@@ -55,6 +56,8 @@ tr:last-child td { border-bottom: 0; }
   background: var(--line); border-radius: 4px; vertical-align: middle; overflow: hidden; }
 .bar > span { display: block; height: 100%; background: var(--bar); }
 .empty { color: var(--muted); padding: 10px; }
+.scroll { overflow-x: auto; }
+.id { font: 12px ui-monospace, "DejaVu Sans Mono", monospace; }
 footer { margin-top: 20px; color: var(--muted); font-size: 12px; }
 footer a { color: inherit; }
 """
@@ -86,10 +89,24 @@ class PodRow:
     view_blocks: int | None
     view_age_s: float | None  # since the view's last record for this pod
     view_name: str  # the plugin whose view it is ("" without one)
+    view_stale: bool  # distrusted now (precise-prefix-cache after lost events)
     predicted_ratio: float | None
     predicted_prompt_tokens: int
     reported_ratio: float | None
     reported_queries: float | None
+
+
+def add_status_page(admin: AdminServer, num_picks: int = DEFAULT_SIZE) -> RecentPicks:
+    """Serve the page as ``GET /`` on ``admin``, its ``RecentPicks`` on the router's
+    observers (only while the admin port is on: it costs an append per request)."""
+    recent = RecentPicks(num_picks)
+    admin.router.observers.append(recent)
+
+    def page(_request: AdminRequest) -> AdminResponse:
+        return AdminResponse.html(status_page(admin.pods_state(), admin.router.pods, recent))
+
+    admin.add_route("GET", "/", page)
+    return recent
 
 
 def status_page(state: Mapping[str, Any], pods: Sequence[Pod], recent: RecentPicks) -> str:
@@ -133,6 +150,7 @@ def pod_row(pod: Mapping[str, Any], metrics: PodMetrics | None, predicted: Predi
         view_blocks=view["blocks"] if view else None,
         view_age_s=view["last_record_age_s"] if view else None,
         view_name=view_name,
+        view_stale=bool(view and view["stale"]),
         predicted_ratio=predicted.ratio,
         predicted_prompt_tokens=predicted.prompt_tokens,
         reported_ratio=hits / queries if hits is not None and queries else None,
@@ -212,8 +230,7 @@ def _pod_cells(p: PodRow) -> list[str]:
         _age(p.scrape_age_s),
         str(p.in_flight),
         str(p.in_flight_tokens),
-        _num(p.view_blocks)
-        + (f"<div class='sub'>{escape(p.view_name)}</div>" if p.view_name else ""),
+        _view(p),
         _age(p.view_age_s),
         _ratio(p.predicted_ratio, f"{p.predicted_prompt_tokens} prompt tokens"),
         _ratio(
@@ -250,10 +267,10 @@ def _pick_cells(pick: Pick, end: PickEnd | None) -> list[str]:
     tokens = f"{pick.prompt_tokens}" + ("" if pick.exact else " <span class='sub'>est.</span>")
     return [
         time.strftime("%H:%M:%S", time.gmtime(pick.at_unix_s)),
-        escape(pick.request_id or "—"),
+        f"<span class='id'>{escape(pick.request_id or '—')}</span>",
         escape(pick.model),
         escape(str(first)),
-        escape(", ".join(map(str, rest))) or "—",
+        f"<span class='sub'>{escape(', '.join(map(str, rest))) or '—'}</span>",
         tokens,
         str(pick.predicted_cached_tokens),
         f"{pick.queued_s * 1000:.0f} ms",
@@ -280,7 +297,16 @@ def _table(columns: Sequence[tuple[str, str]], rows: Sequence[Sequence[str]], na
         + "</tr>"
         for row in rows
     )
-    return f"<table id='{name}'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return (
+        f"<div class='scroll'><table id='{name}'><thead><tr>{head}</tr></thead>"
+        f"<tbody>{body}</tbody></table></div>"
+    )
+
+
+def _view(p: PodRow) -> str:
+    stale = " <span class='bad'>stale</span>" if p.view_stale else ""
+    name = f"<div class='sub'>{escape(p.view_name)}</div>" if p.view_name else ""
+    return _num(p.view_blocks) + stale + name
 
 
 def _num(value: int | None) -> str:

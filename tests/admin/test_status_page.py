@@ -5,11 +5,22 @@ from __future__ import annotations
 from html.parser import HTMLParser
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from extproc.admin.recent import Pick, PickEnd, RecentPicks
-from extproc.admin.status_page import REFRESH_S, Header, PodRow, render_status, status_page
+from extproc.admin.server import AdminRequest, AdminServer
+from extproc.admin.status_page import (
+    REFRESH_S,
+    Header,
+    PodRow,
+    add_status_page,
+    render_status,
+    status_page,
+)
 from extproc.pods import PodId, PodMetrics
 from extproc.routing.observe import Ended
-from testkit.factories import make_pod
+from extproc.routing.router import Router
+from testkit.factories import PREFIX_ONLY, make_pod, make_scheduler
 
 HOSTILE = "<script>alert(1)</script>"
 
@@ -64,6 +75,7 @@ def row(pod_id: str, **changes: object) -> PodRow:
         "view_blocks": 120,
         "view_age_s": 2.5,
         "view_name": "prefix-cache",
+        "view_stale": False,
         "predicted_ratio": 0.5,
         "predicted_prompt_tokens": 1000,
         "reported_ratio": 0.4375,
@@ -161,7 +173,7 @@ def test_the_page_joins_pods_state_the_scraped_counters_and_the_recent_picks() -
     )
     views = {
         "prefix-cache": {"blocks": 7, "last_record_age_s": 1.5, "stale": False},
-        "precise-prefix-cache": {"blocks": 9, "last_record_age_s": 0.5, "stale": False},
+        "precise-prefix-cache": {"blocks": 9, "last_record_age_s": 0.5, "stale": True},
     }
     state = {
         "replica": "r-1",
@@ -182,6 +194,30 @@ def test_the_page_joins_pods_state_the_scraped_counters_and_the_recent_picks() -
     assert row_a[4:8] == ["—"] * 4  # never scraped: no load shown as zeros
     assert row_a[-2:] == ["—", "—"]  # no prediction, no counters
     assert row_b[1] == "m, n" and row_b[4:7] == ["2", "5", "50%"]
-    assert row_b[8:12] == ["1", "300", "9precise-prefix-cache", "500 ms"]  # the larger view
+    assert row_b[8:12] == ["1", "300", "9 staleprecise-prefix-cache", "500 ms"]  # the larger view
     assert row_b[-2:] == ["25.0%200 prompt tokens", "25.0%120 queried tokens"]
     assert "on, 2 held" in html and "1 min 1 s" in html
+
+
+def test_get_slash_serves_the_page_of_a_real_router_with_its_picks() -> None:
+    """``add_status_page`` puts its observer on the router: a routed and completed
+    request shows in the picks and in the serving pod's predicted ratio."""
+    pods = [make_pod(f"p{i}", port=8000 + i) for i in range(3)]
+    router = Router(make_scheduler(PREFIX_ONLY), pods, registry=CollectorRegistry())
+    admin = AdminServer(router, config_source="t.yaml")
+    recent = add_status_page(admin)
+    assert recent in router.observers
+    body = b'{"model": "m", "prompt": "' + b"hello there " * 50 + b'"}'
+    for request_id in ("r1", "r2"):  # the second is predicted cached on the first's pod
+        decision = router.route("/v1/completions", body, request_id=request_id)
+        router.complete(request_id, decision.pods[0].address, succeeded=True)
+    answer = admin.handle(AdminRequest("GET", "/", {}, {}, b""))
+    assert answer.status == 200 and answer.content_type.startswith("text/html")
+    page = Page(answer.body.decode())
+    assert page.pods == ["default/p0", "default/p1", "default/p2"]
+    assert [row[1] for row in page.rows["picks"][1:]] == ["r2", "r1"]
+    served = decision.pods[0].id
+    (row,) = [r for r in page.rows["pods"][1:] if r[0].startswith(str(served))]
+    predicted = recent.predicted()[served]
+    assert predicted.cached_tokens > 0 and predicted.ratio is not None
+    assert row[-2].startswith(f"{100 * predicted.ratio:.1f}%")
