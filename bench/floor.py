@@ -13,6 +13,9 @@ runs, alternating, medians of ``--rounds``.
 (``--grpc-server public``), over TLS (``--grpc-tls files``, Envoy verifying it) and over
 mutual TLS, in the same run.
 
+``--variants bare`` adds extproc without its per-request observers (``--request-metrics
+off``): what the observability on by default costs is the default's CPU over it.
+
 ``--variants precise --model-dir DIR`` adds extproc with precise-prefix-cache
 (``extproc/data/precise.yaml``, the tokenizer in DIR for the pods' model) and compares it
 with extproc's approximate default: with a warm memo (the usual workload, every tenant's
@@ -49,8 +52,9 @@ from testkit.tls_certs import CertAuthority
 
 TRIVIAL = "envoy+trivial-picker"
 TRIVIAL_COMMAND = (sys.executable, "-m", "bench.trivial_picker")
-VARIANTS = ("public", "tls", "mtls", "precise")
+VARIANTS = ("public", "tls", "mtls", "precise", "bare")
 PRECISE = f"{EXTPROC} (precise)"
+BARE = f"{EXTPROC} (bare)"
 # Tenants of the cold-memo workload: loadgen's 6-digit number. Drawn at random, a run of
 # n requests repeats one about n^2 / 2e6 times: 2% of the 40,000 of the busiest run.
 COLD_TENANTS = 1_000_000
@@ -82,6 +86,8 @@ def variant_stack_args(variant: str, work_dir: Path, model_dir: Path | None) -> 
         }
     if variant == "public":
         return {"extproc_args": ["--grpc-server", "public"]}
+    if variant == "bare":
+        return {"extproc_args": ["--request-metrics", "off"]}
     ca = CertAuthority(work_dir, f"bench-{variant}")
     server = ca.issue(f"extproc-{variant}")
     extproc_args = ["--grpc-tls", "files" if variant == "tls" else "mtls"]
@@ -217,7 +223,33 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, info: dict[st
         )
     if any(r["router"] == PRECISE for r in rows):
         lines += precise_markdown(rows)
+    if any(r["router"] == BARE for r in rows):
+        lines += bare_markdown(rows)
     return "\n".join(lines) + "\n"
+
+
+def bare_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """The default (its per-request observers on) against extproc without them: the CPU
+    per request the observability costs."""
+    lines = [
+        "",
+        "## Observability on by default against none",
+        "",
+        "| prompt | bare us/req | default us/req | x bare | bare req/s | default req/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    by_key = {(r["prompt_kb"], r["router"]): r for r in rows if r.get("memo", "warm") == "warm"}
+    for (kb, router), bare in by_key.items():
+        if router != BARE:
+            continue
+        default = by_key[(kb, EXTPROC)]
+        b_us = bare["loaded"]["extproc_cpu_us_per_request"]
+        d_us = default["loaded"]["extproc_cpu_us_per_request"]
+        lines.append(
+            f"| {kb} KB | {b_us:.0f} | {d_us:.0f} | {d_us / b_us:.3f} | "
+            f"{bare['loaded']['rps']:.0f} | {default['loaded']['rps']:.0f} |"
+        )
+    return lines
 
 
 def precise_markdown(rows: list[dict[str, Any]]) -> list[str]:

@@ -11,7 +11,7 @@ from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from prometheus_client import CollectorRegistry, start_http_server
 
-from bench.floor import PRECISE, TRIVIAL, markdown, precise_config, segments
+from bench.floor import BARE, PRECISE, TRIVIAL, markdown, precise_config, segments
 from bench.picker_report import ENVOY, EXTPROC
 from bench.trivial_picker import fixed_route, ignore_log
 from bench.upstreams import MODEL
@@ -44,6 +44,18 @@ def test_the_table_gives_each_router_as_a_ratio_to_envoy_alone_at_its_prompt_siz
     assert "| 8 KB | envoy+trivial-picker | 2000 | 0.50 | 1.20 | +0.70 | 500 | 180 |" in lines
     assert "| 8 KB | envoy+extproc | 1000 | 0.25 | 2.00 | +1.50 | 600 | 600 |" in lines
     assert "| 8 KB | envoy | 4000 | 1.00 | 0.50 | +0.00 | 250 |  |" in lines
+
+
+def test_the_bare_variant_gives_the_defaults_cpu_as_a_ratio_to_it() -> None:
+    rows = [
+        {"prompt_kb": 8, "router": ENVOY, **run(4000, 0.5, 250)},
+        {"prompt_kb": 8, "router": EXTPROC, **run(1000, 2.0, 600, 525)},
+        {"prompt_kb": 8, "router": BARE, **run(1040, 1.9, 600, 500)},
+    ]
+    args = argparse.Namespace(pods=16, seconds=4, low_seconds=3, rounds=3)
+    info = {"cpu_model": "cpu", "cores": 2, "git_sha": "abc"}
+    lines = markdown(rows, args, info).splitlines()
+    assert "| 8 KB | 500 | 525 | 1.050 | 1040 | 1000 |" in lines
 
 
 def test_the_trivial_picker_answers_the_first_pods_and_records_nothing() -> None:
