@@ -162,6 +162,9 @@ def _costs(
 
 
 def _number(value: float) -> float:
+    """A term as JSON shows it best: counts as integers, times to the microsecond."""
+    if isinstance(value, int):
+        return value
     return round(float(value), 3)
 
 
