@@ -52,8 +52,9 @@ from extproc.wire.ext_proc import (
     process_method,
     route_metadata,
     subset_hint,
+    trace_context,
 )
-from extproc.wire.grpc_loop import Answer, Method, run_off_loop, then
+from extproc.wire.grpc_loop import Answer, Metadata, Method, run_off_loop, then
 from extproc.wire.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE, INTERNAL_HEADERS
 
 log = logging.getLogger("extproc.wire")
@@ -78,6 +79,7 @@ class _Exchange:
     status: int = 0
     served: str | None = None
     done: bool = False
+    trace: Metadata = ()  # the stream's trace context (``trace_context``)
 
 
 def _header_value(h: base_pb2.HeaderValue) -> str:
@@ -98,8 +100,8 @@ class GatewayHandler:
         self.router = router
         self._streams = itertools.count()
 
-    def open(self) -> _EppStream:
-        return _EppStream(self)
+    def open(self, metadata: Metadata = ()) -> _EppStream:
+        return _EppStream(self, trace_context(metadata))
 
     def handle(
         self, exchange: _Exchange, message: ep.ProcessingRequest
@@ -133,6 +135,7 @@ class GatewayHandler:
     ) -> Iterator[ep.ProcessingResponse]:
         for h in message.request_headers.headers.headers:
             exchange.headers[h.key.lower()] = _header_value(h)
+        exchange.headers.update(exchange.trace)
         exchange.path = exchange.headers.get(":path", "")
         exchange.request_id = exchange.headers.get("x-request-id") or f"epp-{uuid.uuid4()}"
         exchange.full_duplex = message.protocol_config.request_body_mode == FULL_DUPLEX
@@ -257,9 +260,9 @@ class _EppStream:
 
     __slots__ = ("_cancelled", "_exchange", "_handler")
 
-    def __init__(self, handler: GatewayHandler) -> None:
+    def __init__(self, handler: GatewayHandler, trace: Metadata = ()) -> None:
         self._handler = handler
-        self._exchange = _Exchange()
+        self._exchange = _Exchange(trace=trace)
         self._cancelled = False
 
     def on_message(self, message: ep.ProcessingRequest) -> Answer | Future[Answer]:
@@ -324,4 +327,5 @@ class _EppStream:
 
 def epp_process(router: Router) -> Method:
     """``Process`` for Endpoint Picker Protocol gateways: messages both ways, as they come."""
-    return process_method(GatewayHandler(router).open)
+    handler = GatewayHandler(router)
+    return process_method(handler.open, handler.open)

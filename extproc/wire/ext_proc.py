@@ -32,6 +32,10 @@ OFF_LOOP_BODY_BYTES = 1 << 20
 # (or the route) is decided at the deadline and must reach Envoy before its timer fires.
 HOLD_MARGIN_S = 2.0
 
+# W3C trace context: Envoy's async gRPC client puts the ext_proc call's span in the
+# stream's metadata (a child of Envoy's request span), not in the request's headers.
+TRACE_CONTEXT_KEYS = frozenset({"traceparent", "tracestate"})
+
 _JSON_CONTENT_TYPE = base_pb2.HeaderValueOption(
     header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json")
 )
@@ -50,6 +54,12 @@ def process_method(
         name="ProcessingRequest",
         open_with_metadata=open_with_metadata,
     )
+
+
+def trace_context(metadata: Metadata) -> Metadata:
+    """The W3C trace context among a call's metadata (empty values left out), passed to
+    the router among the request's headers (over a client's own)."""
+    return tuple((key, value) for key, value in metadata if key in TRACE_CONTEXT_KEYS and value)
 
 
 def subset_hint(message: ep.ProcessingRequest) -> list[str] | None:

@@ -40,6 +40,7 @@ from extproc.wire.ext_proc import (
     process_method,
     route_response,
     subset_hint,
+    trace_context,
 )
 from extproc.wire.grpc_loop import Answer, Metadata, Method, run_off_loop, then
 from extproc.wire.protocol import (
@@ -55,10 +56,6 @@ log = logging.getLogger("extproc.wire")
 
 # The reply (a route comes serialized), and the request id routed, if one was.
 Routed = tuple[ep.ProcessingResponse | bytes, str | None]
-
-# W3C trace context: Envoy's async gRPC client puts the ext_proc call's span in the
-# stream's metadata (a child of Envoy's request span), not in the request's headers.
-TRACE_CONTEXT_KEYS = frozenset({"traceparent", "tracestate"})
 
 
 class HeldRoute(NamedTuple):
@@ -160,11 +157,6 @@ def request_headers(attributes: Mapping[str, struct_pb2.Value]) -> dict[str, str
         for key, value in attributes.items()
         if key.startswith(HEADER_ATTRIBUTE_PREFIX) and key.endswith(HEADER_ATTRIBUTE_SUFFIX)
     }
-
-
-def trace_context(metadata: Metadata) -> Metadata:
-    """The W3C trace context among a call's metadata (empty values left out)."""
-    return tuple((key, value) for key, value in metadata if key in TRACE_CONTEXT_KEYS and value)
 
 
 def _failed(request_id: str, exc: Exception) -> ep.ProcessingResponse:

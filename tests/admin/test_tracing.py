@@ -30,7 +30,7 @@ from extproc.pods import Pod
 from extproc.routing.observe import Routed
 from extproc.routing.router import Router
 from testkit.factories import PREFIX_ONLY, make_pod, make_scheduler
-from testkit.wire import BODY, Server, routed_body
+from testkit.wire import BODY, Server, body, headers, routed_body
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"
@@ -174,6 +174,22 @@ def test_the_trace_context_in_the_streams_metadata_reaches_the_observers(kind: s
     first, second = spans.finished()
     assert first.parent is not None and format(first.parent.span_id, "016x") == PARENT_ID
     assert second.parent is None  # a stream without trace context starts its own
+    spans.provider.shutdown()
+
+
+def test_the_epp_protocol_takes_the_trace_context_from_the_metadata_too() -> None:
+    router = Router(make_scheduler(PREFIX_ONLY), list(PODS), registry=CollectorRegistry())
+    spans = Spans(1.0)
+    router.observers.append(spans.observer)
+    with Server("epp", router, "loop") as server:
+        call = server.bidi(
+            iter([headers(rid="r1"), body()]), metadata=(("traceparent", SAMPLED),), timeout=5
+        )
+        replies = [next(call), next(call)]  # to the headers, then the route
+        call.cancel()
+    assert replies[1].request_body.response.HasField("header_mutation")  # routed
+    (span,) = spans.finished()
+    assert span.parent is not None and format(span.parent.span_id, "016x") == PARENT_ID
     spans.provider.shutdown()
 
 
