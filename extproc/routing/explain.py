@@ -153,7 +153,9 @@ def _costs(
         plugin = ws.scorer
         if not isinstance(plugin, Explainer) or not pods:
             continue
-        scratch = Cycle(cycle.request, token_ids=cycle.token_ids, tokenized=cycle.tokenized)
+        scratch = Cycle(
+            cycle.request, token_ids=cycle.token_ids, tokenized=cycle.tokenized, explaining=True
+        )
         out[plugin.type_name] = {
             t.pod: {k: _number(v) for k, v in t.terms.items()}
             for t in plugin.explain(scratch, pods)

@@ -72,6 +72,8 @@ class Cycle:
     # travel with the pick to other replicas (``routing.records.Started``).
     credit_keys: Keys | None = None
     uncached_rows: list[RowValues] = field(default_factory=list)
+    # An explanation's cycle (``Scheduler.explain``): plugins observe no metric for it.
+    explaining: bool = False
     _keys: dict[tuple[int, int], Keys] = field(default_factory=dict)
     _num_prompt_bytes: int = -1
 

@@ -267,11 +267,12 @@ class Scheduler:
 
     def explain(self, cycle: Cycle, pods: Sequence[Pod]) -> Explanation:
         """What ``schedule_request`` would decide now, with every filter's and scorer's
-        part (``Trace``): the same code, traced. Nothing is recorded, credited or timed
-        (``record``, ``arriving`` and the plugin timer are not called); the plugins'
-        slow preparation (tokenizing) runs here. Scorers still observe their own
-        match-ratio histograms, and ties are drawn from ``rng`` as for a request.
+        part (``Trace``): the same code, traced. Nothing is recorded, credited, timed or
+        observed (``record``, ``arriving`` and the plugin timer are not called, and the
+        cycle is ``explaining``: plugins observe no metric); the plugins' slow
+        preparation (tokenizing) runs here. Ties are drawn from ``rng`` as for a request.
         """
+        cycle.explaining = True
         work = self.prepare(cycle)
         if work is not None:
             work.run()

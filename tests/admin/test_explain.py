@@ -228,3 +228,28 @@ def test_the_request_path_draws_no_differently_for_explain_being_there() -> None
     router.scheduler.rng = random.Random(7)
     routed = router.route(PATH, chat("q"))
     assert [str(p.id) for p in routed.pods] == explained[: 1 + router.num_fallbacks]
+
+
+def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in registry.collect()
+        for s in family.samples
+        if not s.name.endswith("_created")
+    }
+
+
+@pytest.mark.parametrize("config", [TTFT_AND_FILTER, PREFIX])
+def test_explain_changes_no_metric(config: str) -> None:
+    """Not the match-ratio histograms, the plugin timer or the router's counters."""
+    registry = CollectorRegistry()
+    in_flight = InFlight()
+    scheduler = build_scheduler(parse_config(config, "t.yaml"), registry, in_flight)
+    router = Router(scheduler, pods(), registry=registry, in_flight=in_flight)
+    served(router, chat("first question"), "r1")
+    before = samples(registry)
+    assert explain_pick(router, PATH, chat("second question"))["status"] == 200
+    assert explain_pick(router, PATH, b"{oops")["status"] == 400
+    assert samples(registry) == before
+    router.route(PATH, chat("second question"))  # the control: a real pick observes
+    assert samples(registry) != before

@@ -634,7 +634,7 @@ class EstimatedTTFT:
     def _observe(self, cycle: Cycle, longest: int) -> None:
         """The spec's match ratio: the longest prefix held or arriving, over the blocks."""
         num_blocks = len(self._keys(cycle))
-        if num_blocks:
+        if num_blocks and not cycle.explaining:
             self.metrics.observe_match(cycle.request.model, longest, num_blocks)
 
     def record(self, cycle: Cycle, pod: PodId) -> None:

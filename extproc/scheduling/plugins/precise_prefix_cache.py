@@ -295,11 +295,13 @@ class PrecisePrefixCache:
         cycle.token_ids = np.array(tok.encode(segments), dtype=np.uint32)
         cycle.tokenized = True
         elapsed = cut_s + time.perf_counter() - start
-        self._tokenize_time(cycle.request.model).observe(elapsed)
+        if not cycle.explaining:
+            self._tokenize_time(cycle.request.model).observe(elapsed)
 
     def _fallback(self, cycle: Cycle, reason: str) -> None:
         cycle.tokenized = True  # token_ids stays None: scored from the approximate view
-        self._fallbacks(reason).inc()
+        if not cycle.explaining:
+            self._fallbacks(reason).inc()
 
     def _credit_keys(self, cycle: Cycle, tokens: TokenIds) -> Keys:
         """The keys a pick is credited with: in ``blockSize`` blocks, whatever the pod's."""
@@ -353,7 +355,7 @@ class PrecisePrefixCache:
         approximate: list[PodId] = ids
         if tokens is not None:
             precise, approximate = self._precise(cycle, tokens, ids)
-            if approximate:
+            if approximate and not cycle.explaining:
                 self._fallbacks("stale_pod").inc(len(approximate))
             cpu = self.args.cpuWeight
             for pod, (gpu, offloaded, total) in precise.items():
@@ -362,7 +364,8 @@ class PrecisePrefixCache:
         fractions.update(self._approx_fraction(cycle, approximate))
         best = sorted(fractions.items(), key=lambda kv: kv[1], reverse=True)
         best = [kv for kv in best[: self.args.topKMatches] if kv[1] > 0]
-        self._ratio(cycle.request.model).observe(best[0][1] if best else 0.0)
+        if not cycle.explaining:
+            self._ratio(cycle.request.model).observe(best[0][1] if best else 0.0)
         return {pod: int(fraction * 100) for pod, fraction in best}
 
     def exact_matches(self, cycle: Cycle, pods: Sequence[Pod]) -> ExactMatches | None:

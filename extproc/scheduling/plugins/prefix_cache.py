@@ -130,6 +130,8 @@ class PrefixCacheScorer:
         return scores
 
     def _observe(self, cycle: Cycle, matches: Mapping[PodId, int], num_hashed: int) -> None:
+        if cycle.explaining:
+            return
         self.metrics.observe_match(
             cycle.request.model, max(matches.values(), default=0), num_hashed
         )
