@@ -17,8 +17,10 @@ from extproc.routing.router import Router
 from extproc.scheduling.config import build_scheduler, config_text, parse_config, plugins_of
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT
+from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheScorer
-from testkit.factories import make_pod
+from extproc.scheduling.registry import BUILTIN
+from testkit.factories import make_pod, write_tokenizer
 from testkit.waiting import wait_until
 
 PATH = "/v1/completions"
@@ -246,3 +248,58 @@ def test_the_embedded_default_has_nothing_to_reload(tmp_path: Path) -> None:
     router = Router(build_scheduler(config, registry), PODS, registry=registry)
     reloader = ConfigReloader(router, None, text, config, registry)
     assert not reloader.watching and reloader.reload_now() == "unchanged"
+
+
+def precise_config(weight: int = 1, capacity: int = 1000) -> str:
+    return f"""
+scheduler:
+  plugins:
+    Score:
+      enabled:
+        - name: precise-prefix-cache
+          weight: {weight}
+  pluginConfig:
+    - name: precise-prefix-cache
+      args: {{capacityBlocks: {capacity}}}
+"""
+
+
+def test_the_kv_event_view_is_kept_so_the_subscriber_feeds_the_live_one(tmp_path: Path) -> None:
+    s = Setup(tmp_path, precise_config())
+    before = plugin(s.router, "precise-prefix-cache")
+    assert isinstance(before, PrecisePrefixCache)
+    fed = before.index  # what app.start hands the KV-events subscriber
+    s.write(precise_config(weight=2, capacity=500))
+    assert s.reloader.reload_now() == "applied"
+    after = plugin(s.router, "precise-prefix-cache")
+    assert isinstance(after, PrecisePrefixCache) and after is not before
+    assert after.index is fed and fed.capacity == 500
+    s.write(prefix_config())  # removing it would leave the subscriber feeding nothing
+    assert s.reloader.reload_now() == "refused"
+    assert plugin(s.router, "precise-prefix-cache") is after
+
+
+def test_every_plugin_builds_again_on_the_same_registry(tmp_path: Path) -> None:
+    """No "Duplicated timeseries": every metric a plugin or the scheduler registers is
+    shared per registry, and the rebuilt plugins' gauges read the new plugins."""
+    models = {"m": str(write_tokenizer(tmp_path / "m"))}
+    enabled = "\n".join(f"        - name: {name}\n          weight: 1" for name in sorted(BUILTIN))
+    text = f"""
+scheduler:
+  plugins:
+    Filter:
+      enabled: [least-request]
+    Score:
+      enabled:
+{enabled}
+  pluginConfig:
+    - name: precise-prefix-cache
+      args: {{models: {orjson.dumps(models).decode()}}}
+"""
+    s = Setup(tmp_path, text)
+    s.serve("warm")
+    s.write(text.replace("weight: 1", "weight: 2"))
+    assert s.reloader.reload_now() == "applied"
+    entries = s.registry.get_sample_value("extproc_estimated_ttft_entries")
+    ttft = plugin(s.router, "estimated-ttft")
+    assert isinstance(ttft, EstimatedTTFT) and entries == ttft.index.num_entries > 0
