@@ -14,10 +14,14 @@ from prometheus_client import CollectorRegistry
 
 from extproc.admin.server import AdminRequest, AdminResponse, AdminServer, start_admin
 from extproc.cli import build_parser
+from extproc.datalayer.kv_events import EventsSettings, KvEventsSubscriber
 from extproc.errors import ConfigError
 from extproc.routing.router import Router
 from extproc.scheduling.config import build_scheduler, parse_config
 from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
+from extproc.sim.kv_cache import BlockStored, hash_request_tokens
+from extproc.sim.kv_events import encode_event_batch
 from testkit.factories import make_pod
 
 PODS = [make_pod(f"p{i}", port=8000 + i) for i in range(3)]
@@ -206,3 +210,56 @@ def _free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+PRECISE = """
+scheduler:
+  plugins:
+    Score:
+      enabled:
+        - name: precise-prefix-cache
+          weight: 1
+  pluginConfig:
+    - name: precise-prefix-cache
+      args: {staleSeconds: 60}
+"""
+
+
+def test_pods_show_the_kv_event_sequence_and_the_exact_view() -> None:
+    """Events applied in order, then a gap (no replay endpoint): the sequence state and
+    the precise view, stale, as /debug/pods shows them."""
+    router = make_router(PRECISE)
+    precise = router.scheduler.scorers[0].scorer
+    assert isinstance(precise, PrecisePrefixCache)
+    events = KvEventsSubscriber(precise.index, EventsSettings("connect"), CollectorRegistry())
+    pod = PODS[0].id
+    tokens = list(range(32))
+    hashes = tuple(hash_request_tokens(tokens, 16))
+    batch = encode_event_batch(0.0, [BlockStored(hashes, None, tuple(tokens), 16, (None, None))])
+    server = AdminServer(router, kv_events=events)
+    server.start()
+    try:
+        events._on_message(pod, 0, batch)
+        state = {p["id"]: p for p in call(server, "/debug/pods")[1]["pods"]}
+        first = state[str(pod)]
+        assert first["kv_events"]["next_seq"] == 1 and first["kv_events"]["gaps"] == 0
+        assert first["kv_events"]["last_event_age_s"] is not None
+        assert first["views"]["precise-prefix-cache"] == {
+            "blocks": 2,
+            "last_record_age_s": None,
+            "stale": False,
+        }
+        assert state[str(PODS[1].id)]["kv_events"]["next_seq"] is None
+        events._on_message(pod, 3, encode_event_batch(0.0, []))  # 1 and 2 lost
+        after = {p["id"]: p for p in call(server, "/debug/pods")[1]["pods"]}[str(pod)]
+        assert after["kv_events"] | {"last_event_age_s": 0} == {
+            "next_seq": 4,
+            "last_event_age_s": 0,
+            "gaps": 1,
+            "replays": 0,
+            "marked_stale": 1,
+            "restarts": 0,
+        }
+        assert after["views"]["precise-prefix-cache"]["stale"] is True
+    finally:
+        server.stop()
