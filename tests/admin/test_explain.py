@@ -253,3 +253,42 @@ def test_explain_changes_no_metric(config: str) -> None:
     assert samples(registry) == before
     router.route(PATH, chat("second question"))  # the control: a real pick observes
     assert samples(registry) != before
+
+
+GROUP, ROLE = "modelserving.volcano.sh/group-name", "modelserving.volcano.sh/role"
+PD_GROUPS = (
+    PREFIX
+    + f"\npdGroup: {{groupKey: {GROUP}, prefillLabels: {{{ROLE}: prefill}}, "
+    + f"decodeLabels: {{{ROLE}: decode}}}}\n"
+)
+
+
+def labelled(name: str, port: int, group: str, role: str) -> Any:
+    return replace(make_pod(name, port=port), labels=((GROUP, group), (ROLE, role)))
+
+
+def test_pd_groups_name_the_decode_pass_and_each_groups_prefill_pass() -> None:
+    pod_list = [
+        labelled("d1", 8001, "g1", "decode"),
+        labelled("d2", 8002, "g2", "decode"),
+        labelled("p1", 8011, "g1", "prefill"),
+        labelled("p2", 8021, "g2", "prefill"),
+    ]
+    router = make_router(PD_GROUPS, pod_list=pod_list)
+    served(router, chat("first"), "r1")  # warms one decode pod (and its prefill pod)
+    answer = explain_pick(router, PATH, chat("second"))
+    group = "g1" if answer["pick"] == "default/d1" else "g2"
+    assert answer["prefill"] == f"default/p{group[1]}"
+    assert answer["passes"][0]["role"] == "decode"
+    assert f"prefill of group {group}" in [p["role"] for p in answer["passes"]]
+    real = router.route(PATH, chat("second"), request_id="r2")
+    assert str(real.pods[0].id) == answer["pick"]
+    assert real.prefill is not None and str(real.prefill.id) == answer["prefill"]
+
+
+def test_a_bound_session_is_explained_as_pinned() -> None:
+    router = make_router(PREFIX, sessions=SessionStore())
+    decision = router.route(PATH, chat("first"), request_id="r1", headers={"x-session-id": "s"})
+    router.complete("r1", decision.pods[0].address, True)
+    answer = explain_pick(router, PATH, chat("second"), {"x-session-id": "s"})
+    assert answer["pinned"] is True and answer["pick"] == str(decision.pods[0].id)
