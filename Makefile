@@ -28,12 +28,14 @@ peers: $(STAMP)
 
 # Debian packages the tests run (as root, as CI is): prometheus brings prometheus and
 # promtool for the Grafana dashboard's PromQL and e2e/test_prometheus.py; redis-server the
-# Redis that replicas share their view through (tests/routing/test_sharing.py, e2e/test_replicas.py).
+# Redis that replicas share their view through (tests/routing/test_sharing.py, e2e/test_replicas.py);
+# chromium the headless browser e2e/test_status_page.py loads the admin status page in.
 system-deps:
 	command -v prometheus >/dev/null && command -v promtool >/dev/null && \
-	  command -v redis-server >/dev/null || \
+	  command -v redis-server >/dev/null && command -v chromium >/dev/null || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	    apt-get install -y -qq --no-install-recommends prometheus redis-server >/dev/null; }
+	    apt-get install -y -qq --no-install-recommends prometheus redis-server chromium \
+	    >/dev/null; }
 
 # Debian packages the benchmarks run: wrk (bench.picker's load) and valgrind
 # (bench.instructions' callgrind).

@@ -203,7 +203,7 @@ _POD_COLUMNS = (
     ("KV usage", ""),
     ("Scraped", "n"),
     ("In flight", "n"),
-    ("Tokens in flight", "n"),
+    ("Prefill tokens in flight", "n"),
     ("View blocks", "n"),
     ("Last record", "n"),
     ("Hit ratio predicted", "n"),

@@ -26,6 +26,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from extproc.admin.pick_log import PickLog
 from extproc.admin.reload import ConfigReloader
 from extproc.admin.server import AdminServer, start_admin
+from extproc.admin.status_page import add_status_page
 from extproc.admin.tracing import Tracing, check_tracing_args, start_tracing
 from extproc.datalayer.kv_events import KvEventsSubscriber, settings_from_args
 from extproc.datalayer.objectives import InferenceObjectiveWatcher
@@ -298,6 +299,8 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         kv_events.start()
     reloader.start()
     admin = start_admin(args, router, config.source, store, kv_events)
+    if admin is not None:
+        add_status_page(admin)  # GET /, and its recent picks on the router's observers
     set_serving(servicer, True)
     log.info(
         "extproc %s serving ext_proc on %s:%d, health on :%d, metrics on :%s; %d pods from "
