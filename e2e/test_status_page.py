@@ -68,7 +68,7 @@ class Browser:
         page.on("response", self._response)
 
     def _console(self, message: ConsoleMessage) -> None:
-        if message.type in ("error", "warning"):
+        if message.type == "error":
             self.problems.append(f"console {message.type}: {message.text}")
 
     def _response(self, response: Response) -> None:
