@@ -114,14 +114,17 @@ def test_json_logs_parse_line_by_line_with_the_picks(reload_stack: Stack, sim: S
     with httpx.Client(base_url=stack.url, timeout=30) as client:
         reply = client.post("/v1/completions", json=completion(unique_prefix(), " Log me."))
         pod = served_by(reply)
-    wait_until(lambda: any("served_by" in r for r in lines()[before:]), 10)
-    records = lines()  # every line is one JSON object: loads would raise otherwise
-    assert all({"time", "level", "logger", "message"} <= r.keys() for r in records)
-    (pick,) = [r for r in records[before:] if "pick" in r]
+    (pick,) = [r for r in lines()[before:] if "pick" in r]  # picked before the answer
     assert pick["logger"] == "extproc.picks" and pick["model"] == MODEL
     assert pick["x_request_id"] and names_by_address(sim)[pick["pick"]] == pod
-    (end,) = [r for r in records[before:] if "served_by" in r]
-    assert end["x_request_id"] == pick["x_request_id"]
+
+    def ends() -> list[dict[str, Any]]:  # the access log may bring earlier requests' too
+        return [r for r in lines() if r.get("x_request_id") == pick["x_request_id"]][1:]
+
+    wait_until(ends, 10, what="the request's end line")
+    records = lines()  # every line is one JSON object: loads would raise otherwise
+    assert all({"time", "level", "logger", "message"} <= r.keys() for r in records)
+    (end,) = ends()
     assert end["succeeded"] is True and end["served_by"] == f"default/{pod}"
     # The reloads of the other test are there too, each on one line.
     assert any(r["logger"] == "extproc.reload" for r in records)
