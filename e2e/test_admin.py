@@ -14,8 +14,18 @@ from typing import Any
 import httpx
 import pytest
 
-from e2e.support import PREFIX_CONFIG, body_for, send_and_wait_recorded, served_by, unique_prefix
-from extproc.sim.launch import SimPods, Stack, free_port, run_stack
+from bench.contenders import precise_config
+from e2e.support import (
+    MODEL,
+    PREFIX_CONFIG,
+    body_for,
+    send_and_wait_recorded,
+    served_by,
+    unique_prefix,
+)
+from extproc.sim.launch import SimPods, Stack, free_port, run_stack, spawn_sim_pods
+from testkit.e2e_cache import MODEL_DIR, needs_model_tokenizer
+from testkit.kv_events import wait_events_trusted
 from testkit.waiting import wait_until
 
 API = "/v1/chat/completions"
@@ -136,3 +146,45 @@ def test_admin_port_takes_other_addresses_when_told(sim: SimPods) -> None:
         assert listening_address(port) == "0.0.0.0"
         reply = httpx.get(f"http://{address}:{port}/debug/pods", timeout=10)
         assert reply.status_code == 200 and len(reply.json()["pods"]) == len(sim.pods)
+
+
+@pytest.fixture(scope="module")
+def precise(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SimPods, Stack, str]]:
+    """Simulated pods publishing KV events, extproc on precise.yaml with its admin port."""
+    args = ["--model", MODEL, "--tokenizer", str(MODEL_DIR),
+            "--kv-events-endpoint", "tcp://127.0.0.1:*"]  # fmt: skip
+    with spawn_sim_pods(3, args=args) as pods:
+        config = precise_config(MODEL, MODEL_DIR, 16, tmp_path_factory.mktemp("p") / "p.yaml")
+        port = free_port()
+        extra = ["--kv-events-topology", "connect", "--admin-port", str(port)]
+        with run_stack(pods.as_pods(), config=config, extproc_args=extra) as stack:
+            wait_events_trusted(pods.as_pods(), pods.reset_cache, [stack.metrics_text])
+            yield pods, stack, f"http://127.0.0.1:{port}"
+
+
+@needs_model_tokenizer
+def test_precise_mode_pick_is_exact_and_the_pods_show_their_events(
+    precise: tuple[SimPods, Stack, str],
+) -> None:
+    sim, stack, url = precise
+    prefix = unique_prefix()
+    with httpx.Client(base_url=stack.url, timeout=30) as client:
+        warm = served_by(client.post(API, json=body_for(API, prefix, "first question")))
+
+        def view_holds_it() -> bool:
+            held = sim.stats(warm)["engine"]["num_cached_blocks"]
+            return bool(
+                held == by_name(pods_state(url))[warm]["views"]["precise-prefix-cache"]["blocks"]
+            )
+
+        wait_until(view_holds_it, what="the precise view never matched the pod's cache")
+        state = by_name(pods_state(url))
+        for name in (p.name for p in sim.pods):
+            events = state[name]["kv_events"]
+            assert events["next_seq"] is not None and events["last_event_age_s"] is not None
+            assert not state[name]["views"]["precise-prefix-cache"]["stale"]
+        body = body_for(API, prefix, "second question")
+        answer = httpx.post(f"{url}/debug/pick", json={"path": API, "body": body}).json()
+        assert answer["exact"] is True and answer["pick"] == f"default/{warm}"
+        assert answer["pods"][0]["predicted_cached_tokens"] >= 16
+        assert served_by(client.post(API, json=body)) == warm
