@@ -8,8 +8,8 @@ is sent). Routes (``AdminServer.routes``, extendable with ``add_route``):
   (``admin.status_page.add_status_page``);
 * ``GET /debug/pods``: each pod's state (``admin.state.pods_state``);
 * ``POST /debug/pick``: the decision extproc would make now for the request given as
-  ``{"path": ..., "headers": {...}, "body": {...}}`` (``routing.explain``); nothing is
-  recorded, credited or counted;
+  ``{"path": ..., "headers": {...}, "body": {...}}``, or as its body itself (``?path=``,
+  ``x-`` headers) (``routing.explain``); nothing is recorded, credited or counted;
 * ``GET /debug/config``: the scheduler configuration in force, defaults filled in.
 
 The stdlib ``ThreadingHTTPServer`` on a daemon thread rather than aiohttp: a few
@@ -195,29 +195,44 @@ class AdminServer:
         return AdminResponse(200, text.encode(), "text/plain; charset=utf-8")
 
     def _pick(self, request: AdminRequest) -> AdminResponse:
-        """``{"path", "headers", "body"}`` -> ``routing.explain.explain_pick``'s answer."""
+        """``routing.explain.explain_pick``'s answer for the request described by the body:
+        ``{"path", "headers", "body"}``, or the request body itself (an object with a
+        ``model`` and no ``body``), its path in ``?path=`` and its headers the ``x-``
+        headers sent here (``curl -d @body.json -H 'x-session-id: s' URL/debug/pick``)."""
         try:
             doc = json.loads(request.body or b"null")
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise BadRequest(f"the body is not JSON: {exc}") from None
         if not isinstance(doc, dict):
             raise BadRequest(
-                'expected a JSON object: {"path": ..., "headers": {...}, "body": {...}}'
+                'expected a JSON object: {"path": ..., "headers": {...}, "body": {...}}, '
+                "or the request body itself"
             )
-        path = doc.get("path", "/v1/chat/completions")
-        headers = doc.get("headers") or {}
-        body = doc.get("body")
+        if "model" in doc and "body" not in doc:
+            path = request.query.get("path", ["/v1/chat/completions"])[-1]
+            headers = {k: v for k, v in request.headers.items() if k.startswith("x-")}
+            raw = request.body
+        else:
+            path, headers, raw = _envelope(doc)
         if not isinstance(path, str) or not path.startswith("/"):
             raise BadRequest("'path' must be a request path such as /v1/chat/completions")
-        if not isinstance(headers, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
-        ):
-            raise BadRequest("'headers' must map header names to string values")
-        if body is None:
-            raise BadRequest("'body' is required: the request body, as JSON or a string")
-        raw = body.encode() if isinstance(body, str) else json.dumps(body).encode()
-        answer = explain_pick(self.router, path, raw, {k.lower(): v for k, v in headers.items()})
+        answer = explain_pick(self.router, path, raw, headers)
         return AdminResponse.json(answer, int(answer.get("status", 200)))
+
+
+def _envelope(doc: dict[str, Any]) -> tuple[Any, dict[str, str], bytes]:
+    """``{"path", "headers", "body"}``: the path, the headers (lower-case), the body."""
+    headers = doc.get("headers") or {}
+    if not isinstance(headers, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
+    ):
+        raise BadRequest("'headers' must map header names to string values")
+    body = doc.get("body")
+    if body is None:
+        raise BadRequest("'body' is required: the request body, as JSON or a string")
+    raw = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+    path = doc.get("path", "/v1/chat/completions")
+    return path, {k.lower(): v for k, v in headers.items()}, raw
 
 
 def _handler_class(server: AdminServer) -> type[BaseHTTPRequestHandler]:

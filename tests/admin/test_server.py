@@ -150,6 +150,16 @@ def test_pick_refuses_bad_requests_with_json(
     assert message in answer["error"] and answer["status"] == status
 
 
+def test_pick_takes_the_request_body_itself_with_its_path_in_the_query(
+    admin: AdminServer,
+) -> None:
+    raw = json.dumps({"model": "m", "prompt": "Hello"}).encode()
+    status, answer = call(admin, "/debug/pick?path=/v1/completions", raw=raw)
+    assert status == 200 and answer["api"] == "/v1/completions"
+    status, answer = call(admin, "/debug/pick", raw=raw)  # the chat API by default
+    assert status == 400 and "messages" in answer["error"]
+
+
 def test_pick_of_a_request_the_router_refuses_says_why(admin: AdminServer) -> None:
     body = {"path": "/v1/chat/completions", "body": {"model": "unknown", "messages": []}}
     status, answer = call(admin, "/debug/pick", body)
