@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1
 # The extproc image: `docker build -t extproc:0.1.0 .` (the chart's default image is
-# extproc:<appVersion>). Only `extproc serve`'s runtime dependencies: no extras, no tests.
+# extproc:<appVersion>). Only `extproc serve`'s runtime dependencies and the tracing
+# extra (the chart's tracing.otlpEndpoint): no simulator, no tests.
 
 # Builder: the extproc wheel and a wheel of every runtime dependency, so the final stage
 # installs offline and never compiles.
@@ -8,14 +9,14 @@ FROM python:3.11-slim AS builder
 WORKDIR /build
 COPY pyproject.toml README.md ./
 COPY extproc/ extproc/
-RUN pip wheel --wheel-dir /wheels .
+RUN pip wheel --wheel-dir /wheels '.[tracing]'
 
 # Runtime: the wheels installed from a bind mount (they do not stay in a layer), then a
 # non-root user; 65532 is the chart's podSecurityContext.runAsUser.
 FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
-    pip install --no-cache-dir --no-index --find-links=/wheels extproc
+    pip install --no-cache-dir --no-index --find-links=/wheels 'extproc[tracing]'
 USER 65532:65532
 # ext_proc and the access log (gRPC), gRPC health, Prometheus metrics: the chart's ports.
 # serve refuses to start without a pods source: the chart adds --k8s-selector or
