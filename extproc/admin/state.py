@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from extproc.datalayer.kv_events import KvEventsSubscriber
@@ -44,26 +44,9 @@ from extproc.datalayer.store import PodStore
 from extproc.pods import Pod, PodId
 from extproc.routing.flow.config import FlowConfig
 from extproc.routing.router import Router
+from extproc.scheduling.config import plugins_of
 from extproc.scheduling.interfaces import ViewInspector
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
-from extproc.scheduling.scheduler import Scheduler
-
-
-def plugins_of(scheduler: Scheduler) -> list[Any]:
-    """Every plugin instance of ``scheduler`` once, filters and scorers first."""
-    seen: dict[int, Any] = {}
-    groups: Iterable[Iterable[Any]] = (
-        scheduler.filters,
-        (ws.scorer for ws in scheduler.scorers),
-        scheduler.recorders,
-        scheduler.listeners,
-        scheduler.provisional,
-        scheduler.preparers,
-    )
-    for group in groups:
-        for plugin in group:
-            seen.setdefault(id(plugin), plugin)
-    return list(seen.values())
 
 
 def scrape_ages(store: PodStore | None) -> dict[PodId, float | None]:
@@ -91,7 +74,8 @@ def pods_state(
 ) -> dict[str, Any]:
     """``/debug/pods`` (module doc)."""
     pods = router.pods
-    inspectors = [p for p in plugins_of(router.scheduler) if isinstance(p, ViewInspector)]
+    plugins = plugins_of(router.scheduler).values()
+    inspectors = [p for p in plugins if isinstance(p, ViewInspector)]
     ages = scrape_ages(store)
     in_flight = router.in_flight.snapshot()
     events = kv_events.pod_states([p.id for p in pods]) if kv_events is not None else {}
@@ -160,7 +144,8 @@ def _events(state: Any) -> dict[str, Any]:
 def config_state(router: Router, config_source: str) -> dict[str, Any]:
     """``/debug/config``: the router's scheduler and flow control now (module doc)."""
     scheduler = router.scheduler
-    plugin_config = [{"name": p.type_name, "args": plugin_args(p)} for p in plugins_of(scheduler)]
+    plugins = plugins_of(scheduler).items()
+    plugin_config = [{"name": name, "args": plugin_args(p)} for name, p in plugins]
     section: dict[str, Any] = {
         "plugins": {
             "Filter": {"enabled": [f.type_name for f in scheduler.filters]},
