@@ -286,6 +286,10 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
                 f"cannot bind the metrics server to {args.address}:{args.metrics_port}: "
                 f"{exc.strerror or exc}"
             ) from None
+    # Bound before anything starts: a bad --admin-port or a taken port stops start-up here.
+    admin = start_admin(args, router, config.source, store, kv_events)
+    if admin is not None:
+        add_status_page(admin)  # GET /, and its recent picks on the router's observers
     grpc_server.start()
     health_server.start()
     watcher.start()
@@ -298,9 +302,6 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
     if kv_events is not None:
         kv_events.start()
     reloader.start()
-    admin = start_admin(args, router, config.source, store, kv_events)
-    if admin is not None:
-        add_status_page(admin)  # GET /, and its recent picks on the router's observers
     set_serving(servicer, True)
     log.info(
         "extproc %s serving ext_proc on %s:%d, health on :%d, metrics on :%s; %d pods from "
