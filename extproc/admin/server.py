@@ -41,6 +41,8 @@ from extproc.routing.router import Router
 
 log = logging.getLogger("extproc.admin")
 
+READ_TIMEOUT_S = 10.0  # per socket read of a request
+
 
 def add_admin_arguments(p: argparse.ArgumentParser, env: Callable[[str, Any], Any]) -> None:
     """``serve`` flags for the admin port."""
@@ -239,6 +241,7 @@ def _handler_class(server: AdminServer) -> type[BaseHTTPRequestHandler]:
     class _Handler(BaseHTTPRequestHandler):
         server_version = "extproc-admin"
         protocol_version = "HTTP/1.1"
+        timeout = READ_TIMEOUT_S  # a client that stops sending frees its thread
 
         def do_GET(self) -> None:
             self._serve("GET")
