@@ -18,13 +18,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from extproc.cli import main
 from extproc.wire.access_log import AccessLogHandler
 from extproc.wire.ext_proc import route_response
+from extproc.wire.grpc_loop import Metadata
 from extproc.wire.one_round import RouteHandler
 
 NUM_DESTINATIONS = 3
 
 
 def fixed_route(
-    self: RouteHandler, message: ep.ProcessingRequest
+    self: RouteHandler, message: ep.ProcessingRequest, trace: Metadata = ()
 ) -> tuple[ep.ProcessingResponse | bytes, str | None]:
     destination = ",".join(p.address for p in self.router.pods[:NUM_DESTINATIONS])
     reply = self._replies.get(
