@@ -35,7 +35,6 @@ arguments with their defaults filled in (``scheduler.pluginConfig``), and the
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,18 +49,8 @@ from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 
 
 def scrape_ages(store: PodStore | None) -> dict[PodId, float | None]:
-    """Seconds since each pod's last successful scrape (None: none yet). Reads the
-    store's health table (one dict copy; its entries are replaced, not mutated, on
-    the paths that matter here)."""
-    if store is None:
-        return {}
-    now = time.monotonic()
-    health = dict(getattr(store, "_health", {}))
-    ages: dict[PodId, float | None] = {}
-    for pod, h in health.items():
-        last = getattr(h, "last_ok_s", None)
-        ages[pod] = None if last is None else round(now - last, 3)
-    return ages
+    """Seconds since each pod's last successful scrape (None: none yet, or no scraping)."""
+    return {} if store is None else store.scrape_ages()
 
 
 def pods_state(

@@ -75,6 +75,13 @@ class PodStore:
         self.base_pods: tuple[Pod, ...] = ()  # as discovery gave them
         self.pods: tuple[Pod, ...] = ()  # the last published snapshot
 
+    def scrape_ages(self) -> dict[PodId, float | None]:
+        """Seconds since each known pod's last successful scrape (None: none yet)."""
+        now = self._clock()
+        with self._lock:
+            last = {pod: h.last_ok_s for pod, h in self._health.items()}
+        return {pod: None if t is None else round(now - t, 3) for pod, t in last.items()}
+
     def set_pods(self, pods: Sequence[Pod]) -> None:
         """Discovery's pods, replacing the previous set (order is kept)."""
         with self._lock:

@@ -151,3 +151,13 @@ def test_without_staleness_readiness_is_discoverys() -> None:
 def test_rejects_non_positive_staleness() -> None:
     with pytest.raises(ValueError, match="stale_after_s"):
         PodStore(lambda pods: None, stale_after_s=0)
+
+
+def test_scrape_ages_count_from_the_last_successful_scrape() -> None:
+    store, _, clock = make_store(stale_after_s=2.0)
+    a, b = make_pod("a"), make_pod("b")
+    store.set_pods([a, b])
+    set_metrics(store, a.id, LOADED)
+    clock.now_s += 1.5
+    set_metrics(store, a.id, None)  # failed: the age still runs from the success
+    assert store.scrape_ages() == {a.id: 1.5, b.id: None}
