@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from extproc.pods import Pod, PodId
 
 log = logging.getLogger("extproc.routing")
 
 
-@dataclass(frozen=True, slots=True)
-class Routed:
-    """One routing decision, as it was made."""
+class Routed(NamedTuple):
+    """One routing decision, as it was made (tuples: built per request, cheaply)."""
 
     request_id: str | None
     model: str
@@ -39,8 +37,7 @@ class Routed:
     exact: bool  # the prompt was tokenized as the engine will (precise mode)
 
 
-@dataclass(frozen=True, slots=True)
-class EndTiming:
+class EndTiming(NamedTuple):
     """What Envoy's access log says of a request's course (None: not in the entry)."""
 
     first_upstream_byte_s: float | None  # from the request's start to the first byte back
@@ -50,8 +47,7 @@ class EndTiming:
     response_code: int
 
 
-@dataclass(frozen=True, slots=True)
-class Ended:
+class Ended(NamedTuple):
     """One request's end as Envoy reported it to this replica."""
 
     request_id: str

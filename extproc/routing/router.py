@@ -35,7 +35,6 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import replace
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -308,6 +307,7 @@ class Router:
         chosen = tuple(schedule.pods[: 1 + self.num_fallbacks])
         prefill = schedule.prefill
         record = None
+        pick_tokens = None
         if request_id:  # without an id the end can never be matched: nothing to track
             pick = chosen[0].id
             pick_tokens = cycle.num_prefill_tokens(pick)
@@ -349,7 +349,14 @@ class Router:
             tell_routed(
                 self.observers,
                 arrival.routed(
-                    cycle, request_id, len(pods), chosen, prefill, schedule.pinned, decided
+                    cycle,
+                    request_id,
+                    len(pods),
+                    chosen,
+                    prefill,
+                    schedule.pinned,
+                    decided,
+                    pick_tokens,
                 ),
             )
         return RouteDecision(chosen, prefill, record)
@@ -383,18 +390,22 @@ class Router:
         """
         if not self.observers:
             return self._complete(request_id, served_address, succeeded, attempts, carried)[0]
-        recorded, pod, model, cycle = self._complete(
+        recorded, pod, model, pending = self._complete(
             request_id, served_address, succeeded, attempts, carried
         )
         if pod is None and served_address:
             pod = next((p.id for p in self.pods if p.address == served_address), None)
-        ended = Ended(request_id, model, pod, succeeded, attempts, timing)
-        if cycle is not None and pod is not None:
-            ended = replace(
-                ended,
-                prompt_tokens=cycle.num_engine_prompt_tokens,
-                predicted_cached_tokens=cycle.predicted_cached_tokens(pod),
-                exact=cycle.token_ids is not None,
+        if pending is None or pod is None:
+            ended = Ended(request_id, model, pod, succeeded, attempts, timing)
+        else:
+            cycle = pending.cycle
+            prompt = cycle.num_engine_prompt_tokens
+            # The pick's prefill tokens were taken at the pick: no second table lookup.
+            uncached = pending.pick_tokens if pod == pending.pick else cycle.num_prefill_tokens(pod)
+            predicted = max(0, prompt - uncached)
+            exact = cycle.token_ids is not None
+            ended = Ended(
+                request_id, model, pod, succeeded, attempts, timing, prompt, predicted, exact
             )
         tell_ended(self.observers, ended)
         return recorded
@@ -406,9 +417,9 @@ class Router:
         succeeded: bool,
         attempts: int,
         carried: Callable[[], Carried | None] | None,
-    ) -> tuple[bool, PodId | None, str | None, Cycle | None]:
+    ) -> tuple[bool, PodId | None, str | None, Pending | None]:
         """``complete``: whether recorded, the pod that served (if known), the model
-        and the cycle of a request routed here."""
+        and, for a request routed here, its pending entry."""
         if attempts > 1:
             self.metrics.retries.inc(attempts - 1)
         pending = self._pop(request_id)
@@ -424,10 +435,8 @@ class Router:
             if foreign:  # its router stops counting it in flight
                 self._publish(Shared(self.replica_id, request_id))
             return False, None, None, None
-        cycle: Cycle | None = None
         if pending is not None:
-            cycle = pending.cycle
-            model = cycle.request.model
+            model = pending.cycle.request.model
         else:
             assert brought is not None
             model = brought.record.model
@@ -436,7 +445,7 @@ class Router:
         if not succeeded:
             self.metrics.outcome["failed"].inc()
             self._publish(Shared(self.replica_id, request_id))
-            return False, None, model, cycle
+            return False, None, model, pending
         pod_by_address: Mapping[str, PodId]
         if pending is not None:
             pod_by_address, prefill = pending.pod_by_address, pending.prefill
@@ -453,7 +462,7 @@ class Router:
                 "request %s was served by %s, which is no known pod", request_id, served_address
             )
             self._publish(Shared(self.replica_id, request_id))
-            return False, None, model, cycle
+            return False, None, model, pending
         if pending is not None:
             self.scheduler.record(pending.cycle, pod, prefill)
             self.metrics.outcome["recorded"].inc()
@@ -465,7 +474,7 @@ class Router:
             self.scheduler.record(brought.record.cycle(), pod, prefill)
             self.metrics.outcome["recorded_from_metadata"].inc()
             self._publish(Shared(self.replica_id, request_id, brought.record, pod, prefill))
-        return True, pod, model, cycle
+        return True, pod, model, pending
 
     def apply_shared(self, shared: Shared) -> bool:
         """Another replica's end: the request (routed here, or another's pick applied
@@ -575,8 +584,11 @@ class _Arrival:
         prefill: Pod | None,
         pinned: bool,
         decided_s: float,
+        pick_tokens: int | None,
     ) -> Routed:
-        pick = pods[0].id
+        prompt = cycle.num_engine_prompt_tokens
+        if pick_tokens is None:
+            pick_tokens = cycle.num_prefill_tokens(pods[0].id)
         return Routed(
             request_id,
             cycle.request.model,
@@ -590,8 +602,8 @@ class _Arrival:
             pods,
             prefill,
             pinned,
-            cycle.num_engine_prompt_tokens,
-            cycle.predicted_cached_tokens(pick),
+            prompt,
+            max(0, prompt - pick_tokens),
             cycle.token_ids is not None,
         )
 
