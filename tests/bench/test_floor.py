@@ -11,7 +11,7 @@ from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from prometheus_client import CollectorRegistry, start_http_server
 
-from bench.floor import BARE, PRECISE, TRIVIAL, markdown, precise_config, segments
+from bench.floor import BARE, PRECISE, TRIVIAL, markdown, paired_ratios, precise_config, segments
 from bench.picker_report import ENVOY, EXTPROC
 from bench.trivial_picker import fixed_route, ignore_log
 from bench.upstreams import MODEL
@@ -52,10 +52,17 @@ def test_the_bare_variant_gives_the_defaults_cpu_as_a_ratio_to_it() -> None:
         {"prompt_kb": 8, "router": EXTPROC, **run(1000, 2.0, 600, 525)},
         {"prompt_kb": 8, "router": BARE, **run(1040, 1.9, 600, 500)},
     ]
+    rows[2]["default_cpu_ratios"] = [1.2, 1.03, 0.98]
     args = argparse.Namespace(pods=16, seconds=4, low_seconds=3, rounds=3)
     info = {"cpu_model": "cpu", "cores": 2, "git_sha": "abc"}
     lines = markdown(rows, args, info).splitlines()
-    assert "| 8 KB | 500 | 525 | 1.050 | 1040 | 1000 |" in lines
+    assert "| 8 KB | 500 | 525 | 1.030 | 0.98, 1.03, 1.20 | 1040 | 1000 |" in lines
+
+
+def test_the_rounds_ratios_pair_each_default_run_with_the_bare_one_after_it() -> None:
+    default = [{"extproc_cpu_us_per_request": v} for v in (600.0, 700.0)]
+    bare = [{"extproc_cpu_us_per_request": v} for v in (500.0, 700.0)]
+    assert paired_ratios(default, bare) == [1.2, 1.0]
 
 
 def test_the_trivial_picker_answers_the_first_pods_and_records_nothing() -> None:
