@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram
 
-from extproc.routing.observe import EndTiming
-from extproc.routing.outcome_metrics import OutcomeMetrics
+from extproc.routing.observe import Ended, EndTiming
+from extproc.routing.outcome_metrics import LABELS, SECONDS_BUCKETS, OutcomeMetrics
 from extproc.routing.router import Router
 from extproc.scheduling.config import build_scheduler, load_config
 from testkit.factories import make_pod
@@ -106,3 +106,31 @@ def test_an_end_without_timing_counts_attempts_only() -> None:
     assert value(registry, "extproc_request_attempts_sum", "m", pod) == 2
     assert value(registry, "extproc_request_duration_seconds_count", "m", pod) == 0
     assert value(registry, "extproc_routed_prompt_tokens_total", "m", pod) == 120
+
+
+@pytest.mark.parametrize(
+    "values", [[1.0, 2.0, 3.5, 10.0, 11.0], [0.0, 0.005, 0.0051, 600.0, 601.0]]
+)
+def test_buckets_count_as_prometheus_clients_histogram(values: list[float]) -> None:
+    """The hand-kept buckets (a bound counts the values equal to it) against the
+    library's own Histogram fed the same values."""
+    registry, reference = CollectorRegistry(), CollectorRegistry()
+    metrics = OutcomeMetrics(registry)
+    histogram = Histogram(
+        "extproc_request_duration_seconds", "", LABELS, registry=reference, buckets=SECONDS_BUCKETS
+    )
+    for v in values:
+        metrics.ended(Ended("r", "m", None, True, 1, EndTiming(None, v, 0, 0, 200)))
+        histogram.labels("m", "unknown").observe(v)
+    name = "extproc_request_duration_seconds"
+
+    def samples(r: CollectorRegistry) -> set[tuple[str, str, float]]:
+        return {
+            (s.name, s.labels.get("le", ""), s.value)
+            for m in r.collect()
+            if m.name == name
+            for s in m.samples
+            if not s.name.endswith("_created")
+        }
+
+    assert samples(registry) == samples(reference)
