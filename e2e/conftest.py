@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from e2e.support import MODEL, NUM_PODS, PREFIX_CONFIG
-from extproc.sim.launch import SimPods, Stack, run_stack, spawn_sim_pods
+from extproc.sim.launch import SimPods, Stack, free_port, run_stack, spawn_sim_pods
 
 
 @pytest.fixture(scope="package")
@@ -34,3 +34,14 @@ def clear_faults(sim: SimPods) -> Iterator[None]:
 def client(stack: Stack) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=stack.url, timeout=30) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def admin(sim: SimPods) -> Iterator[tuple[Stack, str]]:
+    """A stack whose extproc serves its admin port (default address); it and the port's
+    URL (no trailing slash)."""
+    port = free_port()
+    with run_stack(
+        sim.as_pods(), config=PREFIX_CONFIG, extproc_args=["--admin-port", str(port)]
+    ) as stack:
+        yield stack, f"http://127.0.0.1:{port}"

@@ -31,16 +31,6 @@ from testkit.waiting import wait_until
 API = "/v1/chat/completions"
 
 
-@pytest.fixture(scope="module")
-def admin(sim: SimPods) -> Iterator[tuple[Stack, str]]:
-    """A stack whose extproc serves its admin port (default address); it and the URL."""
-    port = free_port()
-    with run_stack(
-        sim.as_pods(), config=PREFIX_CONFIG, extproc_args=["--admin-port", str(port)]
-    ) as stack:
-        yield stack, f"http://127.0.0.1:{port}"
-
-
 @pytest.fixture
 def client(admin: tuple[Stack, str]) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=admin[0].url, timeout=30) as c:

@@ -20,8 +20,8 @@ import httpx
 import pytest
 from playwright.sync_api import ConsoleMessage, Page, Response, sync_playwright
 
-from e2e.support import MODEL, PREFIX_CONFIG, send_and_wait_recorded, unique_prefix
-from extproc.sim.launch import SimPods, Stack, free_port, run_stack
+from e2e.support import MODEL, send_and_wait_recorded, unique_prefix
+from extproc.sim.launch import SimPods, Stack
 from testkit.waiting import wait_until
 
 CHROMIUM_FLAGS = (
@@ -43,16 +43,6 @@ def chromium() -> str:
     if path is None:
         raise FileNotFoundError("chromium not found: apt-get install chromium (make system-deps)")
     return path
-
-
-@pytest.fixture(scope="module")
-def admin(sim: SimPods) -> Iterator[tuple[Stack, str]]:
-    """A stack whose extproc serves its admin port; yields it and the page's URL."""
-    port = free_port()
-    with run_stack(
-        sim.as_pods(), config=PREFIX_CONFIG, extproc_args=["--admin-port", str(port)]
-    ) as stack:
-        yield stack, f"http://127.0.0.1:{port}/"
 
 
 class Browser:
@@ -111,7 +101,8 @@ def send_traffic(stack: Stack) -> set[str]:
 def test_status_page_shows_every_pod_and_the_picks_without_errors(
     admin: tuple[Stack, str], sim: SimPods, browser: Browser, tmp_path: Path
 ) -> None:
-    stack, url = admin
+    stack, admin_url = admin
+    url = f"{admin_url}/"
     served = send_traffic(stack)
     num_requests = NUM_PREFIXES * NUM_SENDS
 

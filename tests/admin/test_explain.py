@@ -23,25 +23,9 @@ from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT
 from extproc.scheduling.sessions import SessionStore
 from testkit.estimated_ttft import costs
 from testkit.factories import make_pod
+from tests.admin.explain_setup import SHARED, TTFT_AND_FILTER
 
 PATH = "/v1/chat/completions"
-SHARED = "You are the support assistant of a very large shop. Answer briefly. " * 12
-
-TTFT_AND_FILTER = """
-scheduler:
-  plugins:
-    Filter:
-      enabled: [least-request]
-    Score:
-      enabled:
-        - name: estimated-ttft
-          weight: 2
-        - name: least-request
-          weight: 1
-  pluginConfig:
-    - name: least-request
-      args: {maxWaitingRequests: 5}
-"""
 PREFIX = "scheduler: {plugins: {Score: {enabled: [{name: prefix-cache, weight: 1}]}}}"
 
 

@@ -18,30 +18,14 @@ from extproc.routing.router import Router
 from extproc.scheduling.config import build_scheduler, parse_config
 from extproc.scheduling.inflight import InFlight
 from testkit.factories import make_pod
-
-CONFIG = """
-scheduler:
-  plugins:
-    Filter:
-      enabled: [least-request]
-    Score:
-      enabled:
-        - name: estimated-ttft
-          weight: 2
-        - name: least-request
-          weight: 1
-  pluginConfig:
-    - name: least-request
-      args: {maxWaitingRequests: 5}
-"""
-SYSTEM = "You are the support assistant of a very large shop. Answer briefly. " * 12
+from tests.admin.explain_setup import SHARED, TTFT_AND_FILTER
 
 
 def chat(question: str) -> dict[str, object]:
     return {
         "model": "m",
         "messages": [
-            {"role": "system", "content": SYSTEM},
+            {"role": "system", "content": SHARED},
             {"role": "user", "content": question},
         ],
     }
@@ -51,7 +35,7 @@ def chat(question: str) -> dict[str, object]:
 def admin() -> Iterator[AdminServer]:
     in_flight = InFlight()
     registry = CollectorRegistry()
-    scheduler = build_scheduler(parse_config(CONFIG, "t.yaml"), registry, in_flight)
+    scheduler = build_scheduler(parse_config(TTFT_AND_FILTER, "t.yaml"), registry, in_flight)
     pods = [
         make_pod(f"p{i}", port=8000 + i, metrics=PodMetrics(waiting=9 if i == 3 else 0))
         for i in range(4)

@@ -40,7 +40,7 @@ from extproc.pods import Pod, PodId
 from extproc.scheduling.args import arg, load_args
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.interfaces import Cycle, PluginContext, PodTerms, PrefixMatcher
-from extproc.scheduling.plugins.pod_work import pod_work, uncached_tokens
+from extproc.scheduling.plugins.pod_work import pod_work, uncached_tokens, work_terms
 
 log = logging.getLogger("extproc.scheduling")
 
@@ -107,23 +107,10 @@ class CostAware:
         for pod in pods:
             uncached = uncached_tokens(cycle, held.get(pod.id, 0))
             work = pod_work(cycle, pod, uncached, self.in_flight)
-            requests, tokens = self.in_flight.get_count(pod.id)
             prefill = prefill_ms * (work.queued * work.mean_tokens + work.uncached)
             decode = decode_ms * (pod.metrics.running + work.queued)
-            terms = {
-                "prompt_tokens": cycle.num_prompt_tokens,
-                "cached_tokens": max(0, cycle.num_prompt_tokens - uncached),
-                "uncached_tokens": uncached,
-                "waiting": pod.metrics.waiting,
-                "running": pod.metrics.running,
-                "in_flight": requests,
-                "in_flight_tokens": tokens,
-                "queued": work.queued,
-                "mean_queued_tokens": work.mean_tokens,
-                "prefill_ms": prefill,
-                "decode_ms": decode,
-                "est_ms": prefill + decode,
-            }
+            terms = work_terms(pod, work, cycle.num_prompt_tokens, self.in_flight)
+            terms |= {"prefill_ms": prefill, "decode_ms": decode, "est_ms": prefill + decode}
             out.append(PodTerms(pod.id, terms))
         return out
 

@@ -111,7 +111,7 @@ from extproc.scheduling.interfaces import (
 )
 from extproc.scheduling.plugins.adopt import same_geometry
 from extproc.scheduling.plugins.arrivals import Arrivals
-from extproc.scheduling.plugins.pod_work import pod_work
+from extproc.scheduling.plugins.pod_work import pod_work, work_terms
 from extproc.scheduling.plugins.prefix_metrics import prefix_cache_metrics
 from extproc.scheduling.plugins.prefix_rows import match_lengths, per_row
 from extproc.scheduling.plugins.session_book import SessionBook, SessionPrompt
@@ -482,20 +482,10 @@ class EstimatedTTFT:
         for pod in pods:
             uncached = length.uncached(held.get(pod.id, 0))
             work = pod_work(cycle, pod, uncached, self.in_flight, num_tokens)
-            requests, tokens = self.in_flight.get_count(pod.id)
             prefill_ms = a.prefillMsPerToken * (work.queued * work.mean_tokens + work.uncached)
             queued_ms = a.queuedMs * (1 + work.queued)
             running_ms = a.runningMs * pod.metrics.running
-            base[pod.id] = {
-                "prompt_tokens": num_tokens,
-                "cached_tokens": max(0, num_tokens - uncached),
-                "uncached_tokens": uncached,
-                "waiting": pod.metrics.waiting,
-                "running": pod.metrics.running,
-                "in_flight": requests,
-                "in_flight_tokens": tokens,
-                "queued": work.queued,
-                "mean_queued_tokens": work.mean_tokens,
+            base[pod.id] = work_terms(pod, work, num_tokens, self.in_flight) | {
                 "prefill_ms": prefill_ms,
                 "queued_ms": queued_ms,
                 "running_ms": running_ms,

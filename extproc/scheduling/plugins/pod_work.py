@@ -47,3 +47,23 @@ def pod_work(
     else:
         mean_tokens = cycle.num_prompt_tokens if num_prompt_tokens is None else num_prompt_tokens
     return PodWork(uncached, queued, mean_tokens)
+
+
+def work_terms(
+    pod: Pod, work: PodWork, num_prompt_tokens: int, in_flight: InFlight
+) -> dict[str, float]:
+    """The terms both cost plugins explain a pod's estimate by (``Explainer``): the
+    prompt, what the pod holds of it, its load and the work ahead; each plugin adds its
+    own times."""
+    requests, tokens = in_flight.get_count(pod.id)
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "cached_tokens": max(0, num_prompt_tokens - work.uncached),
+        "uncached_tokens": work.uncached,
+        "waiting": pod.metrics.waiting,
+        "running": pod.metrics.running,
+        "in_flight": requests,
+        "in_flight_tokens": tokens,
+        "queued": work.queued,
+        "mean_queued_tokens": work.mean_tokens,
+    }
