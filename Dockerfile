@@ -12,11 +12,15 @@ COPY extproc/ extproc/
 RUN pip wheel --wheel-dir /wheels '.[tracing]'
 
 # Runtime: the wheels installed from a bind mount (they do not stay in a layer), then a
-# non-root user; 65532 is the chart's podSecurityContext.runAsUser.
+# non-root user; 65532 is the chart's podSecurityContext.runAsUser. opentelemetry-proto
+# goes in again last: xds-protos ships an old copy of its files, which the OTLP exporter
+# cannot import, and pip's order decides whose files stay.
 FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
-    pip install --no-cache-dir --no-index --find-links=/wheels 'extproc[tracing]'
+    pip install --no-cache-dir --no-index --find-links=/wheels 'extproc[tracing]' && \
+    pip install --no-cache-dir --no-index --find-links=/wheels --no-deps --force-reinstall \
+      opentelemetry-proto
 USER 65532:65532
 # ext_proc and the access log (gRPC), gRPC health, Prometheus metrics: the chart's ports.
 # serve refuses to start without a pods source: the chart adds --k8s-selector or

@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[envoy,sim,test,docs,tracing]'
+	# xds-protos ships an old copy of opentelemetry-proto's files; the exporter needs these.
+	$(PY) -m pip install --quiet --no-deps --force-reinstall "opentelemetry-proto==$$($(PY) -c \
+	  'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -37,6 +37,13 @@ log = logging.getLogger("extproc.tracing")
 
 SPAN_NAME = "extproc pick"
 INSTALL_HINT = "pip install 'extproc[tracing]'"
+# xds-protos ships an old copy of the OpenTelemetry protos in the same files as
+# opentelemetry-proto's; whichever pip installs last wins.
+PROTOS_CLOBBERED = (
+    "the OpenTelemetry protos in place are xds-protos' older copy (both packages install "
+    "opentelemetry/proto), which the OTLP exporter cannot use: pip install "
+    "--force-reinstall --no-deps opentelemetry-proto"
+)
 # When extproc starts a trace itself (no trace context from Envoy). Envoy's own ratio
 # (envoy-config --trace-sampling) decides for the requests it traces.
 DEFAULT_SAMPLING = 0.01
@@ -191,7 +198,9 @@ def start_tracing(args: argparse.Namespace) -> Tracing | None:
     try:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-    except ImportError:
+    except ImportError as exc:
+        if "InstrumentationScope" in str(exc):
+            raise ConfigError(f"--otlp-endpoint: {PROTOS_CLOBBERED}") from None
         raise ConfigError(
             f"--otlp-endpoint needs the OTLP exporter, which is not installed: {INSTALL_HINT}"
         ) from None

@@ -241,3 +241,40 @@ def test_serve_without_an_endpoint_never_imports_opentelemetry(tmp_path: Path) -
 def test_an_endpoint_without_the_extra_is_refused_naming_the_install(tmp_path: Path) -> None:
     out = _serve_without_opentelemetry(tmp_path, "--otlp-endpoint", "127.0.0.1:4317")
     assert "refused:" in out and "pip install 'extproc[tracing]'" in out
+
+
+_CLOBBERED = """
+import sys
+
+class Clobbered:
+    # What the exporter's import raises when xds-protos' old protos won (CI saw it).
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith("opentelemetry.exporter"):
+            raise ImportError(
+                "cannot import name 'InstrumentationScope' from "
+                "'opentelemetry.proto.common.v1.common_pb2'"
+            )
+
+sys.meta_path.insert(0, Clobbered())
+from extproc.admin.tracing import start_tracing
+from extproc.cli import build_parser
+from extproc.errors import ConfigError
+
+args = build_parser().parse_args(["serve", "--pods", "p.yaml", "--otlp-endpoint", "h:4317"])
+try:
+    start_tracing(args)
+except ConfigError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_protos_overwritten_by_xds_protos_are_named_with_the_fix() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_CLOBBERED)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "xds-protos" in result.stdout
+    assert "pip install --force-reinstall --no-deps opentelemetry-proto" in result.stdout

@@ -140,6 +140,8 @@ def test_the_image_has_tracing_and_no_other_extra(image: Image) -> None:
     installed = {p["name"].lower().replace("_", "-") for p in json.loads(listed.stdout)}
     base = {_name(r) for r in PROJECT["dependencies"]}
     assert base | _extra_names("tracing") <= installed  # the chart's tracing.otlpEndpoint
+    exporter = "import opentelemetry.exporter.otlp.proto.grpc.trace_exporter"  # not xds-protos'
+    subprocess.run([str(image.bin / "python"), "-c", exporter], check=True, timeout=RUN_TIMEOUT_S)
     for extra in ("sim", "test", "envoy"):
         assert not (_extra_names(extra) - base) & installed, extra
 
