@@ -13,6 +13,7 @@ leaving the ``with`` stops what it started.
 
 from __future__ import annotations
 
+import http.client
 import os
 import random
 import selectors
@@ -51,6 +52,9 @@ LOWEST_PORT = 10000
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
+_PICKED: set[int] = set()  # every port free_port returned in this process
+
+
 def free_port() -> int:
     """A port of 127.0.0.1 free now, below the kernel's ephemeral range.
 
@@ -59,7 +63,9 @@ def free_port() -> int:
     out for port 0 (a server asking for any port, a client's outgoing connection) comes
     from the ephemeral range, so none of those can take this one between the check and
     the bind, or while its process restarts; only another explicit pick could, at random
-    among some 20,000 ports. Where a program reports the port it bound, bind port 0.
+    among some 20,000 ports, and never one of this process's (``_PICKED``: a stack picks a
+    handful at once, which would otherwise meet one run in a few hundred). Where a
+    program reports the port it bound, bind port 0.
     """
     try:
         low = int(EPHEMERAL_RANGE.read_text().split()[0])
@@ -68,11 +74,14 @@ def free_port() -> int:
     picks = random.SystemRandom()
     for _ in range(200):
         port = picks.randrange(LOWEST_PORT, max(low, LOWEST_PORT + 1000))
+        if port in _PICKED:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _PICKED.add(port)
             return port
     raise OSError(f"no free port between {LOWEST_PORT} and {low}")
 
@@ -149,8 +158,8 @@ def wait_until(check: object, proc: Proc, what: str, timeout_s: float = START_TI
         try:
             if check():  # type: ignore[operator]
                 return
-        except (OSError, urllib.error.URLError):
-            pass
+        except (OSError, urllib.error.URLError, http.client.HTTPException):
+            pass  # not listening yet, or another server answers on the port (not ours)
         time.sleep(0.05)
     raise TimeoutError(f"{what} not ready after {timeout_s} s:\n{proc.log_tail()}")
 
