@@ -7,7 +7,6 @@ must pass ``envoy --mode validate`` and carry the values it was given.
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +14,8 @@ import pytest
 import yaml
 
 from extproc.envoyconf import helm
-from extproc.sim.launch import envoy_binary
 from testkit.chart import FULLNAME, NAMESPACE, PRECISE, clusters, envoy_config, find, render
-from tests.envoyconf.support import hcm
+from tests.envoyconf.support import hcm, validate
 
 
 def test_template_is_what_the_generator_writes() -> None:
@@ -57,14 +55,7 @@ def test_rendered_bootstrap_validates_and_follows_values(
     config = envoy_config(values)
     path = tmp_path / "envoy.yaml"
     path.write_text(yaml.safe_dump(config))
-    result = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(path)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    validate(path)
 
     envoy, picker = values.get("envoy", {}), values.get("picker", {})
     domain = f"{NAMESPACE}.svc.{values.get('clusterDomain', 'cluster.local')}"

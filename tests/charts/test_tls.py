@@ -3,7 +3,6 @@ cert-manager wiring, and the standalone Envoy's matching bootstrap (Envoy valida
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +10,9 @@ import helm_python
 import pytest
 import yaml
 
-from extproc.sim.launch import envoy_binary
 from testkit.chart import FULLNAME, GATEWAY_PEERS, clusters, envoy_config, find, render
 from testkit.tls_certs import CertAuthority
+from tests.envoyconf.support import validate
 
 CERT_MANAGER = {"enabled": True, "issuerRef": {"name": "cluster-ca", "kind": "ClusterIssuer"}}
 GATEWAY = {"mode": "gateway", "networkPolicy": {"gatewayFrom": GATEWAY_PEERS}}
@@ -123,11 +122,4 @@ def test_standalone_envoy_bootstrap_matches_the_mode_and_validates(
     )
     path = tmp_path / "envoy.yaml"
     path.write_text(text)
-    result = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(path)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    validate(path)

@@ -4,7 +4,6 @@ OpenTelemetry tracer to the same collector, which Envoy accepts; off by default.
 from __future__ import annotations
 
 import argparse
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +14,8 @@ import yaml
 from extproc.admin.tracing import check_tracing_args
 from extproc.cli import serve
 from extproc.envoyconf.build import OTLP_CLUSTER
-from extproc.sim.launch import envoy_binary
 from testkit.chart import FULLNAME, clusters, envoy_config, find, render
-from tests.envoyconf.support import hcm
+from tests.envoyconf.support import hcm, validate
 
 TRACING = {"tracing": {"otlpEndpoint": "otel-collector.monitoring:4317", "samplingRatio": 0.05}}
 
@@ -50,14 +48,7 @@ def test_tracing_turns_on_envoys_tracer_which_envoy_accepts(tmp_path: Path) -> N
     config = envoy_config(TRACING)
     path = tmp_path / "envoy.yaml"
     path.write_text(yaml.safe_dump(config))
-    result = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(path)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    validate(path)
     tracing = hcm(config)["tracing"]
     assert tracing["random_sampling"] == {"value": 5}
     assert tracing["provider"]["name"] == "envoy.tracers.opentelemetry"
