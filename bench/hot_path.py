@@ -1,0 +1,169 @@
+"""The request path in process: extproc's own per-request work, without gRPC or Envoy.
+
+Each request is what the loop server does with one routed request, from the parsed
+ext_proc message to the parsed access-log message: ``RouteHandler.process_soon`` (read
+the attributes, parse and render the body, hash, schedule, serialize the reply with its
+record) and ``AccessLogHandler.complete`` (the entry read, the pending request ended and
+recorded, the observers told). The messages are built as Envoy sends them (the access
+log carries the reply's dynamic metadata back). The router is built as ``extproc serve``
+builds it with the shipped defaults (configuration, flow control, sessions, record
+metadata, per-request metrics), over instant pods that are never scraped.
+
+It is the profiling companion of ``bench.instructions`` (which counts the same work plus
+gRPC core behind real Envoy): quick to run, and ``--profile`` says where the time goes.
+
+    python -m bench.hot_path                          # 8 KB chat prompts, 16 pods
+    python -m bench.hot_path --prompt-kb 220 --pods 1000 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+from dataclasses import replace
+
+from envoy.service.accesslog.v3 import als_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from google.protobuf import struct_pb2
+from prometheus_client import CollectorRegistry
+
+from bench.loadgen import ID_MARK, chat_body
+from bench.upstreams import MODEL
+from extproc.pods import Pod, PodId
+from extproc.routing.flow.config import parse_flow_control
+from extproc.routing.outcome_metrics import OutcomeMetrics
+from extproc.routing.router import Router
+from extproc.scheduling.config import build_scheduler, default_config_text, parse_config
+from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.sessions import SessionStore
+from extproc.wire.access_log import AccessLogHandler
+from extproc.wire.one_round import RouteHandler
+from extproc.wire.protocol import ATTRIBUTES_KEY, PATH_ATTRIBUTE, REQUEST_ID_ATTRIBUTE
+
+PATH = "/v1/chat/completions"
+
+
+def make_pods(num_pods: int) -> list[Pod]:
+    return [
+        Pod(
+            id=PodId("bench", f"pod-{i}"),
+            address=f"127.0.{i // 250}.{i % 250 + 1}:8000",
+            models=frozenset({MODEL}),
+        )
+        for i in range(num_pods)
+    ]
+
+
+def make_router(num_pods: int) -> Router:
+    """The router ``extproc serve`` builds with its defaults, over instant pods."""
+    registry = CollectorRegistry()
+    in_flight = InFlight()
+    config = parse_config(default_config_text(), "default")
+    scheduler = build_scheduler(config, registry, in_flight, SessionStore(ttl_s=600))
+    flow = replace(parse_flow_control(config.flow_control, config.source), scraped=False)
+    router = Router(
+        scheduler,
+        make_pods(num_pods),
+        in_flight=in_flight,
+        registry=registry,
+        carry_records=True,
+        flow=flow,
+    )
+    router.observers.append(OutcomeMetrics(registry))
+    return router
+
+
+def body_message(body: bytes, request_id: str) -> bytes:
+    """The ext_proc message Envoy sends: the buffered body with its attributes."""
+    message = ep.ProcessingRequest(
+        request_body=ep.HttpBody(body=body, end_of_stream=True),
+    )
+    fields = message.attributes[ATTRIBUTES_KEY].fields
+    fields[PATH_ATTRIBUTE].string_value = PATH
+    fields[REQUEST_ID_ATTRIBUTE].string_value = request_id
+    return bytes(message.SerializeToString())
+
+
+def log_message(request_id: str, served: str, metadata: struct_pb2.Struct | None) -> bytes:
+    """The access-log message Envoy sends when the request has ended successfully."""
+    message = als_pb2.StreamAccessLogsMessage()
+    entry = message.http_logs.log_entry.add()
+    entry.request.request_id = request_id
+    entry.response.response_code.value = 200
+    common = entry.common_properties
+    common.time_to_first_upstream_rx_byte.nanos = 2_000_000
+    common.time_to_last_downstream_tx_byte.nanos = 3_000_000
+    address, port = served.rsplit(":", 1)
+    common.upstream_remote_address.socket_address.address = address
+    common.upstream_remote_address.socket_address.port_value = int(port)
+    if metadata is not None:
+        for namespace, value in metadata.fields.items():
+            common.metadata.filter_metadata[namespace].CopyFrom(value.struct_value)
+    return bytes(message.SerializeToString())
+
+
+class HotPath:
+    """Requests over ``num_prefixes`` prompts of ``prompt_bytes``, each routed and ended."""
+
+    def __init__(self, num_pods: int, prompt_bytes: int, num_prefixes: int) -> None:
+        self.router = make_router(num_pods)
+        self.routes = RouteHandler(self.router)
+        self.logs = AccessLogHandler(self.router)
+        head, tail = chat_body(prompt_bytes).split(ID_MARK.encode())
+        self.bodies = [head + f"{i:08d}".encode() + tail for i in range(num_prefixes)]
+        self.next_id = 0
+
+    def one_request(self) -> None:
+        n = self.next_id
+        self.next_id += 1
+        request_id = f"req-{n}"
+        message = ep.ProcessingRequest.FromString(
+            body_message(self.bodies[n % len(self.bodies)], request_id)
+        )
+        routed = self.routes.process_soon(message)
+        assert isinstance(routed, tuple), routed
+        reply = ep.ProcessingResponse.FromString(routed[0])
+        served = (
+            reply.dynamic_metadata.fields["envoy.lb"]
+            .struct_value.fields["x-gateway-destination-endpoint"]
+            .string_value.split(",")[0]
+        )
+        self._ended = als_pb2.StreamAccessLogsMessage.FromString(
+            log_message(request_id, served, reply.dynamic_metadata)
+        )
+        self.logs.complete(self._ended)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pods", type=int, default=16)
+    parser.add_argument("--prompt-kb", type=int, default=8)
+    parser.add_argument("--prefixes", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    path = HotPath(args.pods, args.prompt_kb * 1024, args.prefixes)
+    for _ in range(2 * args.prefixes):
+        path.one_request()
+    samples = []
+    for _ in range(args.rounds):
+        t0 = time.perf_counter_ns()
+        for _ in range(args.requests):
+            path.one_request()
+        samples.append((time.perf_counter_ns() - t0) / 1000 / args.requests)
+    print(f"{statistics.median(samples):.1f} us/request (rounds: {samples})")
+    if args.profile:
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(args.requests):
+            path.one_request()
+        profile.disable()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(40)
+
+
+if __name__ == "__main__":
+    main()
