@@ -11,7 +11,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test check docs bench bench-routing bench-flow bench-replicas sim-parity venv vllm peers system-deps bench-deps clean
 
-$(STAMP): pyproject.toml
+# The editable install compiles extproc/kernels/_compiled.pyx in place: again when it changes.
+$(STAMP): pyproject.toml setup.py extproc/kernels/_compiled.pyx
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[envoy,sim,test,docs,tracing]'

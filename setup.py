@@ -1,7 +1,11 @@
-"""setuptools' build, plus the commit it was built from in the wheel (``extproc --version``).
+"""setuptools' build, plus the commit it was built from in the wheel (``extproc --version``)
+and the compiled kernels when a C compiler is there.
 
-The metadata is pyproject.toml's. One step is added: when the build runs in a git
-checkout, ``build_py`` writes ``extproc/commit.txt`` (``extproc/cli/version.py`` reads it).
+The metadata is pyproject.toml's. Two steps are added: when the build runs in a git
+checkout, ``build_py`` writes ``extproc/commit.txt`` (``extproc/cli/version.py`` reads it);
+``extproc/kernels/_compiled.pyx`` is compiled (Cython, a build requirement), an optional
+extension: without a compiler the build goes on and extproc runs the kernels' pure
+reference (``extproc.kernels``).
 Hand-written, not setuptools-scm: that library derives the version from git tags (there
 are none; without them it makes 0.1.devN) and writes nothing for a static version such as
 extproc's 0.1.0, which the image and the chart are tagged with.
@@ -13,7 +17,7 @@ import importlib.util
 from pathlib import Path
 from types import ModuleType
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
@@ -45,4 +49,12 @@ class BuildPyWithCommit(build_py):  # type: ignore[misc]  # setuptools is untype
             target.write_text(found + "\n", encoding="utf-8")
 
 
-setup(cmdclass={"build_py": BuildPyWithCommit})
+KERNELS = Extension(
+    "extproc.kernels._compiled",
+    ["extproc/kernels/_compiled.pyx"],
+    optional=True,  # no C compiler: skipped, with setuptools' warning in the build log
+    # No fused multiply-add: the compiled arithmetic must round as NumPy's does.
+    extra_compile_args=["-O2", "-ffp-contract=off"],
+)
+
+setup(cmdclass={"build_py": BuildPyWithCommit}, ext_modules=[KERNELS])

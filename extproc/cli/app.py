@@ -41,6 +41,7 @@ from extproc.datalayer.sources import (
 from extproc.datalayer.store import PodStore
 from extproc.envoyconf.options import DEFAULT_MAX_MESSAGE_TIMEOUT_S
 from extproc.errors import ConfigError
+from extproc.kernels import IMPLEMENTATION as KERNELS_IMPLEMENTATION
 from extproc.pods import Pod
 from extproc.request.render import Rendering
 from extproc.routing.flow.config import FlowConfig, parse_flow_control
@@ -305,7 +306,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
     set_serving(servicer, True)
     log.info(
         "extproc %s serving ext_proc on %s:%d, health on :%d, metrics on :%s; %d pods from "
-        "%s; record metadata %s; %s",
+        "%s; record metadata %s; %s; kernels %s",
         router.replica_id,
         args.address,
         grpc_port,
@@ -315,6 +316,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         describe_source(args),
         "on" if router.carry_records else "off",
         f"sharing through redis stream {args.redis_stream}" if sharing else "no sharing",
+        KERNELS_IMPLEMENTATION,
     )
     return Running(
         router,

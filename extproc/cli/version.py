@@ -9,7 +9,7 @@ The commit, the first found:
    a checkout (``pip install .``, ``pip install git+URL``);
 3. else ``unknown``: the Dockerfile's build context, an sdist, holds no ``.git``.
 
-Standard library only: ``setup.py`` loads this file by path at build time.
+Standard library only at import: ``setup.py`` loads this file by path at build time.
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ def commit(package: Path = PACKAGE) -> str:
 
 
 def hot_path() -> str:
-    """The implementation serving each request: pure Python until a compiled module
-    exists; that module, once it does, is asked here for its own description."""
-    return "pure Python"
+    """The implementation of the per-request kernels (``extproc.kernels``): compiled, or
+    pure Python and why."""
+    from extproc.kernels import IMPLEMENTATION  # imports NumPy: only when asked
+
+    return IMPLEMENTATION

@@ -38,11 +38,10 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from extproc.kernels import deepest_held
 from extproc.pods import PodId
 from extproc.prefix.hashing import Keys, as_keys
 from extproc.prefix.storage import SLOTS_PER_PAGE, PodLru, PrefixStorage
-
-_SLOT_BITS = np.arange(SLOTS_PER_PAGE, dtype=np.int64)
 
 
 def _popcount(values: Keys) -> npt.NDArray[np.integer[Any]]:
@@ -179,9 +178,9 @@ class PrefixIndex:
         ``candidates.pods``, in its order (0: no match, or excluded; a pod listed twice
         gets its length at its first place). No top-K, so no draws.
 
-        The matches come out as slot masks per page and block (where a candidate's
-        longest match ends), turned into places in ``candidates.pods`` with array
-        operations: no step per pod.
+        The matches come out as slot masks per page and block, and each candidate's
+        deepest block is read off them by a kernel (``kernels.deepest_held``): no step
+        per pod in Python. Up to 63 pods (one page) it is one probe of the owner masks.
         """
         keys = as_keys(hashes)
         out = np.zeros(len(candidates.pods), dtype=np.int64)
@@ -190,18 +189,18 @@ class PrefixIndex:
             page_masks = storage.less(self._pod_set_masks(candidates), exclude)
             if not page_masks or not len(keys):
                 return out
-            pages_by_block = storage.pages_by_block(keys, page_masks)
-            pages, masks = storage.owner_masks(keys, pages_by_block, page_masks, 0, len(keys))
-            if not len(pages):
-                return out
-            held_from = np.bitwise_or.accumulate(masks[:, ::-1], axis=1)[:, ::-1]
-            ends = held_from.copy()
-            ends[:, :-1] &= ~held_from[:, 1:]
-            page_idx, block_idx = np.nonzero(ends)
-            bit_set = (ends[page_idx, block_idx][:, np.newaxis] >> _SLOT_BITS) & 1 != 0
-            match_idx, bit = np.nonzero(bit_set)
-            slots = pages[page_idx[match_idx]] * SLOTS_PER_PAGE + bit
-            out[self._pod_set_places(candidates)[slots]] = block_idx[match_idx] + 1
+            places = self._pod_set_places(candidates)
+            if len(page_masks) == 1:
+                ((page, mask),) = page_masks.items()
+                owners = storage.page_owners(keys, page)
+                owners &= mask
+                pages, masks = np.array([page], dtype=np.int64), owners[np.newaxis]
+            else:
+                pages_by_block = storage.pages_by_block(keys, page_masks)
+                pages, masks = storage.owner_masks(
+                    keys, pages_by_block, page_masks, 0, len(keys)
+                )
+            deepest_held(masks, pages * SLOTS_PER_PAGE, places, out)
         return out
 
     def _pod_set_places(self, pod_set: PodSet) -> Keys:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 
 from extproc.cli import main
 from extproc.cli.version import COMMIT_FILE, checkout_commit, commit
+from extproc.kernels import IMPLEMENTATION, KERNELS_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
@@ -48,7 +50,19 @@ def test_version_prints_version_commit_and_hot_path(capsys: pytest.CaptureFixtur
     assert lines[0] == f"extproc {VERSION}"
     # This test runs from the repository's checkout: its own commit, maybe modified.
     assert re.fullmatch(r"commit: [0-9a-f]{40}( \(modified\))?", lines[1]), lines[1]
-    assert lines[2] == "hot path: pure Python"
+    assert lines[2] == f"hot path: {IMPLEMENTATION}"
+
+
+def test_version_says_when_the_pure_kernels_are_chosen() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "extproc", "--version"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        env={**os.environ, KERNELS_ENV: "pure"},
+    )
+    assert done.stdout.splitlines()[2] == f"hot path: pure Python ({KERNELS_ENV}=pure)"
 
 
 def test_version_from_the_command_line() -> None:

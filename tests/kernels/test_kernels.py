@@ -1,0 +1,70 @@
+"""The compiled kernels equal their pure reference on generated inputs, and a checkout
+built as the Makefile builds it runs the compiled ones."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from extproc import kernels
+from extproc.kernels import pure
+from extproc.kernels.pure import Kernels
+from extproc.prefix.storage import SLOTS_PER_PAGE
+
+MASKS = st.integers(min_value=0, max_value=(1 << SLOTS_PER_PAGE) - 1)
+
+
+def compiled_kernels() -> Kernels:
+    """The compiled module; its absence fails the test (setup.py builds it wherever a C
+    compiler is, as on every machine CI runs on): never a silent second pure run."""
+    try:
+        module = importlib.import_module("extproc.kernels._compiled")
+    except ImportError as exc:  # pragma: no cover - the failure message
+        pytest.fail(f"the compiled kernels are not built ({exc}): run `make venv`")
+    found: Kernels = module.KERNELS
+    return found
+
+
+def test_the_checkout_runs_the_compiled_kernels_unless_told_not_to() -> None:
+    compiled_kernels()
+    if kernels.IMPLEMENTATION.startswith("pure"):
+        assert kernels.KERNELS_ENV in kernels.IMPLEMENTATION  # chosen, not fallen back to
+    else:
+        assert kernels.IMPLEMENTATION == "compiled (Cython)"
+
+
+@given(
+    num_blocks=st.integers(0, 80),
+    pages=st.lists(st.integers(0, 3), min_size=1, max_size=4, unique=True),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_deepest_held_is_the_same_compiled_and_pure(
+    num_blocks: int, pages: list[int], seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    masks = rng.integers(0, 1 << SLOTS_PER_PAGE, (len(pages), num_blocks), dtype=np.int64)
+    masks[rng.random(masks.shape) < 0.7] = 0  # mostly sparse, as real owner masks
+    num_slots = 4 * SLOTS_PER_PAGE
+    places = rng.permutation(num_slots + 5)[:num_slots].astype(np.int64)  # some past the end
+    places[rng.random(num_slots) < 0.1] = -1  # slots of no candidate
+    first_slots = np.array(pages, dtype=np.int64) * SLOTS_PER_PAGE
+    outs = []
+    for implementation in (pure.KERNELS, compiled_kernels()):
+        out = np.zeros(int(places.max()) + 1, dtype=np.int64)
+        implementation.deepest_held(masks, first_slots, places, out)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_deepest_held_finds_each_slots_last_block() -> None:
+    owners = np.array([[0b111, 0b010, 0b001, 0]], dtype=np.int64)
+    places = np.array([2, 0, 1], dtype=np.int64)
+    for implementation in (pure.KERNELS, compiled_kernels()):
+        out = np.zeros(3, dtype=np.int64)
+        implementation.deepest_held(owners, np.zeros(1, dtype=np.int64), places, out)
+        # slot 0 (place 2) last holds block 2, slot 1 (place 0) block 1, slot 2 block 0
+        assert out.tolist() == [2, 1, 3]
