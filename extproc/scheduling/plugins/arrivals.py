@@ -5,9 +5,9 @@ Each routed prompt is one row of its block keys, kept until its request ends. Ha
 chained, so two prompts share a prefix only if their first blocks are equal, and the
 prefix they share is then the run of equal keys from the start. Rows are grouped by their
 first block, and a lookup compares the prompt with its group's rows in one NumPy pass
-(rows x blocks): picking and ending a request cost a few array operations whatever the
-prompt's length, and a lookup grows with the requests in flight that share its first
-block, not with the pods.
+(rows x blocks): picking a request costs one array write whatever the prompt's length,
+ending it a dict lookup (its row by slot, length and last key), and a lookup grows with
+the requests in flight that share its first block, not with the pods.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import threading
 from collections.abc import Container
 
 import numpy as np
-import numpy.typing as npt
 
 from extproc.pods import PodId
 from extproc.prefix.hashing import Keys
@@ -26,72 +25,91 @@ MIN_ROWS = 4
 
 class _Group:
     """The rows of the prompts that start with one block: keys (``lengths[i]`` of row
-    ``i`` are its own, the rest is unused) and the pod slot each was sent to."""
+    ``i`` are its own, the rest is unused), the pod slot each was sent to, and the rows
+    of each (slot, length, last key): with chained keys, a prompt sent to a slot."""
 
-    __slots__ = ("keys", "lengths", "num_rows", "slots")
+    __slots__ = ("keys", "lengths", "rows_of", "slots")
 
     def __init__(self, width: int) -> None:
         self.keys = np.empty((MIN_ROWS, width), dtype=np.int64)
-        self.lengths = np.empty(MIN_ROWS, dtype=np.int64)
-        self.slots = np.empty(MIN_ROWS, dtype=np.int64)
-        self.num_rows = 0
+        self.lengths: list[int] = []
+        self.slots: list[int] = []
+        self.rows_of: dict[tuple[int, int, int], list[int]] = {}
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.slots)
 
     def append(self, keys: Keys, slot: int) -> None:
-        n = self.num_rows
+        n, length = len(self.slots), len(keys)
         capacity, width = self.keys.shape
-        if n == capacity or len(keys) > width:
-            self._resize(2 * capacity if n == capacity else capacity, max(width, len(keys)))
-        self.keys[n, : len(keys)] = keys
-        self.lengths[n] = len(keys)
-        self.slots[n] = slot
-        self.num_rows = n + 1
+        if n == capacity or length > width:
+            self._resize(2 * capacity if n == capacity else capacity, max(width, length))
+        self.keys[n, :length] = keys
+        self.lengths.append(length)
+        self.slots.append(slot)
+        self.rows_of.setdefault((slot, length, int(keys[-1])), []).append(n)
 
     def find(self, keys: Keys, slot: int) -> int | None:
-        """A row of this prompt for this slot (with chained keys, length and last key
-        decide the prompt), or None."""
-        n, length = self.num_rows, len(keys)
-        if length > self.keys.shape[1]:
-            return None
-        same = (self.slots[:n] == slot) & (self.lengths[:n] == length)
-        same &= self.keys[:n, length - 1] == keys[-1]
-        rows = np.flatnonzero(same)
-        return int(rows[0]) if len(rows) else None
+        """The first row of this prompt for this slot (with chained keys, length and last
+        key decide the prompt), or None."""
+        rows = self.rows_of.get((slot, len(keys), int(keys[-1])))
+        return min(rows) if rows else None
 
     def delete(self, row: int) -> None:
         """Drop ``row``; the last row takes its place."""
-        last = self.num_rows - 1
+        last = len(self.slots) - 1
+        self._unlist(row)
         if row != last:
             self.keys[row] = self.keys[last]
             self.lengths[row] = self.lengths[last]
             self.slots[row] = self.slots[last]
-        self.num_rows = last
-        capacity = len(self.lengths)
+            rows = self.rows_of[self._ident(row)]
+            rows[rows.index(last)] = row
+        del self.lengths[last], self.slots[last]
+        capacity = len(self.keys)
         if capacity > MIN_ROWS and last < capacity // 4:
             self._resize(capacity // 2, self.keys.shape[1])
 
-    def keep(self, rows: npt.NDArray[np.bool_]) -> None:
-        """Keep only the rows where ``rows`` (one flag per row) is true."""
-        n = int(rows.sum())
-        self.keys[:n] = self.keys[: self.num_rows][rows]
-        self.lengths[:n] = self.lengths[: self.num_rows][rows]
-        self.slots[:n] = self.slots[: self.num_rows][rows]
-        self.num_rows = n
+    def keep(self, rows: list[bool]) -> None:
+        """Keep only the rows where ``rows`` (one flag per row) is true, in order."""
+        n = sum(rows)
+        self.keys[:n] = self.keys[: len(rows)][rows]
+        self.lengths = [x for x, kept in zip(self.lengths, rows, strict=True) if kept]
+        self.slots = [x for x, kept in zip(self.slots, rows, strict=True) if kept]
+        self.rows_of = {}
+        for row in range(n):
+            self.rows_of.setdefault(self._ident(row), []).append(row)
 
-    def shared_blocks(self, keys: Keys) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """Per row, its slot and the number of leading blocks it shares with ``keys``."""
-        n = self.num_rows
+    def shared_blocks(self, keys: Keys) -> list[int]:
+        """Per row, the number of leading blocks it shares with ``keys``."""
+        n = len(self.slots)
         width = min(self.keys.shape[1], len(keys))
         equal = self.keys[:n, :width] == keys[:width]
-        first_difference = np.where(equal.all(axis=1), width, equal.argmin(axis=1))
-        return self.slots[:n], np.minimum(first_difference, self.lengths[:n])
+        first_difference = equal.argmin(axis=1).tolist()  # 0 where every block is equal
+        whole = equal[:, 0].tolist()  # then the first is equal
+        return [
+            min(width if (at == 0 and same) else at, length)
+            for at, same, length in zip(first_difference, whole, self.lengths, strict=True)
+        ]
+
+    def _ident(self, row: int) -> tuple[int, int, int]:
+        length = self.lengths[row]
+        return self.slots[row], length, int(self.keys[row, length - 1])
+
+    def _unlist(self, row: int) -> None:
+        """Drop ``row`` from the rows of its (slot, length, last key)."""
+        ident = self._ident(row)
+        rows = self.rows_of[ident]
+        rows.remove(row)
+        if not rows:
+            del self.rows_of[ident]
 
     def _resize(self, capacity: int, width: int) -> None:
-        n = self.num_rows
+        n = len(self.slots)
         keys = np.empty((capacity, width), dtype=np.int64)
         keys[:n, : self.keys.shape[1]] = self.keys[:n]
         self.keys = keys
-        self.lengths = np.resize(self.lengths, capacity)
-        self.slots = np.resize(self.slots, capacity)
 
 
 class Arrivals:
@@ -160,12 +178,11 @@ class Arrivals:
             group = self._groups.get(int(keys[0]))
             if group is None:
                 return {}
-            slots, lengths = group.shared_blocks(keys)
-            longest = np.zeros(len(self._rows_of), dtype=np.int64)
-            np.maximum.at(longest, slots, lengths)
-            found = np.flatnonzero(longest)
-            pods = map(self._pod_of.__getitem__, found.tolist())
-            return dict(zip(pods, longest[found].tolist(), strict=True))
+            longest: dict[int, int] = {}  # slot -> blocks
+            for slot, shared in zip(group.slots, group.shared_blocks(keys), strict=True):
+                if shared > longest.get(slot, 0):
+                    longest[slot] = shared
+            return {self._pod_of[slot]: longest[slot] for slot in sorted(longest)}
 
     def forget_pods(self, keep: Container[PodId]) -> None:
         """Drop the prompts of every pod not in ``keep``."""
@@ -173,9 +190,9 @@ class Arrivals:
             gone = [slot for pod, slot in self._slot_of.items() if pod not in keep]
             if not gone:
                 return
-            gone_slots = np.array(gone, dtype=np.int64)
+            gone_slots = set(gone)
             for first, group in list(self._groups.items()):
-                group.keep(~np.isin(group.slots[: group.num_rows], gone_slots))
+                group.keep([slot not in gone_slots for slot in group.slots])
                 if not group.num_rows:
                     del self._groups[first]
             for slot in gone:
