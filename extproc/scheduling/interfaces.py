@@ -34,7 +34,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -45,6 +45,9 @@ from extproc.prefix.hashing import Keys, prompt_keys
 from extproc.request.parse import Api, InferenceRequest
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.podtable import PodTable, Positions, RowValues
+
+if TYPE_CHECKING:
+    from extproc.scheduling.plugins.session_book import Found
 
 Scores = npt.NDArray[np.int64]  # one score per row of the ``Positions`` scored
 TokenIds = npt.NDArray[np.uint32]  # a prompt's token ids: 4 bytes each, as keys hash them
@@ -74,6 +77,9 @@ class Cycle:
     uncached_rows: list[RowValues] = field(default_factory=list)
     # An explanation's cycle (``Scheduler.explain``): plugins observe no metric for it.
     explaining: bool = False
+    # The session estimated-ttft's book found while scoring, for placing the pick
+    # without searching again (``SessionBook.lookup``).
+    session_found: Found | None = None
     _keys: dict[tuple[int, int], Keys] = field(default_factory=dict)
     _num_prompt_bytes: int = -1
 

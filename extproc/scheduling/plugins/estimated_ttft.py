@@ -449,8 +449,10 @@ class EstimatedTTFT:
         )
 
     def _own_pod(self, cycle: Cycle) -> PodId | None:
-        """The pod the request's session is placed on, if it is a returning one."""
-        pod, returning = self.sessions.session_pod(self.sessions.find(self._session_prompt(cycle)))
+        """The pod the request's session is placed on, if it is a returning one; what
+        the book found stays on the cycle for ``arriving``."""
+        found = cycle.session_found = self.sessions.lookup(self._session_prompt(cycle))
+        pod, returning = self.sessions.session_pod(found.session)
         return pod if returning else None
 
     def _costs(
@@ -639,7 +641,7 @@ class EstimatedTTFT:
         self.written.add(pod, cycle.num_prefill_tokens(pod))
         if len(keys):
             self.arrivals.add(keys, pod)
-        placed = self.sessions.place(self._session_prompt(cycle), pod)
+        placed = self.sessions.place(self._session_prompt(cycle), pod, cycle.session_found)
         if placed.moved_from is not None and cycle.num_prompt_bytes > 0:  # ours, not a replica's
             self.sessions_moved.inc()
             self.moved_tokens.inc(cycle.num_prefill_tokens(pod))

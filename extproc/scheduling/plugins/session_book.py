@@ -21,10 +21,17 @@ recently used dropped first), so memory stays bounded whatever clients send.
 
 ``place`` binds a session to the pod picked for its request: a session picked elsewhere
 than the pod of its previous request has *moved*. Thread-safe.
+
+Keys are chained, so a key can only be a tip of a prompt that starts with the same first
+block key (its *root*): the live tips are also kept per root, and a prompt whose root has
+fewer live tips than it has keys to walk tests those tips only. ``lookup`` hands out
+what it found with the book's version (bumped by whatever could change an answer), so
+``place`` right after it, with nothing in between, skips the search.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import OrderedDict
@@ -37,6 +44,10 @@ import xxhash
 
 from extproc.pods import PodId
 from extproc.prefix.hashing import Keys
+
+# Versions are drawn from one counter for every book, so what one book found never
+# passes for another's.
+_versions = itertools.count()
 
 
 class SessionPrompt(NamedTuple):
@@ -68,6 +79,7 @@ class Session:
     last_s: float
     end: int = 0  # its latest prompt's length in bytes (0: unknown, a replayed pick)
     tail: int = 0  # digest of that prompt's bytes after the tip
+    root: int = 0  # its latest prompt's first block key (when ``tip`` is not None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +92,13 @@ class Placement:
     moved_from: PodId | None
 
 
+class Found(NamedTuple):
+    """What ``lookup`` found, and the book's version then (see ``place``)."""
+
+    session: int | None
+    version: int
+
+
 class SessionBook:
     def __init__(
         self,
@@ -89,11 +108,13 @@ class SessionBook:
     ) -> None:
         if idle_s <= 0 or max_sessions <= 0:
             raise ValueError(f"idle_s and max_sessions must be > 0, got {idle_s}, {max_sessions}")
-        self.idle_s = idle_s
+        self._idle_s = idle_s
         self.max_sessions = max_sessions
         self._clock = clock
         self._sessions: OrderedDict[int, Session] = OrderedDict()  # least recent first
-        self._by_tip: dict[int, int] = {}
+        self._by_tip: dict[int, int] = {}  # tip key -> session
+        self._tips: dict[int, dict[int, int]] = {}  # root -> {tip key in _by_tip: its index}
+        self._version = next(_versions)
         self._by_key: dict[str, int] = {}
         self._key_of: dict[int, str] = {}
         self._returning: dict[PodId, int] = {}  # live returning sessions per pod
@@ -103,22 +124,61 @@ class SessionBook:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    @property
+    def idle_s(self) -> float:
+        return self._idle_s
+
+    @idle_s.setter
+    def idle_s(self, idle_s: float) -> None:
+        """A reload sets it: what was found before (maybe with other block geometry)
+        is searched again."""
+        with self._lock:
+            self._idle_s = idle_s
+            self._version = next(_versions)
+
     def find(self, prompt: SessionPrompt) -> int | None:
         """The session a request continues, or None."""
+        return self.lookup(prompt).session
+
+    def lookup(self, prompt: SessionPrompt) -> Found:
+        """``find``, with the book's version for ``place``."""
         with self._lock:
             self._expire(self._clock())
-            return self._find(prompt)
+            return Found(self._find(prompt), self._version)
 
     def _find(self, prompt: SessionPrompt) -> int | None:
         if prompt.session_key is not None:
             return self._by_key.get(prompt.session_key)
-        by_tip, keys = self._by_tip, prompt.keys
-        if not by_tip:
+        if not self._by_tip:
             return None
         start = prompt.walk_from(prompt.tip_index())
         if start < 0:
             return None
-        candidates = keys[: start + 1].tolist()  # plain ints: a dict probe each, deepest first
+        keys = prompt.keys
+        tips = self._tips.get(int(keys[0]))
+        if tips is None:
+            return None  # no live tip starts as this prompt does
+        if len(tips) <= start:
+            return self._find_among(prompt, start, tips)
+        return self._walk(prompt, start)
+
+    def _find_among(self, prompt: SessionPrompt, start: int, tips: dict[int, int]) -> int | None:
+        """``_walk`` over the tips of the prompt's root only: those its keys reach."""
+        keys = prompt.keys
+        reached = sorted(
+            ((i, tip) for tip, i in tips.items() if i <= start and keys[i] == tip), reverse=True
+        )
+        for i, tip in reached:  # deepest first
+            found = self._by_tip[tip]
+            if self._extends(prompt, i, self._sessions[found]):
+                return found
+        return None
+
+    def _walk(self, prompt: SessionPrompt, start: int) -> int | None:
+        """The first session whose tip is one of the prompt's keys, deepest first, that
+        the prompt extends."""
+        by_tip = self._by_tip
+        candidates = prompt.keys[: start + 1].tolist()  # plain ints: a dict probe each
         for i in range(start, -1, -1):
             found = by_tip.get(candidates[i])
             if found is not None and self._extends(prompt, i, self._sessions[found]):
@@ -142,13 +202,18 @@ class SessionBook:
             s = self._sessions.get(session)
             return (None, False) if s is None else (s.pod, s.requests >= 2)
 
-    def place(self, prompt: SessionPrompt, pod: PodId) -> Placement:
+    def place(self, prompt: SessionPrompt, pod: PodId, looked_up: Found | None = None) -> Placement:
         """Bind the session of a request picked for ``pod`` (a new one if it continues
-        none) to ``pod``; its tip becomes the request's."""
+        none) to ``pod``; its tip becomes the request's. ``looked_up``: what ``lookup``
+        found for the same prompt, reused if the book is still at its version."""
         now = self._clock()
         with self._lock:
             self._expire(now)
-            found = self._find(prompt)
+            if looked_up is not None and looked_up.version == self._version:
+                found = looked_up.session
+            else:
+                found = self._find(prompt)
+            self._version = next(_versions)
             if found is None:
                 found = self._new(prompt.session_key, now)
             s = self._sessions[found]
@@ -166,16 +231,31 @@ class SessionBook:
         index = prompt.tip_index()
         if index < 0:
             return
-        if s.tip is not None and self._by_tip.get(s.tip) == sid:
-            del self._by_tip[s.tip]
-        s.tip = int(prompt.keys[index])
-        self._by_tip[s.tip] = sid  # a tip two sessions reach is the newer's
+        self._unlink(sid, s)
+        keys = prompt.keys
+        s.tip, s.root = int(keys[index]), int(keys[0])
+        older = self._by_tip.get(s.tip)
+        if older is not None:  # a tip two sessions reach is the newer's
+            self._unlink(older, self._sessions[older])
+        self._by_tip[s.tip] = sid
+        self._tips.setdefault(s.root, {})[s.tip] = index
         data = prompt.data
         if data is None:
             s.end = s.tail = 0
         else:
             s.end = len(data)
             s.tail = xxhash.xxh3_64_intdigest(data[(index + 1) * prompt.block_size :])
+
+    def _unlink(self, sid: int, s: Session) -> None:
+        """Take ``s``'s tip out of the indexes if it still leads to ``sid``."""
+        tip = s.tip
+        if tip is None or self._by_tip.get(tip) != sid:
+            return
+        del self._by_tip[tip]
+        tips = self._tips[s.root]
+        del tips[tip]
+        if not tips:
+            del self._tips[s.root]
 
     def _new(self, session_key: str | None, now: float) -> int:
         sid = self._next_id
@@ -192,16 +272,16 @@ class SessionBook:
         sessions = self._sessions
         while sessions:
             sid, s = next(iter(sessions.items()))
-            if now - s.last_s <= self.idle_s:
+            if now - s.last_s <= self._idle_s:
                 return
             self._drop(sid)
 
     def _drop(self, sid: int) -> None:
+        self._version = next(_versions)
         s = self._sessions.pop(sid)
         if s.requests >= 2 and s.pod is not None:
             self._returning[s.pod] -= 1
-        if s.tip is not None and self._by_tip.get(s.tip) == sid:
-            del self._by_tip[s.tip]
+        self._unlink(sid, s)
         key = self._key_of.pop(sid, None)
         if key is not None and self._by_key.get(key) == sid:
             del self._by_key[key]
