@@ -32,6 +32,7 @@ class InFlightCount(NamedTuple):
 
 
 _ZERO = InFlightCount(0, 0)
+_Column = npt.NDArray[np.int64]
 
 
 class InFlight:
@@ -40,17 +41,23 @@ class InFlight:
     Writers serialise on a lock; readers get the pod's current immutable count from a
     dict without locking (a single dict lookup is atomic). Pods whose count returns to
     zero are dropped, so the map holds only pods with requests in flight.
+
+    The counts are also kept per row of the latest pod table read (``counts_at``), kept
+    up to date by ``start`` and ``end``: a read copies two arrays, with no step per pod.
     """
 
     def __init__(self) -> None:
         self._counts: dict[PodId, InFlightCount] = {}
+        # a table's pod -> row, its number of rows, and requests and tokens per row
+        self._rows: tuple[Mapping[PodId, int], int, _Column, _Column] | None = None
         self._lock = threading.Lock()
 
     def start(self, pod_id: PodId, num_tokens: int = 0) -> None:
         """A request was routed to ``pod_id``; ``num_tokens`` is its prefill estimate."""
         with self._lock:
             n, tokens = self._counts.get(pod_id, _ZERO)
-            self._counts[pod_id] = InFlightCount(n + 1, tokens + num_tokens)
+            self._counts[pod_id] = count = InFlightCount(n + 1, tokens + num_tokens)
+            self._set_row(pod_id, count)
 
     def end(self, pod_id: PodId, num_tokens: int = 0) -> None:
         """The request started with ``start(pod_id, num_tokens)`` ended.
@@ -65,8 +72,19 @@ class InFlight:
                 return
             if n == 1:
                 del self._counts[pod_id]
+                self._set_row(pod_id, _ZERO)
             else:
-                self._counts[pod_id] = InFlightCount(n - 1, max(0, tokens - num_tokens))
+                count = InFlightCount(n - 1, max(0, tokens - num_tokens))
+                self._counts[pod_id] = count
+                self._set_row(pod_id, count)
+
+    def _set_row(self, pod_id: PodId, count: InFlightCount) -> None:
+        """``count`` into the rows kept for ``counts_at``, if the pod has one there."""
+        if self._rows is not None:
+            rows, num_rows, requests, tokens = self._rows
+            row = rows.get(pod_id)
+            if row is not None and row < num_rows:
+                requests[row], tokens[row] = count
 
     def get(self, pod_id: PodId) -> int:
         """Requests in flight to ``pod_id``."""
@@ -84,7 +102,8 @@ class InFlight:
     def requests_at(self, rows: Mapping[PodId, int], num_rows: int) -> npt.NDArray[np.int64]:
         """Requests in flight per row of a pod table (``rows``: pod -> row; others 0).
 
-        Costs one step per pod with requests in flight, none per idle pod.
+        Costs two array copies while the same ``rows`` come back (a table's pods do not
+        change), else one step per pod with requests in flight; none per idle pod.
         """
         return self.counts_at(rows, num_rows)[0]
 
@@ -93,10 +112,14 @@ class InFlight:
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """Requests in flight and their prefill tokens per row of a pod table, as
         ``requests_at``."""
-        requests = np.zeros(num_rows, dtype=np.int64)
-        tokens = np.zeros(num_rows, dtype=np.int64)
-        for pod_id, count in self._counts.copy().items():  # copy: one atomic C call
-            row = rows.get(pod_id)
-            if row is not None:
-                requests[row], tokens[row] = count
-        return requests, tokens
+        with self._lock:
+            kept = self._rows
+            if kept is None or kept[0] is not rows or kept[1] != num_rows:
+                requests = np.zeros(num_rows, dtype=np.int64)
+                tokens = np.zeros(num_rows, dtype=np.int64)
+                for pod_id, count in self._counts.items():
+                    row = rows.get(pod_id)
+                    if row is not None:
+                        requests[row], tokens[row] = count
+                kept = self._rows = (rows, num_rows, requests, tokens)
+            return kept[2].copy(), kept[3].copy()

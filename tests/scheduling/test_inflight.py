@@ -6,6 +6,8 @@ import random
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from extproc.pods import PodId
@@ -21,6 +23,8 @@ def test_counts_under_threads() -> None:
     num_threads, num_ops = 8, 5000
     barrier = threading.Barrier(num_threads)
     left_open: list[dict[PodId, int]] = []
+    rows = {pod: i for i, pod in enumerate(PODS)}
+    in_flight.counts_at(rows, len(PODS))  # its rows kept up to date by the threads
 
     def worker(seed: int) -> None:
         rng, open_ = random.Random(seed), dict.fromkeys(PODS, 0)
@@ -45,6 +49,38 @@ def test_counts_under_threads() -> None:
     assert in_flight.snapshot() == {
         pod: InFlightCount(n, 2 * n) for pod, n in expected.items() if n
     }
+    requests, tokens = in_flight.counts_at(rows, len(PODS))
+    assert requests.tolist() == [expected[pod] for pod in PODS]
+    assert tokens.tolist() == [2 * expected[pod] for pod in PODS]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["start", "end", "read", "read_other"]), st.integers(0, 4)),
+        max_size=40,
+    )
+)
+def test_counts_per_row_follow_every_start_and_end(ops: list[tuple[str, int]]) -> None:
+    """Rows read from the counts whatever table was read before: a table's pods (one
+    missing, one never started), another table's, starts and ends in between."""
+    in_flight = InFlight()
+    pods = [*PODS, PodId("default", "gone")]
+    tables = [{pod: i for i, pod in enumerate(pods[:4])}, {pods[4]: 0, pods[2]: 2, pods[0]: 3}]
+    for op, i in ops:
+        if op == "start":
+            in_flight.start(pods[i], i + 1)
+        elif op == "end":
+            in_flight.end(pods[i], 1)
+        else:
+            rows = tables[op == "read_other"]
+            requests, tokens = in_flight.counts_at(rows, 4)
+            requests[:] = tokens[:] = -1  # the caller's copies
+            counts = in_flight.snapshot()
+            expected = [InFlightCount(0, 0)] * 4
+            for pod, row in rows.items():
+                expected[row] = counts.get(pod, InFlightCount(0, 0))
+            assert list(zip(*in_flight.counts_at(rows, 4), strict=True)) == expected
 
 
 def test_tokens_follow_requests_and_idle_pods_are_dropped() -> None:
