@@ -48,6 +48,7 @@ from extproc.prefix.hashing import Keys
 # Versions are drawn from one counter for every book, so what one book found never
 # passes for another's.
 _versions = itertools.count()
+_digest = xxhash.xxh3_64_intdigest  # of a memoryview: a prompt's bytes are not copied
 
 
 class SessionPrompt(NamedTuple):
@@ -192,7 +193,7 @@ class SessionBook:
         if data is None or not s.end:
             return True  # keys alone: no prompt to compare
         after = (tip + 1) * prompt.block_size
-        return len(data) > s.end and xxhash.xxh3_64_intdigest(data[after : s.end]) == s.tail
+        return len(data) > s.end and _digest(memoryview(data)[after : s.end]) == s.tail
 
     def session_pod(self, session: int | None) -> tuple[PodId | None, bool]:
         """The pod a session is placed on, and whether it is returning."""
@@ -244,7 +245,7 @@ class SessionBook:
             s.end = s.tail = 0
         else:
             s.end = len(data)
-            s.tail = xxhash.xxh3_64_intdigest(data[(index + 1) * prompt.block_size :])
+            s.tail = _digest(memoryview(data)[(index + 1) * prompt.block_size :])
 
     def _unlink(self, sid: int, s: Session) -> None:
         """Take ``s``'s tip out of the indexes if it still leads to ``sid``."""
