@@ -3,11 +3,12 @@
 # extproc:<appVersion>). Only `extproc serve`'s runtime dependencies and the tracing
 # extra (the chart's tracing.otlpEndpoint): no simulator, no tests.
 
-# Builder: the extproc wheel and a wheel of every runtime dependency, so the final stage
-# installs offline and never compiles.
-FROM python:3.11-slim AS builder
+# Builder: the extproc wheel (its kernels compiled: this image has a C compiler, the slim
+# one does not) and a wheel of every runtime dependency, so the final stage installs
+# offline and never compiles.
+FROM python:3.11 AS builder
 WORKDIR /build
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY extproc/ extproc/
 RUN pip wheel --wheel-dir /wheels '.[tracing]'
 

@@ -72,6 +72,8 @@ docs: $(STAMP)
 # and end-to-end tests (real Envoy, simulated and real vLLM pods).
 test: $(STAMP) system-deps vllm
 	$(PY) -m pytest -q
+	# The kernels' pure reference under the tests that reach it (the run above: compiled).
+	EXTPROC_KERNELS=pure $(PY) -m pytest -q tests/kernels tests/prefix tests/scheduling
 
 # bench.prefix (the prefix index alone); bench.picker: 1/8/220 KB prompts x 16/1,000 pods,
 # Envoy alone, Envoy + extproc and sglang-router (the peers, from `make peers`) under wrk:

@@ -125,7 +125,8 @@ class Replay:
         assert not command.flags, f"COPY flags are not replayed: {command.original}"
         *sources, dest = command.value
         target = self.host(root, os.path.join(workdir, dest))
-        ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+        # As .dockerignore: no bytecode, nor an editable install's build of the kernels.
+        ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "_compiled.c")
         for source in sources:
             path = self.context / source
             if path.is_dir():  # Docker copies a directory's contents, not the directory

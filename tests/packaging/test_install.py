@@ -165,7 +165,8 @@ def test_extproc_is_imported_from_the_install(image: Image, tmp_path: Path) -> N
         pytest.param(["serve", "--help"], "--grpc-port", id="serve-help"),
         pytest.param(["envoy-config", "--help"], "--extproc-address", id="envoy-config-help"),
         # The image's build context has no .git: the commit cannot be known there.
-        pytest.param(["--version"], "commit: unknown\nhot path: pure Python", id="version"),
+        # The builder compiles the kernels (``extproc.kernels``).
+        pytest.param(["--version"], "commit: unknown\nhot path: compiled (Cython)", id="version"),
     ],
 )
 def test_help(image: Image, tmp_path: Path, args: list[str], expect: str) -> None:
