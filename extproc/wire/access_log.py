@@ -14,6 +14,7 @@ import logging
 
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2
+from google.protobuf import duration_pb2
 
 from extproc.routing.observe import EndTiming
 from extproc.routing.records import BadRecord, Carried
@@ -39,14 +40,17 @@ class AccessLogHandler:
                 log.exception("access log entry %s", entry.request.request_id)
 
     def _complete(self, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
+        # Each field read builds a wrapper: only those used are read, the flags last.
         common = entry.common_properties
         code = entry.response.response_code.value
-        flags = [f.name for f, v in common.response_flags.ListFields() if v]
         succeeded = (
-            200 <= code < 300 and not flags and common.HasField("time_to_last_downstream_tx_byte")
+            200 <= code < 300
+            and common.HasField("time_to_last_downstream_tx_byte")
+            and not _flagged(common)
         )
         sock = common.upstream_remote_address.socket_address
-        served = f"{sock.address}:{sock.port_value}" if sock.address else None
+        address = sock.address
+        served = f"{address}:{sock.port_value}" if address else None
         attempts = common.upstream_request_attempt_count or 1
         request_id = entry.request.request_id
 
@@ -58,12 +62,13 @@ class AccessLogHandler:
                 log.warning("request %s: bad extproc.record metadata: %s", request_id, exc)
                 return None
 
-        timing = _timing(entry, code) if self.router.observers else None
+        timing = _timing(entry, common, code) if self.router.observers else None
         recorded = self.router.complete(request_id, served, succeeded, attempts, carried, timing)
         if log.isEnabledFor(logging.DEBUG):
+            flags = [f.name for f, v in common.response_flags.ListFields() if v]
             log.debug(
                 "request %s ended: %d %s via %s, recorded=%s",
-                entry.request.request_id,
+                request_id,
                 code,
                 flags or "ok",
                 served,
@@ -71,22 +76,34 @@ class AccessLogHandler:
             )
 
 
-def _timing(entry: accesslog_pb2.HTTPAccessLogEntry, code: int) -> EndTiming:
+def _flagged(common: accesslog_pb2.AccessLogCommon) -> bool:
+    """Whether Envoy set a response flag (each is a bool, or a message when set)."""
+    flagged: bool = common.HasField("response_flags") and common.response_flags.ByteSize() > 0
+    return flagged
+
+
+def _timing(
+    entry: accesslog_pb2.HTTPAccessLogEntry, common: accesslog_pb2.AccessLogCommon, code: int
+) -> EndTiming:
     """The entry's times (from the request's first byte) and sizes."""
-    common, request, response = entry.common_properties, entry.request, entry.response
-    first = common.time_to_first_upstream_rx_byte
-    last = common.time_to_last_downstream_tx_byte
+    request, response = entry.request, entry.response
+    has = common.HasField
     return EndTiming(
-        first.seconds + first.nanos / 1e9
-        if common.HasField("time_to_first_upstream_rx_byte")
+        _seconds(common.time_to_first_upstream_rx_byte)
+        if has("time_to_first_upstream_rx_byte")
         else None,
-        last.seconds + last.nanos / 1e9
-        if common.HasField("time_to_last_downstream_tx_byte")
+        _seconds(common.time_to_last_downstream_tx_byte)
+        if has("time_to_last_downstream_tx_byte")
         else None,
         request.request_headers_bytes + request.request_body_bytes,
         response.response_headers_bytes + response.response_body_bytes,
         code,
     )
+
+
+def _seconds(duration: duration_pb2.Duration) -> float:
+    seconds: float = duration.seconds + duration.nanos / 1e9
+    return seconds
 
 
 class _AccessLogStream:
