@@ -176,9 +176,10 @@ class RowValues(Mapping[PodId, int]):
     def __getitem__(self, pod: PodId) -> int:
         row = self._table.position.get(pod)
         if row is not None:
-            at = int(np.searchsorted(self._positions, row))
-            if at < len(self._positions) and self._positions[at] == row:
-                return int(self._values[at])
+            positions = self._positions  # methods and item(): no NumPy scalar, no dispatch
+            at = int(positions.searchsorted(row))
+            if at < len(positions) and positions.item(at) == row:
+                return int(self._values.item(at))
         raise KeyError(pod)
 
     def __iter__(self) -> Iterator[PodId]:
