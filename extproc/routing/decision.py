@@ -17,4 +17,4 @@ class RouteDecision:
     @property
     def destination(self) -> str:
         """The Endpoint Picker Protocol's value: ``ip:port,ip:port,...``."""
-        return ",".join(p.address for p in self.pods)
+        return ",".join([p.address for p in self.pods])

@@ -136,10 +136,11 @@ class RouteHandler:
         """The route reply for ``decide()``'s decision, or the reply for its error."""
         try:
             decision = decide()
+            destination = decision.destination
             prefill = decision.prefill.address if decision.prefill else None
             reply = self._replies.get(
-                (decision.destination, prefill),
-                lambda: route_response(decision.destination, prefill).SerializeToString(),
+                (destination, prefill),
+                lambda: route_response(destination, prefill).SerializeToString(),
             )
             if decision.record is not None:
                 reply += record_reply(decision, decision.record, self.router.replica_id)
@@ -151,12 +152,16 @@ class RouteHandler:
 
 
 def request_headers(attributes: Mapping[str, struct_pb2.Value]) -> dict[str, str]:
-    """The request headers Envoy sent as attributes (``request.headers['NAME']``)."""
+    """The request headers Envoy sent as attributes (``request.headers['NAME']``); the
+    keys are walked, a value read only for a header (each read builds a wrapper)."""
     return {
-        key[len(HEADER_ATTRIBUTE_PREFIX) : -len(HEADER_ATTRIBUTE_SUFFIX)]: value.string_value
-        for key, value in attributes.items()
+        key[_HEADER_NAME]: attributes[key].string_value
+        for key in attributes
         if key.startswith(HEADER_ATTRIBUTE_PREFIX) and key.endswith(HEADER_ATTRIBUTE_SUFFIX)
     }
+
+
+_HEADER_NAME = slice(len(HEADER_ATTRIBUTE_PREFIX), -len(HEADER_ATTRIBUTE_SUFFIX))
 
 
 def _failed(request_id: str, exc: Exception) -> ep.ProcessingResponse:
