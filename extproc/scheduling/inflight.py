@@ -102,10 +102,11 @@ class InFlight:
     def requests_at(self, rows: Mapping[PodId, int], num_rows: int) -> npt.NDArray[np.int64]:
         """Requests in flight per row of a pod table (``rows``: pod -> row; others 0).
 
-        Costs two array copies while the same ``rows`` come back (a table's pods do not
+        Costs an array copy while the same ``rows`` come back (a table's pods do not
         change), else one step per pod with requests in flight; none per idle pod.
         """
-        return self.counts_at(rows, num_rows)[0]
+        with self._lock:
+            return self._kept_rows(rows, num_rows)[2].copy()
 
     def counts_at(
         self, rows: Mapping[PodId, int], num_rows: int
@@ -113,13 +114,21 @@ class InFlight:
         """Requests in flight and their prefill tokens per row of a pod table, as
         ``requests_at``."""
         with self._lock:
-            kept = self._rows
-            if kept is None or kept[0] is not rows or kept[1] != num_rows:
-                requests = np.zeros(num_rows, dtype=np.int64)
-                tokens = np.zeros(num_rows, dtype=np.int64)
-                for pod_id, count in self._counts.items():
-                    row = rows.get(pod_id)
-                    if row is not None:
-                        requests[row], tokens[row] = count
-                kept = self._rows = (rows, num_rows, requests, tokens)
+            kept = self._kept_rows(rows, num_rows)
             return kept[2].copy(), kept[3].copy()
+
+    def _kept_rows(
+        self, rows: Mapping[PodId, int], num_rows: int
+    ) -> tuple[Mapping[PodId, int], int, _Column, _Column]:
+        """The counts kept per row of the table of ``rows``, made now if another table's
+        were kept (the caller holds the lock)."""
+        kept = self._rows
+        if kept is None or kept[0] is not rows or kept[1] != num_rows:
+            requests = np.zeros(num_rows, dtype=np.int64)
+            tokens = np.zeros(num_rows, dtype=np.int64)
+            for pod_id, count in self._counts.items():
+                row = rows.get(pod_id)
+                if row is not None:
+                    requests[row], tokens[row] = count
+            kept = self._rows = (rows, num_rows, requests, tokens)
+        return kept

@@ -475,7 +475,8 @@ class Scheduler:
 
     def _load(self, table: PodTable, candidates: Positions) -> Scores:
         """Each candidate's load: ``max(in flight, waiting + running)`` (module doc)."""
-        scraped = table.waiting[candidates] + table.running[candidates]
+        busy = table.memo("waiting + running", lambda: table.waiting + table.running)
+        scraped = busy[candidates]
         if self.in_flight is None:
             return scraped
         routed = self.in_flight.requests_at(table.position, len(table))[candidates]

@@ -81,6 +81,7 @@ def test_counts_per_row_follow_every_start_and_end(ops: list[tuple[str, int]]) -
             for pod, row in rows.items():
                 expected[row] = counts.get(pod, InFlightCount(0, 0))
             assert list(zip(*in_flight.counts_at(rows, 4), strict=True)) == expected
+            assert in_flight.requests_at(rows, 4).tolist() == [n for n, _ in expected]
 
 
 def test_tokens_follow_requests_and_idle_pods_are_dropped() -> None:
