@@ -33,3 +33,4 @@ def _select() -> tuple[str, pure.Kernels]:
 
 IMPLEMENTATION, KERNELS = _select()
 deepest_held = KERNELS.deepest_held
+ttft_costs = KERNELS.ttft_costs

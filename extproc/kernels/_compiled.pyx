@@ -31,4 +31,51 @@ def deepest_held(const int64_t[:, ::1] masks, const int64_t[::1] first_slots,
             i -= 1
 
 
-KERNELS = Kernels(deepest_held)
+def ttft_costs(const int64_t[::1] held, tuple prompt, const int64_t[::1] positions,
+               const int64_t[::1] requests, const int64_t[::1] tokens,
+               const int64_t[::1] waiting, const int64_t[::1] running,
+               const double[::1] written, const double[::1] sessions, prices,
+               int64_t[::1] uncached_out, double[::1] costs_out):
+    """``pure.ttft_costs``: the same float operations in the same order, a row at a time
+    (``-ffp-contract=off``: no fused multiply-add)."""
+    cdef int64_t units = prompt[0], units_per_token = prompt[1], num_tokens = prompt[2]
+    cdef double prefill = prices[0], queued_ms = prices[1], running_ms = prices[2]
+    cdef double written_ms = prices[3], min_match = prices[4], margin = prices[5]
+    cdef double ratio = prices[6], session_ms = prices[7]
+    cdef Py_ssize_t n = positions.shape[0], i
+    cdef int64_t row, in_flight, queued, longest = 0
+    cdef double mean, most = 0.0, scale, total = 0.0, est, low
+    for i in range(n):
+        row = positions[i]
+        uncached_out[i] = -((held[i] - units) // units_per_token)  # floor, as Python
+        in_flight = requests[row]
+        queued = waiting[row] + max(0, in_flight - waiting[row] - running[row])
+        mean = <double>tokens[row] / <double>in_flight if in_flight > 0 else <double>num_tokens
+        costs_out[i] = (
+            prefill * (<double>queued * mean + <double>uncached_out[i])
+            + queued_ms * <double>(1 + queued)
+            + running_ms * <double>running[row]
+        )
+        if written[row] > most:
+            most = written[row]
+        if held[i] > longest:
+            longest = held[i]
+        if session_ms > 0:
+            total += sessions[row]
+    if most > 0:
+        scale = written_ms / (most * <double>max(1, num_tokens))
+        for i in range(n):
+            costs_out[i] += scale * written[positions[i]] * <double>uncached_out[i]
+    if longest > 0 and <double>longest / <double>max(1, units) >= min_match:
+        for i in range(n):
+            if held[i] == longest:
+                est = costs_out[i]
+                low = est / ratio
+                costs_out[i] = est - margin if est - margin <= low else low
+    if session_ms > 0:
+        scale = max(1.0, total / <double>max(1, n))
+        for i in range(n):
+            costs_out[i] += session_ms * sessions[positions[i]] / scale
+
+
+KERNELS = Kernels(deepest_held, ttft_costs)

@@ -10,6 +10,7 @@ import numpy.typing as npt
 
 Keys = npt.NDArray[np.int64]
 Masks = npt.NDArray[np.int64]  # two dimensions: pages x blocks
+Floats = npt.NDArray[np.float64]
 
 _MASK_BITS = np.arange(63, dtype=np.int64)  # the bits of a non-negative int64 mask
 
@@ -34,8 +35,94 @@ def deepest_held(masks: Masks, first_slots: Keys, places: Keys, out: Keys) -> No
     out[at[found]] = block_idx[match_idx][found] + 1
 
 
+class Prices(NamedTuple):
+    """estimated-ttft's prices (``scheduling.plugins.estimated_ttft``'s arguments)."""
+
+    prefill_ms_per_token: float
+    queued_ms: float
+    running_ms: float
+    written_ms: float
+    affinity_min_match: float
+    affinity_margin_ms: float
+    affinity_ratio: float
+    session_ms: float
+
+
+class TtftCosts(Protocol):
+    def __call__(
+        self,
+        held: Keys,
+        prompt: tuple[int, int, int],
+        positions: Keys,
+        requests: Keys,
+        tokens: Keys,
+        waiting: Keys,
+        running: Keys,
+        written: Floats,
+        sessions: Floats,
+        prices: Prices,
+        uncached_out: Keys,
+        costs_out: Floats,
+    ) -> None: ...
+
+
+def ttft_costs(
+    held: Keys,
+    prompt: tuple[int, int, int],
+    positions: Keys,
+    requests: Keys,
+    tokens: Keys,
+    waiting: Keys,
+    running: Keys,
+    written: Floats,
+    sessions: Floats,
+    prices: Prices,
+    uncached_out: Keys,
+    costs_out: Floats,
+) -> None:
+    """estimated-ttft's cost of each candidate (its module doc says what each term is).
+
+    ``held``: per candidate, the prompt units it holds; ``prompt``: the prompt's units,
+    units per token and tokens; ``positions``: the candidates' rows of the pod table, whose
+    columns are ``requests``/``tokens`` (in flight), ``waiting``/``running`` (scraped),
+    ``written`` (relative tokens written) and ``sessions`` (returning sessions placed,
+    the request's own left out; read only with a session price). Out: each candidate's
+    uncached tokens and cost."""
+    p = prices
+    units, units_per_token, num_tokens = prompt
+    uncached = -((held - units) // units_per_token)
+    num_in_flight, in_flight_tokens = requests[positions], tokens[positions]
+    waiting, running = waiting[positions], running[positions]
+    queued = waiting + np.maximum(0, num_in_flight - waiting - running)
+    mean_tokens = np.where(
+        num_in_flight > 0,
+        in_flight_tokens / np.maximum(num_in_flight, 1),
+        float(num_tokens),
+    )
+    costs: Floats = (
+        p.prefill_ms_per_token * (queued * mean_tokens + uncached)
+        + p.queued_ms * (1 + queued)
+        + p.running_ms * running
+    )
+    written = written[positions]
+    most = written.max(initial=0.0)
+    if most > 0:
+        costs += p.written_ms / (most * max(1, num_tokens)) * written * uncached
+    longest = int(held.max(initial=0))
+    if longest > 0 and longest / max(1, units) >= p.affinity_min_match:
+        affinity = held == longest
+        est = costs[affinity]
+        costs[affinity] = np.minimum(est - p.affinity_margin_ms, est / p.affinity_ratio)
+    if p.session_ms > 0:
+        counts = sessions[positions]
+        costs += p.session_ms * counts / max(1.0, counts.sum() / max(1, len(counts)))
+    uncached_out[:] = uncached
+    costs_out[:] = costs
+
+
 class Kernels(NamedTuple):
     deepest_held: DeepestHeld
+    ttft_costs: TtftCosts
 
 
-KERNELS = Kernels(deepest_held)
+KERNELS = Kernels(deepest_held, ttft_costs)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from extproc import kernels
 from extproc.kernels import pure
-from extproc.kernels.pure import Kernels
+from extproc.kernels.pure import Kernels, Prices
 from extproc.prefix.storage import SLOTS_PER_PAGE
 
 MASKS = st.integers(min_value=0, max_value=(1 << SLOTS_PER_PAGE) - 1)
@@ -68,3 +68,54 @@ def test_deepest_held_finds_each_slots_last_block() -> None:
         implementation.deepest_held(owners, np.zeros(1, dtype=np.int64), places, out)
         # slot 0 (place 2) last holds block 2, slot 1 (place 0) block 1, slot 2 block 0
         assert out.tolist() == [2, 1, 3]
+
+
+@given(
+    num_rows=st.integers(1, 40),
+    seed=st.integers(0, 2**32 - 1),
+    prices=st.tuples(
+        *(st.floats(0.0, 200.0) for _ in range(4)),
+        st.floats(0.0, 1.0),
+        st.floats(0.0, 100.0),
+        st.floats(1.0, 3.0),
+        st.sampled_from([0.0, 150.0]),
+    ),
+    units_per_token=st.sampled_from([1, 4]),
+)
+def test_ttft_costs_are_the_same_compiled_and_pure(
+    num_rows: int,
+    seed: int,
+    prices: tuple[float, float, float, float, float, float, float, float],
+    units_per_token: int,
+) -> None:
+    """Bit for bit: the compiled loop does the same float operations in the same order."""
+    rng = np.random.default_rng(seed)
+    positions = np.flatnonzero(rng.random(num_rows) < 0.8).astype(np.int64)
+    units = int(rng.integers(0, 50_000))
+    held = np.minimum(rng.integers(0, 60_000, len(positions)), units)
+    held[rng.random(len(positions)) < 0.3] = held.max(initial=0)  # several share the longest
+    requests = rng.integers(0, 6, num_rows)
+    columns = (
+        requests,
+        requests * rng.integers(0, 9_000, num_rows),  # tokens in flight
+        rng.integers(0, 12, num_rows),  # waiting
+        rng.integers(0, 24, num_rows),  # running
+        rng.random(num_rows) * rng.integers(0, 2),  # written (sometimes none)
+        rng.integers(0, 5, num_rows).astype(np.float64),  # returning sessions
+    )
+    outs = []
+    for implementation in (pure.KERNELS, compiled_kernels()):
+        uncached = np.empty(len(positions), dtype=np.int64)
+        costs = np.empty(len(positions), dtype=np.float64)
+        implementation.ttft_costs(
+            held,
+            (units, units_per_token, -(-units // units_per_token)),
+            positions,
+            *columns,
+            Prices(*prices),
+            uncached,
+            costs,
+        )
+        outs.append((uncached, costs))
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    assert outs[0][1].tobytes() == outs[1][1].tobytes(), (outs[0][1], outs[1][1])

@@ -95,6 +95,8 @@ import numpy as np
 import numpy.typing as npt
 from prometheus_client import Counter, Gauge
 
+from extproc.kernels import ttft_costs
+from extproc.kernels.pure import Prices
 from extproc.pods import Pod, PodId
 from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PrefixIndex
@@ -259,6 +261,7 @@ class PromptLength(NamedTuple):
 
 
 _SIZED = "estimated-ttft sized the view"  # a pod table's scratch key
+_NO_SESSIONS = np.empty(0, dtype=np.float64)  # the kernel reads none without a session price
 
 
 # The arguments that shape the view (the first two: the arriving prompts' keys too).
@@ -273,6 +276,16 @@ class EstimatedTTFT:
 
     def __init__(self, args: EstimatedTTFTArgs, ctx: PluginContext) -> None:
         self.args = args
+        self.prices = Prices(
+            args.prefillMsPerToken,
+            args.queuedMs,
+            args.runningMs,
+            args.writtenMs,
+            args.affinityMinMatch,
+            args.affinityMarginMs,
+            args.affinityRatio,
+            args.sessionMs,
+        )
         self.in_flight = ctx.in_flight
         self.exact = ctx.exact
         self.metrics = prefix_cache_metrics(ctx.registry)
@@ -572,38 +585,31 @@ class EstimatedTTFT:
         exact = self._exact(cycle, table.take(positions)) if self.exact is not None else None
         if exact is not None:
             length, held = self._exact_rows(exact, table, positions, held, num_bytes)
-        uncached = -((held - length.units) // length.units_per_token)
-        cycle.uncached_rows.append(RowValues(table, positions, uncached))
         requests, tokens = self.in_flight.counts_at(table.position, len(table))
-        num_in_flight, in_flight_tokens = requests[positions], tokens[positions]
-        waiting, running = table.waiting[positions], table.running[positions]
-        queued = waiting + np.maximum(0, num_in_flight - waiting - running)
-        mean_tokens = np.where(
-            num_in_flight > 0,
-            in_flight_tokens / np.maximum(num_in_flight, 1),
-            float(length.num_tokens),
-        )
-        costs: npt.NDArray[np.float64] = (
-            a.prefillMsPerToken * (queued * mean_tokens + uncached)
-            + a.queuedMs * (1 + queued)
-            + a.runningMs * running
-        )
-        written = self.written.relative_rows(table.position, len(table))[positions]
-        most = written.max(initial=0.0)
-        if most > 0:
-            costs += a.writtenMs / (most * max(1, length.num_tokens)) * written * uncached
-        longest = int(held.max(initial=0))
-        if longest > 0 and longest / max(1, length.units) >= a.affinityMinMatch:
-            affinity = held == longest
-            est = costs[affinity]
-            costs[affinity] = np.minimum(est - a.affinityMarginMs, est / a.affinityRatio)
+        written = self.written.relative_rows(table.position, len(table))
+        sessions = _NO_SESSIONS
         if a.sessionMs > 0:
-            counts = self.sessions.returning_rows(table.position, len(table))
+            sessions = self.sessions.returning_rows(table.position, len(table))
             own = self._own_pod(cycle)
             if own is not None and (row := table.position.get(own)) is not None:
-                counts[row] -= 1
-            counts = counts[positions]
-            costs += a.sessionMs * counts / max(1.0, counts.sum() / max(1, len(counts)))
+                sessions[row] -= 1
+        uncached = np.empty(len(positions), dtype=np.int64)
+        costs = np.empty(len(positions), dtype=np.float64)
+        ttft_costs(
+            held,
+            (length.units, length.units_per_token, length.num_tokens),
+            positions,
+            requests,
+            tokens,
+            table.waiting,
+            table.running,
+            written,
+            sessions,
+            self.prices,
+            uncached,
+            costs,
+        )
+        cycle.uncached_rows.append(RowValues(table, positions, uncached))
         return costs, int(blocks.max(initial=0))
 
     @staticmethod
