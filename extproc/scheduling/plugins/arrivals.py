@@ -16,11 +16,13 @@ import threading
 from collections.abc import Container
 
 import numpy as np
+import numpy.typing as npt
 
 from extproc.pods import PodId
 from extproc.prefix.hashing import Keys
 
 MIN_ROWS = 4
+SMALL_GROUP = 16  # rows up to which a match folds them in Python (beyond: NumPy)
 
 
 class _Group:
@@ -28,26 +30,24 @@ class _Group:
     ``i`` are its own, the rest is unused), the pod slot each was sent to, and the rows
     of each (slot, length, last key): with chained keys, a prompt sent to a slot."""
 
-    __slots__ = ("keys", "lengths", "rows_of", "slots")
+    __slots__ = ("keys", "lengths", "num_rows", "rows_of", "slots")
 
     def __init__(self, width: int) -> None:
         self.keys = np.empty((MIN_ROWS, width), dtype=np.int64)
-        self.lengths: list[int] = []
-        self.slots: list[int] = []
+        self.lengths = np.empty(MIN_ROWS, dtype=np.int64)
+        self.slots = np.empty(MIN_ROWS, dtype=np.int64)
+        self.num_rows = 0
         self.rows_of: dict[tuple[int, int, int], list[int]] = {}
 
-    @property
-    def num_rows(self) -> int:
-        return len(self.slots)
-
     def append(self, keys: Keys, slot: int) -> None:
-        n, length = len(self.slots), len(keys)
+        n, length = self.num_rows, len(keys)
         capacity, width = self.keys.shape
         if n == capacity or length > width:
             self._resize(2 * capacity if n == capacity else capacity, max(width, length))
         self.keys[n, :length] = keys
-        self.lengths.append(length)
-        self.slots.append(slot)
+        self.lengths[n] = length
+        self.slots[n] = slot
+        self.num_rows = n + 1
         self.rows_of.setdefault((slot, length, int(keys[-1])), []).append(n)
 
     def find(self, keys: Keys, slot: int) -> int | None:
@@ -58,7 +58,7 @@ class _Group:
 
     def delete(self, row: int) -> None:
         """Drop ``row``; the last row takes its place."""
-        last = len(self.slots) - 1
+        last = self.num_rows - 1
         self._unlist(row)
         if row != last:
             self.keys[row] = self.keys[last]
@@ -66,36 +66,46 @@ class _Group:
             self.slots[row] = self.slots[last]
             rows = self.rows_of[self._ident(row)]
             rows[rows.index(last)] = row
-        del self.lengths[last], self.slots[last]
-        capacity = len(self.keys)
+        self.num_rows = last
+        capacity = len(self.lengths)
         if capacity > MIN_ROWS and last < capacity // 4:
             self._resize(capacity // 2, self.keys.shape[1])
 
-    def keep(self, rows: list[bool]) -> None:
+    def keep(self, rows: npt.NDArray[np.bool_]) -> None:
         """Keep only the rows where ``rows`` (one flag per row) is true, in order."""
-        n = sum(rows)
-        self.keys[:n] = self.keys[: len(rows)][rows]
-        self.lengths = [x for x, kept in zip(self.lengths, rows, strict=True) if kept]
-        self.slots = [x for x, kept in zip(self.slots, rows, strict=True) if kept]
+        n = int(rows.sum())
+        self.keys[:n] = self.keys[: self.num_rows][rows]
+        self.lengths[:n] = self.lengths[: self.num_rows][rows]
+        self.slots[:n] = self.slots[: self.num_rows][rows]
+        self.num_rows = n
         self.rows_of = {}
         for row in range(n):
             self.rows_of.setdefault(self._ident(row), []).append(row)
 
-    def shared_blocks(self, keys: Keys) -> list[int]:
+    def shared_blocks(self, keys: Keys) -> npt.NDArray[np.int64]:
         """Per row, the number of leading blocks it shares with ``keys``."""
-        n = len(self.slots)
+        n = self.num_rows
+        width = min(self.keys.shape[1], len(keys))
+        equal = self.keys[:n, :width] == keys[:width]
+        first_difference = np.where(equal.all(axis=1), width, equal.argmin(axis=1))
+        return np.minimum(first_difference, self.lengths[:n])
+
+    def shared_blocks_list(self, keys: Keys) -> list[int]:
+        """``shared_blocks`` in fewer array calls, as a list (for a few rows)."""
+        n = self.num_rows
         width = min(self.keys.shape[1], len(keys))
         equal = self.keys[:n, :width] == keys[:width]
         first_difference = equal.argmin(axis=1).tolist()  # 0 where every block is equal
         whole = equal[:, 0].tolist()  # then the first is equal
+        lengths = self.lengths[:n].tolist()
         return [
             min(width if (at == 0 and same) else at, length)
-            for at, same, length in zip(first_difference, whole, self.lengths, strict=True)
+            for at, same, length in zip(first_difference, whole, lengths, strict=True)
         ]
 
     def _ident(self, row: int) -> tuple[int, int, int]:
-        length = self.lengths[row]
-        return self.slots[row], length, int(self.keys[row, length - 1])
+        length = int(self.lengths[row])
+        return int(self.slots[row]), length, int(self.keys[row, length - 1])
 
     def _unlist(self, row: int) -> None:
         """Drop ``row`` from the rows of its (slot, length, last key)."""
@@ -106,10 +116,12 @@ class _Group:
             del self.rows_of[ident]
 
     def _resize(self, capacity: int, width: int) -> None:
-        n = len(self.slots)
+        n = self.num_rows
         keys = np.empty((capacity, width), dtype=np.int64)
         keys[:n, : self.keys.shape[1]] = self.keys[:n]
         self.keys = keys
+        self.lengths = np.resize(self.lengths, capacity)
+        self.slots = np.resize(self.slots, capacity)
 
 
 class Arrivals:
@@ -178,11 +190,22 @@ class Arrivals:
             group = self._groups.get(int(keys[0]))
             if group is None:
                 return {}
+            if group.num_rows > SMALL_GROUP:
+                return self._match_many(group, keys)
             longest: dict[int, int] = {}  # slot -> blocks
-            for slot, shared in zip(group.slots, group.shared_blocks(keys), strict=True):
+            slots = group.slots[: group.num_rows].tolist()
+            for slot, shared in zip(slots, group.shared_blocks_list(keys), strict=True):
                 if shared > longest.get(slot, 0):
                     longest[slot] = shared
             return {self._pod_of[slot]: longest[slot] for slot in sorted(longest)}
+
+    def _match_many(self, group: _Group, keys: Keys) -> dict[PodId, int]:
+        """``match`` on a large group: one array pass (the lock held)."""
+        longest = np.zeros(len(self._rows_of), dtype=np.int64)
+        np.maximum.at(longest, group.slots[: group.num_rows], group.shared_blocks(keys))
+        found = np.flatnonzero(longest)
+        pods = map(self._pod_of.__getitem__, found.tolist())
+        return dict(zip(pods, longest[found].tolist(), strict=True))
 
     def forget_pods(self, keep: Container[PodId]) -> None:
         """Drop the prompts of every pod not in ``keep``."""
@@ -190,9 +213,9 @@ class Arrivals:
             gone = [slot for pod, slot in self._slot_of.items() if pod not in keep]
             if not gone:
                 return
-            gone_slots = set(gone)
+            gone_slots = np.array(gone, dtype=np.int64)
             for first, group in list(self._groups.items()):
-                group.keep([slot not in gone_slots for slot in group.slots])
+                group.keep(~np.isin(group.slots[: group.num_rows], gone_slots))
                 if not group.num_rows:
                     del self._groups[first]
             for slot in gone:
