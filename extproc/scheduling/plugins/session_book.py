@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from extproc.pods import PodId
@@ -119,6 +120,9 @@ class SessionBook:
         self._by_key: dict[str, int] = {}
         self._key_of: dict[int, str] = {}
         self._returning: dict[PodId, int] = {}  # live returning sessions per pod
+        # ``_returning`` per row of the latest pod table read (its rows, their counts),
+        # kept in step by ``_add_returning``: a read copies an array, no step per pod.
+        self._rows: tuple[Mapping[PodId, int], npt.NDArray[np.float64]] | None = None
         self._next_id = 0
         self._lock = threading.Lock()
 
@@ -220,10 +224,10 @@ class SessionBook:
             s = self._sessions[found]
             moved_from = s.pod if s.pod is not None and s.pod != pod else None
             if s.requests >= 2 and s.pod is not None:
-                self._returning[s.pod] -= 1
+                self._add_returning(s.pod, -1)
             s.requests += 1
             s.pod, s.last_s = pod, now
-            self._returning[pod] = self._returning.get(pod, 0) + (s.requests >= 2)
+            self._add_returning(pod, s.requests >= 2)
             self._set_tip(found, s, prompt)
             self._sessions.move_to_end(found)
             return Placement(found, s.requests >= 2, moved_from)
@@ -281,11 +285,16 @@ class SessionBook:
         self._version = next(_versions)
         s = self._sessions.pop(sid)
         if s.requests >= 2 and s.pod is not None:
-            self._returning[s.pod] -= 1
+            self._add_returning(s.pod, -1)
         self._unlink(sid, s)
         key = self._key_of.pop(sid, None)
         if key is not None and self._by_key.get(key) == sid:
             del self._by_key[key]
+
+    def _add_returning(self, pod: PodId, delta: int) -> None:
+        count = self._returning[pod] = self._returning.get(pod, 0) + delta
+        if self._rows is not None and (row := self._rows[0].get(pod)) is not None:
+            self._rows[1][row] = count
 
     def returning_counts(self, pods: Iterable[PodId]) -> dict[PodId, int]:
         """Live returning sessions placed on each of ``pods``."""
@@ -293,15 +302,18 @@ class SessionBook:
             self._expire(self._clock())
             return {pod: self._returning.get(pod, 0) for pod in pods}
 
-    def returning_rows(self, rows: Mapping[PodId, int], num_rows: int) -> np.ndarray:
+    def returning_rows(self, rows: Mapping[PodId, int], num_rows: int) -> npt.NDArray[np.float64]:
         """``returning_counts`` per row of a pod table (``rows``: pod -> row)."""
-        values = np.zeros(num_rows, dtype=np.float64)
         with self._lock:
             self._expire(self._clock())
-            for pod, n in self._returning.items():
-                if n and (row := rows.get(pod)) is not None:
-                    values[row] = n
-        return values
+            kept = self._rows
+            if kept is None or kept[0] is not rows or len(kept[1]) != num_rows:
+                values = np.zeros(num_rows, dtype=np.float64)
+                for pod, n in self._returning.items():
+                    if n and (row := rows.get(pod)) is not None:
+                        values[row] = n
+                kept = self._rows = (rows, values)
+            return kept[1].copy()
 
     def forget_pods(self, keep: set[PodId]) -> None:
         """Sessions on pods that are gone are unplaced (placed anew by their next request)."""
@@ -310,3 +322,4 @@ class SessionBook:
                 if s.pod is not None and s.pod not in keep:
                     s.pod = None
             self._returning = {pod: n for pod, n in self._returning.items() if pod in keep}
+            self._rows = None

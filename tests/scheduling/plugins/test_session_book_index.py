@@ -25,6 +25,7 @@ IDLE_S = 10.0
 ROOTS = ["", "You are kind. ", "Answer in French, briefly. " * 2]
 CONVERSATIONS = ["".join(f"{name}{i}; " for i in range(40)) for name in ("q", "chat", "x")]
 PODS = [PodId("ns", name) for name in "abc"]
+ROWS = {pod: row for row, pod in enumerate(PODS)}  # a pod table's rows
 
 
 @dataclass(slots=True)
@@ -177,6 +178,9 @@ operations = st.lists(
 def check_same(book: SessionBook, ref: WalkBook) -> None:
     """What the rest of the plugin reads of the book: its sessions' pods and counts."""
     assert book.returning_counts(PODS) == ref.returning_counts()  # both expire first
+    # The rows kept in step between reads (ROWS: one table read again and again).
+    expected = [float(ref.returning_counts().get(pod, 0)) for pod in PODS]
+    assert book.returning_rows(ROWS, len(PODS)).tolist() == expected
     pods_of = ref.session_pods()
     assert len(book) == len(pods_of)
     assert {sid: book.session_pod(sid) for sid in pods_of} == pods_of
