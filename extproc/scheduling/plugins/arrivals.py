@@ -137,6 +137,9 @@ class Arrivals:
         self._pod_of: dict[int, PodId] = {}
         self._rows_of: list[int] = []  # per slot
         self._free: list[int] = []
+        # The group emptied last, for the next new one (its arrays reused): a request
+        # alone with its first block makes no group and drops none.
+        self._spare: _Group | None = None
         self._lock = threading.Lock()
         self._num_rows = 0
 
@@ -161,7 +164,8 @@ class Arrivals:
             first = int(keys[0])
             group = self._groups.get(first)
             if group is None:
-                group = self._groups[first] = _Group(len(keys))
+                group, self._spare = self._spare or _Group(len(keys)), None
+                self._groups[first] = group
             group.append(keys, slot)
             self._rows_of[slot] += 1
             self._num_rows += 1
@@ -180,6 +184,7 @@ class Arrivals:
             group.delete(row)
             if not group.num_rows:
                 del self._groups[first]
+                self._spare = group
             self._release(slot, 1)
 
     def match(self, keys: Keys) -> dict[PodId, int]:
