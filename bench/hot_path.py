@@ -57,9 +57,8 @@ def make_pods(num_pods: int) -> list[Pod]:
     ]
 
 
-def make_router(num_pods: int) -> Router:
+def make_router(num_pods: int, registry: CollectorRegistry) -> Router:
     """The router ``extproc serve`` builds with its defaults, over instant pods."""
-    registry = CollectorRegistry()
     in_flight = InFlight()
     config = parse_config(default_config_text(), "default")
     scheduler = build_scheduler(config, registry, in_flight, SessionStore(ttl_s=600))
@@ -109,7 +108,8 @@ class HotPath:
     """Requests over ``num_prefixes`` prompts of ``prompt_bytes``, each routed and ended."""
 
     def __init__(self, num_pods: int, prompt_bytes: int, num_prefixes: int) -> None:
-        self.router = make_router(num_pods)
+        self.registry = CollectorRegistry()
+        self.router = make_router(num_pods, self.registry)
         self.routes = RouteHandler(self.router)
         self.logs = AccessLogHandler(self.router)
         head, tail = chat_body(prompt_bytes).split(ID_MARK.encode())
