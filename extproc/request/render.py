@@ -75,8 +75,10 @@ def json_type(value: object) -> str:
     return "an object"
 
 
-def _chatml(role: str, content: str) -> str:
-    return f"<|im_start|>{role}\n{content}<|im_end|>\n"
+def _chatml(parts: list[str], role: str, content: str) -> None:
+    """Add one ChatML message to ``parts``, in pieces: the prompt's one join copies the
+    content once (a long prompt is mostly one message's content)."""
+    parts += ("<|im_start|>", role, "\n", content, "<|im_end|>\n")
 
 
 def content_text(content: object) -> str | None:
@@ -102,7 +104,7 @@ def _chat_messages(data: dict[str, Any], messages: list[Any]) -> str:
     parts: list[str] = []
     system = content_text(data.get("system"))
     if system is not None:
-        parts.append(_chatml("system", system))
+        _chatml(parts, "system", system)
     for message in messages:
         if not isinstance(message, dict):
             continue
@@ -111,16 +113,16 @@ def _chat_messages(data: dict[str, Any], messages: list[Any]) -> str:
             continue
         text = content_text(message.get("content"))
         if text is not None:
-            parts.append(_chatml(role, text))
+            _chatml(parts, role, text)
     return "".join(parts)
 
 
 def _responses_input(instructions: object, items: object) -> str:
     parts: list[str] = []
     if isinstance(instructions, str) and instructions:
-        parts.append(_chatml("developer", instructions))
+        _chatml(parts, "developer", instructions)
     if isinstance(items, str):
-        parts.append(_chatml("user", items))
+        _chatml(parts, "user", items)
     elif isinstance(items, list):
         for item in items:
             if not isinstance(item, dict):
@@ -133,7 +135,7 @@ def _responses_input(instructions: object, items: object) -> str:
                 continue
             text = content_text(item.get("content"))
             if text is not None:
-                parts.append(_chatml(role, text))
+                _chatml(parts, role, text)
     elif items is not None:
         raise wrong_type("input", "a string or a list of input items", items)
     return "".join(parts)
