@@ -83,16 +83,22 @@ class RouteHandler:
         return routed
 
     def process_soon(
-        self, message: ep.ProcessingRequest, trace: Metadata = ()
+        self, message: ep.ProcessingRequest, trace: Metadata = (), body: bytes | None = None
     ) -> Routed | Future[Routed] | HeldRoute:
         """``process``, but the routes that need slow preparation (tokenizing) come later,
         as a Future from the router's preparing threads, and a request flow control holds
         comes with its ``Held`` (``Router.route_or_defer``). ``trace``: the stream's trace
-        context, passed to the router among the headers."""
-        return self._process(message, defer=True, trace=trace)
+        context, passed to the router among the headers; ``body``: the message's body if
+        already read (each read copies it)."""
+        return self._process(message, defer=True, trace=trace, body=body)
 
     def _process(
-        self, message: ep.ProcessingRequest, *, defer: bool, trace: Metadata = ()
+        self,
+        message: ep.ProcessingRequest,
+        *,
+        defer: bool,
+        trace: Metadata = (),
+        body: bytes | None = None,
     ) -> Routed | Future[Routed] | HeldRoute:
         request_id = ""
         try:
@@ -109,8 +115,7 @@ class RouteHandler:
                     kind,
                 )
                 return continue_response(kind), None
-            body = message.request_body
-            if not body.end_of_stream:
+            if not message.request_body.end_of_stream:
                 raise BadRequest(
                     "extproc needs the whole request body (ext_proc body mode BUFFERED)",
                     code="body_not_buffered",
@@ -120,7 +125,7 @@ class RouteHandler:
             headers.update(trace)
             decided = route(
                 attributes[PATH_ATTRIBUTE].string_value,
-                body.body,
+                message.request_body.body if body is None else body,
                 request_id=request_id or None,
                 headers=headers,
                 subset=subset_hint(message),
@@ -188,11 +193,12 @@ class _OneRoundStream:
         self._cancelled = False
 
     def on_message(self, message: ep.ProcessingRequest) -> Answer | Future[Answer]:
-        if len(message.request_body.body) >= OFF_LOOP_BODY_BYTES:
+        body = message.request_body.body  # read once: each read copies it
+        if len(body) >= OFF_LOOP_BODY_BYTES:
             return run_off_loop(
-                lambda: self._answer(self._handler.process_soon(message, self._trace))
+                lambda: self._answer(self._handler.process_soon(message, self._trace, body))
             )
-        return self._answer(self._handler.process_soon(message, self._trace))
+        return self._answer(self._handler.process_soon(message, self._trace, body))
 
     def _answer(self, routed: Routed | Future[Routed] | HeldRoute) -> Answer:
         if isinstance(routed, HeldRoute):
