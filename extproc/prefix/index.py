@@ -197,9 +197,7 @@ class PrefixIndex:
                 pages, masks = np.array([page], dtype=np.int64), owners[np.newaxis]
             else:
                 pages_by_block = storage.pages_by_block(keys, page_masks)
-                pages, masks = storage.owner_masks(
-                    keys, pages_by_block, page_masks, 0, len(keys)
-                )
+                pages, masks = storage.owner_masks(keys, pages_by_block, page_masks, 0, len(keys))
             deepest_held(masks, pages * SLOTS_PER_PAGE, places, out)
         return out
 
@@ -319,26 +317,31 @@ class PrefixIndex:
         storage = self.storage
         with self._lock:
             lru = storage.lru_by_pod.get(pod) or storage.add_pod(pod)
-            seqs = storage.seqs_of(lru, keys)
-            is_new = seqs < 0
+            entry_keys = keys ^ lru.key
+            seqs, num_held = storage.seqs_of(lru, entry_keys)
+            num_new = len(keys) - num_held
             limit = self._limits.get(pod, self.max_entries_per_pod)
-            evicted = max(0, lru.live + int(is_new.sum()) - limit)
+            evicted = max(0, lru.live + num_new - limit)
             by_tag: dict[int, int] = {}
+            if not num_new:
+                new_keys = keys[:0]
+            elif not num_held:
+                new_keys = keys
+            else:
+                new_keys = keys[seqs < 0]
             # A held block has at least live - (ring positions after it) entries older than
             # it; Kthena cannot reach it before evicting `evicted` others (docstring below).
-            held_seqs = seqs[~is_new]
             if (
                 evicted
-                and len(held_seqs)
-                and lru.live - (lru.base + lru.size - int(held_seqs.min()))
-                < evicted + len(held_seqs)
+                and num_held
+                and lru.live - (lru.base + lru.size - int(seqs[seqs >= 0].min()))
+                < evicted + num_held
             ):
-                readded = self._kthena_readds(lru, keys, is_new, evicted, limit)
+                readded = self._kthena_readds(lru, keys, seqs < 0, evicted, limit)
                 if len(readded):  # counted under the tags they had
                     for old_tag in storage.tags_of(lru, readded):
                         by_tag[old_tag] = by_tag.get(old_tag, 0) + 1
-            new_keys = keys[is_new]
-            storage.touch(lru, keys, tag, new_keys)
+            storage.touch(lru, keys, entry_keys, tag, new_keys)
             if evicted:
                 for victim_tag, count in storage.evict_oldest(lru, evicted).items():
                     by_tag[victim_tag] = by_tag.get(victim_tag, 0) + count

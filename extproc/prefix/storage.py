@@ -56,6 +56,13 @@ def lookup(table: Int64toInt64Map, keys: Keys, default: int) -> Keys:
     return out
 
 
+def lookup_counted(table: Int64toInt64Map, keys: Keys, default: int) -> tuple[Keys, int]:
+    """``lookup``, and how many keys were found (the batch probe counts them)."""
+    out = np.empty(len(keys), dtype=np.int64)
+    found: int = Int64toInt64Map_to(table, keys, out, False, default)
+    return out, found
+
+
 def _assign(table: Int64toInt64Map, keys: Keys, values: Keys) -> None:
     update_int64toint64map(table, Int64toInt64Map_from_buffers(keys, values))
 
@@ -141,20 +148,21 @@ class PrefixStorage:
 
     # -- one pod's entries -------------------------------------------------------------
 
-    def seqs_of(self, lru: PodLru, keys: Keys) -> Keys:
-        """Each block's sequence number in ``lru`` (-1: not held)."""
-        return lookup(self.entries, keys ^ lru.key, -1)
+    def seqs_of(self, lru: PodLru, entry_keys: Keys) -> tuple[Keys, int]:
+        """Each block's sequence number in ``lru`` (-1: not held), by its entry key
+        (``entry_keys``: the block hashes XOR ``lru.key``), and how many are held."""
+        return lookup_counted(self.entries, entry_keys, -1)
 
     def tags_of(self, lru: PodLru, held: Keys) -> list[int]:
         """The tags of blocks ``lru`` holds."""
-        tags: list[int] = lru.tags[self.seqs_of(lru, held) - lru.base].tolist()
+        tags: list[int] = lru.tags[lookup(self.entries, held ^ lru.key, -1) - lru.base].tolist()
         return tags
 
-    def touch(self, lru: PodLru, keys: Keys, tag: int, new_keys: Keys) -> None:
-        """Append ``keys`` (``new_keys`` of them not held yet) as ``lru``'s most recent
-        entries, in order, tagged ``tag``."""
+    def touch(self, lru: PodLru, keys: Keys, entry_keys: Keys, tag: int, new_keys: Keys) -> None:
+        """Append ``keys`` (their entry keys ``entry_keys``; ``new_keys`` of them not held
+        yet) as ``lru``'s most recent entries, in order, tagged ``tag``."""
         start = self._append(lru, keys, tag)
-        _assign(self.entries, keys ^ lru.key, lru.seqs(start, start + len(keys)))
+        _assign(self.entries, entry_keys, lru.seqs(start, start + len(keys)))
         if len(new_keys):
             self._set_owner(lru, new_keys)
             lru.live += len(new_keys)
@@ -237,7 +245,7 @@ class PrefixStorage:
         return live
 
     def _set_owner(self, lru: PodLru, keys: Keys) -> None:
-        owner_keys = keys ^ self.page_keys[lru.page]
+        owner_keys = keys ^ self.page_keys[lru.page] if lru.page else keys
         _assign(self.owners, owner_keys, lookup(self.owners, owner_keys, 0) | lru.bit)
         if lru.page:
             pages = lookup(self.upper_pages, keys, 0) | (1 << lru.page)
