@@ -20,6 +20,7 @@ from extproc.prefix.index import PodSet, PrefixIndex
 from extproc.scheduling.podtable import PodTable, Positions
 
 MAX_EXCLUDED = 64  # candidates matched as "every pod but these" up to this many left out
+FEW_VALUES = 4  # values up to which ``per_row`` places them one by one (beyond: in arrays)
 
 
 def match_rows(
@@ -77,6 +78,14 @@ def per_row(
     without a value. Pods that are not at ``positions`` are ignored."""
     out = np.zeros(len(positions), dtype=dtype)
     if not values or not len(positions):
+        return out
+    if len(values) <= FEW_VALUES:
+        for pod, value in values.items():
+            row = table.position.get(pod)
+            if row is not None:
+                place = int(positions.searchsorted(row))
+                if place < len(positions) and positions.item(place) == row:
+                    out[place] = value
         return out
     rows = np.fromiter(map(table.position.get, values, repeat(-1)), np.int64, len(values))
     at = np.minimum(np.searchsorted(positions, rows), len(positions) - 1)
