@@ -23,4 +23,4 @@ def costs_table(
     plugin: EstimatedTTFT, cycle: Cycle, table: PodTable, positions: Positions
 ) -> npt.NDArray[np.float64]:
     """The same costs per row of ``positions`` (ascending), as ``score_table`` has them."""
-    return plugin._table_costs(cycle, table, positions)[0]
+    return plugin._table_pass(cycle, table, positions)[0]

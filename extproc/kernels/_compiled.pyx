@@ -35,7 +35,7 @@ def ttft_costs(const int64_t[::1] held, tuple prompt, const int64_t[::1] positio
                const int64_t[::1] requests, const int64_t[::1] tokens,
                const int64_t[::1] waiting, const int64_t[::1] running,
                const double[::1] written, const double[::1] sessions, prices,
-               int64_t[::1] uncached_out, double[::1] costs_out):
+               int64_t[::1] uncached_out, double[::1] costs_out, int64_t[::1] scores_out):
     """``pure.ttft_costs``: the same float operations in the same order, a row at a time
     (``-ffp-contract=off``: no fused multiply-add)."""
     cdef int64_t units = prompt[0], units_per_token = prompt[1], num_tokens = prompt[2]
@@ -44,7 +44,7 @@ def ttft_costs(const int64_t[::1] held, tuple prompt, const int64_t[::1] positio
     cdef double ratio = prices[6], session_ms = prices[7]
     cdef Py_ssize_t n = positions.shape[0], i
     cdef int64_t row, in_flight, queued, longest = 0
-    cdef double mean, most = 0.0, scale, total = 0.0, est, low
+    cdef double mean, most = 0.0, scale, total = 0.0, est, low, high
     for i in range(n):
         row = positions[i]
         uncached_out[i] = -((held[i] - units) // units_per_token)  # floor, as Python
@@ -76,6 +76,16 @@ def ttft_costs(const int64_t[::1] held, tuple prompt, const int64_t[::1] positio
         scale = max(1.0, total / <double>max(1, n))
         for i in range(n):
             costs_out[i] += session_ms * sessions[positions[i]] / scale
+    if n == 0:
+        return
+    low, high = costs_out[0], costs_out[0]
+    for i in range(1, n):
+        if costs_out[i] < low:
+            low = costs_out[i]
+        if costs_out[i] > high:
+            high = costs_out[i]
+    for i in range(n):
+        scores_out[i] = 100 if high == low else <int64_t>(100.0 * (high - costs_out[i]) / (high - low))
 
 
 KERNELS = Kernels(deepest_held, ttft_costs)

@@ -63,6 +63,7 @@ class TtftCosts(Protocol):
         prices: Prices,
         uncached_out: Keys,
         costs_out: Floats,
+        scores_out: Keys,
     ) -> None: ...
 
 
@@ -79,15 +80,17 @@ def ttft_costs(
     prices: Prices,
     uncached_out: Keys,
     costs_out: Floats,
+    scores_out: Keys,
 ) -> None:
-    """estimated-ttft's cost of each candidate (its module doc says what each term is).
+    """estimated-ttft's cost and score of each candidate (its module doc says what each
+    term is; the cheapest scores 100, the dearest 0).
 
     ``held``: per candidate, the prompt units it holds; ``prompt``: the prompt's units,
     units per token and tokens; ``positions``: the candidates' rows of the pod table, whose
     columns are ``requests``/``tokens`` (in flight), ``waiting``/``running`` (scraped),
     ``written`` (relative tokens written) and ``sessions`` (returning sessions placed,
     the request's own left out; read only with a session price). Out: each candidate's
-    uncached tokens and cost."""
+    uncached tokens, cost and score."""
     p = prices
     units, units_per_token, num_tokens = prompt
     uncached = -((held - units) // units_per_token)
@@ -118,6 +121,13 @@ def ttft_costs(
         costs += p.session_ms * counts / max(1.0, counts.sum() / max(1, len(counts)))
     uncached_out[:] = uncached
     costs_out[:] = costs
+    if not len(costs):
+        return
+    lo, hi = costs.min(), costs.max()
+    if hi == lo:
+        scores_out[:] = 100
+    else:
+        scores_out[:] = (100 * (hi - costs) / (hi - lo)).astype(np.int64)
 
 
 class Kernels(NamedTuple):

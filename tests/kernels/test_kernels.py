@@ -107,6 +107,7 @@ def test_ttft_costs_are_the_same_compiled_and_pure(
     for implementation in (pure.KERNELS, compiled_kernels()):
         uncached = np.empty(len(positions), dtype=np.int64)
         costs = np.empty(len(positions), dtype=np.float64)
+        scores = np.empty(len(positions), dtype=np.int64)
         implementation.ttft_costs(
             held,
             (units, units_per_token, -(-units // units_per_token)),
@@ -115,7 +116,9 @@ def test_ttft_costs_are_the_same_compiled_and_pure(
             Prices(*prices),
             uncached,
             costs,
+            scores,
         )
-        outs.append((uncached, costs))
+        outs.append((uncached, costs, scores))
     np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][2], outs[1][2])
     assert outs[0][1].tobytes() == outs[1][1].tobytes(), (outs[0][1], outs[1][1])

@@ -554,22 +554,16 @@ class EstimatedTTFT:
     def score_table(self, cycle: Cycle, table: PodTable, positions: Positions) -> Scores:
         """``score`` on whole columns: the same arithmetic, in the same order, in float64
         (``tests/scheduling/plugins/test_estimated_ttft_table.py`` checks they agree)."""
-        costs, longest = self._table_costs(cycle, table, positions)
+        _, scores, longest = self._table_pass(cycle, table, positions)
         self._observe(cycle, longest)
-        if not len(costs):
-            return np.zeros(0, dtype=np.int64)
-        lo, hi = costs.min(), costs.max()
-        if hi == lo:
-            return np.full(len(costs), 100, dtype=np.int64)
-        scores: Scores = (100 * (hi - costs) / (hi - lo)).astype(np.int64)
         return scores
 
-    def _table_costs(
+    def _table_pass(
         self, cycle: Cycle, table: PodTable, positions: Positions
-    ) -> tuple[npt.NDArray[np.float64], int]:
-        """The costs, and the longest prefix a candidate holds or has arriving in this
-        plugin's view, in blocks; leaves the candidates' uncached tokens in
-        ``cycle.uncached_rows``."""
+    ) -> tuple[npt.NDArray[np.float64], Scores, int]:
+        """The costs, the scores, and the longest prefix a candidate holds or has
+        arriving in this plugin's view, in blocks; leaves the candidates' uncached tokens
+        in ``cycle.uncached_rows``."""
         self._size_view(table)
         keys = self._keys(cycle)
         blocks = np.zeros(len(positions), dtype=np.int64)
@@ -595,6 +589,7 @@ class EstimatedTTFT:
                 sessions[row] -= 1
         uncached = np.empty(len(positions), dtype=np.int64)
         costs = np.empty(len(positions), dtype=np.float64)
+        scores = np.empty(len(positions), dtype=np.int64)
         ttft_costs(
             held,
             (length.units, length.units_per_token, length.num_tokens),
@@ -608,9 +603,10 @@ class EstimatedTTFT:
             self.prices,
             uncached,
             costs,
+            scores,
         )
         cycle.uncached_rows.append(RowValues(table, positions, uncached))
-        return costs, int(blocks.max(initial=0))
+        return costs, scores, int(blocks.max(initial=0))
 
     @staticmethod
     def _exact_rows(
