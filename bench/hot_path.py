@@ -14,16 +14,19 @@ gRPC core behind real Envoy): quick to run, and ``--profile`` says where the tim
 
     python -m bench.hot_path                          # 8 KB chat prompts, 16 pods
     python -m bench.hot_path --prompt-kb 220 --pods 1000 --profile
+    python -m bench.hot_path --flame docs/img/hot-path-flame.svg   # py-spy's flame graph
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import statistics
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -31,6 +34,7 @@ from google.protobuf import struct_pb2
 from prometheus_client import CollectorRegistry
 
 from bench.loadgen import ID_MARK, chat_body
+from bench.pyspy import finish_recording, start_recording
 from bench.upstreams import MODEL
 from extproc.pods import Pod, PodId
 from extproc.routing.flow.config import parse_flow_control
@@ -137,6 +141,17 @@ class HotPath:
         self.logs.complete(self._ended)
 
 
+def flame(path: HotPath, out: Path, seconds: float) -> None:
+    """Requests for ``seconds`` while py-spy samples this process (after the warm-up,
+    so the graph is the steady request path, not the imports)."""
+    recording = start_recording(os.getpid(), seconds, out, "flamegraph")
+    deadline = time.monotonic() + seconds + 1.0  # py-spy attaches, then samples
+    while time.monotonic() < deadline:
+        path.one_request()
+    finish_recording(recording, seconds)
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pods", type=int, default=16)
@@ -145,6 +160,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--flame", type=Path, help="also write py-spy's flame graph (SVG) here")
+    parser.add_argument("--flame-s", type=float, default=10.0, help="seconds sampled")
     args = parser.parse_args()
     path = HotPath(args.pods, args.prompt_kb * 1024, args.prefixes)
     for _ in range(2 * args.prefixes):
@@ -156,6 +173,8 @@ def main() -> None:
             path.one_request()
         samples.append((time.perf_counter_ns() - t0) / 1000 / args.requests)
     print(f"{statistics.median(samples):.1f} us/request (rounds: {samples})")
+    if args.flame:
+        flame(path, args.flame, args.flame_s)
     if args.profile:
         profile = cProfile.Profile()
         profile.enable()

@@ -36,11 +36,14 @@ def py_spy() -> str:
     return found
 
 
-def start_recording(pid: int, seconds: float, out: Path) -> subprocess.Popen[bytes]:
-    """Start sampling ``pid`` for ``seconds`` into ``out`` (raw collapsed stacks)."""
+def start_recording(
+    pid: int, seconds: float, out: Path, output_format: str = "raw"
+) -> subprocess.Popen[bytes]:
+    """Start sampling ``pid`` for ``seconds`` into ``out`` (raw collapsed stacks, or
+    ``flamegraph``: an SVG)."""
     argv = [
         py_spy(), "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))),
-        "--rate", str(RATE_HZ), "--format", "raw", "--nolineno",
+        "--rate", str(RATE_HZ), "--format", output_format, "--nolineno",
         "--nonblocking", "--output", str(out),
     ]  # fmt: skip
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
