@@ -3,7 +3,8 @@ NumPy (no Python step per block or pod)."""
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -13,10 +14,6 @@ Masks = npt.NDArray[np.int64]  # two dimensions: pages x blocks
 Floats = npt.NDArray[np.float64]
 
 _MASK_BITS = np.arange(63, dtype=np.int64)  # the bits of a non-negative int64 mask
-
-
-class DeepestHeld(Protocol):
-    def __call__(self, masks: Masks, first_slots: Keys, places: Keys, out: Keys) -> None: ...
 
 
 def deepest_held(masks: Masks, first_slots: Keys, places: Keys, out: Keys) -> None:
@@ -46,25 +43,6 @@ class Prices(NamedTuple):
     affinity_margin_ms: float
     affinity_ratio: float
     session_ms: float
-
-
-class TtftCosts(Protocol):
-    def __call__(
-        self,
-        held: Keys,
-        prompt: tuple[int, int, int],
-        positions: Keys,
-        requests: Keys,
-        tokens: Keys,
-        waiting: Keys,
-        running: Keys,
-        written: Floats,
-        sessions: Floats,
-        prices: Prices,
-        uncached_out: Keys,
-        costs_out: Floats,
-        scores_out: Keys,
-    ) -> None: ...
 
 
 def ttft_costs(
@@ -131,8 +109,11 @@ def ttft_costs(
 
 
 class Kernels(NamedTuple):
-    deepest_held: DeepestHeld
-    ttft_costs: TtftCosts
+    """One implementation's functions (the compiled ones are typed as their references:
+    ``tests/kernels`` calls both the same way)."""
+
+    deepest_held: Callable[[Masks, Keys, Keys, Keys], None]
+    ttft_costs: Callable[..., None]  # ``ttft_costs``'s parameters
 
 
 KERNELS = Kernels(deepest_held, ttft_costs)

@@ -53,27 +53,26 @@ def test_version_prints_version_commit_and_hot_path(capsys: pytest.CaptureFixtur
     assert lines[2] == f"hot path: {IMPLEMENTATION}"
 
 
-def test_version_says_when_the_pure_kernels_are_chosen() -> None:
+def _version_command(**env: str) -> str:
+    """``python -m extproc --version``'s output, with ``env`` added to the environment."""
     done = subprocess.run(
         [sys.executable, "-m", "extproc", "--version"],
         capture_output=True,
         text=True,
         check=True,
         timeout=60,
-        env={**os.environ, KERNELS_ENV: "pure"},
+        env={**os.environ, **env},
     )
-    assert done.stdout.splitlines()[2] == f"hot path: pure Python ({KERNELS_ENV}=pure)"
+    return done.stdout
+
+
+def test_version_says_when_the_pure_kernels_are_chosen() -> None:
+    lines = _version_command(**{KERNELS_ENV: "pure"}).splitlines()
+    assert lines[2] == f"hot path: pure Python ({KERNELS_ENV}=pure)"
 
 
 def test_version_from_the_command_line() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "extproc", "--version"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    assert done.stdout.startswith(f"extproc {VERSION}\ncommit: ")
+    assert _version_command().startswith(f"extproc {VERSION}\ncommit: ")
 
 
 def test_a_checkout_gives_its_head_and_says_when_it_is_modified(checkout: Path) -> None:
