@@ -338,7 +338,8 @@ class PrefixStorage:
             present ^= low
             pages.append(low.bit_length() - 1)
         page_array = np.array(pages, dtype=np.int64)
-        held = (pages_by_block[np.newaxis, start:stop] >> page_array[:, np.newaxis]) & 1 != 0
+        page_bits = np.left_shift(1, page_array)
+        held = (pages_by_block[np.newaxis, start:stop] & page_bits[:, np.newaxis]) != 0
         probes = (keys[np.newaxis, start:stop] ^ self._page_key_array[page_array][:, np.newaxis])[
             held
         ]
