@@ -1,0 +1,40 @@
+"""The router's per-decision metrics, kept as plain numbers, are exposed exactly as
+prometheus-client exposes its own Counter and Histogram."""
+
+from __future__ import annotations
+
+import re
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from extproc.routing.metrics import SCHEDULING_BUCKETS, ModelCounter, PlainHistogram
+
+DECISIONS = ("extproc_route_decisions", "Requests routed, by model.")
+SCHEDULING = ("extproc_scheduling_duration_seconds", "Time to schedule one request.")
+# Below, on and between the bounds, and above the last.
+TIMES = (0.0, 0.00005, 0.00007, 0.0001, 0.003, 0.05, 0.2, 1e-9)
+
+
+def _exposition(registry: CollectorRegistry) -> str:
+    """The text format, creation times masked (each metric has its own)."""
+    return re.sub(r"(_created(\{[^}]*\})?) \S+", r"\1 T", generate_latest(registry).decode())
+
+
+def test_plain_metrics_expose_what_prometheus_client_would() -> None:
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    counter = Counter(*DECISIONS, ["model"], registry=theirs)
+    histogram = Histogram(*SCHEDULING, registry=theirs, buckets=SCHEDULING_BUCKETS)
+    model_counter = ModelCounter(*DECISIONS, ours)
+    plain_histogram = PlainHistogram(*SCHEDULING, SCHEDULING_BUCKETS, ours)
+    assert _exposition(ours) == _exposition(theirs)  # before any request
+    for model in ("m", "m", "other", "m"):
+        counter.labels(model).inc()
+        model_counter.inc(model)
+    for seconds in TIMES:
+        histogram.observe(seconds)
+        plain_histogram.observe(seconds)
+    exposed = _exposition(ours)
+    assert exposed == _exposition(theirs)
+    assert 'extproc_route_decisions_total{model="m"} 3.0' in exposed
+    assert model_counter.value("m") == 3 and model_counter.value("none") == 0
+    assert "extproc_route_decisions_created" in exposed  # the creation times are there too
