@@ -186,19 +186,20 @@ class PrefixIndex:
         out = np.zeros(len(candidates.pods), dtype=np.int64)
         storage = self.storage
         with self._lock:
-            page_masks = storage.less(self._pod_set_masks(candidates), exclude)
+            page_masks = self._pod_set_masks(candidates)
+            if exclude:
+                page_masks = storage.less(page_masks, exclude)
             if not page_masks or not len(keys):
                 return out
             places = self._pod_set_places(candidates)
             if len(page_masks) == 1:
                 ((page, mask),) = page_masks.items()
-                owners = storage.page_owners(keys, page)
-                owners &= mask
-                pages, masks = np.array([page], dtype=np.int64), owners[np.newaxis]
+                owners = storage.page_owners(keys, page, mask)
+                deepest_held(owners[np.newaxis], storage.first_slots[page], places, out)
             else:
                 pages_by_block = storage.pages_by_block(keys, page_masks)
                 pages, masks = storage.owner_masks(keys, pages_by_block, page_masks, 0, len(keys))
-            deepest_held(masks, pages * SLOTS_PER_PAGE, places, out)
+                deepest_held(masks, pages * SLOTS_PER_PAGE, places, out)
         return out
 
     def _pod_set_places(self, pod_set: PodSet) -> Keys:
@@ -224,8 +225,7 @@ class PrefixIndex:
     def _match_page(self, keys: Keys, page: int, mask: int, top_k: int) -> dict[PodId, int]:
         """``match`` when every candidate is on one page: its owner masks in one probe,
         then, last block first, the blocks where some candidate's longest match ends."""
-        owners = self.storage.page_owners(keys, page)
-        owners &= mask
+        owners = self.storage.page_owners(keys, page, mask)
         held_from = np.bitwise_or.accumulate(owners[::-1])[::-1]  # held here or later
         ends = held_from.copy()
         ends[:-1] ^= held_from[1:]  # the candidates holding this block but no later one

@@ -105,6 +105,11 @@ class PrefixStorage:
         self.page_keys = [0] + [_mix_key(b"page", p) for p in range(1, MAX_PAGES)]
         self._page_key_array = np.array(self.page_keys, dtype=np.int64)
         self.slots_version = 0  # bumped whenever a pod gets or gives up a slot
+        self.page_slots = [0] * MAX_PAGES  # per page, the bits of the slots in use
+        # per page, its first slot as a 1-array (a one-page lookup's ``deepest_held`` input)
+        self.first_slots = [np.array([page * SLOTS_PER_PAGE]) for page in range(MAX_PAGES)]
+        for first_slot in self.first_slots:
+            first_slot.setflags(write=False)
         self.num_entries = 0
 
     # -- pods and their slots ----------------------------------------------------------
@@ -119,6 +124,7 @@ class PrefixStorage:
             raise ValueError(f"the prefix index holds at most {MAX_PODS} pods")
         page, bit = divmod(slot, SLOTS_PER_PAGE)
         lru = PodLru(slot=slot, key=_mix_key(b"slot", slot), page=page, bit=1 << bit)
+        self.page_slots[page] |= lru.bit
         self.lru_by_pod[pod] = lru
         self.pod_by_slot[slot] = pod
         self.slots_version += 1
@@ -132,6 +138,7 @@ class PrefixStorage:
         victims = self.live_keys(lru)
         self._drop(lru, victims)
         del self.pod_by_slot[lru.slot]
+        self.page_slots[lru.page] &= ~lru.bit
         self._free_slots.append(lru.slot)
         self.slots_version += 1
         return len(victims)
@@ -310,9 +317,12 @@ class PrefixStorage:
                     page_masks.pop(lru.page, None)
         return page_masks
 
-    def page_owners(self, keys: Keys, page: int) -> Keys:
-        """Per block, the slots of ``page`` holding it: one batch probe."""
-        return lookup(self.owners, keys ^ self.page_keys[page] if page else keys, 0)
+    def page_owners(self, keys: Keys, page: int, mask: int) -> Keys:
+        """Per block, the slots of ``mask`` on ``page`` holding it: one batch probe."""
+        owners = lookup(self.owners, keys ^ self.page_keys[page] if page else keys, 0)
+        if mask != self.page_slots[page]:  # else every slot holding a block is in mask
+            owners &= mask
+        return owners
 
     def pages_by_block(self, keys: Keys, page_masks: dict[int, int]) -> Keys:
         """Per block, the candidate pages that may hold it: the upper pages
@@ -345,5 +355,7 @@ class PrefixStorage:
         ]
         masks = np.zeros((len(pages), stop - start), dtype=np.int64)
         masks[held] = lookup(self.owners, probes, 0)
-        masks &= np.array([page_masks[page] for page in pages], dtype=np.int64)[:, np.newaxis]
+        candidates = [page_masks[page] for page in pages]
+        if candidates != [self.page_slots[page] for page in pages]:  # else all are in masks
+            masks &= np.array(candidates, dtype=np.int64)[:, np.newaxis]
         return page_array, masks

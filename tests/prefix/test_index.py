@@ -429,3 +429,23 @@ def test_a_removed_pod_loses_its_limit() -> None:
     index.remove_pod(A)
     index.record([1, 2, 3, 4], A)
     assert index.num_pod_entries(A) == 4
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**32))
+def test_each_pages_slots_in_use_follow_pods_added_and_removed(seed: int) -> None:
+    """``page_slots`` (a lookup leaves the owner masks unmasked when every slot in use
+    on the page is a candidate) is, per page, the bits of the pods' slots there."""
+    rng = random.Random(seed)
+    idx = PrefixIndex(100)
+    pods = [PodId("ns", f"p{i}") for i in range(rng.randrange(1, 200))]
+    for _ in range(300):
+        pod = rng.choice(pods)
+        if rng.random() < 0.3:
+            idx.remove_pod(pod)
+        else:
+            idx.record([rng.getrandbits(64)], pod)
+    expected = [0] * len(idx.storage.page_slots)
+    for lru in idx.storage.lru_by_pod.values():
+        expected[lru.page] |= lru.bit
+    assert idx.storage.page_slots == expected
