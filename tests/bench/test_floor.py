@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from prometheus_client import CollectorRegistry, start_http_server
@@ -19,7 +20,8 @@ from extproc.routing.router import Router
 from extproc.scheduling.config import build_scheduler, parse_config
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.wire.access_log import AccessLogHandler
-from extproc.wire.one_round import RouteHandler
+from extproc.wire.grpc_loop import Answer
+from extproc.wire.one_round import RouteHandler, one_round_process
 from extproc.wire.protocol import DESTINATION_KEY, DESTINATION_NAMESPACE
 from testkit.e2e_cache import MODEL_DIR, needs_model_tokenizer
 from testkit.factories import PREFIX_ONLY, make_pod, make_scheduler
@@ -65,13 +67,19 @@ def test_the_rounds_ratios_pair_each_default_run_with_the_bare_one_after_it() ->
     assert paired_ratios(default, bare) == [1.2, 1.0]
 
 
-def test_the_trivial_picker_answers_the_first_pods_and_records_nothing() -> None:
+def test_the_trivial_picker_answers_the_first_pods_and_records_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     pods = [make_pod(n) for n in "abcd"]
     router = Router(make_scheduler(PREFIX_ONLY), pods, registry=CollectorRegistry())
     message = ep.ProcessingRequest()
     message.request_body.body = b"not even json"
-    reply, routed = fixed_route(RouteHandler(router), message)
-    assert routed is None and isinstance(reply, bytes)
+    monkeypatch.setattr(RouteHandler, "process_soon", fixed_route)
+    stream = one_round_process(RouteHandler(router)).open()  # as the server calls it
+    answer = stream.on_message(message)
+    assert isinstance(answer, Answer) and answer.end
+    (reply,) = answer.replies
+    assert isinstance(reply, bytes)
     metadata = ep.ProcessingResponse.FromString(reply).dynamic_metadata
     destination = metadata.fields[DESTINATION_NAMESPACE].struct_value.fields[DESTINATION_KEY]
     assert destination.string_value == ",".join(p.address for p in pods[:3])
