@@ -34,3 +34,5 @@ def _select() -> tuple[str, pure.Kernels]:
 IMPLEMENTATION, KERNELS = _select()
 deepest_held = KERNELS.deepest_held
 ttft_costs = KERNELS.ttft_costs
+put_all = KERNELS.put_all
+discard_all = KERNELS.discard_all

@@ -1,6 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=False
 """The kernels compiled: the same functions as ``pure.py``, one C loop each."""
 
+from cykhash.khashmaps cimport Int64toInt64Map
 from libc.stdint cimport int64_t
 
 from extproc.kernels.pure import Kernels
@@ -88,4 +89,18 @@ def ttft_costs(const int64_t[::1] held, tuple prompt, const int64_t[::1] positio
         scores_out[i] = 100 if high == low else <int64_t>(100.0 * (high - costs_out[i]) / (high - low))
 
 
-KERNELS = Kernels(deepest_held, ttft_costs)
+def put_all(Int64toInt64Map table, const int64_t[:] keys, const int64_t[:] values):
+    """``pure.put_all``: one insert a key, through cykhash's C interface."""
+    cdef Py_ssize_t i
+    for i in range(keys.shape[0]):
+        table.cput(keys[i], values[i])
+
+
+def discard_all(Int64toInt64Map table, const int64_t[:] keys):
+    """``pure.discard_all``, in C."""
+    cdef Py_ssize_t i
+    for i in range(keys.shape[0]):
+        table.discard(keys[i])
+
+
+KERNELS = Kernels(deepest_held, ttft_costs, put_all, discard_all)

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
+from cykhash import Int64toInt64Map, Int64toInt64Map_from_buffers, update_int64toint64map
 
 Keys = npt.NDArray[np.int64]
 Masks = npt.NDArray[np.int64]  # two dimensions: pages x blocks
@@ -30,6 +31,18 @@ def deepest_held(masks: Masks, first_slots: Keys, places: Keys, out: Keys) -> No
     at = places[first_slots[page_idx[match_idx]] + bit]
     found = at >= 0
     out[at[found]] = block_idx[match_idx][found] + 1
+
+
+def put_all(table: Int64toInt64Map, keys: Keys, values: Keys) -> None:
+    """``table[keys[i]] = values[i]`` for each ``i`` (keys distinct): a map of the pairs
+    built, then merged, as cykhash offers no batch insert of its own."""
+    update_int64toint64map(table, Int64toInt64Map_from_buffers(keys, values))
+
+
+def discard_all(table: Int64toInt64Map, keys: Keys) -> None:
+    """Each of ``keys`` out of ``table`` (absent ones ignored)."""
+    for key in keys.tolist():
+        table.discard(key)
 
 
 class Prices(NamedTuple):
@@ -114,6 +127,8 @@ class Kernels(NamedTuple):
 
     deepest_held: Callable[[Masks, Keys, Keys, Keys], None]
     ttft_costs: Callable[..., None]  # ``ttft_costs``'s parameters
+    put_all: Callable[[Int64toInt64Map, Keys, Keys], None]
+    discard_all: Callable[[Int64toInt64Map, Keys], None]
 
 
-KERNELS = Kernels(deepest_held, ttft_costs)
+KERNELS = Kernels(deepest_held, ttft_costs, put_all, discard_all)

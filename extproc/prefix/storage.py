@@ -1,7 +1,8 @@
 """Where ``PrefixIndex`` keeps its entries: compact per-pod rings and C hash maps.
 
 No Python object per entry. Entries live in C hash maps (cykhash) and NumPy ring
-buffers, and a prompt's blocks are looked up and stored in one batch call each, so the
+buffers, and a prompt's blocks are looked up, stored and dropped in one call each
+(cykhash's batch probe; ``kernels.put_all``/``discard_all`` for the writes), so the
 per-request cost is a few dozen C calls, not one Python loop per block.
 
 Layout:
@@ -29,13 +30,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 import xxhash
-from cykhash import (
-    Int64toInt64Map,
-    Int64toInt64Map_from_buffers,
-    Int64toInt64Map_to,
-    update_int64toint64map,
-)
+from cykhash import Int64toInt64Map, Int64toInt64Map_to
 
+from extproc.kernels import discard_all, put_all
 from extproc.pods import PodId
 from extproc.prefix.hashing import Keys
 
@@ -61,10 +58,6 @@ def lookup_counted(table: Int64toInt64Map, keys: Keys, default: int) -> tuple[Ke
     out = np.empty(len(keys), dtype=np.int64)
     found: int = Int64toInt64Map_to(table, keys, out, False, default)
     return out, found
-
-
-def _assign(table: Int64toInt64Map, keys: Keys, values: Keys) -> None:
-    update_int64toint64map(table, Int64toInt64Map_from_buffers(keys, values))
 
 
 @dataclass(slots=True)
@@ -169,7 +162,7 @@ class PrefixStorage:
         """Append ``keys`` (their entry keys ``entry_keys``; ``new_keys`` of them not held
         yet) as ``lru``'s most recent entries, in order, tagged ``tag``."""
         start = self._append(lru, keys, tag)
-        _assign(self.entries, entry_keys, lru.seqs(start, start + len(keys)))
+        put_all(self.entries, entry_keys, lru.seqs(start, start + len(keys)))
         if len(new_keys):
             self._set_owner(lru, new_keys)
             lru.live += len(new_keys)
@@ -218,7 +211,7 @@ class PrefixStorage:
         tags = np.empty(len(ring), dtype=np.int64)
         tags[: len(kept)] = kept_tags
         lru.ring, lru.tags, lru.head, lru.size = ring, tags, 0, len(kept)
-        _assign(self.entries, kept ^ lru.key, lru.seqs(0, len(kept)))
+        put_all(self.entries, kept ^ lru.key, lru.seqs(0, len(kept)))
 
     def _append(self, lru: PodLru, keys: Keys, tag: int) -> int:
         """Append to the ring, shifting or growing it; returns the first new position."""
@@ -253,31 +246,28 @@ class PrefixStorage:
 
     def _set_owner(self, lru: PodLru, keys: Keys) -> None:
         owner_keys = keys ^ self.page_keys[lru.page] if lru.page else keys
-        _assign(self.owners, owner_keys, lookup(self.owners, owner_keys, 0) | lru.bit)
+        put_all(self.owners, owner_keys, lookup(self.owners, owner_keys, 0) | lru.bit)
         if lru.page:
             pages = lookup(self.upper_pages, keys, 0) | (1 << lru.page)
-            _assign(self.upper_pages, keys, pages)
+            put_all(self.upper_pages, keys, pages)
 
     def _drop(self, lru: PodLru, keys: Keys) -> None:
         """Remove live entries (their block hashes) from every map."""
         if not len(keys):
             return
-        for entry_key in (keys ^ lru.key).tolist():
-            self.entries.discard(entry_key)
+        discard_all(self.entries, keys ^ lru.key)
         lru.live -= len(keys)
         self.num_entries -= len(keys)
         owner_keys = keys ^ self.page_keys[lru.page]
         masks = lookup(self.owners, owner_keys, 0) & ~lru.bit
         emptied = masks == 0
-        _assign(self.owners, owner_keys[~emptied], masks[~emptied])
-        for owner_key in owner_keys[emptied].tolist():
-            self.owners.discard(owner_key)
+        put_all(self.owners, owner_keys[~emptied], masks[~emptied])
+        discard_all(self.owners, owner_keys[emptied])
         if lru.page:
             gone = keys[emptied]
             pages = lookup(self.upper_pages, gone, 0) & ~(1 << lru.page)
-            _assign(self.upper_pages, gone[pages != 0], pages[pages != 0])
-            for key in gone[pages == 0].tolist():
-                self.upper_pages.discard(key)
+            put_all(self.upper_pages, gone[pages != 0], pages[pages != 0])
+            discard_all(self.upper_pages, gone[pages == 0])
 
     # -- probes for a lookup -----------------------------------------------------------
 

@@ -7,6 +7,7 @@ import importlib
 
 import numpy as np
 import pytest
+from cykhash import Int64toInt64Map
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -122,3 +123,28 @@ def test_ttft_costs_are_the_same_compiled_and_pure(
     np.testing.assert_array_equal(outs[0][0], outs[1][0])
     np.testing.assert_array_equal(outs[0][2], outs[1][2])
     assert outs[0][1].tobytes() == outs[1][1].tobytes(), (outs[0][1], outs[1][1])
+
+
+@given(
+    operations=st.lists(
+        st.tuples(
+            st.booleans(),  # put, else discard
+            st.lists(st.integers(-(2**63), 2**63 - 1), max_size=40, unique=True),
+        ),
+        max_size=12,
+    )
+)
+def test_the_map_writes_are_the_same_compiled_and_pure(
+    operations: list[tuple[bool, list[int]]],
+) -> None:
+    tables = []
+    for implementation in (pure.KERNELS, compiled_kernels()):
+        table = Int64toInt64Map()
+        for n, (put, keys) in enumerate(operations):
+            array = np.array(keys, dtype=np.int64)
+            if put:
+                implementation.put_all(table, array, array ^ n)
+            else:
+                implementation.discard_all(table, array[::2])  # a strided view too
+        tables.append(dict(table.items()))
+    assert tables[0] == tables[1]
