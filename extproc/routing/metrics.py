@@ -1,23 +1,14 @@
 """The router's Prometheus metrics: decisions, errors, completions, pods, pending.
 
 The two touched on every decision (the decisions by model, the scheduling time) are kept
-as plain numbers and exposed by collectors, as prometheus-client would expose them (the
-same families, samples and creation times): its ``Counter.inc`` and ``Histogram.observe``
-check the metric, take locks and walk the buckets in Python; here one lock and a
-``bisect``.
+as plain numbers behind collectors (``extproc.plain_metrics``).
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from bisect import bisect_left
-from collections.abc import Iterator
-
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client import metrics as prometheus_metrics
-from prometheus_client.core import CounterMetricFamily, Metric
-from prometheus_client.utils import floatToGoString
+
+from extproc.plain_metrics import ModelCounter, PlainHistogram
 
 SCHEDULING_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
 
@@ -110,87 +101,3 @@ class RouterMetrics:
 
     def decided(self, model: str) -> None:
         self.decisions.inc(model)
-
-
-def _use_created() -> bool:
-    """Whether prometheus-client writes ``_created`` samples (it can be told not to)."""
-    return bool(getattr(prometheus_metrics, "_use_created", True))
-
-
-class ModelCounter:
-    """A counter labelled by model, as plain numbers (a collector)."""
-
-    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
-        self.name = name
-        self.documentation = documentation
-        self._counts: dict[str, list[float]] = {}  # model -> [count, created]
-        self._lock = threading.Lock()
-        registry.register(self)
-
-    def inc(self, model: str) -> None:
-        with self._lock:
-            count = self._counts.get(model)
-            if count is None:
-                self._counts[model] = [1.0, time.time()]
-            else:
-                count[0] += 1.0
-
-    def value(self, model: str) -> float:
-        """The count for ``model`` (0 before its first)."""
-        count = self._counts.get(model)
-        return 0.0 if count is None else count[0]
-
-    def describe(self) -> list[Metric]:
-        return [CounterMetricFamily(self.name, self.documentation, labels=("model",))]
-
-    def collect(self) -> list[Metric]:
-        with self._lock:
-            counts = [(model, total, created) for model, (total, created) in self._counts.items()]
-        family = CounterMetricFamily(self.name, self.documentation, labels=("model",))
-        created_too = _use_created()
-        for model, total, created in counts:
-            family.add_metric((model,), total, created=created if created_too else None)
-        return [family]
-
-
-class PlainHistogram:
-    """A histogram without labels, as plain numbers (a collector)."""
-
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        buckets: tuple[float, ...],
-        registry: CollectorRegistry,
-    ) -> None:
-        self.name = name
-        self.documentation = documentation
-        self._bounds = buckets
-        self._le = [floatToGoString(b) for b in (*buckets, float("inf"))]  # type: ignore[no-untyped-call]
-        self._counts = [0.0] * (len(buckets) + 1)  # per bucket, not cumulative; +Inf last
-        self._sum = 0.0
-        self._created = time.time()
-        self._lock = threading.Lock()
-        registry.register(self)
-
-    def observe(self, value: float) -> None:
-        with self._lock:
-            self._counts[bisect_left(self._bounds, value)] += 1.0  # the first bound >= value
-            self._sum += value
-
-    def describe(self) -> list[Metric]:
-        return [Metric(self.name, self.documentation, "histogram")]
-
-    def collect(self) -> Iterator[Metric]:
-        with self._lock:
-            counts, total = list(self._counts), self._sum
-        metric = Metric(self.name, self.documentation, "histogram")
-        cumulative = 0.0
-        for le, count in zip(self._le, counts, strict=True):
-            cumulative += count
-            metric.add_sample(f"{self.name}_bucket", {"le": le}, cumulative)
-        metric.add_sample(f"{self.name}_count", {}, cumulative)
-        metric.add_sample(f"{self.name}_sum", {}, total)
-        if _use_created():
-            metric.add_sample(f"{self.name}_created", {}, self._created)
-        yield metric

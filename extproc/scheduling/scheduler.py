@@ -41,9 +41,10 @@ from dataclasses import dataclass, field
 from functools import cache
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry
 
 from extproc.errors import ExtProcError, NoCapacity, NoReadyPods
+from extproc.plain_metrics import PlainHistogram
 from extproc.pods import Pod, PodId
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.interfaces import (
@@ -113,12 +114,12 @@ class PluginTimer:
     """``extproc_plugin_duration_seconds{plugin, extension_point}``, children made once."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        histogram = Histogram(
+        histogram = PlainHistogram(
             "extproc_plugin_duration_seconds",
             "Time one plugin took for one request, by plugin and extension point (filter, score).",
-            ["plugin", "extension_point"],
-            registry=registry,
-            buckets=PLUGIN_BUCKETS,
+            PLUGIN_BUCKETS,
+            registry,
+            ("plugin", "extension_point"),
         )
         self._child = cache(histogram.labels)
 

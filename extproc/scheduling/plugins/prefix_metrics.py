@@ -24,7 +24,9 @@ import weakref
 from collections.abc import Mapping
 from functools import cache
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from extproc.plain_metrics import PlainHistogram
 
 MATCH_RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)  # Kthena's
 
@@ -34,13 +36,13 @@ class PrefixCacheMetrics:
     index of a view (entries are tagged with their model: ``model_tag``)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        match_ratio = Histogram(
+        match_ratio = PlainHistogram(  # observed on every request: plain numbers
             "kthena_router_prefix_cache_match_ratio",
             "Fraction of the prompt's blocks matched by the best pod, each time a plugin "
             "with a recorded prefix view scores pods (0 is a miss).",
-            ["model"],
-            registry=registry,
-            buckets=MATCH_RATIO_BUCKETS,
+            MATCH_RATIO_BUCKETS,
+            registry,
+            ("model",),
         )
         self._match_ratio = cache(match_ratio.labels)  # a model's child, made once
         self._evictions = Counter(

@@ -1,5 +1,5 @@
-"""The router's per-decision metrics, kept as plain numbers, are exposed exactly as
-prometheus-client exposes its own Counter and Histogram."""
+"""The per-request metrics kept as plain numbers (``extproc.plain_metrics``) are exposed
+exactly as prometheus-client exposes its own Counter and Histogram."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import re
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from extproc.routing.metrics import SCHEDULING_BUCKETS, ModelCounter, PlainHistogram
+from extproc.plain_metrics import ModelCounter, PlainHistogram
+from extproc.routing.metrics import SCHEDULING_BUCKETS
 
 DECISIONS = ("extproc_route_decisions", "Requests routed, by model.")
 SCHEDULING = ("extproc_scheduling_duration_seconds", "Time to schedule one request.")
@@ -38,3 +39,16 @@ def test_plain_metrics_expose_what_prometheus_client_would() -> None:
     assert 'extproc_route_decisions_total{model="m"} 3.0' in exposed
     assert model_counter.value("m") == 3 and model_counter.value("none") == 0
     assert "extproc_route_decisions_created" in exposed  # the creation times are there too
+
+
+def test_a_labelled_plain_histogram_exposes_what_prometheus_client_would() -> None:
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    labels = ("plugin", "extension_point")
+    histogram = Histogram(*SCHEDULING, labels, registry=theirs, buckets=SCHEDULING_BUCKETS)
+    plain = PlainHistogram(*SCHEDULING, SCHEDULING_BUCKETS, ours, labels)
+    assert _exposition(ours) == _exposition(theirs)  # no child yet: no sample
+    for n, seconds in enumerate(TIMES):
+        values = ("estimated-ttft", "score") if n % 3 else ("least-request", "filter")
+        histogram.labels(*values).observe(seconds)
+        plain.labels(*values).observe(seconds)
+    assert _exposition(ours) == _exposition(theirs)

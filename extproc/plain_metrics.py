@@ -1,0 +1,142 @@
+"""Metrics touched on every request, kept as plain numbers and exposed by a collector
+exactly as prometheus-client exposes its own (the same families, samples and creation
+times): its ``Counter.inc`` and ``Histogram.observe`` check the metric, take locks and
+walk the buckets in Python, about a microsecond each; here one lock and a ``bisect``.
+``tests/test_plain_metrics.py`` holds the two expositions equal.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from bisect import bisect_left
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client import metrics as prometheus_metrics
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+
+
+def use_created() -> bool:
+    """Whether prometheus-client writes ``_created`` samples (it can be told not to:
+    ``PROMETHEUS_DISABLE_CREATED_SERIES``; read from its module, True if it moves)."""
+    return bool(getattr(prometheus_metrics, "_use_created", True))
+
+
+class HistogramChild:
+    """One label set's bucket counts (per bucket, not cumulative; +Inf last) and sum."""
+
+    __slots__ = ("_bounds", "_lock", "counts", "created", "sum")
+
+    def __init__(self, bounds: tuple[float, ...], lock: threading.Lock) -> None:
+        self._bounds = bounds
+        self._lock = lock
+        self.counts = [0.0] * (len(bounds) + 1)
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self.counts[bisect_left(self._bounds, value)] += 1.0  # the first bound >= value
+            self.sum += value
+
+
+class PlainHistogram:
+    """A histogram, labelled by ``labelnames`` (none: ``observe`` directly), registered
+    in ``registry`` as a collector."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        buckets: tuple[float, ...],
+        registry: CollectorRegistry,
+        labelnames: tuple[str, ...] = (),
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labelnames
+        self._bounds = buckets
+        self._le = [floatToGoString(b) for b in (*buckets, float("inf"))]  # type: ignore[no-untyped-call]
+        self._lock = threading.Lock()
+        self._children: dict[tuple[str, ...], HistogramChild] = {}
+        if not labelnames:  # as prometheus-client: an unlabelled one exists at once
+            self._unlabelled = self.labels()
+        registry.register(self)
+
+    def labels(self, *values: str) -> HistogramChild:
+        """The child of one label set (keep it: this is a dict lookup under a lock)."""
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
+        with self._lock:
+            child = self._children.get(values)
+            if child is None:
+                child = self._children[values] = HistogramChild(self._bounds, self._lock)
+            return child
+
+    def observe(self, value: float) -> None:
+        """An unlabelled histogram's observation."""
+        self._unlabelled.observe(value)
+
+    def describe(self) -> list[Metric]:
+        return [self._family()]
+
+    def _family(self) -> HistogramMetricFamily:
+        """The empty family, its label names known (the docs' reference reads them)."""
+        return HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            children = [
+                (dict(zip(self.labelnames, values, strict=True)), list(c.counts), c.sum, c.created)
+                for values, c in self._children.items()
+            ]
+        metric = self._family()
+        created_too = use_created()
+        for labels, counts, total, created in children:
+            cumulative = 0.0
+            for le, count in zip(self._le, counts, strict=True):
+                cumulative += count
+                metric.add_sample(f"{self.name}_bucket", {**labels, "le": le}, cumulative)
+            metric.add_sample(f"{self.name}_count", labels, cumulative)
+            metric.add_sample(f"{self.name}_sum", labels, total)
+            if created_too:
+                metric.add_sample(f"{self.name}_created", labels, created)
+        yield metric
+
+
+class ModelCounter:
+    """A counter labelled by model, as plain numbers (a collector)."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        self._counts: dict[str, list[float]] = {}  # model -> [count, created]
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def inc(self, model: str) -> None:
+        with self._lock:
+            count = self._counts.get(model)
+            if count is None:
+                self._counts[model] = [1.0, time.time()]
+            else:
+                count[0] += 1.0
+
+    def value(self, model: str) -> float:
+        """The count for ``model`` (0 before its first)."""
+        count = self._counts.get(model)
+        return 0.0 if count is None else count[0]
+
+    def describe(self) -> list[Metric]:
+        return [CounterMetricFamily(self.name, self.documentation, labels=("model",))]
+
+    def collect(self) -> list[Metric]:
+        with self._lock:
+            counts = [(model, total, created) for model, (total, created) in self._counts.items()]
+        family = CounterMetricFamily(self.name, self.documentation, labels=("model",))
+        created_too = use_created()
+        for model, total, created in counts:
+            family.add_metric((model,), total, created=created if created_too else None)
+        return [family]
