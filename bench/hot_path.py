@@ -46,6 +46,7 @@ from extproc.scheduling.sessions import SessionStore
 from extproc.wire.access_log import AccessLogHandler
 from extproc.wire.one_round import RouteHandler
 from extproc.wire.protocol import ATTRIBUTES_KEY, PATH_ATTRIBUTE, REQUEST_ID_ATTRIBUTE
+from testkit.wire import log_entry
 
 PATH = "/v1/chat/completions"
 
@@ -93,18 +94,9 @@ def body_message(body: bytes, request_id: str) -> bytes:
 def log_message(request_id: str, served: str, metadata: struct_pb2.Struct | None) -> bytes:
     """The access-log message Envoy sends when the request has ended successfully."""
     message = als_pb2.StreamAccessLogsMessage()
-    entry = message.http_logs.log_entry.add()
-    entry.request.request_id = request_id
-    entry.response.response_code.value = 200
-    common = entry.common_properties
-    common.time_to_first_upstream_rx_byte.nanos = 2_000_000
-    common.time_to_last_downstream_tx_byte.nanos = 3_000_000
-    address, port = served.rsplit(":", 1)
-    common.upstream_remote_address.socket_address.address = address
-    common.upstream_remote_address.socket_address.port_value = int(port)
-    if metadata is not None:
-        for namespace, value in metadata.fields.items():
-            common.metadata.filter_metadata[namespace].CopyFrom(value.struct_value)
+    message.http_logs.log_entry.append(
+        log_entry(request_id, served, metadata=metadata, first_byte_ns=2_000_000)
+    )
     return bytes(message.SerializeToString())
 
 

@@ -82,8 +82,17 @@ class Client:
 
 
 def log_entry(
-    request_id: str, served: str, *, code: int = 200, ended: bool = True, **flags: bool
+    request_id: str,
+    served: str,
+    *,
+    code: int = 200,
+    ended: bool = True,
+    metadata: struct_pb2.Struct | None = None,
+    first_byte_ns: int | None = None,
+    **flags: bool,
 ) -> accesslog_pb2.HTTPAccessLogEntry:
+    """An access-log entry as Envoy writes it; ``metadata``: the route reply's dynamic
+    metadata, which Envoy brings back in the entry."""
     host, port = served.rsplit(":", 1)
     entry = accesslog_pb2.HTTPAccessLogEntry()
     entry.request.request_id = request_id
@@ -96,6 +105,11 @@ def log_entry(
     )
     if ended:
         cp.time_to_last_downstream_tx_byte.CopyFrom(duration_pb2.Duration(nanos=1000))
+    if first_byte_ns is not None:
+        cp.time_to_first_upstream_rx_byte.CopyFrom(duration_pb2.Duration(nanos=first_byte_ns))
+    if metadata is not None:
+        for namespace, value in metadata.fields.items():
+            cp.metadata.filter_metadata[namespace].CopyFrom(value.struct_value)
     for name, value in flags.items():
         setattr(cp.response_flags, name, value)
     return entry

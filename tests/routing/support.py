@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import struct_pb2
@@ -22,6 +21,7 @@ from extproc.wire.protocol import (
     REQUEST_ID_ATTRIBUTE,
     header_attribute,
 )
+from testkit import wire
 from testkit.factories import PREFIX_ONLY, make_pod
 
 GEOMETRY = (64, 128)  # prefix-cache's defaults
@@ -63,17 +63,8 @@ def log_entry(
     request_id: str, served: str, metadata: struct_pb2.Struct | None, code: int = 200
 ) -> als_pb2.StreamAccessLogsMessage:
     """An access-log message as Envoy sends it: the reply's dynamic metadata included."""
-    entry = accesslog_pb2.HTTPAccessLogEntry()
-    entry.request.request_id = request_id
-    entry.response.response_code.value = code
-    common = entry.common_properties
-    common.time_to_last_downstream_tx_byte.FromMilliseconds(5)
-    host, port = served.rsplit(":", 1)
-    common.upstream_remote_address.socket_address.address = host
-    common.upstream_remote_address.socket_address.port_value = int(port)
-    if metadata is not None:
-        for namespace, value in metadata.fields.items():
-            common.metadata.filter_metadata[namespace].CopyFrom(value.struct_value)
     message = als_pb2.StreamAccessLogsMessage()
-    message.http_logs.log_entry.append(entry)
+    message.http_logs.log_entry.append(
+        wire.log_entry(request_id, served, code=code, metadata=metadata)
+    )
     return message
