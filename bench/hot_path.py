@@ -24,7 +24,9 @@ import cProfile
 import os
 import pstats
 import statistics
+import tempfile
 import time
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import struct_pb2
 from prometheus_client import CollectorRegistry
 
+from bench.floor import precise_config
 from bench.loadgen import ID_MARK, chat_body
 from bench.pyspy import finish_recording, start_recording
 from bench.upstreams import MODEL
@@ -62,10 +65,10 @@ def make_pods(num_pods: int) -> list[Pod]:
     ]
 
 
-def make_router(num_pods: int, registry: CollectorRegistry) -> Router:
+def make_router(num_pods: int, registry: CollectorRegistry, config_text: str) -> Router:
     """The router ``extproc serve`` builds with its defaults, over instant pods."""
     in_flight = InFlight()
-    config = parse_config(default_config_text(), "default")
+    config = parse_config(config_text, "bench.hot_path")
     scheduler = build_scheduler(config, registry, in_flight, SessionStore(ttl_s=600))
     flow = replace(parse_flow_control(config.flow_control, config.source), scraped=False)
     router = Router(
@@ -103,9 +106,16 @@ def log_message(request_id: str, served: str, metadata: struct_pb2.Struct | None
 class HotPath:
     """Requests over ``num_prefixes`` prompts of ``prompt_bytes``, each routed and ended."""
 
-    def __init__(self, num_pods: int, prompt_bytes: int, num_prefixes: int) -> None:
+    def __init__(
+        self,
+        num_pods: int,
+        prompt_bytes: int,
+        num_prefixes: int,
+        config_text: str | None = None,
+    ) -> None:
+        """``config_text``: the scheduler configuration (default: the shipped one)."""
         self.registry = CollectorRegistry()
-        self.router = make_router(num_pods, self.registry)
+        self.router = make_router(num_pods, self.registry, config_text or default_config_text())
         self.routes = RouteHandler(self.router)
         self.logs = AccessLogHandler(self.router)
         head, tail = chat_body(prompt_bytes).split(ID_MARK.encode())
@@ -120,6 +130,8 @@ class HotPath:
             body_message(self.bodies[n % len(self.bodies)], request_id)
         )
         routed = self.routes.process_soon(message)
+        if isinstance(routed, Future):  # prepared on the preparing threads (tokenizing)
+            routed = routed.result()
         assert isinstance(routed, tuple), routed
         reply = ep.ProcessingResponse.FromString(routed[0])
         served = (
@@ -151,11 +163,22 @@ def main() -> None:
     parser.add_argument("--prefixes", type=int, default=64)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--precise",
+        type=Path,
+        metavar="MODEL_DIR",
+        help="the shipped precise configuration, with this tokenizer (its memo warm after "
+        "the warm-up; no KV events: the cost measured is the tokenizing's)",
+    )
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--flame", type=Path, help="also write py-spy's flame graph (SVG) here")
     parser.add_argument("--flame-s", type=float, default=10.0, help="seconds sampled")
     args = parser.parse_args()
-    path = HotPath(args.pods, args.prompt_kb * 1024, args.prefixes)
+    config_text = None
+    if args.precise is not None:
+        with tempfile.TemporaryDirectory() as work_dir:
+            config_text = precise_config(args.precise, Path(work_dir)).read_text()
+    path = HotPath(args.pods, args.prompt_kb * 1024, args.prefixes, config_text)
     for _ in range(2 * args.prefixes):
         path.one_request()
     samples = []

@@ -36,3 +36,4 @@ deepest_held = KERNELS.deepest_held
 ttft_costs = KERNELS.ttft_costs
 put_all = KERNELS.put_all
 discard_all = KERNELS.discard_all
+chain_xxh3 = KERNELS.chain_xxh3

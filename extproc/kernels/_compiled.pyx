@@ -4,6 +4,8 @@
 from cykhash.khashmaps cimport Int64toInt64Map
 from libc.stdint cimport int64_t
 
+from xxhash import xxh3_64_intdigest
+
 from extproc.kernels.pure import Kernels
 
 
@@ -103,4 +105,18 @@ def discard_all(Int64toInt64Map table, const int64_t[:] keys):
         table.discard(keys[i])
 
 
-KERNELS = Kernels(deepest_held, ttft_costs, put_all, discard_all)
+def chain_xxh3(bytes data, Py_ssize_t step, Py_ssize_t num, root, bytes first_extra,
+               bytes extra):
+    """``pure.chain_xxh3``: the loop compiled, xxhash's own function a block."""
+    cdef list keys = []
+    cdef Py_ssize_t i
+    parent = root
+    for i in range(num):
+        parent = xxh3_64_intdigest(
+            data[i * step : (i + 1) * step] + (first_extra if i == 0 else extra), parent
+        )
+        keys.append(parent)
+    return keys
+
+
+KERNELS = Kernels(deepest_held, ttft_costs, put_all, discard_all, chain_xxh3)

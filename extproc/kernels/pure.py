@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
+import xxhash
 from cykhash import Int64toInt64Map, Int64toInt64Map_from_buffers, update_int64toint64map
 
 Keys = npt.NDArray[np.int64]
@@ -43,6 +44,21 @@ def discard_all(table: Int64toInt64Map, keys: Keys) -> None:
     """Each of ``keys`` out of ``table`` (absent ones ignored)."""
     for key in keys.tolist():
         table.discard(key)
+
+
+def chain_xxh3(
+    data: bytes, step: int, num: int, root: int, first_extra: bytes, extra: bytes
+) -> list[int]:
+    """Chained XXH3-64 keys of ``num`` blocks of ``step`` bytes of ``data``: block ``i``'s
+    key is the digest of its bytes followed by ``first_extra`` (block 0) or ``extra``
+    (the others), seeded with the previous block's key (``root`` for block 0)."""
+    keys: list[int] = []
+    parent = root
+    for i in range(num):
+        tail = first_extra if i == 0 else extra
+        parent = xxhash.xxh3_64_intdigest(data[i * step : (i + 1) * step] + tail, parent)
+        keys.append(parent)
+    return keys
 
 
 class Prices(NamedTuple):
@@ -129,6 +145,7 @@ class Kernels(NamedTuple):
     ttft_costs: Callable[..., None]  # ``ttft_costs``'s parameters
     put_all: Callable[[Int64toInt64Map, Keys, Keys], None]
     discard_all: Callable[[Int64toInt64Map, Keys], None]
+    chain_xxh3: Callable[[bytes, int, int, int, bytes, bytes], list[int]]
 
 
-KERNELS = Kernels(deepest_held, ttft_costs, put_all, discard_all)
+KERNELS = Kernels(deepest_held, ttft_costs, put_all, discard_all, chain_xxh3)

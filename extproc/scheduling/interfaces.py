@@ -75,6 +75,9 @@ class Cycle:
     # travel with the pick to other replicas (``routing.records.Started``).
     credit_keys: Keys | None = None
     uncached_rows: list[RowValues] = field(default_factory=list)
+    # The token ids' chained block keys per block size (precise-prefix-cache's), kept
+    # while the request is decided: its score, exact counts and credit read them.
+    token_chains: dict[int, list[int]] = field(default_factory=dict)
     # An explanation's cycle (``Scheduler.explain``): plugins observe no metric for it.
     explaining: bool = False
     # The session estimated-ttft's book found while scoring, for placing the pick

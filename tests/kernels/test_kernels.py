@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 
+import msgpack
 import numpy as np
 import pytest
 from cykhash import Int64toInt64Map
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from extproc import kernels
 from extproc.kernels import pure
 from extproc.kernels.pure import Kernels, Prices
+from extproc.prefix.precise.keys import ROOT, block_key, chain_keys, request_extra, token_bytes
 from extproc.prefix.storage import SLOTS_PER_PAGE
 
 MASKS = st.integers(min_value=0, max_value=(1 << SLOTS_PER_PAGE) - 1)
@@ -148,3 +150,29 @@ def test_the_map_writes_are_the_same_compiled_and_pure(
                 implementation.discard_all(table, array[::2])  # a strided view too
         tables.append(dict(table.items()))
     assert tables[0] == tables[1]
+
+
+@given(
+    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=200),
+    block_size=st.sampled_from([1, 4, 16]),
+    salt=st.sampled_from([None, "", "s1"]),
+    lora=st.sampled_from([None, "adapter"]),
+)
+def test_token_chains_are_the_same_compiled_and_pure_and_block_by_block(
+    tokens: list[int], block_size: int, salt: str | None, lora: str | None
+) -> None:
+    """``chain_keys`` (through the kernel in use) equals each kernel and the chain made
+    block by block with ``block_key``."""
+    data = token_bytes(tokens)
+    num, step = len(tokens) // block_size, 4 * block_size
+    by_block, parent = [], ROOT
+    for i in range(num):
+        parent = block_key(parent, data[i * step : (i + 1) * step], request_extra(i, salt, lora))
+        by_block.append(parent)
+    assert chain_keys(tokens, block_size, salt, lora) == by_block
+    first, rest = (
+        msgpack.packb([x for x in (lora, salt if i == 0 else None) if x]) for i in (0, 1)
+    )
+    first, rest = (b if b != msgpack.packb([]) else b"" for b in (first, rest))
+    for implementation in (pure.KERNELS, compiled_kernels()):
+        assert implementation.chain_xxh3(data, step, num, ROOT, first, rest) == by_block

@@ -18,6 +18,8 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from extproc.kernels import chain_xxh3
+
 ROOT = 0x9E37_79B9_7F4A_7C15  # the parent of every chain's first block; any constant works
 
 Tokens = Sequence[int] | npt.NDArray[np.uint32]
@@ -53,11 +55,11 @@ def chain_keys(
     if max_blocks is not None:
         num = min(num, max_blocks)
     data = token_bytes(tokens[: num * block_size])
-    step = 4 * block_size
-    keys: list[int] = []
-    parent = ROOT
-    for i in range(num):
-        extra = request_extra(i, salt, lora)
-        parent = block_key(parent, data[i * step : (i + 1) * step], extra)
-        keys.append(parent)
-    return keys
+    # block_key's extra bytes: block 0's (LoRA name and salt), then the others' (the name)
+    first, rest = (_packed(request_extra(i, salt, lora)) for i in (0, 1))
+    return chain_xxh3(data, 4 * block_size, num, ROOT, first, rest)
+
+
+def _packed(extra: Sequence[Any] | None) -> bytes:
+    """What ``block_key`` appends to a block's token bytes for ``extra``."""
+    return msgpack.packb(list(extra)) if extra else b""

@@ -304,25 +304,29 @@ class PrecisePrefixCache:
             self._fallbacks(reason).inc()
 
     def _credit_keys(self, cycle: Cycle, tokens: TokenIds) -> Keys:
-        """The keys a pick is credited with: in ``blockSize`` blocks, whatever the pod's."""
-        return as_keys(chain_keys(tokens, self.args.blockSize, cycle.request.cache_salt))
+        """The keys a pick is credited with: in ``blockSize`` blocks, whatever the pod's.
+        The decision is made: the chains kept for it go (the cycle lives until the end)."""
+        keys = as_keys(self._chain(cycle, tokens, self.args.blockSize))
+        cycle.token_chains.clear()
+        return keys
+
+    @staticmethod
+    def _chain(cycle: Cycle, tokens: TokenIds, size: int) -> list[int]:
+        """The token ids' block keys in ``size`` blocks, chained once per decision (the
+        score, the exact counts and the credit read them)."""
+        keys = cycle.token_chains.get(size)
+        if keys is None:
+            keys = cycle.token_chains[size] = chain_keys(tokens, size, cycle.request.cache_salt)
+        return keys
 
     def _precise(
         self, cycle: Cycle, tokens: TokenIds, pods: Iterable[PodId]
     ) -> tuple[dict[PodId, tuple[int, int, int]], list[PodId]]:
         """Per pod with a trusted view: (GPU blocks, offloaded blocks, full blocks), its
         credit for arriving blocks included; and the pods whose view is stale."""
-        keys_by_size: dict[int, list[int]] = {}
-
-        def keys_of(size: int) -> list[int]:
-            keys = keys_by_size.get(size)
-            if keys is None:
-                keys = keys_by_size[size] = chain_keys(tokens, size, cycle.request.cache_salt)
-            return keys
-
         credit_size = self.args.blockSize
         credit: dict[PodId, int] = {}
-        if len(self.arrivals) and (credit_keys := keys_of(credit_size)):
+        if len(self.arrivals) and (credit_keys := self._chain(cycle, tokens, credit_size)):
             credit = self.arrivals.match(as_keys(credit_keys))
         out: dict[PodId, tuple[int, int, int]] = {}
         stale: list[PodId] = []
@@ -333,7 +337,7 @@ class PrecisePrefixCache:
                 stale.append(pod)
                 continue
             size = (view.block_size if view else None) or self.args.blockSize
-            keys = keys_of(size)
+            keys = self._chain(cycle, tokens, size)
             gpu, offloaded = self.index.match(pod, keys)
             arriving = credit.get(pod, 0) * credit_size // size
             if arriving > gpu:  # the arriving blocks will be on the GPU
