@@ -4,6 +4,7 @@ built as the Makefile builds it runs the compiled ones."""
 from __future__ import annotations
 
 import importlib
+import sys
 
 import msgpack
 import numpy as np
@@ -176,3 +177,14 @@ def test_token_chains_are_the_same_compiled_and_pure_and_block_by_block(
     first, rest = (b if b != msgpack.packb([]) else b"" for b in (first, rest))
     for implementation in (pure.KERNELS, compiled_kernels()):
         assert implementation.chain_xxh3(data, step, num, ROOT, first, rest) == by_block
+
+
+def test_without_the_compiled_module_the_pure_kernels_run_and_say_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(kernels.KERNELS_ENV, raising=False)
+    monkeypatch.delattr(kernels, "_compiled", raising=False)
+    monkeypatch.setitem(sys.modules, "extproc.kernels._compiled", None)  # not built
+    implementation, chosen = kernels._select()
+    assert chosen is pure.KERNELS
+    assert implementation.startswith("pure Python") and "C compiler" in implementation

@@ -38,3 +38,5 @@ def test_a_wheel_built_in_a_checkout_records_its_commit(tmp_path: Path) -> None:
     [wheel] = wheels.glob("extproc-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         assert archive.read("extproc/commit.txt").decode() == f"{head}\n"
+        # and, with this machine's C compiler, the compiled kernels (test_no_compiler.py)
+        assert [n for n in archive.namelist() if n.startswith("extproc/kernels/_compiled.cp")]
