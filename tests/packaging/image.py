@@ -135,3 +135,24 @@ class Replay:
                 assert dest.endswith("/") or dest == ".", f"replayed into a directory: {dest}"
                 target.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(path, target / path.name)
+
+
+WHEEL_BUILD_TIMEOUT_S = 300
+
+
+def clone_and_build_wheel(tmp_path: Path, **env: str) -> tuple[Path, Path]:
+    """A clone of the repository in ``tmp_path``, and the wheel ``pip wheel`` builds from
+    it (``env`` added to the environment)."""
+    checkout = tmp_path / "checkout"
+    subprocess.run(["git", "clone", "-q", str(REPO), str(checkout)], check=True, timeout=120)
+    wheels = tmp_path / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(wheels)]
+        + [str(checkout)],
+        check=True,
+        capture_output=True,
+        timeout=WHEEL_BUILD_TIMEOUT_S,
+        env={**os.environ, **env},
+    )
+    [wheel] = wheels.glob("extproc-*.whl")
+    return checkout, wheel
