@@ -103,12 +103,20 @@ def test_a_reload_under_load_keeps_the_views_and_an_invalid_one_is_refused(
     assert statuses.total() >= 15
 
 
+def parse_log_line(line: str) -> dict[str, Any]:
+    try:
+        record: dict[str, Any] = orjson.loads(line)
+    except orjson.JSONDecodeError as error:
+        raise AssertionError(f"not a JSON log line ({error}): {line!r}") from None
+    return record
+
+
 def test_json_logs_parse_line_by_line_with_the_picks(reload_stack: Stack, sim: SimPods) -> None:
     stack = reload_stack
 
     def lines() -> list[dict[str, Any]]:
         text = stack.extproc.log_path.read_text()
-        return [orjson.loads(line) for line in text.splitlines() if line.strip()]
+        return [parse_log_line(line) for line in text.splitlines() if line.strip()]
 
     before = len(lines())  # no other request is sent meanwhile
     with httpx.Client(base_url=stack.url, timeout=30) as client:

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from extproc.admin.json_log import JsonFormatter
+from extproc.admin.json_log import JsonFormatter, StderrRecords, log_uncaught
 from extproc.admin.reload import add_reload_arguments
 from extproc.admin.server import add_admin_arguments
 from extproc.admin.tracing import add_tracing_arguments
@@ -326,17 +326,23 @@ def check_logging_args(args: argparse.Namespace) -> None:
         )
 
 
-def configure_logging(level: str, verbosity: int, log_format: str = "text") -> None:
-    """The root logger to stderr, as text or JSON lines (``admin.json_log``)."""
-    handler = logging.StreamHandler()
+def configure_logging(level: str, verbosity: int, log_format: str = "text") -> StderrRecords | None:
+    """The root logger to stderr, as text or JSON lines (``admin.json_log``). With JSON,
+    what else reaches stderr (gRPC's C core, a thread's uncaught exception, a warning)
+    is a JSON record too; returns what to close at exit then."""
+    captured = StderrRecords() if log_format == "json" else None
+    handler = logging.StreamHandler(captured.stream if captured else None)
     handler.setFormatter(
         JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
     )
     logging.basicConfig(level=level.upper(), handlers=[handler])
+    logging.captureWarnings(True)
+    threading.excepthook = log_uncaught
     if verbosity >= 4:
         logging.getLogger("extproc.scheduling").setLevel(logging.DEBUG)
     if verbosity >= 5:
         logging.getLogger("extproc").setLevel(logging.DEBUG)
+    return captured
 
 
 def run(args: argparse.Namespace) -> int:
@@ -346,7 +352,15 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"extproc serve: cannot start: {exc}", file=sys.stderr)
         return 2
-    configure_logging(args.log_level, args.v, args.log_format)
+    captured = configure_logging(args.log_level, args.v, args.log_format)
+    try:
+        return _serve(args)
+    finally:
+        if captured is not None:
+            captured.close()
+
+
+def _serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     hangup = threading.Event()  # SIGHUP: reload the configuration (``admin.reload``)
 

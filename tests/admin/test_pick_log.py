@@ -99,3 +99,62 @@ def test_a_bad_log_format_is_refused_with_a_clear_error() -> None:
     env = serve(env={"EXTPROC_LOG_FORMAT": "xml"})
     assert env.returncode == 2
     assert "--log-format must be one of text, json, got 'xml'" in env.stderr
+
+
+OUTSIDE_LOGGING = """
+import os, threading, warnings
+from extproc.cli.serve import configure_logging
+captured = configure_logging("info", 0, "json")
+os.write(2, b"I1206 04:41:34.607103    7713 chttp2_transport.cc:1403] Got goaway [2]\\n")
+os.write(2, b"printed by a library\\n")
+warnings.warn("a warning")
+def fail():
+    raise ValueError("in a thread")
+thread = threading.Thread(target=fail, name="worker")
+thread.start()
+thread.join()
+os.write(2, b"E1206 04:41:35.000001    7713 tcp_posix.cc:1] the last line\\n")
+captured.close()
+"""
+
+
+def test_with_json_logs_what_reaches_stderr_outside_logging_is_a_record_too() -> None:
+    """gRPC's C core writes its own lines to fd 2 (a CI run once found one in JSON logs)."""
+    done = subprocess.run(
+        [sys.executable, "-c", OUTSIDE_LOGGING],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    records = [orjson.loads(line) for line in done.stderr.splitlines()]  # all JSON
+    by_message = {r["message"]: r for r in records}
+    goaway = by_message["Got goaway [2]"]
+    assert goaway["logger"] == "grpc" and goaway["level"] == "INFO"
+    assert goaway["source"] == "chttp2_transport.cc:1403"
+    assert by_message["printed by a library"]["logger"] == "stderr"
+    assert any(r["logger"] == "py.warnings" and "a warning" in r["message"] for r in records)
+    uncaught = by_message["uncaught in thread worker"]
+    assert "ValueError: in a thread" in uncaught["exception"]
+    assert by_message["the last line"]["level"] == "ERROR"  # written just before close: kept
+
+
+def test_the_command_quiets_grpc_core_info_lines_unless_the_operator_set_it() -> None:
+    code = "import contextlib, os; from extproc.cli import main\n"
+    code += "with contextlib.suppress(SystemExit): main(['--version'])\n"
+    code += "print(os.environ['GRPC_VERBOSITY'])"
+
+    def verbosity(env: dict[str, str]) -> str:
+        clean = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**clean, **env},
+        )
+        return done.stdout.splitlines()[-1]
+
+    assert verbosity({}) == "ERROR"
+    assert verbosity({"GRPC_VERBOSITY": "DEBUG"}) == "DEBUG"
