@@ -30,6 +30,19 @@ class PodRole(str, Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class LoraSlots:
+    """vLLM's ``vllm:lora_requests_info``: the LoRA adapters with requests running (their
+    weights in the engine's GPU slots) and waiting, and how many slots it has."""
+
+    running: frozenset[str] = frozenset()
+    waiting: frozenset[str] = frozenset()
+    max_lora: int = 0
+
+    def has_free_slot(self) -> bool:
+        return len(self.running | self.waiting) < self.max_lora
+
+
+@dataclass(frozen=True, slots=True)
 class PodMetrics:
     """Load as last scraped from the pod's /metrics (all zero until scraped)."""
 
@@ -44,6 +57,7 @@ class PodMetrics:
     # the page has none (SGLang, older vLLM).
     prefix_cache_hits: float | None = None
     prefix_cache_queries: float | None = None
+    lora: LoraSlots | None = None  # None when the page has no vllm:lora_requests_info
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +66,8 @@ class Pod:
 
     id: PodId
     address: str  # "ip:port", exactly what Envoy's override_host receives
-    models: frozenset[str] = frozenset()
+    models: frozenset[str] = frozenset()  # base models and the LoRA adapters it serves
+    adapters: frozenset[str] = frozenset()  # those of ``models`` that are LoRA adapters
     labels: tuple[tuple[str, str], ...] = ()
     role: PodRole = PodRole.BOTH
     ready: bool = True
