@@ -20,6 +20,8 @@ Format::
       decodeLabels: {modelserving.volcano.sh/role: decode}
     flowControl: {...}                      # optional: priorities, fairness, a queue
                                             # (``routing.flow.config``)
+    modelRewrites: [...]                    # optional: model A to B, or weighted splits
+                                            # (``routing.rewrites``)
 
 Semantics follow Kthena's ``conf.go`` and ``factory.go``: a score weight that is missing,
 0 or negative stops start-up with ``score plugin "NAME" must set a weight greater than
@@ -90,6 +92,8 @@ class SchedulerConfig:
     # The optional top-level ``flowControl`` section, as written: the routing layer
     # parses it (``routing.flow.config``), the scheduler does not use it.
     flow_control: Any = None
+    # The optional top-level ``modelRewrites`` section, as written (``routing.rewrites``).
+    model_rewrites: Any = None
 
 
 NAMED_CONFIGS = ("default", "kthena", "cost-aware")  # extproc/data/<name>.yaml; default: config
@@ -171,7 +175,15 @@ def parse_config(text: str, source: str) -> SchedulerConfig:
     pd_group = None
     if doc.get("pdGroup") is not None:
         pd_group = PDGroup.parse(doc["pdGroup"], f"{source}: pdGroup")
-    return SchedulerConfig(source, filters, scores, plugin_args, pd_group, doc.get("flowControl"))
+    return SchedulerConfig(
+        source,
+        filters,
+        scores,
+        plugin_args,
+        pd_group,
+        doc.get("flowControl"),
+        doc.get("modelRewrites"),
+    )
 
 
 def _known(names: Iterable[str], point: type) -> list[str]:
