@@ -91,7 +91,7 @@ def test_parse_address(address: str, expected: str) -> None:
 @pytest.mark.parametrize(
     ("address", "problem"),
     [
-        pytest.param("127.0.0.1", "not 'ip:port'", id="no-port"),
+        pytest.param("127.0.0.1", "has no port: write ip:port, or list", id="no-port"),
         pytest.param(":8000", "not 'ip:port'", id="no-host"),
         pytest.param("localhost:8000", "not an IP address", id="hostname"),
         pytest.param("256.0.0.1:8000", "not an IP address", id="bad-octet"),
