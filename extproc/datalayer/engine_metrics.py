@@ -21,13 +21,23 @@ Series read; for each quantity the first name present on the page wins:
   vLLM), published as their increase since the pod's first scrape (``CounterSince``), so
   their ratio is the hit ratio the engine saw while extproc routed to it; ``None`` when
   the page has neither pair (SGLang).
+* ``lora`` (``LoraSlots``): ``vllm:lora_requests_info``, vLLM's gauge whose labels
+  ``running_lora_adapters`` and ``waiting_lora_adapters`` (comma-separated names, ``""``
+  for none) and ``max_lora`` describe its LoRA slots, and whose value is when it was
+  set (a Unix time). vLLM keeps every label set it ever wrote, so the page lists old
+  series too: the current one is the greatest value among the series naming some
+  adapter, or, when none does, among all (as the Gateway API Inference Extension reads
+  it, which keeps the last adapters seen while the engine idles: their weights are
+  likely still in its slots). ``None`` when the page has no series, or when the current
+  series' ``max_lora`` is not a count (logged once per pod: a malformed label must not
+  fail the scrape of the other quantities).
 
 Label sets: counts and histogram totals are summed over label sets (a data-parallel
 vLLM server exposes one per engine); ``kv_usage`` is their mean. When series carry a
 ``model_name`` label and some name one of the pod's models, only those count; when none
 does, all count, so a served-model name that differs from the configured one does not
-blind the scheduler. ``vllm:cache_config_info`` carries no ``model_name`` and always
-counts.
+blind the scheduler. ``vllm:cache_config_info`` and ``vllm:lora_requests_info`` carry no
+``model_name`` and always count.
 
 Recent latency (``LatencyWindow``): the mean of the observations made between the last
 two successful scrapes, delta ``_sum`` / delta ``_count``. Without new observations
@@ -45,6 +55,7 @@ read with ``float``, as the parser itself does. ``bench/scrape.py`` measures bot
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -52,7 +63,9 @@ from typing import NamedTuple
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from extproc.pods import PodMetrics
+from extproc.pods import LoraSlots, PodMetrics
+
+log = logging.getLogger("extproc.datalayer.engine_metrics")
 
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
@@ -67,9 +80,18 @@ ITL = (
 CACHE_CONFIG = "vllm:cache_config_info"
 CACHE_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 CACHE_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
+LORA_INFO = "vllm:lora_requests_info"
 MODEL_LABEL = "model_name"
 
-_GAUGE_NAMES = (*WAITING, *RUNNING, *KV_USAGE, CACHE_CONFIG, *CACHE_HITS, *CACHE_QUERIES)
+_GAUGE_NAMES = (
+    *WAITING,
+    *RUNNING,
+    *KV_USAGE,
+    CACHE_CONFIG,
+    *CACHE_HITS,
+    *CACHE_QUERIES,
+    LORA_INFO,
+)
 SAMPLE_NAMES = frozenset(
     [*_GAUGE_NAMES, *(f"{h}{suffix}" for h in (*TTFT, *ITL) for suffix in ("_sum", "_count"))]
 )
@@ -196,6 +218,36 @@ def kv_capacity_tokens(info: Sequence[Sample]) -> int | None:
     return total or None
 
 
+def lora_slots(info: Sequence[Sample]) -> LoraSlots | None:
+    """The current ``vllm:lora_requests_info`` series' slots (module doc); ``None``
+    without a series.
+
+    Raises:
+        ValueError: the current series' ``max_lora`` is missing or not a count.
+    """
+    if not info:
+        return None
+    by_key = [(_adapter_names(s, "running"), _adapter_names(s, "waiting"), s) for s in info]
+    running, waiting, current = max(
+        by_key, key=lambda r: (bool(r[0] or r[1]), _finite_or_lowest(r[2].value))
+    )
+    text = current.labels.get("max_lora")
+    max_lora = _positive_int(text) or (0 if text == "0" else None)
+    if max_lora is None:
+        raise ValueError(f"{LORA_INFO} has max_lora={text!r}, not a count")
+    return LoraSlots(running=running, waiting=waiting, max_lora=max_lora)
+
+
+def _adapter_names(sample: Sample, which: str) -> frozenset[str]:
+    """A comma-separated adapters label as names: stripped, empties dropped."""
+    names = sample.labels.get(f"{which}_lora_adapters", "").split(",")
+    return frozenset(filter(None, map(str.strip, names)))
+
+
+def _finite_or_lowest(value: float) -> float:
+    return value if math.isfinite(value) else -math.inf
+
+
 def _positive_int(text: str | None) -> int | None:
     try:
         value = int(text) if text is not None else 0
@@ -280,8 +332,11 @@ class CounterSince:
 class PodReader:
     """One pod's page -> ``PodMetrics``, keeping the latency windows between scrapes."""
 
-    def __init__(self, models: frozenset[str], hold_s: float = 10.0) -> None:
+    def __init__(self, models: frozenset[str], hold_s: float = 10.0, pod: str = "") -> None:
+        """``pod`` names the pod in the log line about a malformed LoRA series."""
         self.models = models
+        self.pod = pod
+        self._lora_warned = False
         self._ttft = LatencyWindow(hold_s)
         self._itl = LatencyWindow(hold_s)
         self._hits = CounterSince()
@@ -301,4 +356,15 @@ class PodReader:
             kv_capacity_tokens=reading.kv_capacity_tokens,
             prefix_cache_hits=self._hits.update(reading.cache_hits),
             prefix_cache_queries=self._queries.update(reading.cache_queries),
+            lora=self._lora([s for s in samples if s.name == LORA_INFO]),
         )
+
+    def _lora(self, info: Sequence[Sample]) -> LoraSlots | None:
+        """``lora_slots``, or ``None`` for a malformed series, logged once."""
+        try:
+            return lora_slots(info)
+        except ValueError as exc:
+            if not self._lora_warned:
+                self._lora_warned = True
+                log.warning("%s: %s; read as no LoRA metric", self.pod or "a pod", exc)
+            return None
