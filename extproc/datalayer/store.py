@@ -1,7 +1,8 @@
 """``PodStore``: the one owner of the pod list the router sees.
 
 Two inputs: the base pods from discovery or the pods file (``set_pods``), and the
-scraper's outcomes (``update_metrics``). One output: the merged, immutable
+scraper's outcomes (``update_metrics``: metrics, and the LoRA adapters read from the
+pod's ``/v1/models``). One output: the merged, immutable
 ``tuple[Pod, ...]`` passed to ``on_change`` (the router's ``set_pods``) whenever it
 differs from the last one published, in discovery order, unready pods included (so
 plugins keep their state for a pod that is only briefly stale).
@@ -15,6 +16,11 @@ A pod is ready iff discovery says so and its metrics are fresh:
   (timeouts, HTTP errors, unparseable pages) keep the last metrics until they go stale.
 
 ``stale_after_s=None`` runs without metrics: readiness is discovery's alone.
+
+Adapters: the published pod's ``models`` and ``adapters`` are its base pod's with the
+adapters last read from its ``/v1/models`` added (the source's own adapters stay even
+when the page does not list them). A read that failed sends nothing, so the last good
+list stays; it goes with the pod when discovery drops it.
 
 Publishing is cheap: a pod whose base, metrics and readiness did not change keeps its
 ``Pod`` object, and nothing is published when no pod changed. Staleness is evaluated
@@ -44,12 +50,21 @@ class MetricsUpdate:
     reachable: bool = True  # False: the connection failed (refused, reset, no route)
 
 
+@dataclass(frozen=True, slots=True)
+class AdaptersUpdate:
+    """One successful read of a pod's ``/v1/models``: the LoRA adapters it lists."""
+
+    pod_id: PodId
+    adapters: frozenset[str]
+
+
 @dataclass(slots=True)
 class _Health:
     first_seen_s: float
     metrics: PodMetrics = field(default_factory=PodMetrics)
     last_ok_s: float | None = None
     reachable: bool = True
+    adapters: frozenset[str] = frozenset()  # from /v1/models, on top of the base pod's
 
 
 class PodStore:
@@ -71,7 +86,8 @@ class PodStore:
         self._clock = clock
         self._lock = threading.Lock()
         self._health: dict[PodId, _Health] = {}
-        self._built_from: dict[PodId, tuple[Pod, Pod]] = {}  # id -> (base, merged)
+        # id -> (base, its adapters read, merged)
+        self._built_from: dict[PodId, tuple[Pod, frozenset[str], Pod]] = {}
         self.base_pods: tuple[Pod, ...] = ()  # as discovery gave them
         self.pods: tuple[Pod, ...] = ()  # the last published snapshot
 
@@ -91,12 +107,18 @@ class PodStore:
             self._health = health
             self._publish(now)
 
-    def update_metrics(self, updates: Iterable[MetricsUpdate]) -> None:
+    def update_metrics(
+        self, updates: Iterable[MetricsUpdate], adapters: Iterable[AdaptersUpdate] = ()
+    ) -> None:
         """Scrape outcomes, published together; an empty batch re-checks staleness.
 
         Updates for pods discovery no longer lists are ignored.
         """
         with self._lock:
+            for found in adapters:
+                health = self._health.get(found.pod_id)
+                if health is not None and found.adapters != health.adapters:
+                    health.adapters = found.adapters
             now = self._clock()
             for update in updates:
                 health = self._health.get(update.pod_id)
@@ -121,7 +143,7 @@ class PodStore:
         return now - health.last_ok_s <= self.stale_after_s
 
     def _publish(self, now: float) -> None:
-        built_from: dict[PodId, tuple[Pod, Pod]] = {}
+        built_from: dict[PodId, tuple[Pod, frozenset[str], Pod]] = {}
         merged: list[Pod] = []
         for base in self.base_pods:
             health = self._health[base.id]
@@ -129,17 +151,31 @@ class PodStore:
             prev = self._built_from.get(base.id)
             if (
                 prev is not None
-                and prev[1].ready == ready
-                and prev[1].metrics is health.metrics
+                and prev[2].ready == ready
+                and prev[2].metrics is health.metrics
+                and prev[1] is health.adapters
                 and (prev[0] is base or prev[0] == base)
             ):
-                pod = prev[1]
+                pod = prev[2]
             else:
-                pod = replace(base, ready=ready, metrics=health.metrics)
-            built_from[base.id] = (base, pod)
+                pod = _merge(base, ready, health)
+            built_from[base.id] = (base, health.adapters, pod)
             merged.append(pod)
         self._built_from = built_from
         if len(merged) == len(self.pods) and all(map(operator.is_, merged, self.pods)):
             return
         self.pods = tuple(merged)
         self._on_change(self.pods)
+
+
+def _merge(base: Pod, ready: bool, health: _Health) -> Pod:
+    """The published pod: the base pod, its readiness, metrics and adapters read."""
+    if not health.adapters:
+        return replace(base, ready=ready, metrics=health.metrics)
+    return replace(
+        base,
+        ready=ready,
+        metrics=health.metrics,
+        models=base.models | health.adapters,
+        adapters=base.adapters | health.adapters,
+    )
