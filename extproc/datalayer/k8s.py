@@ -1,21 +1,23 @@
 """Pods from Kubernetes: a namespace's pods by label selector, or an InferencePool's.
 
 ``KubePodSource`` mirrors the selected pods with list + watch (``reflector``), turns each
-into a ``Pod`` (``k8s_objects``: address ``podIP:port``, models from an annotation or
-label, role label, readiness) and publishes the whole ``tuple[Pod, ...]`` through
+into its endpoints (``k8s_objects``: one ``Pod`` a target port, address ``podIP:port``,
+models and adapters from annotations or a label, role label, readiness) and publishes the whole ``tuple[Pod, ...]`` through
 ``on_change`` whenever it changes, like ``PodsFileWatcher``. A deleted pod leaves the
 tuple (so the prefix index purges it); an unready or terminating pod stays with
 ``ready=False``.
 
 Two modes:
 
-* selector: ``target=PodTarget("app=vllm", 8000)`` watches the pods of namespace NS
+* selector: ``target=PodTarget("app=vllm", (8000,))`` watches the pods of namespace NS
   matching ``app=vllm`` (``parse_selector``), sending to port 8000;
 * pool: ``pool="NAME"`` watches the InferencePool ``NS/NAME``
   (``/apis/inference.networking.k8s.io/v1/...``, or ``pool_api`` such as
   ``inference.networking.x-k8s.io/v1alpha2``) and watches the pods its
-  ``spec.selector`` selects, on its target port (the pool is a lightkube generic resource). When the selector or port changes the
-  pod watch restarts with them (the previous pods stay published until the new list
+  ``spec.selector`` selects, on each of its target ports (data-parallel ranks: every
+  port an endpoint of its own, ``<pod>-rank-N`` when there are several); the pool is a
+  lightkube generic resource. When the selector or ports change the pod watch restarts
+  with them (the previous pods stay published until the new list
   arrives); an invalid edit keeps the previous target; a missing or deleted pool
   publishes no pods until it exists again.
 
@@ -51,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import threading
 from collections.abc import Callable
@@ -65,7 +68,7 @@ from lightkube.resources.core_v1 import Pod as K8sPod
 from extproc.datalayer.k8s_objects import (
     PodMapping,
     PodTarget,
-    make_pod,
+    make_pods,
     make_snapshot,
     parse_pool,
     parse_selector,
@@ -242,7 +245,7 @@ class KubePodSource(WatchThread):
         self.pods: tuple[Pod, ...] = ()
         self._on_change = on_change
         self._target = target
-        self._pods: Reflector[K8sPod, Pod | None] | None = None
+        self._pods: Reflector[K8sPod, tuple[Pod, ...]] | None = None
         self._pods_task: asyncio.Task[None] | None = None
         self._pool: Reflector[GenericNamespacedResource, PodTarget | None] | None = None
         self._watching = False
@@ -289,9 +292,11 @@ class KubePodSource(WatchThread):
             assert self._pods is not None
             await self._pods.run()
 
-    def _pods_reflector(self, api: AsyncClient, target: PodTarget) -> Reflector[K8sPod, Pod | None]:
-        def convert(obj: K8sPod) -> Pod | None:
-            return make_pod(obj, self.mapping, target.target_port)
+    def _pods_reflector(
+        self, api: AsyncClient, target: PodTarget
+    ) -> Reflector[K8sPod, tuple[Pod, ...]]:
+        def convert(obj: K8sPod) -> tuple[Pod, ...]:
+            return make_pods(obj, self.mapping, target.target_ports)
 
         return Reflector(
             api,
@@ -300,7 +305,7 @@ class KubePodSource(WatchThread):
             labels=parse_selector(target.selector),
             convert=convert,
             on_change=self._publish,
-            what=f"pods in {self.namespace} matching {target.selector} (port {target.target_port})",
+            what=f"pods in {self.namespace} matching {target.selector} ({_ports(target)})",
             backoff=self._backoff(),
             watch_timeout_s=self.timing.watch_timeout_s,
         )
@@ -347,7 +352,7 @@ class KubePodSource(WatchThread):
         log.info(
             "%s: selecting %s",
             self.name,
-            f"pods matching {target.selector} on port {target.target_port}" if target else "none",
+            f"pods matching {target.selector} on {_ports(target)}" if target else "none",
         )
         self._target = target
         if self._pods_task is not None:
@@ -360,7 +365,8 @@ class KubePodSource(WatchThread):
             self._pods_task = asyncio.create_task(self._pods.run())
 
     def _publish(self) -> None:
-        pods, dropped = make_snapshot(self._pods.items.values() if self._pods else ())
+        endpoints = itertools.chain.from_iterable(self._pods.items.values() if self._pods else ())
+        pods, dropped = make_snapshot(endpoints)
         problems = {(p.id, w) for p in pods for w in pod_warnings(p, self.mapping)}
         problems |= {(p.id, f"ignored: another pod has its address {p.address}") for p in dropped}
         for pod_id, problem in sorted(problems - self._problems):
@@ -371,3 +377,8 @@ class KubePodSource(WatchThread):
         log.info("%s: %d pods, %d ready", self.name, len(pods), sum(p.ready for p in pods))
         self._on_change(pods)
         self.pods = pods  # after on_change: if it raised, the next change publishes again
+
+
+def _ports(target: PodTarget) -> str:
+    ports = target.target_ports
+    return f"port {ports[0]}" if len(ports) == 1 else f"ports {', '.join(map(str, ports))}"

@@ -190,7 +190,7 @@ def make_pods_source(
         config,
         on_change,
         namespace=args.k8s_namespace or config.namespace,
-        target=PodTarget(args.k8s_selector, args.k8s_target_port) if args.k8s_selector else None,
+        target=PodTarget(args.k8s_selector, (args.k8s_target_port,)) if args.k8s_selector else None,
         pool=args.inference_pool,
         pool_api=args.inference_pool_api,
         mapping=PodMapping(

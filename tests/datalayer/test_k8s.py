@@ -30,7 +30,7 @@ FAST = WatchTiming(
     backoff_initial_s=0.01,
     backoff_max_s=0.05,
 )
-SELECTOR = PodTarget("app=vllm", 8000)
+SELECTOR = PodTarget("app=vllm", (8000,))
 
 
 def server_config(url: str, context: str = "test") -> SingleConfig:
@@ -299,6 +299,35 @@ def test_pool_selects_pods_and_follows_its_changes(kube: FakeKube) -> None:
         wait_until(lambda: kube.num_watches() == 2)  # one pool watch, one pod watch
 
 
+def ranked_pool(*ports: int) -> dict[str, Any]:
+    pool = inference_pool("pool", {"pool": "a"}, ports[0])
+    pool["spec"]["targetPorts"] = [{"number": port} for port in ports]
+    return pool
+
+
+def test_every_target_port_of_a_pool_is_an_endpoint(
+    kube: FakeKube, caplog: pytest.LogCaptureFixture
+) -> None:
+    kube.put(PODS, pool_pod("a0", "10.0.0.1", "a"))
+    kube.put(POOLS, ranked_pool(8000, 8001))
+    with caplog.at_level(logging.INFO), running(kube, pool="pool") as (source, published):
+        assert [(p.id.name, p.address) for p in source.pods] == [
+            ("a0-rank-0", "10.0.0.1:8000"),
+            ("a0-rank-1", "10.0.0.1:8001"),
+        ]
+        assert "selecting pods matching pool=a on ports 8000, 8001" in caplog.text
+        kube.wait_for_watches(2)
+        kube.put(PODS, pool_pod("a1", "10.0.0.2", "a"))
+        published.wait({f"a{i}-rank-{r}": True for i in (0, 1) for r in (0, 1)})
+        kube.put(POOLS, ranked_pool(8000, 8001, 8002))  # a rank more
+        wait_until(lambda: len(source.pods) == 6)
+        assert source.pods[5].address == "10.0.0.2:8002"
+        kube.delete(PODS, "a0")  # a deleted pod takes all its ranks with it
+        published.wait({f"a1-rank-{r}": True for r in (0, 1, 2)})
+        kube.put(POOLS, ranked_pool(8000))  # one port: the pod's own name again
+        published.wait({"a1": True})
+
+
 def test_pool_created_after_start(kube: FakeKube, caplog: pytest.LogCaptureFixture) -> None:
     kube.put(PODS, pool_pod("a0", "10.0.0.1", "a"))
     with running(kube, pool="pool") as (source, published):
@@ -347,7 +376,7 @@ def test_a_bad_selector_is_a_config_error() -> None:
             server_config("http://127.0.0.1:1"),
             Published(),
             namespace="ns",
-            target=PodTarget("app=vllm,,x y", 8000),
+            target=PodTarget("app=vllm,,x y", (8000,)),
         )
 
 

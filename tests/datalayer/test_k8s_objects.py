@@ -11,20 +11,35 @@ from lightkube.resources.core_v1 import Pod as K8sPod
 from extproc.datalayer.k8s_objects import (
     PodMapping,
     PodTarget,
-    make_pod,
+    make_pods,
     make_snapshot,
     parse_pool,
     parse_selector,
     pod_warnings,
 )
+from extproc.datalayer.pods_file import RANK_LABEL
 from extproc.pods import Pod, PodId, PodRole
 from tests.datalayer.fake_kube import inference_pool, k8s_pod
 
 MAPPING = PodMapping()
 
 
+def with_ports(pool: dict[str, Any], *ports: int) -> dict[str, Any]:
+    pool["spec"]["targetPorts"] = [{"number": port} for port in ports]
+    return pool
+
+
 def convert(obj: dict[str, Any], mapping: PodMapping = MAPPING) -> Pod | None:
-    return make_pod(cast(K8sPod, K8sPod.from_dict(obj)), mapping, 8000)
+    """The pod's one endpoint on port 8000, None for none."""
+    pods = convert_ports(obj, (8000,), mapping)
+    assert len(pods) <= 1
+    return pods[0] if pods else None
+
+
+def convert_ports(
+    obj: dict[str, Any], ports: tuple[int, ...], mapping: PodMapping = MAPPING
+) -> tuple[Pod, ...]:
+    return make_pods(cast(K8sPod, K8sPod.from_dict(obj)), mapping, ports)
 
 
 def test_ready_pod() -> None:
@@ -143,13 +158,12 @@ def test_warnings() -> None:
 def test_snapshot_sorts_and_keeps_one_pod_per_address() -> None:
     pods = [
         convert(k8s_pod("b", "10.0.0.2")),
-        None,
         convert(k8s_pod("c", "10.0.0.1", ready=False)),
         convert(k8s_pod("d", "10.0.0.1")),  # ready: wins over c
         convert(k8s_pod("a", "10.0.0.3")),
         convert(k8s_pod("e", "10.0.0.3")),  # both ready: the first by id (a) wins
     ]
-    kept, dropped = make_snapshot(pods)
+    kept, dropped = make_snapshot(p for p in pods if p is not None)
     assert [p.id.name for p in kept] == ["a", "b", "d"]
     assert [p.id.name for p in dropped] == ["c", "e"]
 
@@ -158,12 +172,19 @@ def test_snapshot_sorts_and_keeps_one_pod_per_address() -> None:
     ("obj", "target"),
     [
         pytest.param(
-            inference_pool("p", {"b": "2", "a": "1"}, 8000), PodTarget("a=1,b=2", 8000), id="v1"
+            inference_pool("p", {"b": "2", "a": "1"}, 8000),
+            PodTarget("a=1,b=2", (8000,)),
+            id="v1",
         ),
         pytest.param(
             inference_pool("p", {"app": "x"}, 9000, v1=False),
-            PodTarget("app=x", 9000),
+            PodTarget("app=x", (9000,)),
             id="v1alpha2",
+        ),
+        pytest.param(
+            with_ports(inference_pool("p", {"app": "x"}, 0), 8001, 8000, 8002),
+            PodTarget("app=x", (8001, 8000, 8002)),
+            id="v1-ranks-in-order",
         ),
     ],
 )
@@ -190,6 +211,21 @@ def test_parse_pool(obj: dict[str, Any], target: PodTarget) -> None:
         pytest.param({"selector": {"a": "b"}, "targetPortNumber": True}, "True", id="port-bool"),
         pytest.param(
             {"selector": {"a": "b"}, "targetPorts": [{"number": 70000}]}, "70000", id="port-big"
+        ),
+        pytest.param(
+            {"selector": {"a": "b"}, "targetPorts": [{"number": 8000}, {"number": 0}]},
+            r"targetPorts\[1\]\.number\), got 0",
+            id="second-port-zero",
+        ),
+        pytest.param(
+            {"selector": {"a": "b"}, "targetPorts": [{"number": 8000}, 8001]},
+            r"targetPorts\[1\]\.number\), got None",
+            id="port-not-a-mapping",
+        ),
+        pytest.param(
+            {"selector": {"a": "b"}, "targetPorts": [{"number": 8000}, {"number": 8000}]},
+            r"targetPorts: \[8000\] listed more than once",
+            id="duplicate-port",
         ),
     ],
 )
@@ -224,3 +260,79 @@ def test_parse_selector(text: str, encoded: str) -> None:
 def test_parse_selector_errors(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_selector(text)
+
+
+def test_every_target_port_is_a_rank_of_its_own() -> None:
+    obj = k8s_pod("p0", "10.1.2.3", labels={"extproc.io/model": "m"})
+    rank0, rank1 = convert_ports(obj, (8000, 8001))
+    assert rank0 == Pod(
+        id=PodId("ns", "p0-rank-0"),
+        address="10.1.2.3:8000",
+        models=frozenset({"m"}),
+        labels=((RANK_LABEL, "0"), ("extproc.io/model", "m")),
+    )
+    assert (rank1.id.name, rank1.address, rank1.label(RANK_LABEL)) == (
+        "p0-rank-1",
+        "10.1.2.3:8001",
+        "1",
+    )
+
+
+def test_ranks_of_an_ipv6_pod_share_its_readiness() -> None:
+    pods = convert_ports(k8s_pod("p", "fd00::1", ready=False), (1, 2))
+    assert [(p.address, p.ready) for p in pods] == [("[fd00::1]:1", False), ("[fd00::1]:2", False)]
+
+
+def test_an_unroutable_pod_has_no_ranks() -> None:
+    assert convert_ports(k8s_pod("p", ip=None, ready=False), (8000, 8001)) == ()
+
+
+def test_snapshot_of_ranks_keeps_each_port() -> None:
+    ranks = convert_ports(k8s_pod("b", "10.0.0.2"), (8000, 8001))
+    solo = convert(k8s_pod("a", "10.0.0.2"))
+    assert solo is not None
+    kept, dropped = make_snapshot([*ranks, solo])
+    assert [(p.id.name, p.address) for p in kept] == [
+        ("a", "10.0.0.2:8000"),
+        ("b-rank-1", "10.0.0.2:8001"),
+    ]
+    assert [p.id.name for p in dropped] == ["b-rank-0"]
+
+
+@pytest.mark.parametrize(
+    ("annotations", "models", "adapters"),
+    [
+        pytest.param(
+            {"extproc.io/adapters": "sql-lora, org/chat-lora,,"},
+            {"base", "sql-lora", "org/chat-lora"},
+            {"sql-lora", "org/chat-lora"},
+            id="adapters",
+        ),
+        pytest.param(
+            {"extproc.io/models": "base,sql-lora", "extproc.io/adapters": "sql-lora"},
+            {"base", "sql-lora"},
+            {"sql-lora"},
+            id="adapter-also-a-model",
+        ),
+        pytest.param({}, {"base"}, set(), id="none"),
+        pytest.param({"extproc.io/adapters": ""}, {"base"}, set(), id="empty"),
+    ],
+)
+def test_adapters(annotations: dict[str, str], models: set[str], adapters: set[str]) -> None:
+    mapping = PodMapping(default_model="base")
+    pods = convert_ports(k8s_pod("p", labels={}, annotations=annotations), (8000, 8001), mapping)
+    assert [(set(p.models), set(p.adapters)) for p in pods] == [(models, adapters)] * 2
+
+
+def test_custom_adapter_annotation() -> None:
+    mapping = PodMapping(default_model="base", adapter_annotation="a/loras")
+    obj = k8s_pod("p", labels={}, annotations={"a/loras": "x", "extproc.io/adapters": "y"})
+    pod = convert(obj, mapping)
+    assert pod is not None and pod.adapters == {"x"} and pod.models == {"base", "x"}
+
+
+def test_a_pod_with_only_adapters_is_warned_about() -> None:
+    pod = convert(k8s_pod("p", annotations={"extproc.io/models": "a", "extproc.io/adapters": "a"}))
+    assert pod is not None
+    (problem,) = pod_warnings(pod, MAPPING)
+    assert "no base model: every model is a LoRA adapter (extproc.io/adapters)" in problem
