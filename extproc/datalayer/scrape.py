@@ -34,26 +34,40 @@ pod is unreachable: not ready at once), ``timeout``, ``http_status``, ``read``,
 series we read) or ``internal`` (a bug, logged with its traceback); those other than
 ``connect`` keep the pod's last metrics until they go stale. Every scrape's duration
 goes to ``extproc_scrape_duration_seconds``.
+
+LoRA adapters: with ``models_interval_s`` > 0 the same loop reads each ready pod's
+``/v1/models`` too (``adapters``), every ``models_interval_s`` (stretched by the same
+factor as the sweeps when the CPU budget stretches them), with the same time and size
+limits; the adapters found go to the store in the tick's batch. A pod's first read is
+at once; its second is at a random point of the interval, so that the reads of many
+pods spread over the ticks instead of all landing on one. A failed read keeps the last
+good list and is counted in ``extproc_models_scrape_errors_total{pod, reason}`` (the
+reasons above; ``parse``: not an OpenAI model list). A pod that refused a connection,
+to either page, is read again from the next tick on: a restarted vLLM has lost the
+adapters loaded at run time, and its new list is read with its first metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import threading
 import time
-from collections.abc import Callable
-from typing import Final
+from collections.abc import Awaitable, Callable
+from typing import Any, Final, NamedTuple, TypeVar
 from urllib.parse import urlencode
 
 import aiohttp
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
+from extproc.datalayer.adapters import MODELS_PAGE, parse_adapters
 from extproc.datalayer.engine_metrics import SAMPLE_NAMES, PageParser, PodReader
-from extproc.datalayer.store import MetricsUpdate, PodStore
+from extproc.datalayer.store import AdaptersUpdate, MetricsUpdate, PodStore
 from extproc.pods import Pod, PodId, PodMetrics
 
 log = logging.getLogger("extproc.datalayer.scrape")
+T = TypeVar("T")
 
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 MAX_PAGE_BYTES: Final = 8 << 20  # far above a real page; this only bounds a broken one
@@ -94,6 +108,12 @@ class ScrapeMetrics:
             "refused or carried none of the series extproc reads.",
             registry=registry,
         )
+        self.models_errors = Counter(
+            "extproc_models_scrape_errors",
+            "Failed reads of pods' /v1/models (their LoRA adapters), by pod and reason.",
+            ["pod", "reason"],
+            registry=registry,
+        )
 
 
 class MetricsScraper:
@@ -110,13 +130,17 @@ class MetricsScraper:
         max_page_bytes: int = MAX_PAGE_BYTES,
         registry: CollectorRegistry = REGISTRY,
         parser: PageParser | None = None,
+        models_interval_s: float = 0.0,
     ) -> None:
-        """``parser`` replaces the page parser (the benchmark passes its baseline)."""
+        """``parser`` replaces the page parser (the benchmark passes its baseline);
+        ``models_interval_s`` 0 reads no ``/v1/models`` (module doc)."""
         if interval_s <= 0 or timeout_s <= 0 or cpu_budget <= 0:
             raise ValueError(
                 "interval_s, timeout_s and cpu_budget must be > 0, got "
                 f"{interval_s}, {timeout_s}, {cpu_budget}"
             )
+        if models_interval_s < 0:
+            raise ValueError(f"models_interval_s must be >= 0, got {models_interval_s}")
         self.store = store
         self.interval_s = interval_s
         self.cpu_budget = cpu_budget
@@ -125,6 +149,7 @@ class MetricsScraper:
         self.timeout_s = timeout_s
         self.latency_hold_s = latency_hold_s
         self.max_page_bytes = max_page_bytes
+        self.models_interval_s = models_interval_s
         self.metrics = ScrapeMetrics(registry)
         self.metrics.interval.set(interval_s)
         self._parser = parser or PageParser()
@@ -132,6 +157,9 @@ class MetricsScraper:
         self._full_page: set[PodId] = set()  # pods whose filtered page failed (module doc)
         self.metrics.full_page_pods.set_function(lambda: len(self._full_page))
         self._error_labels: set[tuple[str, str]] = set()
+        self._models_error_labels: set[tuple[str, str]] = set()
+        self._models_due: dict[PodId, float] = {}  # loop time of each pod's next read
+        self._models_read: set[PodId] = set()  # pods read at least once
         self._known: tuple[Pod, ...] | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -168,40 +196,36 @@ class MetricsScraper:
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
         on_started()
-        pending: dict[PodId, asyncio.Task[MetricsUpdate]] = {}
+        in_flight = _InFlight()
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(
             connector=connector, timeout=timeout, auto_decompress=False
         ) as session:
             try:
-                await self._loop_ticks(session, pending)
+                await self._loop_ticks(session, in_flight)
             finally:
-                for task in pending.values():
+                tasks = in_flight.tasks()
+                for task in tasks:
                     task.cancel()
-                await asyncio.gather(*pending.values(), return_exceptions=True)
+                await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _loop_ticks(
-        self, session: aiohttp.ClientSession, pending: dict[PodId, asyncio.Task[MetricsUpdate]]
-    ) -> None:
+    async def _loop_ticks(self, session: aiohttp.ClientSession, in_flight: _InFlight) -> None:
         loop = asyncio.get_running_loop()
         next_tick = loop.time()
         cpu_at_tick = time.thread_time()  # this thread does nothing but scrape
         while not self._stopping.is_set():
-            self._forget_removed_pods(pending)
-            started = 0
-            for pod in self.store.base_pods:
-                if pod.ready and pod.id not in pending:
-                    pending[pod.id] = asyncio.create_task(self._scrape(session, pod))
-                    started += 1
+            self._forget_removed_pods(in_flight)
+            started = self._start_reads(session, in_flight, loop.time())
             next_tick += self.sweep_interval_s
             if next_tick <= loop.time():  # fell behind (a stalled process): skip missed ticks
                 next_tick = loop.time() + self.sweep_interval_s
-            if pending:
-                await asyncio.wait(pending.values(), timeout=next_tick - loop.time())
-            done = [pod_id for pod_id, task in pending.items() if task.done()]
+            tasks = in_flight.tasks()
+            if tasks:
+                await asyncio.wait(tasks, timeout=next_tick - loop.time())
+            metrics, adapters = in_flight.pop_done()
             try:
-                self.store.update_metrics([pending.pop(pod_id).result() for pod_id in done])
+                self.store.update_metrics(metrics, adapters)
             except Exception:  # a bug downstream (on_change) must not end the scraping
                 log.exception("publishing scraped metrics failed")
             cpu = time.thread_time()
@@ -209,6 +233,33 @@ class MetricsScraper:
                 self._fit_budget(cpu - cpu_at_tick, len(self.store.base_pods), started)
             cpu_at_tick = cpu
             await self._sleep_until(next_tick)
+
+    def _start_reads(self, session: aiohttp.ClientSession, in_flight: _InFlight, now: float) -> int:
+        """Start the scrapes and ``/v1/models`` reads due; returns how many scrapes."""
+        started = 0
+        for pod in self.store.base_pods:
+            if not pod.ready:
+                continue
+            if pod.id not in in_flight.metrics:
+                in_flight.metrics[pod.id] = asyncio.create_task(self._scrape(session, pod))
+                started += 1
+            if (
+                self.models_interval_s
+                and pod.id not in in_flight.models
+                and self._models_due.get(pod.id, now) <= now
+            ):
+                in_flight.models[pod.id] = asyncio.create_task(self._read_models(session, pod))
+                self._models_due[pod.id] = now + self._until_next_models_read(pod.id)
+        return started
+
+    def _until_next_models_read(self, pod_id: PodId) -> float:
+        """The interval, stretched as the sweeps are; after a pod's first read a random
+        part of it, which spreads the pods' reads over the ticks (module doc)."""
+        interval = self.models_interval_s * self.sweep_interval_s / self.interval_s
+        if pod_id in self._models_read:
+            return interval
+        self._models_read.add(pod_id)
+        return random.uniform(0.0, interval)
 
     def _fit_budget(self, sweep_cpu_s: float, num_pods: int, scraped: int) -> None:
         """Space sweeps so that scraping every pod costs at most ``cpu_budget`` of a core."""
@@ -240,22 +291,29 @@ class MetricsScraper:
             except TimeoutError:
                 pass
 
-    def _forget_removed_pods(self, pending: dict[PodId, asyncio.Task[MetricsUpdate]]) -> None:
-        """Drop the state (scrape, latency windows, error series) of pods that left."""
+    def _forget_removed_pods(self, in_flight: _InFlight) -> None:
+        """Drop the state (reads, latency windows, error series) of pods that left."""
         pods = self.store.base_pods
         if pods is self._known:
             return
         self._known = pods
         ids = {p.id for p in pods}
-        for pod_id in [i for i in pending if i not in ids]:
-            pending.pop(pod_id).cancel()
-        for pod_id in [i for i in self._readers if i not in ids]:
-            del self._readers[pod_id]
+        for tasks in (in_flight.metrics, in_flight.models):
+            for pod_id in [i for i in tasks if i not in ids]:
+                tasks.pop(pod_id).cancel()
+        for state in (self._readers, self._models_due):
+            for pod_id in [i for i in state if i not in ids]:
+                del state[pod_id]
         self._full_page &= ids
+        self._models_read &= ids
         names = {str(i) for i in ids}
-        for labels in [lb for lb in self._error_labels if lb[0] not in names]:
-            self._error_labels.discard(labels)
-            self.metrics.errors.remove(*labels)
+        for counter, seen in (
+            (self.metrics.errors, self._error_labels),
+            (self.metrics.models_errors, self._models_error_labels),
+        ):
+            for labels in [lb for lb in seen if lb[0] not in names]:
+                seen.discard(labels)
+                counter.remove(*labels)
 
     # -- one scrape ------------------------------------------------------------------
 
@@ -263,22 +321,30 @@ class MetricsScraper:
         """Fetch and read one pod's page; never raises."""
         started = time.perf_counter()
         try:
-            return MetricsUpdate(pod.id, await self._read(session, pod))
-        except _ScrapeError as exc:
-            return self._failed(pod, exc.reason)
-        except TimeoutError:
-            return self._failed(pod, "timeout")
-        except aiohttp.ClientConnectorError:
-            return self._failed(pod, "connect", reachable=False)
-        except aiohttp.ClientError:
-            return self._failed(pod, "read")
-        except ValueError:
-            return self._failed(pod, "parse")
-        except Exception:
-            log.exception("scraping %s (%s) failed", pod.id, pod.address)
-            return self._failed(pod, "internal")
+            outcome = await _attempt(self._read(session, pod), pod, FULL_PAGE)
         finally:
             self.metrics.duration.observe(time.perf_counter() - started)
+        if isinstance(outcome, _Failed):
+            self._count_error(self.metrics.errors, self._error_labels, pod, outcome.reason)
+            if outcome.reason == "connect":  # it may be restarting: its adapters change
+                self._models_due.pop(pod.id, None)
+            return MetricsUpdate(pod.id, None, reachable=outcome.reason != "connect")
+        return MetricsUpdate(pod.id, outcome)
+
+    async def _read_models(self, session: aiohttp.ClientSession, pod: Pod) -> AdaptersUpdate | None:
+        """The adapters on the pod's ``/v1/models``; ``None`` when the read failed."""
+        outcome = await _attempt(self._adapters_page(session, pod), pod, MODELS_PAGE)
+        if not isinstance(outcome, _Failed):
+            return AdaptersUpdate(pod.id, outcome)
+        if outcome.reason == "connect":
+            self._models_due.pop(pod.id, None)  # read again at the next tick
+        self._count_error(
+            self.metrics.models_errors, self._models_error_labels, pod, outcome.reason
+        )
+        return None
+
+    async def _adapters_page(self, session: aiohttp.ClientSession, pod: Pod) -> frozenset[str]:
+        return parse_adapters(await self._fetch(session, pod, MODELS_PAGE), pod.models)
 
     async def _read(self, session: aiohttp.ClientSession, pod: Pod) -> PodMetrics:
         """The pod's metrics from its filtered page, or from its full page (module doc)."""
@@ -333,12 +399,58 @@ class MetricsScraper:
     def _reader(self, pod: Pod) -> PodReader:
         reader = self._readers.get(pod.id)
         if reader is None or reader.models != pod.models:
-            reader = self._readers[pod.id] = PodReader(pod.models, self.latency_hold_s)
+            reader = self._readers[pod.id] = PodReader(
+                pod.models, self.latency_hold_s, pod=str(pod.id)
+            )
         return reader
 
-    def _failed(self, pod: Pod, reason: str, *, reachable: bool = True) -> MetricsUpdate:
+    @staticmethod
+    def _count_error(counter: Counter, seen: set[tuple[str, str]], pod: Pod, reason: str) -> None:
         labels = (str(pod.id), reason)
-        self._error_labels.add(labels)
-        self.metrics.errors.labels(*labels).inc()
-        log.debug("scrape of %s (%s) failed: %s", pod.id, pod.address, reason)
-        return MetricsUpdate(pod.id, None, reachable)
+        seen.add(labels)
+        counter.labels(*labels).inc()
+        log.debug("a read of %s (%s) failed: %s", pod.id, pod.address, reason)
+
+
+class _InFlight:
+    """The reads in progress, each pod's scrape and ``/v1/models`` read."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[PodId, asyncio.Task[MetricsUpdate]] = {}
+        self.models: dict[PodId, asyncio.Task[AdaptersUpdate | None]] = {}
+
+    def tasks(self) -> list[asyncio.Task[Any]]:
+        return [*self.metrics.values(), *self.models.values()]
+
+    def pop_done(self) -> tuple[list[MetricsUpdate], list[AdaptersUpdate]]:
+        """The outcomes that arrived (failed ``/v1/models`` reads send nothing)."""
+        metrics = [self.metrics.pop(i).result() for i in _done(self.metrics)]
+        models = [self.models.pop(i).result() for i in _done(self.models)]
+        return metrics, [update for update in models if update is not None]
+
+
+def _done(tasks: dict[PodId, asyncio.Task[Any]]) -> list[PodId]:
+    return [pod_id for pod_id, task in tasks.items() if task.done()]
+
+
+class _Failed(NamedTuple):
+    reason: str  # the reason label (module doc)
+
+
+async def _attempt(read: Awaitable[T], pod: Pod, page: str) -> T | _Failed:
+    """``read``'s value, or why it failed; logs the traceback of a bug."""
+    try:
+        return await read
+    except _ScrapeError as exc:
+        return _Failed(exc.reason)
+    except TimeoutError:
+        return _Failed("timeout")
+    except aiohttp.ClientConnectorError:
+        return _Failed("connect")
+    except aiohttp.ClientError:
+        return _Failed("read")
+    except ValueError:
+        return _Failed("parse")
+    except Exception:
+        log.exception("reading %s of %s (%s) failed", page, pod.id, pod.address)
+        return _Failed("internal")

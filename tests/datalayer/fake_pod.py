@@ -8,11 +8,14 @@ the same port again. Like vLLM, ``/metrics/?name[]=N`` answers only the samples 
 (404), as on an engine that serves its page only at ``/metrics``. ``paths`` lists the
 paths with query asked for. ``page_at_next_scrape(P)`` serves ``P`` from the next
 ``/metrics/`` request on: a scrape starts there, so no scrape reads two pages.
+``/v1/models`` answers ``models_page`` with status ``models_status`` (vLLM's OpenAI
+model list: ``models_list`` writes one).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from typing import Literal
 
@@ -30,6 +33,8 @@ class FakePod:
         self.delay_s = delay_s
         self.num_requests = 0
         self._next_page: str | None = None
+        self.models_page = models_list()
+        self.models_status = 200
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -66,6 +71,7 @@ class FakePod:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/metrics/", self._metrics)
+        app.router.add_get("/v1/models", self._models)
         self._runner = web.AppRunner(app, shutdown_timeout=0.1)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
@@ -98,6 +104,21 @@ class FakePod:
         wanted = set(names)
         lines = [line for line in self.page.splitlines() if _sample_name(line) in wanted]
         return web.Response(text="".join(f"{line}\n" for line in lines))
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self.paths.append(request.path_qs)
+        return web.Response(
+            text=self.models_page, status=self.models_status, content_type="application/json"
+        )
+
+
+def models_list(*entries: tuple[str, str | None]) -> str:
+    """vLLM's ``/v1/models`` body listing ``(id, parent)`` entries."""
+    data = [
+        {"id": i, "object": "model", "owned_by": "vllm", "root": f"/m/{i}", "parent": parent}
+        for i, parent in entries
+    ]
+    return json.dumps({"object": "list", "data": data})
 
 
 def _sample_name(line: str) -> str:
