@@ -2,17 +2,19 @@
 content (polled every ``--config-poll-s``; a Kubernetes ConfigMap volume swaps a symlink,
 so the content is compared, through the link) and on SIGHUP (``reload_now``).
 
-A new file is validated completely first: parsed, its flowControl section parsed, and a
-scheduler built from it on a scratch registry. Then the scheduler is built again on the
+A new file is validated completely first: parsed, its flowControl and modelRewrites
+sections parsed (a rewrite's target must be served by a known pod), and a scheduler
+built from it on a scratch registry. Then the scheduler is built again on the
 live registry, each plugin taking over the state of the plugin of its type in force
 (``Reloadable.adopt``: the prefix views, the arriving prompts, precise-prefix-cache's
 KV-event view; the router's in-flight counters, pending records and session bindings are
 the router's and are handed to it), and swapped in between two requests
-(``Router.set_scheduler``).
+(``Router.set_scheduler``), with the new rewrite rules (``Router.set_rewrites``).
 
 Refused, the configuration in force staying (one log line naming the file):
 
-* ``invalid``: the file cannot be read or parsed, a plugin's arguments are bad;
+* ``invalid``: the file cannot be read or parsed, a plugin's arguments are bad, a rewrite
+  rule is malformed or names a target no known pod serves;
 * ``refused``: it changes what only a restart can: the flowControl section (the flow
   controller holds the requests queued under the old one), or adds or removes
   precise-prefix-cache (its KV-event subscriber is made at start-up).
@@ -40,6 +42,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from extproc.errors import ConfigError
 from extproc.routing.flow.config import parse_flow_control
+from extproc.routing.rewrites import check_targets, parse_model_rewrites
 from extproc.routing.router import Router
 from extproc.scheduling.config import (
     SchedulerConfig,
@@ -193,6 +196,8 @@ class ConfigReloader:
         try:
             config = parse_config(text, source)
             self._check(config)
+            rewrites = parse_model_rewrites(config.model_rewrites, config.source)
+            check_targets(rewrites, self.router.pods)
             # Validated completely on a scratch registry before the live one is touched.
             build_scheduler(config, CollectorRegistry(auto_describe=True))
         except Refused as exc:
@@ -206,6 +211,7 @@ class ConfigReloader:
         except (ConfigError, ValueError, TypeError, OSError) as exc:  # the live registry's
             return self._refuse("invalid", source, str(exc), digest, True)
         self.router.set_scheduler(new)
+        self.router.set_rewrites(rewrites)
         self.config, self.digest, self._seen = config, digest, digest
         self.metrics.count("applied", True)
         self.metrics.in_force(digest, source)

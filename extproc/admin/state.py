@@ -28,8 +28,9 @@ shows at once), never on the request path, and change nothing.
     }
 
 ``config_state`` answers the configuration in the YAML's own names, every plugin's
-arguments with their defaults filled in (``scheduler.pluginConfig``), and the
-``flowControl`` section likewise.
+arguments with their defaults filled in (``scheduler.pluginConfig``), the
+``flowControl`` section likewise, and ``modelRewrites``: the rules in force, the file's
+and the watched InferenceModelRewrites' (each with ``from``: where it is written).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from extproc.datalayer.kv_events import KvEventsSubscriber
 from extproc.datalayer.store import PodStore
 from extproc.pods import Pod, PodId
 from extproc.routing.flow.config import FlowConfig
+from extproc.routing.rewrites import RewriteRule
 from extproc.routing.router import Router
 from extproc.scheduling.config import plugins_of
 from extproc.scheduling.interfaces import ViewInspector
@@ -156,6 +158,7 @@ def config_state(router: Router, config_source: str) -> dict[str, Any]:
         }
     flow = router.flow.config if router.flow is not None else FlowConfig(enabled=False)
     out["flowControl"] = flow_section(flow)
+    out["modelRewrites"] = [rewrite_rule(rule) for rule in router.rewrites.rules]
     out["sessions"] = {"sticky": scheduler.sessions is not None}
     return out
 
@@ -170,6 +173,15 @@ def plugin_args(plugin: Any) -> dict[str, Any]:
     if isinstance(plugin, PrecisePrefixCache):
         out["models"] = sorted(plugin.tokenizers)
     return out
+
+
+def rewrite_rule(rule: RewriteRule) -> dict[str, Any]:
+    """A rewrite rule in the YAML's keys (``routing.rewrites``), and where it is written."""
+    return {
+        "matches": [{"model": {"type": "Exact", "value": m}} for m in rule.models],
+        "targets": [{"modelRewrite": t.model, "weight": t.weight} for t in rule.targets],
+        "from": rule.where,
+    }
 
 
 def flow_section(flow: FlowConfig) -> dict[str, Any]:

@@ -29,6 +29,11 @@ from extproc.admin.server import AdminServer, start_admin
 from extproc.admin.status_page import add_status_page
 from extproc.admin.tracing import Tracing, check_tracing_args, start_tracing
 from extproc.datalayer.kv_events import KvEventsSubscriber, settings_from_args
+from extproc.datalayer.model_rewrites import (
+    ModelRewriteWatcher,
+    WatchedRewrite,
+    make_rewrites_watcher,
+)
 from extproc.datalayer.objectives import InferenceObjectiveWatcher
 from extproc.datalayer.scrape import MetricsScraper
 from extproc.datalayer.sources import (
@@ -47,6 +52,7 @@ from extproc.request.render import Rendering
 from extproc.routing.flow.config import FlowConfig, parse_flow_control
 from extproc.routing.outcome_metrics import OutcomeMetrics
 from extproc.routing.preparing import PreparePool
+from extproc.routing.rewrites import WatchedRules, check_targets, parse_model_rewrites
 from extproc.routing.router import Router
 from extproc.routing.sharing import RedisSharing
 from extproc.scheduling.config import build_scheduler, config_text, parse_config
@@ -87,6 +93,7 @@ class Running:
     sharing: RedisSharing | None = None
     kv_events: KvEventsSubscriber | None = None
     objectives: InferenceObjectiveWatcher | None = None
+    rewrites: ModelRewriteWatcher | None = None
     tracing: Tracing | None = None
     reloader: ConfigReloader | None = None
     admin: AdminServer | None = None
@@ -98,6 +105,8 @@ class Running:
         self.watcher.stop()
         if self.objectives is not None:
             self.objectives.stop()
+        if self.rewrites is not None:
+            self.rewrites.stop()
         if self.kv_events is not None:
             self.kv_events.stop()
         if self.scraper is not None:
@@ -212,6 +221,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         parse_flow_control(config.flow_control, config.source), scraped=args.stale_after_s > 0
     )
     _check_hold_fits_envoy(flow)
+    rewrites = parse_model_rewrites(config.model_rewrites, config.source)
     sharing = None
     if args.redis_url:
         try:
@@ -235,6 +245,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         preparing=PreparePool(args.prepare_threads, args.prepare_queue),
         share=sharing.publish if sharing is not None else None,
         flow=flow,
+        rewrites=rewrites,
     )
     if args.request_metrics == "on":
         router.observers.append(OutcomeMetrics(registry))  # per-request outcomes
@@ -256,9 +267,27 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
     store = PodStore(publish, stale_after_s=args.stale_after_s if scraping else None)
     watcher = make_pods_source(args, store.set_pods)
     store.set_pods(watcher.pods)
+    # A rule's target no known pod serves is refused; with no pod known yet (a Kubernetes
+    # source lists when started, below), it is answered 404 per request.
+    known_at_load = bool(router.pods)
+    check_targets(rewrites, router.pods)
     objectives = None
     if router.flow is not None:
         objectives = make_objectives_watcher(args, router.flow.objectives.set_watched)
+
+    watched_rules = WatchedRules()
+
+    def watched_rewrites(objects: tuple[WatchedRewrite, ...]) -> None:
+        """The InferenceModelRewrites' rules, in force at once; a target no pod serves is
+        said (its requests are answered 404), as an object cannot be refused."""
+        rules = watched_rules.parse(objects)
+        try:
+            check_targets(rules, router.pods)
+        except ConfigError as exc:
+            log.warning("%s; its requests are answered 404", exc)
+        router.set_watched_rewrites(rules)
+
+    rewrite_watcher = make_rewrites_watcher(args, watched_rewrites)
     scraper = None
     if scraping:
         scraper = MetricsScraper(
@@ -294,8 +323,12 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
     grpc_server.start()
     health_server.start()
     watcher.start()
+    if not known_at_load:  # a Kubernetes source has listed them now
+        check_targets(rewrites, router.pods)
     if objectives is not None:
         objectives.start()
+    if rewrite_watcher is not None:
+        rewrite_watcher.start()
     if scraper is not None:
         scraper.start()
     if sharing is not None:
@@ -332,6 +365,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         sharing,
         kv_events,
         objectives,
+        rewrite_watcher,
         tracing,
         reloader=reloader,
         admin=admin,

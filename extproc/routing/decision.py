@@ -15,6 +15,7 @@ class RouteDecision(NamedTuple):
     pods: tuple[Pod, ...]  # best first: the pick, then the fallbacks
     prefill: Pod | None = None  # with prefill/decode disaggregation
     record: Record | None = None  # with ``carry_records``: what recording it needs
+    body: bytes | None = None  # a model rewrite's body, sent instead of the client's
 
     @property
     def destination(self) -> str:

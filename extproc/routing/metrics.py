@@ -6,6 +6,8 @@ as plain numbers behind collectors (``extproc.plain_metrics``).
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from extproc.plain_metrics import ModelCounter, PlainHistogram
@@ -86,6 +88,14 @@ class RouterMetrics:
             "runs on the preparing threads (at most --prepare-queue).",
             registry=registry,
         )
+        self.rewrites = Counter(
+            "extproc_model_rewrites",
+            "Requests whose model a rewrite rule matched, by the model asked and the "
+            "target chosen (the target may be the model itself: not rewritten).",
+            ["model", "target"],
+            registry=registry,
+        )
+        self._rewrites: dict[tuple[str, str], Any] = {}
         # Children looked up once: ``labels()`` costs microseconds on every request.
         self.outcome = {
             o: self.completions.labels(o)
@@ -101,3 +111,9 @@ class RouterMetrics:
 
     def decided(self, model: str) -> None:
         self.decisions.inc(model)
+
+    def rewritten(self, model: str, target: str) -> None:
+        child = self._rewrites.get((model, target))
+        if child is None:
+            child = self._rewrites[model, target] = self.rewrites.labels(model, target)
+        child.inc()

@@ -35,13 +35,14 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any
+from dataclasses import replace
+from typing import Any, NamedTuple
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from extproc.errors import ExtProcError, NoReadyPods
+from extproc.errors import ExtProcError, ModelNotFound, NoReadyPods
 from extproc.pods import Pod, PodId
-from extproc.request.parse import DEFAULT_MAX_BODY_BYTES, parse_request
+from extproc.request.parse import DEFAULT_MAX_BODY_BYTES, InferenceRequest, parse_request
 from extproc.request.render import Rendering
 from extproc.routing.decision import RouteDecision
 from extproc.routing.flow.config import FlowConfig
@@ -63,6 +64,7 @@ from extproc.routing.pending import (
 )
 from extproc.routing.preparing import PreparePool
 from extproc.routing.records import Carried, Record, Shared, Started
+from extproc.routing.rewrites import RewriteRule, merged, rewritten_body
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.interfaces import Cycle
 from extproc.scheduling.scheduler import Scheduler
@@ -70,6 +72,15 @@ from extproc.scheduling.scheduler import Scheduler
 log = logging.getLogger("extproc.routing")
 
 RECENT_ENDS = 10_000  # ids of the latest ends, so a pick heard after its end is dropped
+
+
+class Rewritten(NamedTuple):
+    """A request whose model a rewrite rule changed: what it asked, by which rule, and
+    the body to send instead."""
+
+    model: str
+    rule: RewriteRule
+    body: bytes
 
 
 class Router:
@@ -93,11 +104,13 @@ class Router:
         preparing: PreparePool | None = None,
         share: Callable[[Shared | Started], object] | None = None,
         flow: FlowConfig | None = None,
+        rewrites: Sequence[RewriteRule] = (),
     ) -> None:
         """``max_pending`` and ``pending_ttl_s`` bound the routed requests awaiting their
         end (``PendingRecords``); ``share``, when replicas share their view, is told of
         every pick and end (``RedisSharing.publish``); ``flow``: flow control's settings
-        (``routing.flow``; None or disabled: no request is held)."""
+        (``routing.flow``; None or disabled: no request is held); ``rewrites``: the
+        configuration's model rewrite rules (``routing.rewrites``)."""
         if num_fallbacks < 0:
             raise ValueError(f"num_fallbacks must be >= 0, got {num_fallbacks}")
         self.scheduler = scheduler
@@ -123,6 +136,9 @@ class Router:
             else None
         )
         self.observers: list[RouteObserver] = []  # told of each decision and end
+        self._file_rewrites = tuple(rewrites)
+        self._watched_rewrites: tuple[RewriteRule, ...] = ()
+        self.rewrites = merged(self._file_rewrites, ())  # rebound whole: read lock-free
         self.pods: tuple[Pod, ...] = ()
         self._pod_ids: frozenset[PodId] = frozenset()
         self.set_pods(pods)
@@ -134,6 +150,17 @@ class Router:
         scheduler.pods_changed(self.pods)
         self.geometries = scheduler.block_geometries
         self.scheduler = scheduler
+
+    def set_rewrites(self, rules: Sequence[RewriteRule]) -> None:
+        """The configuration's rewrite rules, from the next request on (a reload)."""
+        self._file_rewrites = tuple(rules)
+        self.rewrites = merged(self._file_rewrites, self._watched_rewrites)
+
+    def set_watched_rewrites(self, rules: Sequence[RewriteRule]) -> None:
+        """The watched ``InferenceModelRewrite`` objects' rules, oldest object first (the
+        file's rule for a model wins over theirs)."""
+        self._watched_rewrites = tuple(rules)
+        self.rewrites = merged(self._file_rewrites, self._watched_rewrites)
 
     def set_pods(self, pods: Sequence[Pod]) -> None:
         """Publish a new pod snapshot (rebinding: the request path reads it lock-free)."""
@@ -167,9 +194,9 @@ class Router:
             ExtProcError: the error to answer instead (400, 404, 413, 429, 503).
         """
         started = time.perf_counter()
-        cycle, pods = self._begin(path, body, headers, subset)
+        cycle, pods, rewritten = self._begin(path, body, headers, subset)
         arrival = _Arrival(started, headers) if self.observers else None
-        return self._decide(cycle, pods, request_id, started, arrival)
+        return self._decide(cycle, pods, request_id, started, arrival, rewritten)
 
     def route_or_defer(
         self,
@@ -191,7 +218,7 @@ class Router:
         ``Overloaded`` (429) when refused; a sheddable one raises ``Overloaded`` at once.
         """
         started = time.perf_counter()
-        cycle, pods = self._begin(path, body, headers, subset)
+        cycle, pods, rewritten = self._begin(path, body, headers, subset)
         arrival = _Arrival(started, headers) if self.observers else None
         if self.flow is not None:
             request = cycle.request
@@ -202,7 +229,7 @@ class Router:
                 if arrival is not None:
                     arrival.queued_s = now - started
                 pods = flow.with_room(self._candidates(subset))
-                return self._prepare_and_decide(cycle, pods, request_id, now, arrival)
+                return self._prepare_and_decide(cycle, pods, request_id, now, arrival, rewritten)
 
             held = flow.admit(
                 request.model,
@@ -214,7 +241,7 @@ class Router:
             if held is not None:
                 return held
             pods = flow.candidates(request.model, pods)
-        return self._prepare_and_decide(cycle, pods, request_id, started, arrival)
+        return self._prepare_and_decide(cycle, pods, request_id, started, arrival, rewritten)
 
     def _prepare_and_decide(
         self,
@@ -223,6 +250,7 @@ class Router:
         request_id: str | None,
         started: float,
         arrival: _Arrival | None,
+        rewritten: Rewritten | None,
     ) -> RouteDecision | Future[RouteDecision]:
         """Prepare the cycle on the preparing threads if it needs it, then decide."""
         work = self.scheduler.prepare(cycle)
@@ -235,14 +263,14 @@ class Router:
                     work.skip()
                 if arrival is not None:
                     arrival.preparing_s = time.perf_counter() - submitted
-                return self._decide(cycle, pods, request_id, started, arrival)
+                return self._decide(cycle, pods, request_id, started, arrival, rewritten)
 
             submitted = time.perf_counter()
             future = self.preparing.submit(prepared)
             if future is not None:
                 return future
             work.skip()
-        return self._decide(cycle, pods, request_id, started, arrival)
+        return self._decide(cycle, pods, request_id, started, arrival, rewritten)
 
     def _begin(
         self,
@@ -250,8 +278,9 @@ class Router:
         body: bytes,
         headers: Mapping[str, str] | None,
         subset: Sequence[str] | None,
-    ) -> tuple[Cycle, Sequence[Pod]]:
-        """The request parsed into its cycle, and the pods it may go to."""
+    ) -> tuple[Cycle, Sequence[Pod], Rewritten | None]:
+        """The request parsed (its model rewritten if a rule matches) into its cycle, the
+        pods it may go to, and the rewrite."""
         try:
             request = parse_request(
                 path,
@@ -265,7 +294,26 @@ class Router:
         except ExtProcError as exc:
             self._count_error(exc)
             raise
-        return Cycle(request), pods
+        rewritten = None
+        if self.rewrites.by_model or self.rewrites.any_model:
+            request, rewritten = self._rewrite(request, body)
+        return Cycle(request), pods, rewritten
+
+    def _rewrite(
+        self, request: InferenceRequest, body: bytes
+    ) -> tuple[InferenceRequest, Rewritten | None]:
+        """The request for its rule's target (chosen by the session key, if any) and the
+        body that says so; unchanged when no rule matches or the target is its model."""
+        rule = self.rewrites.rule_for(request.model)
+        if rule is None:
+            return request, None
+        target = rule.choose(request.session_key)
+        self.metrics.rewritten(request.model, target)
+        if target == request.model or request.data is None:
+            return request, None
+        data = {**request.data, "model": target}
+        rewritten = Rewritten(request.model, rule, rewritten_body(body, request.data, target))
+        return replace(request, model=target, data=data), rewritten
 
     def _candidates(self, subset: Sequence[str] | None) -> Sequence[Pod]:
         """The pods a request may go to: all, or those of the gateway's subset hint.
@@ -294,11 +342,16 @@ class Router:
         request_id: str | None,
         started: float,
         arrival: _Arrival | None = None,
+        rewritten: Rewritten | None = None,
     ) -> RouteDecision:
         """Schedule the cycle and track the request from its pick to its end; the
         observers are told (``arrival``: given when there are observers)."""
         try:
             schedule = self.scheduler.schedule_request(cycle, pods)
+        except ModelNotFound as exc:
+            error = exc if rewritten is None else _target_not_found(rewritten, cycle)
+            self._count_error(error)
+            raise error from None
         except ExtProcError as exc:
             self._count_error(exc)
             raise
@@ -359,7 +412,7 @@ class Router:
                     pick_tokens,
                 ),
             )
-        return RouteDecision(chosen, prefill, record)
+        return RouteDecision(chosen, prefill, record, rewritten.body if rewritten else None)
 
     def close(self, timeout_s: float) -> bool:
         """The drain: requests held by flow control are routed now; requests still
@@ -606,6 +659,13 @@ class _Arrival:
             max(0, prompt - pick_tokens),
             cycle.token_ids is not None,
         )
+
+
+def _target_not_found(rewritten: Rewritten, cycle: Cycle) -> ModelNotFound:
+    return ModelNotFound(
+        f"the model {rewritten.model!r} is rewritten to {cycle.request.model!r} "
+        f"({rewritten.rule.where}), which no pod serves"
+    )
 
 
 def _estimated_tokens(prompt: str, data: Mapping[str, Any] | None) -> int:

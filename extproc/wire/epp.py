@@ -51,6 +51,8 @@ from extproc.wire.ext_proc import (
     internal_error_response,
     process_method,
     route_metadata,
+    set_body,
+    set_content_length,
     subset_hint,
     trace_context,
 )
@@ -206,6 +208,9 @@ class GatewayHandler:
             decision.destination, decision.prefill.address if decision.prefill else None
         )
         if exchange.full_duplex:
+            body = bytes(exchange.body) if decision.body is None else decision.body
+            if decision.body is not None:  # a model rewrite: the length of its body
+                set_content_length(common, len(body))
             yield ep.ProcessingResponse(
                 request_headers=ep.HeadersResponse(response=common), dynamic_metadata=metadata
             )
@@ -213,14 +218,14 @@ class GatewayHandler:
                 request_body=ep.BodyResponse(
                     response=ep.CommonResponse(
                         body_mutation=ep.BodyMutation(
-                            streamed_response=ep.StreamedBodyResponse(
-                                body=bytes(exchange.body), end_of_stream=True
-                            )
+                            streamed_response=ep.StreamedBodyResponse(body=body, end_of_stream=True)
                         )
                     )
                 )
             )
         else:
+            if decision.body is not None:  # a model rewrite: its body, and that body's length
+                set_body(common, decision.body)
             yield ep.ProcessingResponse(
                 request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata
             )

@@ -132,6 +132,24 @@ def route_response(destination: str, prefill: str | None = None) -> ep.Processin
     return reply
 
 
+def set_body(common: ep.CommonResponse, body: bytes) -> None:
+    """Send ``body`` (a model rewrite's) instead of the client's, with its length: Envoy
+    (since 1.29) leaves a buffered body's content-length to the processor, and an upstream
+    told the old length would cut or wait for the body."""
+    common.body_mutation.body = body
+    set_content_length(common, len(body))
+
+
+def set_content_length(common: ep.CommonResponse, length: int) -> None:
+    """The request's content-length set to ``length`` (a body of another length sent)."""
+    common.header_mutation.set_headers.append(
+        base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key="content-length", raw_value=str(length).encode()),
+            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+        )
+    )
+
+
 def _fill_route_metadata(
     metadata: struct_pb2.Struct, destination: str, prefill: str | None
 ) -> None:

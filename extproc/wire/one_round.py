@@ -39,6 +39,7 @@ from extproc.wire.ext_proc import (
     internal_error_response,
     process_method,
     route_response,
+    set_body,
     subset_hint,
     trace_context,
 )
@@ -143,10 +144,15 @@ class RouteHandler:
             decision = decide()
             destination = decision.destination
             prefill = decision.prefill.address if decision.prefill else None
-            reply = self._replies.get(
-                (destination, prefill),
-                lambda: route_response(destination, prefill).SerializeToString(),
-            )
+            if decision.body is None:
+                reply = self._replies.get(
+                    (destination, prefill),
+                    lambda: route_response(destination, prefill).SerializeToString(),
+                )
+            else:  # a model rewrite: the body changes too, a reply of its own
+                response = route_response(destination, prefill)
+                set_body(response.request_body.response, decision.body)
+                reply = response.SerializeToString()
             if decision.record is not None:
                 reply += record_reply(decision, decision.record, self.router.replica_id)
             return reply, request_id or None
