@@ -13,6 +13,9 @@ the service account's namespace), ``--kubeconfig``/``--kube-context`` (see
 ``--inference-pool-api``, and ``--inference-objective-api`` (with an InferencePool, its
 InferenceObjectives' priorities for flow control: ``objectives``). Every flag also reads ``EXTPROC_<FLAG>`` through the
 caller's ``env`` helper.
+
+``--models-interval-s``: how often the scraper reads each pod's ``/v1/models`` for the
+LoRA adapters it serves beyond those its source names (``adapters``); 0 reads none.
 """
 
 from __future__ import annotations
@@ -141,6 +144,18 @@ def add_source_arguments(p: argparse.ArgumentParser, env: Callable[[str, Any], A
         type=float,
         default=env("k8s-start-timeout-s", "10.0"),
         help="how long start-up waits for the first list of pods (default: %(default)s s)",
+    )
+    g = p.add_argument_group(
+        "LoRA adapters", "each pod's /v1/models: the adapters loaded beyond its source's"
+    )
+    g.add_argument(
+        "--models-interval-s",
+        type=float,
+        default=env("models-interval-s", "2.0"),
+        help="how often each pod's /v1/models is read, with its /metrics, for the LoRA "
+        "adapters it serves (those whose parent is one of its models, loaded at start or "
+        "by /v1/load_lora_adapter); 0: only the adapters the pods file or Kubernetes "
+        "names (default: %(default)s s)",
     )
 
 
