@@ -7,6 +7,7 @@
     api.py        OpenAI request parsing and response / stream shapes, as vLLM serves them
     metrics.py    one Prometheus registry per pod with vLLM's metric names
     kv_events.py  vLLM's KV-cache event wire format over ZMQ
+    lora.py       LoRA adapters: the registry of served adapters, the GPU slots, --lora-modules
     faults.py     injected failures: errors, refused connections, cut streams, delay
     pods.py       N pods on N ports of 127.0.0.1 (aiohttp) plus an admin port
     pods_cli.py   ``extproc sim-pods``

@@ -42,7 +42,8 @@ a tool call ends when it is written, unless the limit comes first.
 Fields follow vLLM 0.32's non-null fields (``e2e/real_vllm/test_sim_parity.py`` checks).
 
 Errors have vLLM's body ``{"error": {"message", "type", "param", "code"}}`` with ``code``
-the HTTP status: 400 ``BadRequestError``, 404 ``NotFoundError`` for an unknown model; a
+the HTTP status: 400 ``BadRequestError``, 404 ``NotFoundError`` for a model that is
+neither the served one nor one of its LoRA adapters (``lora.py``); a
 body that does not fit vLLM's request model (a tool that is not an object, a function
 without a name) is a 400 of type ``"Bad Request"``, as vLLM's validation answers it.
 """
@@ -52,7 +53,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from http import HTTPStatus
 from typing import Any, Literal
@@ -178,9 +179,11 @@ def parse_request(
     served_model: str,
     default_max_tokens: int,
     tokenizer: SegmentTokenizer | None = None,
+    adapters: Collection[str] = (),
 ) -> GenerationRequest:
     """Validate a request body as vLLM would and render its prompt to tokens (with
-    ``tokenizer`` if given, else the pseudo-tokenizer).
+    ``tokenizer`` if given, else the pseudo-tokenizer). ``model`` may name one of
+    ``adapters`` (the pod's LoRA adapters).
 
     Raises:
         ApiError: 400 for a malformed body, 404 for a model this pod does not serve.
@@ -190,8 +193,10 @@ def parse_request(
     model = body.get("model", served_model)
     if not isinstance(model, str):
         raise ApiError(400, "model must be a string", "model")
-    if model != served_model:
-        raise ApiError(404, f"The model `{model}` does not exist.", "model")
+    if model != served_model and model not in adapters:
+        raise ApiError(
+            404, f"The model `{model}` does not exist. Valid aliases: {served_model}.", "model"
+        )
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be a boolean", "stream")
@@ -249,6 +254,45 @@ def parse_request(
         kind, model, tuple(tokens), max_tokens, salt, seed, stream, include_usage,
         call, tools, tool_choice,
     )  # fmt: skip
+
+
+def parse_lora_load(body: Any) -> tuple[str, str, bool]:
+    """``/v1/load_lora_adapter``'s body as vLLM's ``LoadLoRAAdapterRequest`` takes it:
+    ``(lora_name, lora_path, load_inplace)``.
+
+    Raises:
+        ApiError: 400, pydantic's wording, for a missing or mistyped field.
+    """
+    fields = _object_body(body)
+    name, path = (_string_field(fields, key) for key in ("lora_name", "lora_path"))
+    inplace = fields.get("load_inplace", False)
+    if not isinstance(inplace, bool):
+        raise _malformed("bool_type", "body.load_inplace", "Input should be a valid boolean")
+    return name, path, inplace
+
+
+def parse_lora_unload(body: Any) -> str:
+    """``/v1/unload_lora_adapter``'s body (``UnloadLoRAAdapterRequest``): the name.
+
+    Raises:
+        ApiError: 400, pydantic's wording, for a missing or mistyped ``lora_name``.
+    """
+    return _string_field(_object_body(body), "lora_name")
+
+
+def _object_body(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise _malformed("model_attributes_type", "body", _NOT_AN_OBJECT)
+    return body
+
+
+def _string_field(body: dict[str, Any], key: str) -> str:
+    if key not in body:
+        raise _malformed("missing", f"body.{key}", "Field required")
+    value = body[key]
+    if not isinstance(value, str):
+        raise _malformed("string_type", f"body.{key}", "Input should be a valid string")
+    return value
 
 
 def _exact_tokens(tokenizer: SegmentTokenizer, api: Api, body: dict[str, Any]) -> list[int]:

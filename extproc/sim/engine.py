@@ -40,6 +40,16 @@ token. A request that could never fit (more blocks than the pool's usable ones f
 ``prompt + max_tokens - 1`` tokens, or longer than ``max_model_len``) is rejected by
 ``add_request``.
 
+LoRA (``enable_lora``, ``lora.py``), as vLLM's scheduler and worker: a step holds
+requests of at most ``max_loras`` distinct adapters; a waiting request whose adapter
+would exceed that is skipped (it keeps its place at the front of the queue, and
+requests behind it may be admitted). Before computing, the step brings its adapters
+into the GPU slots (``AdapterSlots``: one evicted is the least recently used of those
+the step does not need); each adapter loaded makes the step ``lora_load_ms`` longer,
+for every request in it, as vLLM loads adapters before the forward pass. An adapter's
+blocks are hashed with its name and path (``kv_cache.py``). ``lora_request_states``
+names the adapters as vLLM 0.32's ``vllm:lora_requests_info`` does.
+
 Not modelled: async scheduling (vLLM's default, which schedules the next step while one
 runs, so what a step frees or samples reaches the scheduler a step later), spec
 decoding, ``long_prefill_token_threshold``, the priority policy.
@@ -64,6 +74,7 @@ from extproc.sim.kv_cache import (
     TokenBlockHash,
     extend_block_hashes,
 )
+from extproc.sim.lora import AdapterSlots, LoraRequest
 from extproc.sim.timing import DEFAULT_PROFILE, StepWork, TimingProfile, timing_profile
 from extproc.sim.tokenizer import generate_words, word_token
 
@@ -104,6 +115,16 @@ class EngineConfig:
     )
     enable_kv_cache_events: bool = field(
         default=False, metadata={"help": "record BlockStored/BlockRemoved events"}
+    )
+    enable_lora: bool = field(default=False, metadata={"help": "serve LoRA adapters (lora.py)"})
+    max_loras: int = field(
+        default=1, metadata={"help": "GPU slots: most distinct LoRA adapters in one step"}
+    )
+    # 50 ms: a rank-16 adapter of an 8B model is ~80 MB of bf16 safetensors, read at
+    # ~2 GB/s from a local disk's page cache, then copied into the GPU slot.
+    lora_load_ms: float = field(
+        default=50.0,
+        metadata={"help": "sim only: a step bringing an adapter into a slot lasts this longer"},
     )
 
     def __post_init__(self) -> None:
@@ -155,6 +176,7 @@ class SimRequest:
     # The answer's tokens as text, one ``word_token`` each, instead of generated words (a
     # tool call); as many as max_tokens.
     output_words: tuple[str, ...] | None = None
+    lora: LoraRequest | None = None  # the adapter it runs with; None: the base model
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +227,7 @@ class StepResult:
     finished: tuple[FinishedRequest, ...]
     scheduled: tuple[tuple[str, int], ...] = ()  # (request_id, tokens computed), in order
     preempted: tuple[str, ...] = ()  # in the order they were preempted
+    lora_loads: tuple[str, ...] = ()  # adapters brought into a slot by this step
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +245,7 @@ class EngineStats:
     num_generation_tokens: int
     num_steps: int
     num_preemptions: int = 0
+    num_lora_loads: int = 0  # adapters brought into a GPU slot (sim:lora_loads_total)
 
 
 @dataclass(slots=True, eq=False)
@@ -259,6 +283,11 @@ class Engine:
         self._queries = self._hits = self._num_preemptions = 0
         self._num_finished = self._num_prompt_tokens = self._num_generation_tokens = 0
         self._num_steps = 0
+        self.lora_slots = AdapterSlots(self.config.max_loras)
+        self._num_lora_loads = 0
+        # vLLM 0.32's LoRARequestStates: adapter -> its requests that have sampled a token
+        # and not finished, adapters in the order they got their first such request
+        self._lora_states: dict[str, set[str]] = {}
 
     def has_work(self) -> bool:
         return bool(self._running or self._waiting)
@@ -277,6 +306,8 @@ class Engine:
             raise ValueError("the prompt has no tokens")
         if req.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {req.max_tokens}")
+        if req.lora is not None and not cfg.enable_lora:
+            raise ValueError(f"LoRA adapter {req.lora.name!r} requested but LoRA is not enabled")
         if req.request_id in self._ids:
             raise ValueError(f"request id {req.request_id!r} is already in the engine")
         if num_prompt + req.max_tokens > cfg.max_model_len:
@@ -300,7 +331,7 @@ class Engine:
             self.clock = max(self.clock, now)  # an idle engine's next step starts at arrival
         prompt = list(req.prompt_token_ids)
         hashes: list[TokenBlockHash] = []
-        extend_block_hashes(hashes, prompt, cfg.block_size, req.cache_salt)
+        extend_block_hashes(hashes, prompt, cfg.block_size, req.cache_salt, req.lora)
         words = (
             list(req.output_words)
             if req.output_words is not None
@@ -315,11 +346,13 @@ class Engine:
             if r.req.request_id == request_id:
                 self._waiting.remove(r)
                 self._ids.discard(request_id)
+                self._lora_finished(r)  # a preempted request had sampled tokens
                 return True
         for r in self._running:
             if r.req.request_id == request_id:
                 self._running.remove(r)
                 self._release(r)
+                self._lora_finished(r)
                 return True
         return False
 
@@ -338,8 +371,10 @@ class Engine:
         admitted: list[tuple[str, int]] = []
         if not preempted:
             self._schedule_waiting(scheduled, budget, start, admitted)
+        loads = self._load_loras(scheduled)
         work = self._compute(scheduled)
-        end = start + self.profile.step_s(work) * self.config.time_scale
+        load_s = len(loads) * self.config.lora_load_ms / 1000
+        end = start + (self.profile.step_s(work) + load_s) * self.config.time_scale
         self.clock = end
         self._num_steps += 1
         outputs, finished = self._sample(scheduled, end)
@@ -351,6 +386,7 @@ class Engine:
             tuple(finished),
             tuple((r.req.request_id, n) for r, n in scheduled.items()),
             tuple(r.req.request_id for r in preempted),
+            tuple(a.name for a in loads),
         )
 
     def advance_to(self, t: float) -> list[StepResult]:
@@ -385,10 +421,16 @@ class Engine:
         start: float,
         admitted: list[tuple[str, int]],
     ) -> None:
-        """Step 2 of the module docstring."""
+        """Step 2 of the module docstring, with LoRA's limit on distinct adapters."""
         cfg, pool = self.config, self.pool
+        loras = {r.req.lora.int_id for r in scheduled if r.req.lora is not None}
+        skipped: list[_Request] = []
         while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
             r = self._waiting[0]
+            lora = r.req.lora
+            if lora is not None and lora.int_id not in loras and len(loras) == cfg.max_loras:
+                skipped.append(self._waiting.popleft())
+                continue
             num_tokens = len(r.token_ids)
             hits = pool.find_longest_cache_hit(r.block_hashes, num_tokens, cfg.block_size)
             num_hit_tokens = len(hits) * cfg.block_size
@@ -416,6 +458,18 @@ class Engine:
             self._running.append(r)
             scheduled[r] = num_new
             budget -= num_new
+            if lora is not None:
+                loras.add(lora.int_id)
+        self._waiting.extendleft(reversed(skipped))
+
+    def _load_loras(self, scheduled: dict[_Request, int]) -> list[LoraRequest]:
+        """Bring the step's adapters into the GPU slots; those loaded now."""
+        batch = {r.req.lora.int_id: r.req.lora for r in scheduled if r.req.lora is not None}
+        if not batch:
+            return []
+        loads = self.lora_slots.bring_in(list(batch.values()))
+        self._num_lora_loads += len(loads)
+        return loads
 
     def _allocate(self, r: _Request, num_new: int) -> bool:
         """Blocks for ``num_new`` more tokens of ``r``, and the blocks they fill cached;
@@ -437,6 +491,7 @@ class Engine:
                 r.token_ids,
                 bs,
                 r.req.cache_salt,
+                r.req.lora,
             )
             r.num_hashed_blocks = num_full
         return True
@@ -480,17 +535,20 @@ class Engine:
             word = r.words[index]
             token_id = word_token(word)
             r.token_ids.append(token_id)
-            extend_block_hashes(r.block_hashes, r.token_ids, bs, r.req.cache_salt)
+            extend_block_hashes(r.block_hashes, r.token_ids, bs, r.req.cache_salt, r.req.lora)
             latency = end - (r.arrival_s if index == 0 else r.last_token_s)
             if index == 0:
                 r.first_token_s = end
                 self._num_prompt_tokens += len(r.req.prompt_token_ids)
+                if r.req.lora is not None:
+                    self._lora_states.setdefault(r.req.lora.name, set()).add(r.req.request_id)
             r.last_token_s = end
             done = index + 1 == r.req.max_tokens
             outputs.append(TokenOutput(r.req.request_id, index, token_id, word, latency, done))
             if done:
                 self._running.remove(r)
                 self._release(r)
+                self._lora_finished(r)
                 finished.append(self._finished(r, end))
         self._num_generation_tokens += len(outputs)
         return outputs, finished
@@ -498,6 +556,27 @@ class Engine:
     def _release(self, r: _Request) -> None:
         self._free_blocks(r)
         self._ids.discard(r.req.request_id)
+
+    def _lora_finished(self, r: _Request) -> None:
+        lora = r.req.lora
+        if lora is None or lora.name not in self._lora_states:
+            return
+        requests = self._lora_states[lora.name]
+        requests.discard(r.req.request_id)
+        if not requests:
+            del self._lora_states[lora.name]
+
+    def lora_request_states(self) -> tuple[str, ...]:
+        """The adapters vLLM 0.32 names in both labels of ``vllm:lora_requests_info``.
+
+        Its front end learns of a request's scheduling from the request's outputs, and a
+        request has none before its first token: so an adapter is listed from its first
+        request's first token until its last request finishes, waiting requests that
+        never ran go unseen, and every listed adapter is in both ``running`` and
+        ``waiting`` (``LoRARequestStates.update_scheduler_stats`` keys both by every
+        adapter it tracks). In the order the adapters were first listed.
+        """
+        return tuple(self._lora_states)
 
     def _free_blocks(self, r: _Request) -> None:
         """Unpin ``r``'s blocks tail first, so its prefix stays cached longest."""
@@ -546,4 +625,5 @@ class Engine:
             num_generation_tokens=self._num_generation_tokens,
             num_steps=self._num_steps,
             num_preemptions=self._num_preemptions,
+            num_lora_loads=self._num_lora_loads,
         )

@@ -5,9 +5,13 @@ parent's hash; the chain starts from ``NONE_HASH``, fixed so every process agree
 
     h[i] = low64(SHA-256(h[i-1] as 8 bytes big-endian
                          + block i's tokens as little-endian uint32
+                         + b"lora=" + name + b"\0" + path  if the request has an adapter
                          + b"cache_salt=" + salt  if i == 0 and a salt is given))
 
 The salt enters the first block only; every later hash inherits it through the chain.
+A LoRA adapter's name and path enter every block, as vLLM's extra keys put
+``("lora", name, path)`` on each: an adapter's blocks never serve the base model or
+another adapter (or the same name loaded from another path).
 A hash is the digest's last 8 bytes as an unsigned int, which is also the integer form
 vLLM puts in its KV-cache events.
 
@@ -37,6 +41,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NewType
 
+from extproc.sim.lora import LoraRequest
+
 # vLLM's hash of one block of token ids: the low 64 bits of a SHA-256 digest
 TokenBlockHash = NewType("TokenBlockHash", int)
 
@@ -46,11 +52,16 @@ NONE_HASH = TokenBlockHash(
 
 
 def hash_block_tokens(
-    parent_block_hash: TokenBlockHash, token_ids: Sequence[int], cache_salt: str | None = None
+    parent_block_hash: TokenBlockHash,
+    token_ids: Sequence[int],
+    cache_salt: str | None = None,
+    lora: LoraRequest | None = None,
 ) -> TokenBlockHash:
     """One link of the chain (module docstring); ``cache_salt`` only for block 0."""
     h = hashlib.sha256(parent_block_hash.to_bytes(8, "big"))
     h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    if lora is not None:
+        h.update(b"lora=" + lora.name.encode() + b"\0" + lora.path.encode())
     if cache_salt is not None:
         h.update(b"cache_salt=" + cache_salt.encode())
     return TokenBlockHash(int.from_bytes(h.digest()[-8:], "big"))
@@ -61,20 +72,25 @@ def extend_block_hashes(
     token_ids: Sequence[int],
     block_size: int,
     cache_salt: str | None = None,
+    lora: LoraRequest | None = None,
 ) -> None:
     """Append the hashes of ``token_ids``' full blocks not yet in ``block_hashes``."""
     for idx in range(len(block_hashes), len(token_ids) // block_size):
         parent = block_hashes[idx - 1] if idx else NONE_HASH
         chunk = token_ids[idx * block_size : (idx + 1) * block_size]
-        block_hashes.append(hash_block_tokens(parent, chunk, cache_salt if idx == 0 else None))
+        salt = cache_salt if idx == 0 else None
+        block_hashes.append(hash_block_tokens(parent, chunk, salt, lora))
 
 
 def hash_request_tokens(
-    token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+    lora: LoraRequest | None = None,
 ) -> list[TokenBlockHash]:
     """The hashes of every full block of ``token_ids``."""
     out: list[TokenBlockHash] = []
-    extend_block_hashes(out, token_ids, block_size, cache_salt)
+    extend_block_hashes(out, token_ids, block_size, cache_salt, lora)
     return out
 
 
@@ -86,7 +102,10 @@ class BlockStored:
     parent_block_hash: TokenBlockHash | None  # None when the first stored block is block 0
     token_ids: tuple[int, ...]
     block_size: int
-    extra_keys: tuple[tuple[str, ...] | None, ...]  # per block: (salt,) on block 0 if salted
+    # per block, as vLLM's events carry them: the adapter's name, then the salt on block 0
+    extra_keys: tuple[tuple[str, ...] | None, ...]
+    lora_id: int | None = None  # the adapter's lora_int_id
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +128,17 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: TokenBlockHash | None = None
+
+
+def _event_extra_keys(
+    index: int, cache_salt: str | None, lora: LoraRequest | None
+) -> tuple[str, ...] | None:
+    """Block ``index``'s extra keys as vLLM's events publish them (untagged): the
+    adapter's name on every block, then the salt on block 0."""
+    keys = ([lora.name] if lora else []) + (
+        [cache_salt] if index == 0 and cache_salt is not None else []
+    )
+    return tuple(keys) or None
 
 
 class BlockPool:
@@ -224,6 +254,7 @@ class BlockPool:
         token_ids: Sequence[int],
         block_size: int,
         cache_salt: str | None,
+        lora: LoraRequest | None = None,
     ) -> None:
         """Register a request's blocks ``num_cached_blocks..num_full_blocks-1`` as cached,
         with one ``BlockStored`` for them, as vLLM does per request and step.
@@ -247,9 +278,10 @@ class BlockPool:
                 token_ids=tuple(token_ids[first * block_size : num_full_blocks * block_size]),
                 block_size=block_size,
                 extra_keys=tuple(
-                    (cache_salt,) if i == 0 and cache_salt is not None else None
-                    for i in range(first, num_full_blocks)
+                    _event_extra_keys(i, cache_salt, lora) for i in range(first, num_full_blocks)
                 ),
+                lora_id=lora.int_id if lora else None,
+                lora_name=lora.name if lora else None,
             )
         )
 

@@ -8,8 +8,8 @@ publisher, from 0), and a msgpack payload ``[ts, [event, ...], data_parallel_ran
   ``"type"``, fields by name, ``None``-default fields left out but required ones kept::
 
       {"type": "BlockStored", "block_hashes": [h, ...], "parent_block_hash": p | None,
-       "token_ids": [...], "block_size": 16, "lora_id": None, "medium": "GPU",
-       "lora_name": None, "extra_keys": [[salt] | None, ...], "group_idx": 0,
+       "token_ids": [...], "block_size": 16, "lora_id": id | None, "medium": "GPU",
+       "lora_name": name | None, "extra_keys": [[name?, salt?] | None, ...], "group_idx": 0,
        "kv_cache_spec_kind": "full_attention"}
       {"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU", "group_idx": 0}
       {"type": "AllBlocksCleared"}
@@ -46,7 +46,7 @@ def event_to_wire(event: KVCacheEvent, layout: Layout = "map") -> Any:
         if layout == "array":
             return [
                 "BlockStored", hashes, event.parent_block_hash, tokens, event.block_size,
-                None, MEDIUM_GPU, None,
+                event.lora_id, MEDIUM_GPU, event.lora_name,
             ]  # fmt: skip
         return {
             "type": "BlockStored",
@@ -54,9 +54,9 @@ def event_to_wire(event: KVCacheEvent, layout: Layout = "map") -> Any:
             "parent_block_hash": event.parent_block_hash,
             "token_ids": tokens,
             "block_size": event.block_size,
-            "lora_id": None,
+            "lora_id": event.lora_id,
             "medium": MEDIUM_GPU,
-            "lora_name": None,
+            "lora_name": event.lora_name,
             "extra_keys": [list(k) if k is not None else None for k in event.extra_keys],
             "group_idx": 0,
             "kv_cache_spec_kind": "full_attention",

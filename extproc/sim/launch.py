@@ -211,6 +211,7 @@ class SimPodInfo:
     url: str  # http://127.0.0.1:PORT
     port: int
     kv_events_endpoint: str | None = None  # where its KV events go (``--kv-events-endpoint``)
+    adapters: tuple[str, ...] = ()  # LoRA adapters it served at start (``--lora-modules``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,20 +226,28 @@ class SimPods:
     @classmethod
     def from_description(cls, desc: dict[str, Any], pid: int | None = None) -> SimPods:
         pods = tuple(
-            SimPodInfo(p["name"], p["url"], p["port"], p.get("kv_events_endpoint"))
+            SimPodInfo(
+                p["name"],
+                p["url"],
+                p["port"],
+                p.get("kv_events_endpoint"),
+                tuple(p.get("adapters", ())),
+            )
             for p in desc["pods"]
         )
         return cls(desc["model"], desc["admin_url"], pods, pid)
 
     def as_pods(self, namespace: str = "default") -> list[Pod]:
-        """The pods as extproc sees them (pods file, ``run_stack``): all ready; a pod
-        publishing KV events on a port of its own is labelled with it
-        (``EVENTS_PORT_LABEL``: extproc's connect topology reads it)."""
+        """The pods as extproc sees them (pods file, ``run_stack``): all ready, serving
+        the model and the adapters they served at start; a pod publishing KV events on a
+        port of its own is labelled with it (``EVENTS_PORT_LABEL``: extproc's connect
+        topology reads it)."""
         return [
             Pod(
                 PodId(namespace, p.name),
                 f"127.0.0.1:{p.port}",
-                frozenset({self.model}),
+                frozenset({self.model, *p.adapters}),
+                adapters=frozenset(p.adapters),
                 labels=_events_label(p.kv_events_endpoint),
             )
             for p in self.pods
@@ -279,6 +288,31 @@ class SimPods:
     def reset_cache(self, pod: str | int) -> None:
         """Empty the pod's prefix cache, as if it came back empty (HTTPError 409 if busy)."""
         self.admin("POST", f"/pods/{self.name_of(pod)}/reset_cache")
+
+    def load_lora_adapter(self, pod: str | int, name: str, path: str) -> None:
+        """vLLM's ``/v1/load_lora_adapter`` on one pod (HTTPError with vLLM's error body)."""
+        self._pod_post(pod, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    def unload_lora_adapter(self, pod: str | int, name: str) -> None:
+        """vLLM's ``/v1/unload_lora_adapter`` on one pod."""
+        self._pod_post(pod, "/v1/unload_lora_adapter", {"lora_name": name})
+
+    def _pod_post(self, pod: str | int, path: str, body: Any) -> None:
+        info = (
+            self.pods[pod] if isinstance(pod, int) else next(p for p in self.pods if p.name == pod)
+        )
+        req = urllib.request.Request(info.url + path, data=orjson.dumps(body), method="POST")
+        req.add_header("Content-Type", "application/json")
+        with urllib.request.urlopen(req, timeout=ADMIN_TIMEOUT_S):
+            pass
+
+
+def lora_args(num_adapters: int, max_loras: int, prefix: str = "lora") -> list[str]:
+    """``sim-pods`` flags for pods with ``max_loras`` GPU slots serving ``num_adapters``
+    adapters ``PREFIX-0`` .. (paths ``/sim/adapters/PREFIX-i``), e.g. for
+    ``spawn_sim_pods(4, args=lora_args(16, 2))``."""
+    modules = [f"{prefix}-{i}=/sim/adapters/{prefix}-{i}" for i in range(num_adapters)]
+    return ["--enable-lora", "--max-loras", str(max_loras), "--lora-modules", *modules]
 
 
 def _events_label(endpoint: str | None) -> tuple[tuple[str, str], ...]:

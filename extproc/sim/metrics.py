@@ -5,13 +5,21 @@ Every series has the labels ``model_name`` and ``engine="0"``; ``vllm:cache_conf
 (a gauge fixed at 1, vLLM's stand-in for an info metric) carries the cache settings as
 labels plus ``engine``. Gauges and counters are read from the engine at scrape time;
 the latency histograms are observed as tokens are sampled.
+
+With LoRA on, ``vllm:lora_requests_info`` is vLLM's: a gauge with only the labels
+``max_lora``, ``waiting_lora_adapters`` and ``running_lora_adapters`` (adapter names
+joined by commas, "" for none; see ``Engine.lora_request_states`` for which), set to the
+time of the update after every step. As with vLLM's ``prometheus_client`` gauge, every
+label combination seen stays on the page with the time it was last set, so a reader
+takes the series with the largest value. ``sim:lora_loads_total`` (the sim's own) counts
+the adapters brought into a GPU slot.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -76,6 +84,12 @@ class _EngineCollector(Collector):
         success.add_metric([*self._labels, "length"], s.num_finished_requests)
         yield success
         cfg = self._engine.config
+        if cfg.enable_lora:
+            loads = CounterMetricFamily(
+                "sim:lora_loads", "LoRA adapters brought into a GPU slot.", labels=labels
+            )
+            loads.add_metric(self._labels, s.num_lora_loads)
+            yield loads
         info = {
             "block_size": str(cfg.block_size),
             "cache_dtype": "auto",
@@ -99,6 +113,15 @@ class PodMetrics:
     def __init__(self, engine: Engine, model_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(engine, model_name))
+        self._engine = engine
+        self._lora_info: Gauge | None = None
+        if engine.config.enable_lora:
+            self._lora_info = Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=self.registry,
+            )
         values = (model_name, "0")
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -132,6 +155,10 @@ class PodMetrics:
         for fin in result.finished:
             self._e2e.observe(fin.e2e_s)
             self._queue.observe(fin.queue_s)
+        if self._lora_info is not None:
+            names = ",".join(self._engine.lora_request_states())
+            max_lora = str(self._engine.config.max_loras)
+            self._lora_info.labels(max_lora, names, names).set_to_current_time()
 
     def render(self, names: Sequence[str] = ()) -> bytes:
         """The page; with ``names``, only those samples (vLLM's ``/metrics/?name[]=``)."""

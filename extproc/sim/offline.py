@@ -9,7 +9,8 @@ A discrete-event loop on a virtual clock. For each arrival, in time order, at ti
    by pod index); later ones wait in a heap, so no policy ever learns of a response
    before it ended;
 3. pods are "scraped" (``PodMetrics`` from ``Engine.stats()``: waiting, running,
-   kv_usage; and the KV capacity its ``vllm:cache_config_info`` shows) if ``scrape_interval_s`` has passed since the last scrape (0: every
+   kv_usage; the KV capacity its ``vllm:cache_config_info`` shows; with LoRA on, the
+   adapters ``vllm:lora_requests_info`` would name) if ``scrape_interval_s`` has passed since the last scrape (0: every
    arrival; an engine that neither stepped nor got a request since keeps its metrics).
    The engine's counts are those after its last step, which may end after t; requests
    finishing at that step's end are counted as still running (admission happened at
@@ -21,7 +22,8 @@ A discrete-event loop on a virtual clock. For each arrival, in time order, at ti
 After the last arrival every engine runs until idle and the rest is delivered.
 
 Results: per request its pod, TTFT and end; per pod the engine's counters
-(prefix-cache queries and hits in tokens, evicted blocks) and how many requests it got.
+(prefix-cache queries and hits in tokens, evicted blocks, adapter loads) and how many
+requests it got.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from extproc.errors import ExtProcError
-from extproc.pods import Pod, PodId, PodMetrics
+from extproc.pods import LoraSlots, Pod, PodId, PodMetrics
 from extproc.scheduling.config import SchedulerConfig
 from extproc.sim.engine import Engine, EngineConfig, FinishedRequest, RequestRejected
 from extproc.sim.policies import Policy, make_policy
@@ -74,6 +76,7 @@ class PodResult:
     prefix_cache_queries: int  # tokens looked up at first admissions (vLLM's counter)
     prefix_cache_hits: int  # of those, tokens found in its prefix cache
     num_evicted_blocks: int
+    num_lora_loads: int = 0  # adapters brought into a GPU slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,11 +107,16 @@ def scrape(pod: Pod, engine: Engine, num_finishing: int) -> Pod:
     stats = engine.stats()
     running = stats.num_running + num_finishing
     cfg = engine.config
+    lora = None
+    if cfg.enable_lora:  # vLLM 0.32 names the same adapters in both labels
+        names = frozenset(engine.lora_request_states())
+        lora = LoraSlots(running=names, waiting=names, max_lora=cfg.max_loras)
     metrics = PodMetrics(
         stats.num_waiting,
         running,
         stats.kv_cache_usage,
         kv_capacity_tokens=cfg.num_gpu_blocks * cfg.block_size,
+        lora=lora,
     )
     return Pod(pod.id, pod.address, pod.models, metrics=metrics)
 
@@ -214,6 +222,7 @@ class _Replay:
                     prefix_cache_queries=stats.prefix_cache_queries,
                     prefix_cache_hits=stats.prefix_cache_hits,
                     num_evicted_blocks=stats.num_evicted_blocks,
+                    num_lora_loads=stats.num_lora_loads,
                 )
             )
         return tuple(out)

@@ -6,9 +6,15 @@ Each pod serves, on its own port:
     POST the same paths + ``/render``   the prompt's token ids, as vLLM's render endpoints
                                        (what vllm-router's cache_aware policy asks for)
     GET  /v1/models, /health, /metrics                           (vLLM's shapes and names)
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter          (LoRA on: lora.py)
     GET|POST|DELETE /admin/faults    read / merge into / clear the pod's faults (faults.py)
     GET  /admin/stats                the pod's counters and engine stats as JSON
     POST /admin/reset_cache          empty the prefix cache (409 while requests run)
+
+With ``--enable-lora`` a pod serves the adapters of ``--lora-modules`` (each pod its own
+registry: loading at run time changes one pod), listed in ``/v1/models`` with their
+``parent``; the load and unload endpoints are there as on a vLLM started with
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``.
 
 Every response carries the header ``x-sim-pod: NAME``. A refusing pod cannot be reached on
 its own port, so the group also serves an admin port with ``GET /pods`` and the same
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 import uuid
 from collections import deque
@@ -42,6 +49,8 @@ from extproc.sim.api import (
     ResponseFormat,
     error_body,
     fit_context,
+    parse_lora_load,
+    parse_lora_unload,
     parse_request,
     render_body,
 )
@@ -55,6 +64,7 @@ from extproc.sim.engine import (
     StepResult,
 )
 from extproc.sim.faults import ErrorSchedule, Faults
+from extproc.sim.lora import LoraError, LoraModule, LoraRegistry, LoraRequest
 from extproc.sim.metrics import PodMetrics
 from extproc.sim.runner import EngineRunner, EngineStopped, RequestStream
 
@@ -94,6 +104,7 @@ class GroupSettings:
     fault_pods: frozenset[int] | None = None  # indexes of the pods ``faults`` applies to; None: all
     kv_events: KvEventsSettings | None = None
     tokenizer: str | None = None  # a Hugging Face tokenizer's directory (``api``); None: pseudo
+    lora_modules: tuple[LoraModule, ...] = ()  # adapters every pod serves from the start
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_pods <= MAX_PODS:
@@ -105,6 +116,9 @@ class GroupSettings:
             raise ConfigError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.fault_pods is not None and not self.fault_pods <= set(range(self.num_pods)):
             raise ConfigError(f"fault_pods names pods outside 0..{self.num_pods - 1}")
+        if self.lora_modules and not self.engine.enable_lora:
+            raise ConfigError("--lora-modules needs --enable-lora")
+        LoraRegistry(self.model, self.lora_modules)  # a duplicate or base-model name fails here
 
     def pod_faults(self, index: int) -> Faults:
         if self.fault_pods is None or index in self.fault_pods:
@@ -156,6 +170,7 @@ class SimPod:
         if settings.kv_events is not None:
             engine_config = dataclasses.replace(engine_config, enable_kv_cache_events=True)
         self.engine = Engine(engine_config)
+        self.loras = LoraRegistry(settings.model, settings.lora_modules)
         self.metrics = PodMetrics(self.engine, settings.model)
         self.runner = EngineRunner(self.engine, self._on_step)
         self.faults = faults
@@ -179,6 +194,9 @@ class SimPod:
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_get("/metrics", self._metrics)
         self.app.router.add_get("/metrics/", self._metrics)
+        if engine_config.enable_lora:
+            self.app.router.add_post("/v1/load_lora_adapter", self._load_lora)
+            self.app.router.add_post("/v1/unload_lora_adapter", self._unload_lora)
         add_admin_routes(self.app.router, "/admin", lambda _: self)
         self._app_runner = web.AppRunner(
             self.app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S
@@ -237,6 +255,8 @@ class SimPod:
             "model": self.model,
             "url": self.url,
             "listening": self.listening,
+            "adapters": list(self.loras.names()),
+            "lora_slots": [a.name for a in self.engine.lora_slots.resident],
             **self.counters,
             "engine": dataclasses.asdict(self.engine.stats()),
             "faults": self.faults.to_json(),
@@ -283,7 +303,51 @@ class SimPod:
             "id": self.model, "object": "model", "created": 0, "owned_by": "vllm",
             "root": self.model, "parent": None, "max_model_len": self.engine.config.max_model_len,
         }  # fmt: skip
-        return _json({"object": "list", "data": [card]})
+        return _json({"object": "list", "data": [card, *self.loras.cards()]})
+
+    async def _load_lora(self, request: web.Request) -> web.Response:
+        """vLLM's ``/v1/load_lora_adapter``: 200 and its success text, or its error body.
+        A reload in place empties the adapter's slot: its new weights are read at next use."""
+        try:
+            name, path, inplace = parse_lora_load(await self._json_body(request))
+            adapter = self.loras.load(name, path, inplace)
+        except ApiError as e:
+            return _json(e.body(), e.status)
+        except LoraError as e:
+            return _json(error_body(e.status, e.message, err_type=e.err_type), e.status)
+        self.engine.lora_slots.drop(adapter.int_id)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def _unload_lora(self, request: web.Request) -> web.Response:
+        """vLLM's ``/v1/unload_lora_adapter``."""
+        try:
+            name = parse_lora_unload(await self._json_body(request))
+            self.loras.unload(name)
+        except ApiError as e:
+            return _json(e.body(), e.status)
+        except LoraError as e:
+            return _json(error_body(e.status, e.message, err_type=e.err_type), e.status)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def _json_body(self, request: web.Request) -> Any:
+        try:
+            return orjson.loads(await request.read())
+        except orjson.JSONDecodeError as e:
+            raise ApiError(400, f"the body is not valid JSON: {e}") from None
+
+    def _adapter(self, parsed: GenerationRequest) -> LoraRequest | None:
+        """The adapter a parsed request names, None for the base model.
+
+        Raises:
+            ApiError: 404, the adapter was unloaded since the request was parsed.
+        """
+        if parsed.model == self.model:
+            return None
+        adapter = self.loras.get(parsed.model)
+        if adapter is None:
+            raise ApiError(404, f"The model `{parsed.model}` does not exist. Valid aliases: "
+                           f"{self.model}.", "model")  # fmt: skip
+        return adapter
 
     async def _metrics(self, request: web.Request) -> web.Response:
         if self.faults.metrics == "error":
@@ -320,22 +384,21 @@ class SimPod:
         prompt, runs off the pods' event loop (on the group's one tokenizing thread), and
         so does rendering a body of ``size`` bytes over ``INLINE_PARSE_BYTES`` (a chat of
         thousands of messages takes seconds), so the pods keep answering meanwhile."""
-        settings = self._settings
-        if self._tokenizer is None:
-            if size <= INLINE_PARSE_BYTES:
-                return parse_request(kind, body, self.model, settings.default_max_tokens)
-            return await asyncio.get_running_loop().run_in_executor(
-                None, parse_request, kind, body, self.model, settings.default_max_tokens
-            )
-        tok = self._tokenizer
-        return await asyncio.get_running_loop().run_in_executor(
-            tok.thread,
+        parse = functools.partial(
             parse_request,
             kind,
             body,
             self.model,
-            settings.default_max_tokens,
-            tok.tokenizer,
+            self._settings.default_max_tokens,
+            adapters=self.loras.names(),
+        )
+        if self._tokenizer is None:
+            if size <= INLINE_PARSE_BYTES:
+                return parse()
+            return await asyncio.get_running_loop().run_in_executor(None, parse)
+        tok = self._tokenizer
+        return await asyncio.get_running_loop().run_in_executor(
+            tok.thread, functools.partial(parse, tokenizer=tok.tokenizer)
         )
 
     def _error(self, status: int, message: str, param: str | None = None) -> web.Response:
@@ -370,6 +433,7 @@ class SimPod:
                 cache_salt=parsed.cache_salt,
                 seed=parsed.seed,
                 output_words=parsed.output_words,
+                lora=self._adapter(parsed),
             )
             stream = self.runner.submit(req)
         except orjson.JSONDecodeError as e:
@@ -583,6 +647,7 @@ class PodGroup:
                     "port": p.port,
                     "listening": p.listening,
                     "kv_events_endpoint": p.publisher.endpoint if p.publisher else None,
+                    "adapters": list(p.loras.names()),
                 }
                 for p in self.pods
             ],

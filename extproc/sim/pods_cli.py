@@ -7,9 +7,14 @@ Pods listen on ports PORT..PORT+N-1 (all free ports with ``--port 0``) and are n
 ``NAME_PREFIX-0`` .. ``NAME_PREFIX-{N-1}``; the admin port is PORT+N unless
 ``--admin-port`` says otherwise. When everything listens, one JSON line goes to stdout:
 ``{"model": ..., "admin_url": ..., "pods": [{"name", "url", "port", "listening",
-"kv_events_endpoint"}]}``.
+"kv_events_endpoint", "adapters"}]}``.
 Engine settings are the fields of ``EngineConfig`` as flags; ``--error-rate`` and the
 other fault flags apply to every pod, or to those ``--fault-pods`` lists.
+
+LoRA adapters, as vLLM takes them (``lora.py``): 4 pods of 2 GPU slots, 16 adapters each::
+
+    extproc sim-pods --pods 4 --port 0 --enable-lora --max-loras 2 \
+        --lora-modules $(for i in $(seq 0 15); do printf 'lora-%d=/adapters/%d ' $i $i; done)
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import orjson
 from extproc.errors import ConfigError
 from extproc.sim.engine_flags import add_engine_flags, engine_config_from_args
 from extproc.sim.faults import Faults
+from extproc.sim.lora import parse_lora_module
 from extproc.sim.pods import GroupSettings, KvEventsSettings, PodGroup
 
 
@@ -42,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(tokenizer.json, tokenizer_config.json) instead of the "
                         "pseudo-tokenizer")  # fmt: skip
     add_engine_flags(parser.add_argument_group("engine"))
+    lora = parser.add_argument_group("LoRA adapters (with --enable-lora; see extproc/sim/lora.py)")
+    lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                      help="adapters every pod serves from the start, as vLLM's: name=path "
+                      'or {"name": ..., "path": ...}')  # fmt: skip
     kv = parser.add_argument_group("KV-cache events")
     kv.add_argument("--kv-events-endpoint",
                     help="ZMQ endpoint: tcp://127.0.0.1:5557 connects to a subscriber; "
@@ -99,6 +109,7 @@ def settings_from_args(args: argparse.Namespace) -> GroupSettings:
         fault_pods=fault_pods,
         kv_events=kv,
         tokenizer=args.tokenizer,
+        lora_modules=tuple(parse_lora_module(m) for m in args.lora_modules),
     )
 
 

@@ -5,8 +5,9 @@ Per policy:
 * ``hit_ratio`` = sum over engines of prefix-cache hit tokens / queried prompt tokens
   (vLLM's ``prefix_cache_hits`` / ``prefix_cache_queries``, the engines' own counters);
 * TTFT mean, p50, p99 (linear interpolation) and max over finished requests, in seconds;
-* per pod: requests routed, requests rejected, cached (hit) tokens, evicted blocks and
-  the mean TTFT of its finished requests.
+* adapter loads: LoRA adapters brought into a GPU slot, over all engines;
+* per pod: requests routed, requests rejected, cached (hit) tokens, evicted blocks,
+  adapter loads and the mean TTFT of its finished requests.
 
 Floats are rounded to 6 decimals so a JSON report is byte-identical across runs with the
 same inputs; wall time is printed but kept out of the JSON for the same reason.
@@ -47,6 +48,7 @@ def summarize(run: RunResult) -> dict[str, Any]:
         "prefix_cache_hits": hits,
         "ttft_s": {k: _round(v) for k, v in ttft.items()},
         "num_evicted_blocks": sum(p.num_evicted_blocks for p in run.pods),
+        "num_lora_loads": sum(p.num_lora_loads for p in run.pods),
         "sim_duration_s": _round(max((r.finished_s for r in run.requests), default=0.0)),
         "pods": [
             {
@@ -55,6 +57,7 @@ def summarize(run: RunResult) -> dict[str, Any]:
                 "num_rejected": p.num_rejected,
                 "cached_tokens": p.prefix_cache_hits,
                 "num_evicted_blocks": p.num_evicted_blocks,
+                "num_lora_loads": p.num_lora_loads,
                 "ttft_mean_s": _round(_mean(ttfts[pod_of == pod_idx])),
             }
             for pod_idx, p in enumerate(run.pods)
@@ -74,7 +77,7 @@ def format_table(summaries: Mapping[str, Mapping[str, Any]], runs: Sequence[RunR
     """A fixed-width table, one row per policy, with the run's wall time."""
     header = (
         f"{'policy':<16}{'hit':>7}{'ttft mean':>11}{'p50':>9}{'p99':>9}{'max':>9}"
-        f"{'evicted':>9}{'rej':>5}{'429':>5}{'wall s':>8}{'req/s':>9}  requests per pod"
+        f"{'evicted':>9}{'loads':>7}{'rej':>5}{'429':>5}{'wall s':>8}{'req/s':>9}  requests per pod"
     )
     lines = [header, "-" * len(header)]
     for run in runs:
@@ -85,12 +88,14 @@ def format_table(summaries: Mapping[str, Mapping[str, Any]], runs: Sequence[RunR
         lines.append(
             f"{run.policy:<16}{s['hit_ratio']:>7.3f}{_ms(t['mean']):>11}{_ms(t['p50']):>9}"
             f"{_ms(t['p99']):>9}{_ms(t['max']):>9}{s['num_evicted_blocks']:>9}"
+            f"{s['num_lora_loads']:>7}"
             f"{s['num_rejected']:>5}{s['num_refused']:>5}{run.wall_s:>8.2f}{num / max(run.wall_s, 1e-9):>9.0f}"
             f"  {per_pod}"
         )
     lines.append(
-        "TTFT in ms; hit = engine prefix-cache hit tokens / prompt tokens; rej = refused by "
-        "an engine, 429 = refused by the router (filters left no pod)"
+        "TTFT in ms; hit = engine prefix-cache hit tokens / prompt tokens; loads = LoRA "
+        "adapters brought into a GPU slot; rej = refused by an engine, 429 = refused by the "
+        "router (filters left no pod)"
     )
     return "\n".join(lines)
 
