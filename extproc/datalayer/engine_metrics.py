@@ -26,11 +26,12 @@ Series read; for each quantity the first name present on the page wins:
   for none) and ``max_lora`` describe its LoRA slots, and whose value is when it was
   set (a Unix time). vLLM keeps every label set it ever wrote, so the page lists old
   series too: the current one is the greatest value among the series naming some
-  adapter, or, when none does, among all (as the Gateway API Inference Extension reads
-  it, which keeps the last adapters seen while the engine idles: their weights are
-  likely still in its slots). ``None`` when the page has no series, or when the current
-  series' ``max_lora`` is not a count (logged once per pod: a malformed label must not
-  fail the scrape of the other quantities).
+  adapter (a label not ``""``), or, when none does, among all (as the Gateway API
+  Inference Extension reads it, which keeps the last adapters seen while the engine
+  idles: their weights are likely still in its slots). Names are stripped, empty ones
+  dropped. ``None`` when the page has no series, or when the current series'
+  ``max_lora`` is not a count (logged once per pod: a malformed label must not fail
+  the scrape of the other quantities).
 
 Label sets: counts and histogram totals are summed over label sets (a data-parallel
 vLLM server exposes one per engine); ``kv_usage`` is their mean. When series carry a
@@ -49,8 +50,10 @@ prometheus_client's parser is slow per sample line (it walks label strings a
 character at a time). So ``PageParser`` first keeps only the lines of the series above
 (a set lookup on each line's first bytes), then parses each distinct series text once
 with ``text_string_to_metric_families`` and caches its name and labels; the value is
-read with ``float``, as the parser itself does. ``bench/scrape.py`` measures both
-(figures: docs/performance.md).
+read with ``float``, as the parser itself does. The ``vllm:lora_requests_info`` lines
+grow with every combination of adapters a vLLM has run: the current one is chosen from
+the lines' bytes and only it is parsed (an old series costs about 2 us a scrape, not
+5). ``bench/scrape.py`` measures both (figures: docs/performance.md).
 """
 
 from __future__ import annotations
@@ -81,6 +84,9 @@ CACHE_CONFIG = "vllm:cache_config_info"
 CACHE_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
 CACHE_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
 LORA_INFO = "vllm:lora_requests_info"
+_RUNNING_LABEL, _WAITING_LABEL = "running_lora_adapters", "waiting_lora_adapters"
+_LORA_KEY = LORA_INFO.encode()
+_NO_ADAPTERS = tuple(f'{label}=""'.encode() for label in (_RUNNING_LABEL, _WAITING_LABEL))
 MODEL_LABEL = "model_name"
 
 _GAUGE_NAMES = (
@@ -147,15 +153,11 @@ class PageParser:
         """
         out: list[Sample] = []
         for line in select_lines(page):
-            brace = line.rfind(b"}")
-            split_at = brace + 1 if brace >= 0 else line.find(b" ")
-            series, rest = line[:split_at], line[split_at:].split()
-            if not rest:
-                raise ValueError(f"no value in {line[:200]!r}")
+            series, value = _split_sample(line)
             parsed = self._series.get(series)
             if parsed is None:
                 parsed = self._parse_series(series)
-            out.append(Sample(parsed[0], parsed[1], float(rest[0])))
+            out.append(Sample(parsed[0], parsed[1], float(value)))
         return out
 
     def _parse_series(self, series: bytes) -> tuple[str, Mapping[str, str]]:
@@ -170,16 +172,50 @@ class PageParser:
 
 
 def select_lines(page: bytes) -> list[bytes]:
-    """The sample lines of the wanted series (comments and other series dropped)."""
+    """The sample lines of the wanted series (comments and other series dropped); of
+    ``vllm:lora_requests_info`` only the current series' (module doc).
+
+    Raises:
+        ValueError: a ``vllm:lora_requests_info`` line without a number.
+    """
     candidates = [line for line in page.split(b"\n") if line[:_KEY_LEN] in _KEYS]
-    out = []
+    out: list[bytes] = []
+    lora: list[bytes] = []
     for line in candidates:
         end = line.find(b"{")
         if end < 0:
             end = line.find(b" ")
         if end > 0 and line[:end] in _NAMES:
-            out.append(line)
+            (lora if line[:end] == _LORA_KEY else out).append(line)
+    if lora:
+        out.append(max(lora, key=_lora_recency))
     return out
+
+
+def _split_sample(line: bytes) -> tuple[bytes, bytes]:
+    """A sample line's series (name and labels) and value, as text.
+
+    Raises:
+        ValueError: the line has no value.
+    """
+    brace = line.rfind(b"}")
+    split_at = brace + 1 if brace >= 0 else line.find(b" ")
+    rest = line[split_at:].split()
+    if not rest:
+        raise ValueError(f"no value in {line[:200]!r}")
+    return line[:split_at], rest[0]
+
+
+def _lora_recency(line: bytes) -> tuple[bool, float]:
+    """Series naming an adapter first, then the latest: read from the line's bytes, as
+    a long-lived vLLM lists many series and only the current one is parsed."""
+    value = float(_split_sample(line)[1])
+    return _names_adapters(line), value if math.isfinite(value) else -math.inf
+
+
+def _names_adapters(line: bytes) -> bool:
+    """Whether either adapters label is not ``""`` (as GIE tests it)."""
+    return not all(label in line for label in _NO_ADAPTERS)
 
 
 def read_samples(samples: Sequence[Sample], models: frozenset[str]) -> Reading | None:
@@ -218,34 +254,29 @@ def kv_capacity_tokens(info: Sequence[Sample]) -> int | None:
     return total or None
 
 
-def lora_slots(info: Sequence[Sample]) -> LoraSlots | None:
-    """The current ``vllm:lora_requests_info`` series' slots (module doc); ``None``
-    without a series.
+def lora_slots(current: Sample | None) -> LoraSlots | None:
+    """The slots of the current ``vllm:lora_requests_info`` series (``select_lines``
+    keeps just it); ``None`` without one.
 
     Raises:
-        ValueError: the current series' ``max_lora`` is missing or not a count.
+        ValueError: its ``max_lora`` is missing or not a count.
     """
-    if not info:
+    if current is None:
         return None
-    by_key = [(_adapter_names(s, "running"), _adapter_names(s, "waiting"), s) for s in info]
-    running, waiting, current = max(
-        by_key, key=lambda r: (bool(r[0] or r[1]), _finite_or_lowest(r[2].value))
-    )
     text = current.labels.get("max_lora")
     max_lora = _positive_int(text) or (0 if text == "0" else None)
     if max_lora is None:
         raise ValueError(f"{LORA_INFO} has max_lora={text!r}, not a count")
-    return LoraSlots(running=running, waiting=waiting, max_lora=max_lora)
+    return LoraSlots(
+        running=_adapter_names(current.labels.get(_RUNNING_LABEL, "")),
+        waiting=_adapter_names(current.labels.get(_WAITING_LABEL, "")),
+        max_lora=max_lora,
+    )
 
 
-def _adapter_names(sample: Sample, which: str) -> frozenset[str]:
+def _adapter_names(text: str) -> frozenset[str]:
     """A comma-separated adapters label as names: stripped, empties dropped."""
-    names = sample.labels.get(f"{which}_lora_adapters", "").split(",")
-    return frozenset(filter(None, map(str.strip, names)))
-
-
-def _finite_or_lowest(value: float) -> float:
-    return value if math.isfinite(value) else -math.inf
+    return frozenset(filter(None, map(str.strip, text.split(","))))
 
 
 def _positive_int(text: str | None) -> int | None:
@@ -356,13 +387,13 @@ class PodReader:
             kv_capacity_tokens=reading.kv_capacity_tokens,
             prefix_cache_hits=self._hits.update(reading.cache_hits),
             prefix_cache_queries=self._queries.update(reading.cache_queries),
-            lora=self._lora([s for s in samples if s.name == LORA_INFO]),
+            lora=self._lora(next((s for s in samples if s.name == LORA_INFO), None)),
         )
 
-    def _lora(self, info: Sequence[Sample]) -> LoraSlots | None:
+    def _lora(self, current: Sample | None) -> LoraSlots | None:
         """``lora_slots``, or ``None`` for a malformed series, logged once."""
         try:
-            return lora_slots(info)
+            return lora_slots(current)
         except ValueError as exc:
             if not self._lora_warned:
                 self._lora_warned = True

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from extproc.datalayer.engine_metrics import PageParser, PodReader
+from extproc.datalayer.engine_metrics import PageParser, PodReader, select_lines
 from extproc.pods import LoraSlots, PodMetrics
 from testkit.metrics_pages import REAL_VLLM_PAGE
 
@@ -108,3 +108,16 @@ def test_the_real_vllm_page_without_lora_reads_none() -> None:
     reader = PodReader(frozenset({"qwen3-tiny"}))
     metrics = reader.read(PageParser().samples(REAL_VLLM_PAGE.read_bytes()), now_s=0.0)
     assert metrics is not None and metrics.lora is None
+
+
+def test_only_the_current_series_is_kept_for_parsing() -> None:
+    """A long-lived vLLM lists a series per combination of adapters it ran: only the
+    current one reaches prometheus_client's (slow) parser."""
+    old = "".join(lora_line(f"a{i}", "", float(i)) for i in range(50))
+    lines = select_lines((LOAD + old + lora_line("now", "", 99.0) + old).encode())
+    assert lines == [LOAD.strip().encode(), lora_line("now", "", 99.0).strip().encode()]
+
+
+def test_a_series_without_a_value_is_malformed() -> None:
+    with pytest.raises(ValueError, match="no value"):
+        PageParser().samples((LOAD + 'vllm:lora_requests_info{max_lora="1"}\n').encode())
