@@ -4,11 +4,16 @@ ones vLLM keeps, its adapter lists, and a malformed ``max_lora`` read as no metr
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 
-from extproc.datalayer.engine_metrics import PageParser, PodReader, select_lines
+from extproc.datalayer.engine_metrics import SAMPLE_NAMES, PageParser, PodReader, select_lines
 from extproc.pods import LoraSlots, PodMetrics
+from extproc.sim.engine import Engine, EngineConfig
+from extproc.sim.lora import LoraRequest
+from extproc.sim.metrics import PodMetrics as SimPodMetrics
+from testkit.factories import make_sim_request, seq
 from testkit.metrics_pages import REAL_VLLM_PAGE
 
 HEAD = (
@@ -121,3 +126,21 @@ def test_only_the_current_series_is_kept_for_parsing() -> None:
 def test_a_series_without_a_value_is_malformed() -> None:
     with pytest.raises(ValueError, match="no value"):
         PageParser().samples((LOAD + 'vllm:lora_requests_info{max_lora="1"}\n').encode())
+
+
+def test_a_simulated_lora_pods_filtered_page() -> None:
+    """The sim's page as the scraper asks for it: the adapter while its request runs,
+    and still once the engine idles (its newest series names none)."""
+    engine = Engine(EngineConfig(block_size=4, enable_lora=True, max_loras=2))
+    sim, parser = SimPodMetrics(engine, "base"), PageParser()
+    reader = PodReader(frozenset({"base"}))
+    request = replace(make_sim_request(seq(1, 8), 4), lora=LoraRequest("sql", 1, "/sql"))
+    engine.add_request(request, engine.clock)
+    seen = []
+    while engine.has_work():
+        sim.observe(engine.step(engine.clock))
+        metrics = reader.read(parser.samples(sim.render(sorted(SAMPLE_NAMES))), 0.0)
+        assert metrics is not None
+        seen.append(metrics.lora)
+    assert engine.lora_request_states() == ()
+    assert set(seen) == {LoraSlots(frozenset({"sql"}), frozenset({"sql"}), 2)}
