@@ -38,6 +38,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from extproc.datalayer.pods_file import RANK_LABEL
 from extproc.pods import Pod, PodId
 
 log = logging.getLogger("extproc.kv_events")
@@ -309,6 +310,12 @@ class EventsState(NamedTuple):
     restarts: int  # publisher seen starting again from 0
 
 
+def _rank(pod: Pod) -> int:
+    """A data-parallel rank's index (``RANK_LABEL``), 0 for an ordinary pod."""
+    rank = pod.label(RANK_LABEL)
+    return int(rank) if rank and rank.isdigit() else 0
+
+
 class KvEventsSubscriber:
     """Keeps ``index`` up to date from the pods' events until ``stop``."""
 
@@ -328,6 +335,7 @@ class KvEventsSubscriber:
         self._pods_version = 0
         self._seen_version = -1
         self._by_address: dict[str, PodId] = {}
+        self._rank: dict[PodId, int] = {}  # a data-parallel rank's offset of its ports
         self._ip: dict[PodId, str] = {}
         self._sockets: dict[PodId, tuple[zmq.Socket[bytes], str]] = {}  # connect topology
         self._bound: list[zmq.Socket[bytes]] = []
@@ -385,6 +393,7 @@ class KvEventsSubscriber:
         pods = self._pods
         self._by_address = {p.address: p.id for p in pods}
         self._ip = {p.id: p.address.rsplit(":", 1)[0] for p in pods}
+        self._rank = {p.id: _rank(p) for p in pods}
         self.index.retain_pods(p.id for p in pods)
         for gone in set(self._next_seq) - set(self._ip):
             del self._next_seq[gone]
@@ -404,8 +413,9 @@ class KvEventsSubscriber:
                 self._sockets[pod] = (sock, endpoint)
 
     def _events_port(self, pod: Pod) -> int:
+        """The pod's publisher port plus its rank, as vLLM's data-parallel ranks bind."""
         label = pod.label(EVENTS_PORT_LABEL)
-        return int(label) if label and label.isdigit() else self.settings.port
+        return (int(label) if label and label.isdigit() else self.settings.port) + _rank(pod)
 
     def _drain(self, sock: zmq.Socket[bytes]) -> None:
         pod_of_socket = next((p for p, (s, _) in self._sockets.items() if s is sock), None)
@@ -497,7 +507,9 @@ class KvEventsSubscriber:
     def _replay(self, pod: PodId, first: int, until: int) -> bool:
         """Ask the pod's ROUTER for every batch from ``first``; True if all up to
         ``until`` came back in order (they are applied as they come)."""
-        endpoint = f"tcp://{self._ip.get(pod, '127.0.0.1')}:{self.settings.replay_port}"
+        assert self.settings.replay_port is not None  # only asked with a replay port
+        port = self.settings.replay_port + self._rank.get(pod, 0)
+        endpoint = f"tcp://{self._ip.get(pod, '127.0.0.1')}:{port}"
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         try:

@@ -12,7 +12,13 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
-from extproc.datalayer.kv_events import EventsSettings, IndexCollector, KvEventsSubscriber
+from extproc.datalayer.kv_events import (
+    EVENTS_PORT_LABEL,
+    EventsSettings,
+    IndexCollector,
+    KvEventsSubscriber,
+)
+from extproc.datalayer.pods_file import RANK_LABEL
 from extproc.pods import Pod, PodId
 from extproc.prefix.precise.index import PreciseIndex
 from extproc.prefix.precise.keys import chain_keys
@@ -267,3 +273,32 @@ def test_the_index_collector_reports_each_views_blocks_orphans_and_overflow() ->
     assert get("extproc_kv_events_orphan_blocks_total", pod="default/p0") == 1
     assert get("extproc_kv_events_orphan_blocks_total", pod="default/p1") == 0
     assert get("extproc_kv_events_stale_pods") == 1
+
+
+@pytest.mark.parametrize("labelled", [True, False], ids=["events-port-label", "events-port-flag"])
+def test_a_data_parallel_rank_subscribes_at_the_events_port_plus_its_rank(labelled: bool) -> None:
+    """vLLM's rank N binds the configured events port + N (``offset_endpoint_port``)."""
+    pub = Publisher()
+    base = pub.port - 1
+    rank1 = Pod(
+        PodId("default", "dp-rank-1"),
+        "127.0.0.1:8001",
+        frozenset({"m"}),
+        labels=(((EVENTS_PORT_LABEL, str(base)),) if labelled else ()) + ((RANK_LABEL, "1"),),
+    )
+    index = PreciseIndex(1000, stale_s=60.0)
+    sub = KvEventsSubscriber(index, EventsSettings("connect", port=base), CollectorRegistry())
+    sub.set_pods([rank1])
+    sub.start()
+    try:
+        assert sub.ready.wait(10)
+        tokens = [7] * BS
+        deadline = time.monotonic() + EVENTS_TIMEOUT_S
+        while not index.views.get(rank1.id) or not index.match(rank1.id, chain_keys(tokens, BS))[0]:
+            assert time.monotonic() < deadline, "rank 1 never heard its publisher"
+            pub.seq = 0
+            pub.publish(stored(tokens))
+            time.sleep(0.1)
+    finally:
+        sub.stop()
+        pub.close()
