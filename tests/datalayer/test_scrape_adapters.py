@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from dataclasses import replace
 
+import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.datalayer.adapters import parse_adapters
 from extproc.datalayer.scrape import MetricsScraper
 from extproc.datalayer.store import PodStore
-from extproc.pods import Pod, PodId
+from extproc.pods import LoraSlots, Pod, PodId
+from extproc.sim.launch import spawn_sim_pods
 from testkit.metrics_pages import EngineState, make_vllm_page
 from testkit.waiting import wait_until
 from tests.datalayer.fake_pod import FakePod, models_list
@@ -176,3 +179,37 @@ def test_parse_adapters(page: str, expected: set[str]) -> None:
 def test_parse_adapters_refuses_what_is_no_model_list(page: str) -> None:
     with pytest.raises(ValueError):
         parse_adapters(page.encode(), frozenset({BASE}))
+
+
+def test_simulated_pods_adapters_loaded_and_unloaded_at_run_time() -> None:
+    """The sim's vLLM endpoints: an adapter from --lora-modules, one loaded by
+    /v1/load_lora_adapter and then unloaded, and the pod's LoRA slots once a request
+    for an adapter ran."""
+    args = ["--enable-lora", "--max-loras", "2", "--lora-modules", "sql=/adapters/sql"]
+    with spawn_sim_pods(1, args=args) as sim:
+        (base,) = [
+            replace(p, models=frozenset({sim.model}), adapters=frozenset()) for p in sim.as_pods()
+        ]
+        published: list[tuple[Pod, ...]] = []
+        store = PodStore(published.append, stale_after_s=2.0)
+        store.set_pods([base])
+        scraper = MetricsScraper(
+            store, interval_s=0.05, registry=CollectorRegistry(), models_interval_s=0.05
+        )
+        scraper.start()
+        try:
+            wait_until(lambda: published[-1][0].adapters == {"sql"}, timeout_s=10.0)
+            assert published[-1][0].metrics.lora is None  # no step yet: no series
+            body = {"model": "sql", "prompt": "hello", "max_tokens": 2}
+            httpx.post(
+                f"{sim.pods[0].url}/v1/completions", json=body, timeout=10
+            ).raise_for_status()
+            sql = frozenset({"sql"})
+            wait_until(lambda: published[-1][0].metrics.lora == LoraSlots(sql, sql, 2))
+            sim.load_lora_adapter(0, "chat", "/adapters/chat")
+            wait_until(lambda: published[-1][0].adapters == {"sql", "chat"})
+            assert published[-1][0].models == {sim.model, "sql", "chat"}
+            sim.unload_lora_adapter(0, "sql")
+            wait_until(lambda: published[-1][0].adapters == {"chat"})
+        finally:
+            scraper.stop()
