@@ -44,7 +44,8 @@ pods spread over the ticks instead of all landing on one. A failed read keeps th
 good list and is counted in ``extproc_models_scrape_errors_total{pod, reason}`` (the
 reasons above; ``parse``: not an OpenAI model list). A pod that refused a connection,
 to either page, is read again from the next tick on: a restarted vLLM has lost the
-adapters loaded at run time, and its new list is read with its first metrics.
+adapters loaded at run time, and its new list is read with its first metrics. So is a
+pod whose models the source changed (an adapter's parent must be one of them).
 """
 
 from __future__ import annotations
@@ -215,7 +216,7 @@ class MetricsScraper:
         next_tick = loop.time()
         cpu_at_tick = time.thread_time()  # this thread does nothing but scrape
         while not self._stopping.is_set():
-            self._forget_removed_pods(in_flight)
+            self._follow_pods(in_flight)
             started = self._start_reads(session, in_flight, loop.time())
             next_tick += self.sweep_interval_s
             if next_tick <= loop.time():  # fell behind (a stalled process): skip missed ticks
@@ -291,12 +292,17 @@ class MetricsScraper:
             except TimeoutError:
                 pass
 
-    def _forget_removed_pods(self, in_flight: _InFlight) -> None:
-        """Drop the state (reads, latency windows, error series) of pods that left."""
-        pods = self.store.base_pods
-        if pods is self._known:
+    def _follow_pods(self, in_flight: _InFlight) -> None:
+        """Drop the state (reads, latency windows, error series) of pods that left; read
+        at once the adapters of pods whose models changed (their parents)."""
+        pods, known = self.store.base_pods, self._known
+        if pods is known:
             return
         self._known = pods
+        models_before = {p.id: p.models for p in known or ()}
+        for pod in pods:
+            if models_before.get(pod.id, pod.models) != pod.models:
+                self._models_due.pop(pod.id, None)
         ids = {p.id for p in pods}
         for tasks in (in_flight.metrics, in_flight.models):
             for pod_id in [i for i in tasks if i not in ids]:

@@ -136,6 +136,23 @@ def test_an_unreachable_pod_is_read_again_as_soon_as_it_is_back(
         rig.scraper.stop()
 
 
+def test_a_pod_whose_models_change_is_read_again_at_once(
+    fakes: list[FakePod], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The adapters are those whose parent is one of the pod's models: new models, a
+    new read (the interval is 60 s here, the second read put at its end)."""
+    monkeypatch.setattr(random, "uniform", lambda low, high: high)
+    rig = Rig(fakes, models_interval_s=60.0)
+    rig.store.set_pods([replace(rig.pods[0], models=frozenset({"another-model"}))])
+    rig.scraper.start()
+    try:
+        wait_until(lambda: rig.adapters(0) == {"other-base-lora"})
+        rig.store.set_pods(rig.pods[:1])
+        wait_until(lambda: rig.adapters(0) == {"sql"})
+    finally:
+        rig.scraper.stop()
+
+
 def test_the_error_series_of_a_removed_pod_are_dropped(rig: Rig, fakes: list[FakePod]) -> None:
     fakes[0].models_status = 500
     wait_until(lambda: rig.errors(0, "http_status") >= 1)
