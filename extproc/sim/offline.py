@@ -88,12 +88,14 @@ class RunResult:
     num_refused: int = 0  # answered by the router itself (429: the filters left no pod)
 
 
-def make_pods(num_pods: int, model: str) -> list[Pod]:
+def make_pods(num_pods: int, model: str, adapters: Sequence[str] = ()) -> list[Pod]:
+    """Pods serving ``model`` and the LoRA ``adapters`` on it."""
     return [
         Pod(
             id=PodId(POD_NAMESPACE, f"pod-{i}"),
             address=f"127.0.0.1:{8000 + i}",
-            models=frozenset({model}),
+            models=frozenset({model, *adapters}),
+            adapters=frozenset(adapters),
         )
         for i in range(num_pods)
     ]
@@ -118,17 +120,19 @@ def scrape(pod: Pod, engine: Engine, num_finishing: int) -> Pod:
         kv_capacity_tokens=cfg.num_gpu_blocks * cfg.block_size,
         lora=lora,
     )
-    return Pod(pod.id, pod.address, pod.models, metrics=metrics)
+    return Pod(pod.id, pod.address, pod.models, pod.adapters, metrics=metrics)
 
 
 class _Replay:
     """One run's state: engines, undelivered completions, the last scrape, the counters."""
 
-    def __init__(self, policy: Policy, settings: SimSettings, model: str) -> None:
+    def __init__(
+        self, policy: Policy, settings: SimSettings, model: str, adapters: Sequence[str]
+    ) -> None:
         self.policy = policy
         self.settings = settings
         self.engines = [Engine(settings.engine) for _ in range(settings.num_pods)]
-        self.base_pods = make_pods(settings.num_pods, model)
+        self.base_pods = make_pods(settings.num_pods, model, adapters)
         self.pods = tuple(self.base_pods)
         # Engine state moved since its last scrape; the first scrape reads every pod.
         self.changed = [True] * settings.num_pods
@@ -231,7 +235,8 @@ class _Replay:
 def simulate(workload: Workload, policy: Policy, settings: SimSettings) -> RunResult:
     """Replay ``workload`` under ``policy``; see the module docstring."""
     started = time.perf_counter()
-    replay = _Replay(policy, settings, str(workload.params.get("model", "")))
+    model = str(workload.params.get("model", ""))
+    replay = _Replay(policy, settings, model, workload.params.get("adapters", ()))
     for item in workload.items():
         replay.advance(item.arrival_s)
         replay.deliver(item.arrival_s)

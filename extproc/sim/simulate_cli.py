@@ -6,7 +6,8 @@
     extproc simulate --workload trace --trace my.jsonl --scale 32 --speedup 4
 
 Workloads: ``burst`` and ``chat`` (``extproc.sim.workloads``), ``multiturn`` and
-``tenants`` (chat and burst shaped like ``bench.routing_quality``'s), the Mooncake traces in
+``tenants`` (chat and burst shaped like ``bench.routing_quality``'s), ``lora`` (those
+chats on 16 LoRA adapters of Zipf popularity, 2 adapter slots a pod), the Mooncake traces in
 ``<repo>/../shared/traces`` and any trace file in their format (``extproc.sim.traces``).
 Engine settings are the fields of ``EngineConfig`` as flags; unset ones take the
 workload's default (``burst`` and ``chat`` use small caches), else the engine's. Prints a
@@ -19,7 +20,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,18 +40,21 @@ from extproc.sim.report import format_table, summarize, write_json, write_png
 from extproc.sim.traces import TRACE_FILES, default_trace_dir, trace_workload
 from extproc.sim.workloads import (
     DEFAULT_MODEL,
+    MULTITURN_PARAMS,
     BurstParams,
     ChatParams,
     GroupsParams,
+    LoraParams,
     Workload,
     burst_workload,
     chat_workload,
     groups_workload,
+    lora_workload,
     multiturn_workload,
     tenants_workload,
 )
 
-WORKLOADS = ("burst", "chat", "multiturn", "tenants", "groups", *TRACE_FILES, "trace")
+WORKLOADS = ("burst", "chat", "multiturn", "tenants", "groups", "lora", *TRACE_FILES, "trace")
 
 
 DESCRIPTION = """\
@@ -132,6 +136,11 @@ def make_workload(args: argparse.Namespace) -> Workload:
             GroupsParams() if args.requests is None else GroupsParams(num_requests=args.requests)
         )
         return groups_workload(groups, args.seed, args.model)
+    if args.workload == "lora":
+        chat = replace(
+            MULTITURN_PARAMS, num_requests=args.requests or MULTITURN_PARAMS.num_requests
+        )
+        return lora_workload(LoraParams(chat=chat), args.seed, args.model)
     if args.workload == "trace":
         if args.trace is None:
             raise ConfigError("--workload trace needs --trace FILE")

@@ -25,6 +25,10 @@ workload is open loop: turn k+1 arrives ``O_k * nominal_itl_s`` (a nominal answe
 plus an exponential think time (mean ``think_s``) after turn k arrived. Under overload it
 can arrive before the answer ended; it still carries the same answer.
 
+LoRA (``lora``). The ``multiturn`` chats, each conversation with one of ``num_adapters``
+LoRA adapters (``lora-0`` ..., as ``launch.lora_args`` names them), drawn with Zipf
+popularity (weight of the k-th: 1 / k^``zipf_s``), on engines of 2 GPU adapter slots.
+
 ``multiturn`` and ``tenants`` are chat and burst shaped like ``bench.routing_quality``'s
 workloads of those names on its simulated pods (``bench/workloads.py``: sizes, rates,
 think time), on its pods' engines (2,048 blocks, 8 running at most). Differences: the
@@ -46,6 +50,7 @@ import orjson
 
 from extproc.request.parse import Api, InferenceRequest, parse_request
 from extproc.sim.engine import SimRequest
+from extproc.sim.lora import LoraRequest
 from extproc.sim.tokenizer import WORDS, ChatMessage, generate_words, render_chat, word_token
 
 DEFAULT_MODEL = "sim-llm"
@@ -317,3 +322,54 @@ def groups_workload(
     return Workload(
         "groups", {"seed": seed, "model": model, **asdict(params)}, items, BENCH_ENGINE_DEFAULTS
     )
+
+
+@dataclass(frozen=True, slots=True)
+class LoraParams:
+    num_adapters: int = 16
+    zipf_s: float = 1.1
+    chat: ChatParams = MULTITURN_PARAMS
+
+
+LORA_ENGINE_DEFAULTS: Mapping[str, Any] = {
+    **BENCH_ENGINE_DEFAULTS,
+    "enable_lora": True,
+    "max_loras": 2,
+}
+
+
+def lora_adapters(num_adapters: int) -> tuple[LoraRequest, ...]:
+    """``lora-0`` .. with ids from 1, at the paths ``launch.lora_args`` gives them."""
+    return tuple(
+        LoraRequest(f"lora-{i}", i + 1, f"/sim/adapters/lora-{i}") for i in range(num_adapters)
+    )
+
+
+def lora_workload(
+    params: LoraParams = LoraParams(), seed: int = 0, model: str = DEFAULT_MODEL
+) -> Workload:
+    """Chats on LoRA adapters (module docstring); ``params["adapters"]`` names them, for
+    the pods to serve."""
+    chat = chat_workload(params.chat, seed, model)
+    adapters = lora_adapters(params.num_adapters)
+    weights = 1.0 / np.arange(1, params.num_adapters + 1) ** params.zipf_s
+    weights /= weights.sum()
+
+    def items() -> Iterator[WorkItem]:
+        rng = np.random.default_rng([seed, 1])
+        of_conversation: dict[str, LoraRequest] = {}
+        for item in chat.items():
+            conversation = item.request_id.rsplit("-", 1)[0]
+            if conversation not in of_conversation:
+                of_conversation[conversation] = adapters[rng.choice(len(adapters), p=weights)]
+            adapter = of_conversation[conversation]
+            yield WorkItem(
+                item.arrival_s,
+                replace(item.request, model=adapter.name),
+                replace(item.sim, lora=adapter),
+            )
+
+    info = {"seed": seed, "model": model, "num_adapters": params.num_adapters,
+            "zipf_s": params.zipf_s, "adapters": [a.name for a in adapters],
+            **asdict(params.chat)}  # fmt: skip
+    return Workload("lora", info, items, LORA_ENGINE_DEFAULTS)

@@ -13,13 +13,18 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from extproc.errors import ConfigError
+from extproc.pods import LoraSlots
 from extproc.sim import pods_cli
 from extproc.sim.engine import Engine, EngineConfig, SimRequest, StepResult
 from extproc.sim.kv_cache import BlockStored
 from extproc.sim.kv_events import event_to_wire
 from extproc.sim.launch import SimPods, lora_args
 from extproc.sim.lora import LoraError, LoraModule, LoraRegistry, LoraRequest, parse_lora_module
+from extproc.sim.offline import SimSettings, make_pods, scrape, simulate
 from extproc.sim.pods import GroupSettings
+from extproc.sim.policies import RoundRobin
+from extproc.sim.report import summarize
+from extproc.sim.workloads import MULTITURN_PARAMS, LoraParams, lora_workload
 from testkit.factories import constant_step, seq
 from testkit.harness import run_sim_pods
 
@@ -140,6 +145,38 @@ def test_an_adapter_is_listed_from_its_first_token_to_its_last_request_end() -> 
     assert engine.lora_request_states() == ()
     engine.step(engine.clock)
     assert engine.lora_request_states() == ("b",)
+
+
+def test_a_scraped_engine_shows_its_listed_adapters_in_both_labels() -> None:
+    engine = Engine(LORA)
+    engine.add_request(request("ra", A, max_tokens=3), 0.0)
+    engine.step(0.0)
+    (pod,) = make_pods(1, "m", ["a", "b"])
+    assert scrape(pod, engine, 0).metrics.lora == LoraSlots(
+        frozenset({"a"}), frozenset({"a"}), max_lora=2
+    )
+    assert pod.adapters == {"a", "b"} and pod.models == {"m", "a", "b"}
+
+
+# The offline simulator
+
+
+def test_the_offline_lora_workload_counts_adapter_loads_per_pod() -> None:
+    chat = dataclasses.replace(MULTITURN_PARAMS, num_requests=60)
+    workload = lora_workload(LoraParams(num_adapters=4, chat=chat))
+    items = list(workload.items())
+    adapters = {i.sim.lora.name for i in items if i.sim.lora}
+    assert adapters <= set(workload.params["adapters"]) and len(adapters) > 1
+    assert all(i.sim.lora and i.request.model == i.sim.lora.name for i in items)
+    by_chat: dict[str, set[str]] = {}
+    for i in items:
+        by_chat.setdefault(i.request_id.rsplit("-", 1)[0], set()).add(i.request.model)
+    assert all(len(names) == 1 for names in by_chat.values())  # a chat keeps its adapter
+    run = simulate(workload, RoundRobin(), SimSettings(2, EngineConfig(**workload.engine_defaults)))
+    summary = summarize(run)
+    assert len(run.requests) == 60
+    per_pod = [p["num_lora_loads"] for p in summary["pods"]]
+    assert all(n >= 2 for n in per_pod) and summary["num_lora_loads"] == sum(per_pod)
 
 
 # The registry and --lora-modules
