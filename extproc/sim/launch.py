@@ -257,6 +257,19 @@ class SimPods:
     def urls(self) -> list[str]:
         return [p.url for p in self.pods]
 
+    def info(self, pod: str | int) -> SimPodInfo:
+        """The pod at an index or of a name.
+
+        Raises:
+            KeyError: no pod has that name.
+        """
+        if isinstance(pod, int):
+            return self.pods[pod]
+        for p in self.pods:
+            if p.name == pod:
+                return p
+        raise KeyError(f"no pod {pod!r} among {', '.join(p.name for p in self.pods)}")
+
     def name_of(self, pod: str | int) -> str:
         return self.pods[pod].name if isinstance(pod, int) else pod
 
@@ -298,10 +311,9 @@ class SimPods:
         self._pod_post(pod, "/v1/unload_lora_adapter", {"lora_name": name})
 
     def _pod_post(self, pod: str | int, path: str, body: Any) -> None:
-        info = (
-            self.pods[pod] if isinstance(pod, int) else next(p for p in self.pods if p.name == pod)
+        req = urllib.request.Request(
+            self.info(pod).url + path, data=orjson.dumps(body), method="POST"
         )
-        req = urllib.request.Request(info.url + path, data=orjson.dumps(body), method="POST")
         req.add_header("Content-Type", "application/json")
         with urllib.request.urlopen(req, timeout=ADMIN_TIMEOUT_S):
             pass

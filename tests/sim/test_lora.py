@@ -321,6 +321,8 @@ def test_load_and_unload_at_run_time(lora_pods: SimPods) -> None:
     assert resp.status_code == 404
     assert resp.json()["error"] == {"message": "The lora adapter 'c' cannot be found.",
                                     "type": "NotFoundError", "param": None, "code": 404}  # fmt: skip
+    lora_pods.load_lora_adapter("sim-0", "c", "/adapters/c2")  # the launcher's helper
+    assert httpx.get(url + "/v1/models").json()["data"][-1]["root"] == "/adapters/c2"
 
 
 def test_a_pod_without_lora_has_neither_the_metric_nor_the_endpoints(pods: SimPods) -> None:
