@@ -187,22 +187,24 @@ def metrics_page(port: int) -> str:
 
 
 def write_pods_file(pods: Sequence[Pod], path: Path) -> Path:
-    doc = {
-        "pods": [
-            {
-                "name": p.id.name,
-                "namespace": p.id.namespace,
-                "address": p.address,
-                "models": sorted(p.models),
-                "labels": dict(p.labels),
-                "role": p.role.value,
-                "ready": p.ready,
-            }
-            for p in pods
-        ]
-    }
+    doc = {"pods": [_pods_file_entry(p) for p in pods]}
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
+
+
+def _pods_file_entry(pod: Pod) -> dict[str, object]:
+    entry: dict[str, object] = {
+        "name": pod.id.name,
+        "namespace": pod.id.namespace,
+        "address": pod.address,
+        "models": sorted(pod.models - pod.adapters),
+        "labels": dict(pod.labels),
+        "role": pod.role.value,
+        "ready": pod.ready,
+    }
+    if pod.adapters:
+        entry["adapters"] = sorted(pod.adapters)
+    return entry
 
 
 @dataclass(frozen=True, slots=True)
