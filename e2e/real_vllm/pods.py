@@ -5,12 +5,14 @@
     with start_vllm_pods(1, log_dir, extra_args=["--num-gpu-blocks-override", "20"],
                          replay=True) as (pod,):
         pod.replay_port  # vLLM's replay ROUTER for missed event batches
+    with start_vllm_pods(2, log_dir, adapters=[{"a": dir_a}, {}]) as pods:
+        pods[0].adapters  # ("a",): served with --enable-lora; pods[1] has LoRA on, none loaded
 
 Each pod is ``python -m vllm.entrypoints.openai.api_server`` from the vLLM venv
 (``prepare.py``), serving the tiny Qwen3 as ``MODEL`` with prefix caching, metrics (vLLM
 serves ``/metrics`` by default), cached-token usage details and KV-cache events published
 over ZMQ to an endpoint of its own (the publisher connects; a subscriber binds it when it
-wants the events), with a replay endpoint if asked. The processes start together and are waited for with one deadline;
+wants the events), with a replay endpoint if asked, and LoRA adapters if given. The processes start together and are waited for with one deadline;
 on any failure, or on leaving the ``with``, every started pod gets SIGTERM by PID, then
 SIGKILL if it lingers.
 """
@@ -24,12 +26,12 @@ import re
 import signal
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from e2e.real_vllm.prepare import vllm_python
+from e2e.real_vllm.prepare import LORA_RANK, vllm_python
 from extproc.pods import Pod, PodId
 from extproc.sim.launch import Proc, free_port, spawn
 from testkit.e2e_cache import model_dir
@@ -59,6 +61,7 @@ class VllmPod:
     kv_events_endpoint: str  # tcp://127.0.0.1:P: bind a SUB socket here to receive events
     proc: Proc
     replay_port: int | None = None  # the publisher's replay ROUTER on 127.0.0.1, if any
+    adapters: tuple[str, ...] = ()  # the LoRA adapters it serves (``--lora-modules``)
 
     @property
     def url(self) -> str:
@@ -69,7 +72,9 @@ class VllmPod:
         return f"127.0.0.1:{self.port}"
 
     def as_pod(self) -> Pod:
-        return Pod(PodId("default", self.name), self.address, frozenset({MODEL}))
+        """The pod as a pods file lists it: its base model and its adapters."""
+        adapters = frozenset(self.adapters)
+        return Pod(PodId("default", self.name), self.address, adapters | {MODEL}, adapters=adapters)
 
     def healthy(self) -> bool:
         try:
@@ -142,6 +147,15 @@ def vllm_argv(
     ]  # fmt: skip
 
 
+def lora_args(adapters: Mapping[str, Path]) -> list[str]:
+    """LoRA on, one adapter in the engine at a time, and ``adapters`` (name -> directory)
+    served from the start (none: LoRA on, nothing loaded)."""
+    args = ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(LORA_RANK)]
+    if adapters:
+        args += ["--lora-modules", *(f"{name}={path}" for name, path in adapters.items())]
+    return args
+
+
 def num_cores() -> int:
     """The machine's cores, which the engines take round robin."""
     return os.cpu_count() or 1
@@ -157,7 +171,13 @@ def cores_shared(num_pods: int) -> bool:
     return num_pods > num_cores()
 
 
-def _start_one(index: int, log_dir: Path, extra_args: Sequence[str], replay: bool) -> VllmPod:
+def _start_one(
+    index: int,
+    log_dir: Path,
+    extra_args: Sequence[str],
+    replay: bool,
+    adapters: Mapping[str, Path] | None,
+) -> VllmPod:
     port, kv_port = free_port(), free_port()
     replay_port = free_port() if replay else None
     endpoint = f"tcp://127.0.0.1:{kv_port}"
@@ -166,8 +186,11 @@ def _start_one(index: int, log_dir: Path, extra_args: Sequence[str], replay: boo
     env = {**ENV, "VLLM_CPU_OMP_THREADS_BIND": str(engine_core(index))}
     name = f"vllm-{index}"
     topic = f"kv@127.0.0.1:{port}@{MODEL}"
+    if adapters is not None:
+        extra_args = [*extra_args, *lora_args(adapters)]
     argv = vllm_argv(port, endpoint, topic, replay_endpoint, extra_args)
-    return VllmPod(name, port, endpoint, spawn(name, argv, log_dir, env), replay_port)
+    proc = spawn(name, argv, log_dir, env)
+    return VllmPod(name, port, endpoint, proc, replay_port, tuple(adapters or ()))
 
 
 def wait_healthy(pods: Sequence[VllmPod], timeout_s: float = START_TIMEOUT_S) -> None:
@@ -197,19 +220,24 @@ def start_vllm_pods(
     *,
     extra_args: Sequence[str] = (),
     replay: bool = False,
+    adapters: Sequence[Mapping[str, Path]] | None = None,
 ) -> Iterator[list[VllmPod]]:
     """Start ``num_pods`` vLLM pods at once, wait for all, stop all on leaving.
 
     Args:
         extra_args: more ``vllm serve`` flags for every pod.
         replay: each pod also binds a replay endpoint for its KV events.
+        adapters: one mapping a pod (LoRA adapter name -> directory): every pod runs
+            with LoRA on (``lora_args``) and serves its own adapters.
     """
+    if adapters is not None and len(adapters) != num_pods:
+        raise ValueError(f"{len(adapters)} adapter mappings for {num_pods} pods")
     if not vllm_python().exists() or not (model_dir() / "config.json").exists():
         raise FileNotFoundError("run `python -m e2e.real_vllm.prepare` first")
     with ExitStack() as stack:
         pods: list[VllmPod] = []
         for i in range(num_pods):
-            pod = _start_one(i, log_dir, extra_args, replay)
+            pod = _start_one(i, log_dir, extra_args, replay, adapters[i] if adapters else None)
             stack.callback(pod.proc.stop, timeout_s=STOP_TIMEOUT_S)
             pods.append(pod)
         wait_healthy(pods, timeout_s)

