@@ -232,17 +232,25 @@ def check_targets(rules: Iterable[RewriteRule], pods: Sequence[Pod]) -> None:
 
 
 def rewritten_body(body: bytes, data: Mapping[str, Any], target: str) -> bytes:
-    """``body`` with its ``model`` set to ``target``: the other bytes kept when the model
-    is written once, plainly (checked by parsing the result); else ``data`` re-serialised."""
-    expected = {**data, "model": target}
-    written = re.escape(orjson.dumps(data["model"]))
-    replacement = orjson.dumps(target)
-    spliced, count = re.subn(
-        rb'("model"\s*:\s*)' + written, lambda m: m.group(1) + replacement, body
-    )
-    if count == 1 and orjson.loads(spliced) == expected:
-        return spliced
-    return orjson.dumps(expected)
+    """``body`` with its ``model`` set to ``target``: the other bytes kept when the key is
+    written once, plainly, with the model (the result parsed to check the top-level model
+    is the one changed); else ``data`` re-serialised."""
+    if body.count(_MODEL_KEY) == 1:
+        start = body.index(_MODEL_KEY) + len(_MODEL_KEY)
+        value = _COLON.match(body, start)
+        written = orjson.dumps(data["model"])
+        assert value is not None  # the pattern matches the empty string
+        if body.startswith(written, value.end()):
+            spliced = (
+                body[: value.end()] + orjson.dumps(target) + body[value.end() + len(written) :]
+            )
+            if orjson.loads(spliced).get("model") == target:
+                return spliced
+    return orjson.dumps({**data, "model": target})
+
+
+_MODEL_KEY = b'"model"'
+_COLON = re.compile(rb"\s*:\s*")
 
 
 def _mapping(value: Any, where: str, keys: set[str]) -> dict[str, Any]:

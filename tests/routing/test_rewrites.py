@@ -206,7 +206,7 @@ def test_only_the_model_changes_byte_for_byte(body: bytes, expected: bytes) -> N
     [
         b'{"model":"food\\u002dreview","prompt":"hi"}',  # written escaped: no plain match
         b'{"metadata":{"model":"food-review"},"model":"food-review"}',  # twice
-        b'{"metadata":{"model":"food-review"},"model":"food\\u002dreview"}',  # nested only
+        b'{"metadata":{"model":"food-review"},"\\u006dodel":"food-review"}',  # nested only
     ],
 )
 def test_a_model_not_written_plainly_once_is_reserialised(body: bytes) -> None:
