@@ -24,6 +24,12 @@ picks (counted in flight and credited as arriving here too, as a pending request
 theirs), and ``apply_shared`` their ends: their records enter this view, and a request
 ends here, however it was routed. A pick heard after its end (ids of recent ends are
 kept) is dropped, and one whose end never comes expires with the pending table.
+
+Model rewrites (``routing.rewrites``): a request whose model a rule matches is parsed,
+scheduled, counted and recorded as a request for the target chosen (by its session key,
+else at random), and its decision carries the body naming the target, which the wire
+layer sends on instead of the client's; a target no pod serves is answered 404 naming
+the rule.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ bidirectional stream:
   with FULL_DUPLEX_STREAMED the answer waits for the body (Envoy's rule for that mode).
 * request body: at its end the request is routed; the pick goes out as the destination
   header and as metadata (the pod list, best first). FULL_DUPLEX_STREAMED then sends the
-  whole body back as the streamed body.
+  whole body back as the streamed body. A model rewrite's body goes instead (BUFFERED: as
+  the body reply's ``body_mutation``), with its ``content-length``.
 * response: if the gateway sends the response headers and body, the request is
   recorded when the body ends with a 2xx status, for the endpoint the gateway reports as
   served (``x-gateway-destination-endpoint-served`` in ``envoy.lb`` metadata) or else the

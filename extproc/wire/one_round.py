@@ -6,7 +6,9 @@ fairness key, each passed on to the router, with the trace context Envoy sends i
 stream's metadata when it traces); ``RouteHandler.process`` answers with one reply
 and the OK status together: the ordered pod list in dynamic metadata
 ``envoy.lb/x-gateway-destination-endpoint``, or an ``ImmediateResponse`` carrying the
-OpenAI-style JSON error (``envoy/README.md``). Every error is answered, never raised
+OpenAI-style JSON error (``envoy/README.md``). A model rewrite's reply also carries the
+new body (``body_mutation``) and its ``content-length``: Envoy 1.40 answers 500 when a
+buffered body mutation's length differs from the header's. Every error is answered, never raised
 into the loop; nothing here knows a plugin: a request the router wants to prepare off
 the loop (``Router.route_or_defer``) is answered when its Future is done.
 
