@@ -40,6 +40,7 @@ COUNTERS = {
     "hits": "vllm:prefix_cache_hits_total",
     "queries": "vllm:prefix_cache_queries_total",
     "served": "vllm:request_success_total",
+    "adapter_loads": "sim:lora_loads_total",  # the simulated pods' own (0 elsewhere)
 }
 RESET_TIMEOUT_S = 30.0
 

@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt
 COLUMNS = (
     "workload", "contender", "hit ratio", "bound", "TTFT p50 ms", "TTFT p99 ms", "RR p99 ms",
     "req/s", "out tok/s", "failed", "requests per pod", "chat turns lost history",
-    "verdict vs best peer",
+    "adapter loads", "verdict vs best peer",
 )  # fmt: skip
 ROUND_ROBIN = "envoy-rr"  # the baseline whose p99 every extproc row must beat
 
@@ -25,7 +25,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             r["workload"], r["contender"], f"{r['hit_ratio']:.3f}", f"{r['bound']:.3f}",
             f"{r['ttft_p50_ms']:.0f}", _p99(r), _rr_cell(rows, r["workload"]),
             f"{r['req_per_s']:.1f}", f"{r['out_tok_per_s']:.0f}", str(r["failed"]),
-            " ".join(str(int(n)) for n in r["per_pod"]), history_cell(r), r.get("verdict", ""),
+            " ".join(str(int(n)) for n in r["per_pod"]), history_cell(r), _loads_cell(r),
+            r.get("verdict", ""),
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -48,6 +49,12 @@ def _rr_cell(rows: list[dict[str, Any]], workload: str) -> str:
     """Computed from the rows, so results written before the column render too."""
     p99 = rr_p99([r for r in rows if r["workload"] == workload])
     return "" if p99 is None else f"{p99:.0f}"
+
+
+def _loads_cell(row: dict[str, Any]) -> str:
+    """LoRA adapters brought into a GPU slot (the simulated pods count them); empty for
+    workloads without adapters and results recorded before the column."""
+    return f"{row['adapter_loads']:.0f}" if row.get("adapter_loads") else ""
 
 
 def history_cell(row: dict[str, Any]) -> str:

@@ -48,15 +48,19 @@ from bench.workloads import (
     Sizing,
     TimedRequest,
     group_sessions,
+    lora_sessions,
     mooncake,
     multi_tenant_burst,
     multi_turn,
     prefix_bound,
 )
 from e2e.real_vllm.pods import cores_shared, num_cores
+from extproc.sim.launch import lora_args
 from extproc.sim.timing import DEFAULT_PROFILE
 
-WORKLOADS = ("conversation", "synthetic", "tenants", "multiturn", "longchat", "groups")
+WORKLOADS = ("conversation", "synthetic", "tenants", "multiturn", "longchat", "groups", "lora")
+LORA_WORKLOAD = "lora"  # only on its own pod set: simulated pods with adapters and slots
+LORA_ADAPTERS, LORA_SLOTS = 16, 2
 SIM_BLOCKS = 2048
 SIM_PROFILE = DEFAULT_PROFILE
 SIM_ENGINE = [
@@ -83,6 +87,8 @@ def build_workload(name: str, kind: str, args: argparse.Namespace) -> list[Timed
         return multi_turn(sizing, sessions=150 if sim else 30, turns=6 if sim else 5,
                           rate=4.0 if sim else 1.0, think_s=5.0, system_tokens=100 if sim else 20,
                           turn_tokens=250 if sim else 30, seed=5)  # fmt: skip
+    if name == LORA_WORKLOAD:  # issue 32: chats on 16 adapters, Zipf popularity
+        return lora_sessions(sizing, adapters=LORA_ADAPTERS)
     if name == "groups":  # issue 35: histories growing in groups at a fixed rate
         if sim:
             return group_sessions(sizing)
@@ -119,6 +125,9 @@ def summarize(
         "failed": len(outcomes) - len(ok),
         "errors": sorted({o.error for o in outcomes if not o.ok}),
         "per_pod": [a["served"] - b["served"] for a, b in zip(after, before, strict=True)],
+        "adapter_loads": sum(
+            a["adapter_loads"] - b["adapter_loads"] for a, b in zip(after, before, strict=True)
+        ),
         "wall_s": wall_s,
         "slowest": slowest(ok, timings=timings),
         **lost_histories(ok, block_tokens),
@@ -216,6 +225,7 @@ def aggregate(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "errors": sorted({e for r in reps for e in r["errors"]}),
             "slowest": _slowest_of(reps),
             "per_pod": [sum(c) for c in zip(*(r["per_pod"] for r in reps), strict=True)],
+            "adapter_loads": statistics.fmean(r.get("adapter_loads", 0) for r in reps),
             **_summed(reps, ("history_turns", "history_lost")),
         })  # fmt: skip
     for row in rows:
@@ -241,14 +251,26 @@ def _judge(row: dict[str, Any], workload_rows: list[dict[str, Any]]) -> None:
     if (rr_p99 := report.rr_p99(workload_rows)) is not None:
         rr_ok = row["ttft_p99_ms"] <= rr_p99
         texts.append(f"p99 {'<=' if rr_ok else '>'} rr {rr_p99:.0f}")
-    won = hit_ok and p99_ok and rr_ok and not row["failed"]
+    loads_ok = True
+    if row.get("adapter_loads"):  # the lora workload: fewer adapter loads than the peers'
+        fewest = min(r.get("adapter_loads", 0) for r in peers)
+        loads_ok = row["adapter_loads"] <= fewest
+        texts.append(f"loads {'<=' if loads_ok else '>'} {fewest:.0f}")
+    won = hit_ok and p99_ok and rr_ok and loads_ok and not row["failed"]
     row["verdict"] = f"{'win' if won else 'loss'} ({', '.join(texts)})"
 
 
-def run_pods(pods: PodSet, args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
+def workloads_of(kind: str, workloads: list[str]) -> list[str]:
+    """The workloads a pod set runs: ``lora`` alone on the pods with adapters."""
+    return [w for w in workloads if (w == LORA_WORKLOAD) == (kind == "sim-lora")]
+
+
+def run_pods(
+    pods: PodSet, workloads: list[str], args: argparse.Namespace, log_dir: Path
+) -> list[dict[str, Any]]:
     rows = []
     block_bytes = pods.block_size * BYTES_PER_TOKEN
-    for workload in args.workloads:
+    for workload in workloads:
         requests = build_workload(workload, pods.kind, args)
         bound = prefix_bound(requests, block_bytes)
         print(f"[{pods.kind}] {workload}: {len(requests)} requests over "
@@ -320,9 +342,19 @@ def pod_sets(
     sim_kind, sim_title = (
         ("sim-events", "Simulated pods with KV events") if precise else ("sim", "Simulated pods")
     )
+    lora_engine = [*SIM_ENGINE, *lora_args(LORA_ADAPTERS, LORA_SLOTS)]
+    lora_setup = (
+        f"{args.lora_pods} simulated pods (`extproc sim-pods {engine} --enable-lora "
+        f"--max-loras {LORA_SLOTS} --lora-modules lora-0=... lora-{LORA_ADAPTERS - 1}=...`: "
+        f"{LORA_ADAPTERS} LoRA adapters registered on every pod, {LORA_SLOTS} GPU slots each, "
+        f"an adapter brought into a slot lengthens that step by the default 50 ms, "
+        f"otherwise as the simulated pods above)."
+    )
     return {
         sim_kind: (sim_title, sim_setup,
                    lambda: sim_pod_set(args.sim_pods, SIM_ENGINE, log_dir, precise)),
+        "sim-lora": ("Simulated pods with LoRA adapters", lora_setup,
+                     lambda: sim_pod_set(args.lora_pods, lora_engine, log_dir)),
         "vllm": ("Real vLLM pods", vllm_setup, lambda: vllm_pod_set(args.vllm_pods, log_dir)),
     }  # fmt: skip
 
@@ -388,6 +420,7 @@ def main() -> None:
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated")
     parser.add_argument("--sim-pods", type=int, default=8)
+    parser.add_argument("--lora-pods", type=int, default=4, help="simulated pods, lora workload")
     parser.add_argument("--sim-precise", action="store_true",
                         help="simulated pods tokenize with Qwen3 and publish KV events even "
                         "without extproc-precise (on by default with it)")  # fmt: skip
@@ -415,11 +448,12 @@ def main() -> None:
     runs: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
         for kind, (title, setup, start) in pod_sets(args, Path(tmp)).items():
-            if kind.partition("-")[0] not in args.pods.split(","):
+            workloads = workloads_of(kind, args.workloads)
+            if kind.partition("-")[0] not in args.pods.split(",") or not workloads:
                 continue
             started = utc_now()
             with start() as pods:
-                each = run_pods(pods, args, Path(tmp))
+                each = run_pods(pods, workloads, args, Path(tmp))
             runs[kind] = {"title": title, "setup": setup, "runs": each, "rows": aggregate(each),
                           "command": command, "config_json": json.dumps(config, indent=1),
                           "utc": f"{started} to {utc_now()}"}  # fmt: skip

@@ -165,6 +165,54 @@ def multi_turn(
     return sorted(out, key=lambda r: r.at_s)
 
 
+def adapter_names(num_adapters: int) -> list[str]:
+    """The LoRA adapters the ``lora`` workload's requests name (the pods register them)."""
+    return [f"lora-{k}" for k in range(num_adapters)]
+
+
+def lora_sessions(
+    sizing: Sizing,
+    *,
+    adapters: int = 16,
+    zipf_s: float = 1.0,
+    sessions: int = 64,
+    turns: int = 4,
+    rate: float = 4.0,
+    think_s: float = 2.0,
+    turn_tokens: int = 80,
+    system_tokens: int = 200,
+    seed: int = 6,
+) -> list[TimedRequest]:
+    """Multi-turn chats, each for one LoRA adapter (its ``model``), adapters chosen with
+    Zipf popularity (``zipf_s``): a few adapters busy, a long tail seldom asked for. Each
+    adapter's chats share its own system prompt; each turn re-sends the history."""
+    rng = random.Random(seed)
+    names = adapter_names(adapters)
+    weights = [1 / (k + 1) ** zipf_s for k in range(adapters)]
+    systems = [words(30_000 + k, system_tokens * BYTES_PER_TOKEN) for k in range(adapters)]
+    out: list[TimedRequest] = []
+    start = 0.0
+    for s in range(sessions):
+        start += rng.expovariate(rate)
+        (adapter,) = rng.choices(range(adapters), weights)
+        adapter_sizing = Sizing(sizing.scale, sizing.max_prompt_tokens,
+                                sizing.max_output_tokens, names[adapter])  # fmt: skip
+        messages = [{"role": "system", "content": systems[adapter]}]
+        at = start
+        for turn in range(turns):
+            seed_s = 40_000 + s * 1000 + turn
+            messages = [
+                *messages,
+                {"role": "user", "content": words(seed_s, turn_tokens * BYTES_PER_TOKEN)},
+            ]
+            max_tokens = rng.randint(4, sizing.max_output_tokens)
+            out.append(_chat(adapter_sizing, at, messages, max_tokens, session=s))
+            answer = words(seed_s + 500, turn_tokens * BYTES_PER_TOKEN // 2)
+            messages = [*messages, {"role": "assistant", "content": answer}]
+            at += rng.expovariate(1 / think_s)
+    return sorted(out, key=lambda r: r.at_s)
+
+
 def group_sessions(
     sizing: Sizing,
     *,

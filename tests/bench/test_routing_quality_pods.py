@@ -11,7 +11,15 @@ import pytest
 
 from bench.bench_pods import sim_pod_set
 from bench.contenders import CACHE_AWARE, CONTENDERS, ROUND_ROBIN, sglang_argv
-from bench.routing_quality import SIM_ENGINE, aggregate, pod_sets, sim_precise
+from bench.routing_quality import (
+    LORA_ADAPTERS,
+    LORA_SLOTS,
+    SIM_ENGINE,
+    aggregate,
+    pod_sets,
+    sim_precise,
+    workloads_of,
+)
 from e2e.real_vllm.pods import cores_shared, engine_core
 from extproc.datalayer.kv_events import EVENTS_PORT_LABEL
 from testkit.e2e_cache import needs_model_tokenizer
@@ -22,7 +30,7 @@ from tests.bench.rows import run_row
 def run_args(contenders: list[str], sim_precise: bool = False) -> argparse.Namespace:
     return argparse.Namespace(
         contenders=contenders, sim_precise=sim_precise, sim_pods=8, trace_requests=300,
-        speedup=5.0, vllm_pods=3, vllm_trace_requests=150, vllm_speedup=2.0,
+        speedup=5.0, vllm_pods=3, vllm_trace_requests=150, vllm_speedup=2.0, lora_pods=4,
     )  # fmt: skip
 
 
@@ -41,7 +49,7 @@ def test_the_sim_pods_tokenize_for_precise_only_when_it_runs(
     assert sim_precise(args) is precise
     sets = pod_sets(args, tmp_path)
     kind = "sim-events" if precise else "sim"  # one section each in the results
-    assert set(sets) == {kind, "vllm"}
+    assert set(sets) == {kind, "vllm", "sim-lora"}
     setup = sets[kind][1]
     assert ("Qwen3" in setup) is precise
     assert ("pseudo-tokenizer, no KV events" in setup) is not precise
@@ -124,3 +132,15 @@ def test_a_row_keeps_the_slowest_requests_and_errors_of_every_repetition() -> No
     assert [(e["ttft_ms"], e["rep"]) for e in row["slowest"]] == [(300.0, 1), (90.0, 0), (20.0, 0)]
     assert row["errors"] == ["HTTP 503", "timeout"]
     assert "rep" not in row and "wall_s" not in row  # a repetition's own, not the row's
+
+
+def test_the_lora_workload_runs_alone_on_its_own_pods_with_adapters(tmp_path: Path) -> None:
+    everything = ["multiturn", "lora", "groups"]
+    assert workloads_of("sim", everything) == ["multiturn", "groups"]
+    assert workloads_of("vllm", everything) == ["multiturn", "groups"]
+    assert workloads_of("sim-lora", everything) == ["lora"]
+    title, setup, start = pod_sets(run_args(["extproc-default"]), tmp_path)["sim-lora"]
+    assert f"--max-loras {LORA_SLOTS}" in setup and setup.startswith("4 simulated pods")
+    with start() as pods:
+        assert all(len(p.adapters) == LORA_ADAPTERS for p in pods.pods)
+        assert [c["adapter_loads"] for c in pods.counters()] == [0.0] * 4

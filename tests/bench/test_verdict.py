@@ -80,3 +80,24 @@ def test_rows_recorded_before_the_column_render_it_from_the_rows() -> None:
     old = json.loads(json.dumps(aggregate([run_row("envoy-rr", ttft_p99_ms=31.0),
                                            run_row("extproc-default")])))  # fmt: skip
     assert rr_cells(old) == {("chat", "envoy-rr"): "31", ("chat", "extproc-default"): "31"}
+
+
+@pytest.mark.parametrize(
+    ("loads", "verdict"),
+    [
+        (30, "win (hit >= 0.700, p99 <= 60, loads <= 40)"),
+        (40, "win (hit >= 0.700, p99 <= 60, loads <= 40)"),
+        (41, "loss (hit >= 0.700, p99 <= 60, loads > 40)"),
+    ],
+)
+def test_on_the_lora_workload_a_win_also_needs_the_fewest_adapter_loads(
+    loads: int, verdict: str
+) -> None:
+    runs = [
+        run_row("extproc-default", ttft_p99_ms=50.0, adapter_loads=loads),
+        run_row("sglang-router", hit_ratio=0.7, ttft_p99_ms=60.0, adapter_loads=40),
+        run_row("vllm-router", hit_ratio=0.6, ttft_p99_ms=70.0, adapter_loads=90),
+    ]
+    rows = {r["contender"]: r for r in aggregate(runs)}
+    assert rows["extproc-default"]["verdict"] == verdict
+    assert f"| {loads} |" in table(list(rows.values()))
