@@ -29,7 +29,10 @@ Semantics follow Kthena's ``conf.go`` and ``factory.go``: a score weight that is
 with its last entry's weight (Kthena keeps them in a map), and likewise a filter listed
 twice runs once and a ``pluginConfig`` entry listed twice gives its last args;
 ``Score.disabled`` has no effect; a name no built-in plugin answers to (for that
-extension point) is logged as ``Failed to get plugin NAME.`` and skipped; plugin args
+extension point) is logged as ``Failed to get plugin NAME.`` and skipped, except Kthena's
+``kvcache-aware`` score (its Redis block index, fed from the pods' KV events), read as
+``precise-prefix-cache`` (the pods' KV events, read here) when that is configured, and
+otherwise logged and skipped (``_map_kvcache_aware``); plugin args
 use ``extproc.scheduling.args`` rules, except that an invalid least-latency
 ``TTFTTPOTWeightFactor`` stops start-up, as in Kthena. Unreadable YAML or a missing file
 stops start-up with a ``ConfigError`` naming the file.
@@ -64,6 +67,7 @@ from extproc.scheduling.interfaces import (
 )
 from extproc.scheduling.pdgroup import PDGroup
 from extproc.scheduling.plugins.least_latency import LeastLatency, check_least_latency_args
+from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.scheduling.registry import BUILTIN
 from extproc.scheduling.scheduler import PluginTimer, Scheduler, WeightedScorer
 from extproc.scheduling.sessions import SessionStore
@@ -170,6 +174,7 @@ def parse_config(text: str, source: str) -> SchedulerConfig:
                     f"invalid {entry['name']} plugin configuration: {problem}"
                 )
         plugin_args[entry["name"]] = entry.get("args")
+    _map_kvcache_aware(weights, plugin_args, source)
     filters = tuple(dict.fromkeys(_known(filters, Filter)))
     scores = tuple(ScoreEntry(name, weights[name]) for name in _known(weights, Scorer))
     pd_group = None
@@ -197,6 +202,64 @@ def _known(names: Iterable[str], point: type) -> list[str]:
         else:
             known.append(name)
     return known
+
+
+KVCACHE_AWARE = "kvcache-aware"
+# kvcache-aware's args that mean the same for precise-prefix-cache: the tokens per block.
+KVCACHE_AWARE_ARGS = {"blocksizetohash": "blockSize"}
+
+
+def _map_kvcache_aware(weights: dict[str, int], plugin_args: dict[str, Any], source: str) -> None:
+    """Kthena's ``kvcache-aware`` score becomes ``precise-prefix-cache`` (same place, same
+    weight) when that is configured (enabled or given a ``pluginConfig`` entry), its
+    ``blockSizeToHash`` read as ``blockSize`` unless that is set; otherwise it is logged
+    once and skipped. Both enabled: one plugin, with precise-prefix-cache's weight."""
+    if KVCACHE_AWARE not in weights:
+        return
+    precise = PrecisePrefixCache.type_name
+    names = (KVCACHE_AWARE, precise)
+    args = plugin_args.pop(KVCACHE_AWARE, None)
+    if precise not in weights and precise not in plugin_args:
+        del weights[KVCACHE_AWARE]
+        log.error(
+            "%s: %s skipped: extproc reads the pods' KV events through %s, which is not "
+            "configured (enable it, or give it a pluginConfig entry with its models)",
+            source,
+            *names,
+        )
+        return
+    if precise in weights:
+        del weights[KVCACHE_AWARE]
+        log.warning("%s: %s is %s here: configured once, with its weight", source, *names)
+    else:
+        renamed = {precise if k == KVCACHE_AWARE else k: w for k, w in weights.items()}
+        weights.clear()
+        weights.update(renamed)
+        log.info("%s: %s read as %s", source, *names)
+    plugin_args[precise] = _translated_args(args, plugin_args.get(precise), source)
+
+
+def _translated_args(kvcache: Any, precise: Any, source: str) -> Any:
+    """precise-prefix-cache's args with kvcache-aware's that mean the same added where
+    precise-prefix-cache's own leave them unset; kvcache-aware's others are dropped
+    (logged): extproc tokenizes in process, and matches whole prompts."""
+    if not isinstance(kvcache, dict) or not kvcache:
+        return precise
+    own = dict(precise) if isinstance(precise, dict) else {}
+    own_keys = {k.lower() for k in own if isinstance(k, str)}
+    dropped = []
+    for key, value in kvcache.items():
+        target = KVCACHE_AWARE_ARGS.get(key.lower()) if isinstance(key, str) else None
+        if target is None:
+            dropped.append(key)
+        elif target.lower() not in own_keys:
+            own[target] = value
+    if dropped:
+        precise = PrecisePrefixCache.type_name
+        log.warning(
+            "%s: %s args with no %s meaning, ignored: %s", source, KVCACHE_AWARE, precise, dropped
+        )
+    return own
 
 
 def _implements(plugin: type, point: type) -> bool:

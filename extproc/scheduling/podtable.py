@@ -132,7 +132,7 @@ class PodTable:
             return found
         if model not in self._models:
             raise ModelNotFound(f"the model {model!r} does not exist: no pod serves it")
-        serves = self.memo(("serves", model), lambda: self._serves(model), rows_only=True)
+        serves = self.serves(model)
         ready = serves & self.ready
         if not ready.any():
             raise NoReadyPods(
@@ -145,6 +145,11 @@ class PodTable:
         )
         self._by_model[model] = found  # bounded: only models some pod serves
         return found
+
+    def serves(self, model: str) -> npt.NDArray[np.bool_]:
+        """Per row, whether the pod's model set holds ``model`` (ready or not), computed
+        once while the snapshots list the same pods."""
+        return self.memo(("serves", model), lambda: self._serves(model), rows_only=True)
 
     def _serves(self, model: str) -> npt.NDArray[np.bool_]:
         serves = map(contains, self._models_by_row, repeat(model))

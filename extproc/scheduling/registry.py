@@ -8,8 +8,10 @@ from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT
 from extproc.scheduling.plugins.gpu_usage import GPUCacheUsage
 from extproc.scheduling.plugins.least_latency import LeastLatency
 from extproc.scheduling.plugins.least_request import LeastRequest
+from extproc.scheduling.plugins.lora_affinity import LoraAffinity
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheScorer
+from extproc.scheduling.plugins.random_score import Random
 
 BUILTIN: dict[str, type[Plugin]] = {
     cls.type_name: cls
@@ -21,5 +23,7 @@ BUILTIN: dict[str, type[Plugin]] = {
         CostAware,
         EstimatedTTFT,
         PrecisePrefixCache,
+        LoraAffinity,
+        Random,
     )
 }

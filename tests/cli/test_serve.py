@@ -93,8 +93,8 @@ def test_an_unknown_plugin_is_logged_and_start_up_goes_on(tmp_path: Path) -> Non
     """Kthena's factory.go logs "Failed to get plugin NAME." and builds the rest."""
     config = tmp_path / "c.yaml"
     config.write_text(
-        "scheduler:\n  plugins:\n    Filter:\n      enabled: [lora-affinity]\n"
-        "    Score:\n      enabled:\n        - {name: random, weight: 1}\n"
+        "scheduler:\n  plugins:\n    Filter:\n      enabled: [no-such-filter]\n"
+        "    Score:\n      enabled:\n        - {name: prefix-cahce, weight: 1}\n"
         "        - {name: prefix-cache, weight: 1}\n"
     )
     proc = start_extproc(
@@ -106,8 +106,8 @@ def test_an_unknown_plugin_is_logged_and_start_up_goes_on(tmp_path: Path) -> Non
     )
     assert proc.stop(signal.SIGTERM) == 0
     log = proc.log_tail()
-    assert "Failed to get plugin lora-affinity." in log
-    assert "Failed to get plugin random." in log
+    assert "Failed to get plugin no-such-filter." in log
+    assert "Failed to get plugin prefix-cahce." in log
     assert "scores ['prefix-cache*1']" in log
 
 
@@ -225,6 +225,9 @@ REFUSALS: dict[str, Refusal] = {
     ),
     "scrape-timeout-negative": Refusal(
         ("--scrape-timeout-s", "-1"), "--scrape-timeout-s must be greater than 0"
+    ),
+    "models-interval-negative": Refusal(
+        ("--models-interval-s", "-1"), "--models-interval-s must be 0 (off) or more"
     ),
     "stale-after-negative": Refusal(
         ("--stale-after-s", "-1"), "--stale-after-s must be 0 (no scraping) or more"

@@ -16,6 +16,7 @@ from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT, EstimatedTT
 from extproc.scheduling.plugins.gpu_usage import GPUCacheUsage
 from extproc.scheduling.plugins.least_latency import LeastLatency, LeastLatencyArgs
 from extproc.scheduling.plugins.least_request import LeastRequest, LeastRequestArgs
+from extproc.scheduling.plugins.lora_affinity import LoraAffinity
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheArgs, PrefixCacheScorer
 from testkit.factories import make_cycle, make_pod
 
@@ -34,11 +35,15 @@ scheduler:
 def test_embedded_default_is_the_estimated_ttft_cost_model_every_argument_written() -> None:
     config = load_config()
     assert config.filters == ()
-    assert [(s.name, s.weight) for s in config.scores] == [("estimated-ttft", 1)]
+    assert [(s.name, s.weight) for s in config.scores] == [
+        ("estimated-ttft", 1),
+        ("lora-affinity", 1),
+    ]
     written = config.plugin_args["estimated-ttft"]
     assert written == {f.name: f.default for f in dataclasses.fields(EstimatedTTFTArgs)}
-    (scorer,) = build_scheduler(config, CollectorRegistry()).scorers
-    assert isinstance(scorer.scorer, EstimatedTTFT) and scorer.scorer.args == EstimatedTTFTArgs()
+    ttft, lora = build_scheduler(config, CollectorRegistry()).scorers
+    assert isinstance(ttft.scorer, EstimatedTTFT) and ttft.scorer.args == EstimatedTTFTArgs()
+    assert isinstance(lora.scorer, LoraAffinity)
 
 
 @pytest.mark.parametrize("name", ["kthena", "cost-aware", "default"])
@@ -181,22 +186,17 @@ def test_bad_configs_stop_start_up_naming_file_and_problem(text: str, message: s
     ("filters", "scores", "kept_filters", "kept_scores", "skipped"),
     [
         pytest.param([], ["prefix-cahce"], [], [], ["prefix-cahce"], id="typo"),
-        pytest.param([], ["random", "prefix-cache"], [], ["prefix-cache"], ["random"], id="random"),
-        pytest.param(
-            [], ["kvcache-aware", "gpu-usage"], [], ["gpu-usage"], ["kvcache-aware"], id="kvcache"
-        ),
-        pytest.param(
-            ["lora-affinity", "least-request"],
-            [],
-            ["least-request"],
-            [],
-            ["lora-affinity"],
-            id="lora-affinity-filter",
-        ),
         pytest.param(["no-such-filter"], [], [], [], ["no-such-filter"], id="unknown-filter"),
         *(
             pytest.param([name], [], [], [], [name], id=f"{name}-is-no-filter")
-            for name in ("prefix-cache", "gpu-usage", "least-latency", "cost-aware")
+            for name in (
+                "prefix-cache",
+                "gpu-usage",
+                "least-latency",
+                "cost-aware",
+                "random",
+                "kvcache-aware",
+            )
         ),
     ],
 )

@@ -53,6 +53,25 @@ there, and the margin), early while its history is short. Moving makes the new p
 hold its longest prefix, so it does not move back unless the other pod becomes the
 crowded one (``extproc_sessions_moved_total``, and the tokens the moves prefill).
 
+LoRA adapters: a request for an adapter (a model some pod lists among its ``adapters``)
+waits on a pod where the adapter is not active for it to be loaded, and, where every
+slot is taken, for a slot to free (vLLM's ``vllm:lora_requests_info``: ``PodMetrics.lora``;
+the states as ``scheduling.plugins.lora_rows`` tells them). Every pod's cost then gets,
+last::
+
+    lora_ms = 0                                           active (requests running with it)
+            | loraLoadMs                                  a free slot, or no LoRA metric
+            | loraLoadMs + loraSlotWaitMs                 slots full, the adapter queued there
+            | loraLoadMs + loraSlotWaitMs * (1 + queued)  slots full with other adapters
+
+where ``queued`` is the adapters queued there for a slot ahead of it (waiting, none of
+their requests running): each takes a freed slot first. A queued adapter is not yet
+loaded, so the request still waits for its load (the requests queued with it, which
+will pay it, are the queue term's), but for one slot only. A pod without the metric is
+taken to have a free slot (it lists the adapter, so it can load it). A term that is the
+same on every candidate changes no score and is left out; a request for a base model has
+none.
+
 ``score = floor(100 * (max_cost - cost) / (max_cost - min_cost))`` (all 100 when
 equal). Ties are the scheduler's (least loaded first).
 
@@ -97,7 +116,7 @@ from prometheus_client import Counter, Gauge
 
 from extproc.kernels import ttft_costs
 from extproc.kernels.pure import Prices
-from extproc.pods import Pod, PodId
+from extproc.pods import LoraSlots, Pod, PodId
 from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PrefixIndex
 from extproc.scheduling.args import ZERO_UP, arg, load_args
@@ -113,6 +132,15 @@ from extproc.scheduling.interfaces import (
 )
 from extproc.scheduling.plugins.adopt import same_geometry
 from extproc.scheduling.plugins.arrivals import Arrivals
+from extproc.scheduling.plugins.lora_rows import (
+    ACTIVE,
+    FREE,
+    UNKNOWN,
+    WAITING,
+    is_adapter,
+    queued_adapters,
+    state,
+)
 from extproc.scheduling.plugins.pod_work import pod_work, work_terms
 from extproc.scheduling.plugins.prefix_metrics import prefix_cache_metrics
 from extproc.scheduling.plugins.prefix_rows import match_lengths, per_row
@@ -167,6 +195,23 @@ class EstimatedTTFTArgs:
     )
     sessionIdleS: float = arg(
         120.0, "Seconds after its latest request a session stops counting as live."
+    )
+    # Estimated, not measured here: vLLM reads a small adapter (rank 16 on a 7-8B model,
+    # ~30 MB) from local disk into a GPU slot in the order of 100 ms (from its CPU cache
+    # of adapters, a few ms); measure the pods' own and set it.
+    loraLoadMs: float = arg(
+        100.0,
+        "Milliseconds a pod takes to load a LoRA adapter that is not active there "
+        "(0: adapters ignored).",
+        within=ZERO_UP,
+    )
+    # A slot frees when the last running request of one adapter ends: a few hundred
+    # tokens of decode at 20-40 ms each, about a second.
+    loraSlotWaitMs: float = arg(
+        1000.0,
+        "Milliseconds a request for an adapter waits for a slot, per adapter ahead of it, "
+        "on a pod whose adapter slots are all taken.",
+        within=ZERO_UP,
     )
 
 
@@ -242,6 +287,15 @@ class Written:
         with self._lock:
             self._pods = {pod: v for pod, v in self._pods.items() if pod in keep}
             self._rows = None
+
+
+def _min_max_scores(costs: npt.NDArray[np.float64]) -> Scores:
+    """The cheapest 100, the dearest 0 (``kernels.ttft_costs``'s rule)."""
+    lo, hi = costs.min(), costs.max()
+    if hi == lo:
+        return np.full(len(costs), 100, dtype=np.int64)
+    scores: Scores = (100 * (hi - costs) / (hi - lo)).astype(np.int64)
+    return scores
 
 
 class PromptLength(NamedTuple):
@@ -484,7 +538,46 @@ class EstimatedTTFT:
                     estimates[pod] = min(est - a.affinityMarginMs, est / a.affinityRatio)
         for pod, ms in self.session_ms(cycle, estimates).items():
             estimates[pod] += ms
+        lora = self.lora_ms(cycle, pods)
+        if lora is not None and len(set(lora.values())) > 1:
+            for pod, ms in lora.items():
+                estimates[pod] += ms
         return estimates
+
+    def lora_ms(self, cycle: Cycle, pods: Sequence[Pod]) -> dict[PodId, float] | None:
+        """Each pod's ``lora_ms`` (module doc); None for a base model's request, or when
+        ``loraLoadMs`` is 0."""
+        adapter = cycle.request.model
+        if self.args.loraLoadMs <= 0 or not any(adapter in p.adapters for p in pods):
+            return None
+        return {p.id: self._pod_lora_ms(p.metrics.lora, adapter) for p in pods}
+
+    def _pod_lora_ms(self, slots: LoraSlots | None, adapter: str) -> float:
+        a = self.args
+        at = state(slots, adapter)
+        if at == ACTIVE:
+            return 0.0
+        if at in (FREE, UNKNOWN):
+            return a.loraLoadMs
+        slots_ahead = 1 if at == WAITING else 1 + queued_adapters(slots)
+        return a.loraLoadMs + a.loraSlotWaitMs * slots_ahead
+
+    def _lora_rows(
+        self, cycle: Cycle, table: PodTable, positions: Positions
+    ) -> npt.NDArray[np.float64] | None:
+        """``lora_ms`` per row of ``positions``, from a column computed once per snapshot
+        and adapter; None where ``lora_ms`` is."""
+        adapter = cycle.request.model
+        if self.args.loraLoadMs <= 0 or not is_adapter(table, adapter):
+            return None
+
+        def column() -> npt.NDArray[np.float64]:
+            slots = (p.metrics.lora for p in table.pods)
+            ms = (self._pod_lora_ms(s, adapter) for s in slots)
+            return np.fromiter(ms, np.float64, len(table))
+
+        lora_column: npt.NDArray[np.float64] = table.memo((self, "lora_ms", adapter), column)
+        return lora_column[positions]
 
     def explain(self, cycle: Cycle, pods: Sequence[Pod]) -> list[PodTerms]:
         """``Explainer``: each pod's terms of ``cost`` (module doc), in ms and tokens, as
@@ -510,6 +603,7 @@ class EstimatedTTFT:
         longest = max(held.values(), default=0)
         affine = longest > 0 and longest / max(1, length.units) >= a.affinityMinMatch
         sessions = self.session_ms(cycle, base)
+        lora = self.lora_ms(cycle, pods) or {}
         out = []
         for pod_id, terms in base.items():
             est = terms["est_ms"] + write.get(pod_id, 0.0)
@@ -519,7 +613,8 @@ class EstimatedTTFT:
             terms["write_ms"] = write.get(pod_id, 0.0)
             terms["affinity"] = float(has_affinity)
             terms["session_ms"] = sessions.get(pod_id, 0.0)
-            terms["cost_ms"] = est + terms["session_ms"]
+            terms["lora_ms"] = lora.get(pod_id, 0.0)
+            terms["cost_ms"] = est + terms["session_ms"] + terms["lora_ms"]
             out.append(PodTerms(pod_id, terms))
         return out
 
@@ -605,6 +700,10 @@ class EstimatedTTFT:
             costs,
             scores,
         )
+        lora = self._lora_rows(cycle, table, positions)
+        if lora is not None and len(lora) > 1 and np.ptp(lora) > 0:
+            costs += lora
+            scores = _min_max_scores(costs)
         cycle.uncached_rows.append(RowValues(table, positions, uncached))
         return costs, scores, int(blocks.max(initial=0))
 

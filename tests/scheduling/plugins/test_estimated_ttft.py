@@ -277,7 +277,7 @@ def body(question: str, prefix: str = PROMPT) -> bytes:
 
 
 def ttft_plugin(router: Router) -> EstimatedTTFT:
-    (ws,) = router.scheduler.scorers
+    ws = router.scheduler.scorers[0]  # the default's first score (then lora-affinity)
     assert isinstance(ws.scorer, EstimatedTTFT)
     return ws.scorer
 

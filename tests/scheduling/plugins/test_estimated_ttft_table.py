@@ -1,8 +1,9 @@
 """estimated-ttft's table path (``score_table``: NumPy columns) against its per-pod path
 (``score``: one pod at a time): the same costs, scores, uncached tokens and match ratio, to
 the last bit, on generated tables of pods, in-flight counts, records, arriving prompts and
-conversations (live returning sessions, the request continuing one), alone or with exact
-counts (an ``ExactPrefix`` as precise-prefix-cache's, some pods without an exact view)."""
+conversations (live returning sessions, the request continuing one), requests for a LoRA
+adapter (the pods' adapter slots), alone or with exact counts (an ``ExactPrefix`` as
+precise-prefix-cache's, some pods without an exact view)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from extproc.pods import Pod, PodId, PodMetrics
+from extproc.pods import LoraSlots, Pod, PodId, PodMetrics
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.interfaces import Cycle, ExactMatches, PluginContext
 from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT, EstimatedTTFTArgs
@@ -81,15 +82,31 @@ def prompt_starts() -> st.SearchStrategy[str]:
     return st.builds(lambda p, f: p[: max(1, int(len(p) * f))], whole, st.floats(0.0, 1.0))
 
 
+ADAPTERS = ["m", "a1", "a2", "a3"]
+# A pod's adapter slots: None (no LoRA metric), or adapters running and waiting, max_lora.
+LORA_SLOTS = st.none() | st.builds(
+    LoraSlots,
+    st.frozensets(st.sampled_from(ADAPTERS)),
+    st.frozensets(st.sampled_from(ADAPTERS)),
+    st.integers(0, 4),
+)
+
+
 @st.composite
 def cases(draw: st.DrawFn) -> Case:
     num_pods = draw(st.integers(1, 80))  # past 63: the index's pods span two pages
+    adapter = draw(st.booleans())  # the request's model "m" is a LoRA adapter
     pods = [
         Pod(
             PodId("ns", f"p{i}"),
             f"10.0.0.{i}:8000",
             frozenset({"m"}),
-            metrics=PodMetrics(waiting=draw(st.integers(0, 12)), running=draw(st.integers(0, 40))),
+            adapters=frozenset({"m"}) if adapter else frozenset(),
+            metrics=PodMetrics(
+                waiting=draw(st.integers(0, 12)),
+                running=draw(st.integers(0, 40)),
+                lora=draw(LORA_SLOTS),
+            ),
         )
         for i in range(num_pods)
     ]
@@ -118,6 +135,8 @@ def cases(draw: st.DrawFn) -> Case:
         writtenMs=draw(st.sampled_from([300.0, 0.0]) | ms),
         writtenWindow=draw(st.sampled_from([1000, 1]) | st.integers(2, 10**6)),
         sessionMs=draw(st.sampled_from([150.0, 0.0]) | ms),
+        loraLoadMs=draw(st.sampled_from([100.0, 0.0]) | ms),
+        loraSlotWaitMs=draw(st.sampled_from([1000.0, 0.0]) | ms),
     )
     exact = draw(
         st.none()

@@ -46,7 +46,7 @@ def precise_router() -> Router:
 
 
 def plugins(router: Router) -> tuple[EstimatedTTFT, PrecisePrefixCache]:
-    ttft, precise = (ws.scorer for ws in router.scheduler.scorers)
+    ttft, precise, _lora_affinity = (ws.scorer for ws in router.scheduler.scorers)
     assert isinstance(ttft, EstimatedTTFT) and isinstance(precise, PrecisePrefixCache)
     return ttft, precise
 
