@@ -174,6 +174,7 @@ def check_args(args: argparse.Namespace) -> None:
         ("scrape_interval_s", args.scrape_interval_s > 0, "must be greater than 0"),
         ("scrape_cpu_budget", 0 < args.scrape_cpu_budget <= 1, "must be in (0, 1]"),
         ("scrape_timeout_s", args.scrape_timeout_s > 0, "must be greater than 0"),
+        ("models_interval_s", args.models_interval_s >= 0, "must be 0 (off) or more"),
         ("stale_after_s", args.stale_after_s >= 0, "must be 0 (no scraping) or more"),
         ("drain_s", args.drain_s >= 0, "must be 0 or more"),
         ("session_ttl_s", args.session_ttl_s >= 0, "must be 0 (off) or more"),
@@ -294,6 +295,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
             store,
             interval_s=args.scrape_interval_s,
             timeout_s=args.scrape_timeout_s,
+            models_interval_s=args.models_interval_s,
             cpu_budget=args.scrape_cpu_budget,
             registry=registry,
         )
