@@ -701,7 +701,7 @@ class EstimatedTTFT:
             scores,
         )
         lora = self._lora_rows(cycle, table, positions)
-        if lora is not None and len(lora) > 1 and np.ptp(lora) > 0:
+        if lora is not None and len(lora) > 1 and lora.max() > lora.min():
             costs += lora
             scores = _min_max_scores(costs)
         cycle.uncached_rows.append(RowValues(table, positions, uncached))
