@@ -12,7 +12,11 @@ with peft). Checked:
   block hashes than the base model's: an adapter and its base model share no cache;
 * through Envoy and extproc (the pods file lists each pod's adapters), a request for
   ``a`` goes to the first pod alone, with no fallback, and one for ``b`` may go to both;
-  the same prompt for ``a`` then for the base model finds nothing cached.
+  the same prompt for ``a`` then for the base model finds nothing cached;
+* extproc's scraper (the classes ``extproc serve`` runs) finds each pod's adapters on its
+  ``/v1/models`` when the pods file names only the base model, and reads the running
+  adapter and the slot count from ``vllm:lora_requests_info``; ``extproc serve`` on such
+  a pods file routes ``a`` to the first pod alone once it has read the pages.
 """
 
 from __future__ import annotations
@@ -21,12 +25,14 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import zmq
+from prometheus_client import CollectorRegistry
 from zmq.utils.monitor import recv_monitor_message
 
 from e2e.real_vllm.pods import BLOCK_SIZE, MODEL, VllmPod, start_vllm_pods
@@ -34,6 +40,9 @@ from e2e.real_vllm.prepare import adapter_dir, prepare
 from e2e.real_vllm.support import chat, delta, long_prefix, lora_info, send_recorded, snapshot
 from e2e.support import LIST_HEADER, PREFIX_CONFIG, TRIES_HEADER, answer_says_list_and_tries
 from extproc.datalayer.kv_events import decode_batch
+from extproc.datalayer.scrape import MetricsScraper
+from extproc.datalayer.store import PodStore
+from extproc.pods import Pod
 from extproc.sim.launch import Stack, run_stack
 from testkit.waiting import wait_until
 
@@ -64,10 +73,23 @@ def lora_stack(lora_pods: list[VllmPod]) -> Iterator[Stack]:
         yield s
 
 
+@pytest.fixture(scope="module")
+def base_only_stack(lora_pods: list[VllmPod]) -> Iterator[Stack]:
+    """extproc on a pods file naming only the base model: it finds the adapters itself."""
+    pods = [base_only(p) for p in reversed(lora_pods)]
+    with run_stack(pods, config=PREFIX_CONFIG, envoy_transform=answer_says_list_and_tries) as s:
+        yield s
+
+
 @pytest.fixture
 def client(lora_stack: Stack) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=lora_stack.url, timeout=60) as c:
         yield c
+
+
+def base_only(pod: VllmPod) -> Pod:
+    """``pod`` as a pods file naming its base model alone lists it."""
+    return replace(pod.as_pod(), models=frozenset({MODEL}), adapters=frozenset())
 
 
 def complete(pod: VllmPod, model: str, prompt: str, max_tokens: int = 4) -> dict[str, Any]:
@@ -207,3 +229,52 @@ def test_the_same_prompt_for_an_adapter_then_its_base_model_finds_nothing_cached
     base = {**body, "model": MODEL}
     assert cached_tokens(chat_with(first, base)) == 0
     assert cached_tokens(chat_with(first, base)) >= PREFIX_TOKENS
+
+
+def test_extprocs_scraper_finds_the_adapters_and_reads_the_running_one(
+    lora_pods: list[VllmPod],
+) -> None:
+    first = lora_pods[0]
+    store = PodStore(lambda _: None, stale_after_s=None)
+    store.set_pods([base_only(p) for p in lora_pods])
+    scraper = MetricsScraper(
+        store, interval_s=0.1, registry=CollectorRegistry(), models_interval_s=0.1
+    )
+    worker = threading.Thread(target=complete, args=(first, ONLY_FIRST, long_prefix(), 400))
+    scraper.start()
+    try:
+        served = [frozenset(p.adapters) for p in lora_pods]
+        wait_until(lambda: [p.adapters for p in store.pods] == served, 10, what=lambda: store.pods)
+        assert store.pods[0].models == {MODEL, ONLY_FIRST, ON_BOTH}
+        worker.start()
+
+        def first_running() -> frozenset[str] | None:
+            lora = store.pods[0].metrics.lora
+            return None if lora is None else lora.running
+
+        wait_until(
+            lambda: first_running() == frozenset({ONLY_FIRST}), 30, what=lambda: store.pods[0]
+        )
+        lora = store.pods[0].metrics.lora
+        assert lora is not None and lora.max_lora == 1
+    finally:
+        if worker.is_alive():
+            worker.join(120)
+        scraper.stop()
+
+
+def test_extproc_routes_an_adapter_it_found_on_the_pods_pages(
+    base_only_stack: Stack, lora_pods: list[VllmPod]
+) -> None:
+    first = lora_pods[0]
+    body = chat(long_prefix(), "found?", model=ONLY_FIRST)
+    with httpx.Client(base_url=base_only_stack.url, timeout=60) as client:
+        wait_until(
+            lambda: client.post("/v1/chat/completions", json=body).status_code == 200,
+            20,
+            what="extproc never routed the adapter its pods file does not name",
+        )
+        for i in range(3):
+            question = chat(long_prefix(), f"{i}?", model=ONLY_FIRST)
+            resp = send_recorded(base_only_stack, client, question)
+            assert resp.headers[LIST_HEADER] == first.address
