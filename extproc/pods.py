@@ -11,6 +11,7 @@ from enum import Enum
 from typing import NamedTuple
 
 DEFAULT_NAMESPACE = "default"  # a pod's namespace when its source names none, as Kubernetes'
+RANK_LABEL = "extproc.io/dp-rank"  # a data-parallel rank's index in its pod's ports
 
 
 class PodId(NamedTuple):
@@ -78,6 +79,12 @@ class Pod:
             if k == key:
                 return v
         return None
+
+    @property
+    def rank(self) -> int | None:
+        """Its data-parallel rank (``RANK_LABEL``); None for a pod serving on one port."""
+        value = self.label(RANK_LABEL)
+        return int(value) if value is not None and value.isdigit() else None
 
     def serves(self, model: str) -> bool:
         return model in self.models

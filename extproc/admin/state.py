@@ -108,6 +108,8 @@ def _pod_state(
         "name": pod.id.name,
         "address": pod.address,
         "models": sorted(pod.models),
+        "adapters": sorted(pod.adapters),
+        "rank": pod.rank,
         "role": pod.role.value,
         "ready": pod.ready,
         "load": {

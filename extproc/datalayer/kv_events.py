@@ -38,7 +38,6 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from extproc.datalayer.pods_file import RANK_LABEL
 from extproc.pods import Pod, PodId
 
 log = logging.getLogger("extproc.kv_events")
@@ -310,12 +309,6 @@ class EventsState(NamedTuple):
     restarts: int  # publisher seen starting again from 0
 
 
-def _rank(pod: Pod) -> int:
-    """A data-parallel rank's index (``RANK_LABEL``), 0 for an ordinary pod."""
-    rank = pod.label(RANK_LABEL)
-    return int(rank) if rank and rank.isdigit() else 0
-
-
 class KvEventsSubscriber:
     """Keeps ``index`` up to date from the pods' events until ``stop``."""
 
@@ -393,7 +386,7 @@ class KvEventsSubscriber:
         pods = self._pods
         self._by_address = {p.address: p.id for p in pods}
         self._ip = {p.id: p.address.rsplit(":", 1)[0] for p in pods}
-        self._rank = {p.id: _rank(p) for p in pods}
+        self._rank = {p.id: p.rank or 0 for p in pods}
         self.index.retain_pods(p.id for p in pods)
         for gone in set(self._next_seq) - set(self._ip):
             del self._next_seq[gone]
@@ -415,7 +408,7 @@ class KvEventsSubscriber:
     def _events_port(self, pod: Pod) -> int:
         """The pod's publisher port plus its rank, as vLLM's data-parallel ranks bind."""
         label = pod.label(EVENTS_PORT_LABEL)
-        return (int(label) if label and label.isdigit() else self.settings.port) + _rank(pod)
+        return (int(label) if label and label.isdigit() else self.settings.port) + (pod.rank or 0)
 
     def _drain(self, sock: zmq.Socket[bytes]) -> None:
         pod_of_socket = next((p for p, (s, _) in self._sockets.items() if s is sock), None)

@@ -48,11 +48,10 @@ from typing import Any, NamedTuple
 import yaml
 
 from extproc.errors import ConfigError
-from extproc.pods import DEFAULT_NAMESPACE, Pod, PodId, PodRole
+from extproc.pods import DEFAULT_NAMESPACE, RANK_LABEL, Pod, PodId, PodRole
 
 logger = logging.getLogger(__name__)
 
-RANK_LABEL = "extproc.io/dp-rank"  # a data-parallel rank's index in its pod's ports
 
 _POD_KEYS = frozenset(
     {"name", "namespace", "address", "ports", "models", "adapters", "labels", "role", "ready"}

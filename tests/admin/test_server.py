@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from extproc.admin.server import AdminRequest, AdminResponse, AdminServer, start_admin
 from extproc.cli import build_parser
 from extproc.datalayer.kv_events import EventsSettings, KvEventsSubscriber
+from extproc.datalayer.pods_file import parse_pods
 from extproc.errors import ConfigError
 from extproc.routing.router import Router
 from extproc.scheduling.config import build_scheduler, parse_config
@@ -95,6 +96,27 @@ def test_pods_show_in_flight_then_the_view_after_the_end(admin: AdminServer) -> 
     others = [p for i, p in by_id.items() if i != pick]
     assert all(p["views"]["estimated-ttft"]["last_record_age_s"] is None for p in others)
     assert set(by_id[pick]["load"]) == {"waiting", "running", "kv_usage", "scrape_age_s"}
+
+
+def test_pods_show_their_adapters_and_data_parallel_rank() -> None:
+    ranks = parse_pods(
+        "pods:\n  - {name: dp, address: 127.0.0.1, ports: [8000, 8001], models: [m], "
+        "adapters: [sql-lora]}\n  - {name: one, address: '127.0.0.1:8002', models: [m]}\n",
+        "pods.yaml",
+    )
+    router = Router(make_router().scheduler, ranks, registry=CollectorRegistry())
+    server = AdminServer(router, max_body_bytes=4096)
+    server.start()
+    try:
+        state = {p["id"]: p for p in call(server, "/debug/pods")[1]["pods"]}
+    finally:
+        server.stop()
+    assert [(p["rank"], p["adapters"], p["address"]) for p in state.values()] == [
+        (0, ["sql-lora"], "127.0.0.1:8000"),
+        (1, ["sql-lora"], "127.0.0.1:8001"),
+        (None, [], "127.0.0.1:8002"),
+    ]
+    assert list(state) == ["default/dp-rank-0", "default/dp-rank-1", "default/one"]
 
 
 def test_config_fills_defaults_and_follows_a_swapped_scheduler(admin: AdminServer) -> None:

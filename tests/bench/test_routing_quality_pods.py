@@ -139,7 +139,7 @@ def test_the_lora_workload_runs_alone_on_its_own_pods_with_adapters(tmp_path: Pa
     assert workloads_of("sim", everything) == ["multiturn", "groups"]
     assert workloads_of("vllm", everything) == ["multiturn", "groups"]
     assert workloads_of("sim-lora", everything) == ["lora"]
-    title, setup, start = pod_sets(run_args(["extproc-default"]), tmp_path)["sim-lora"]
+    _title, setup, start = pod_sets(run_args(["extproc-default"]), tmp_path)["sim-lora"]
     assert f"--max-loras {LORA_SLOTS}" in setup and setup.startswith("4 simulated pods")
     with start() as pods:
         assert all(len(p.adapters) == LORA_ADAPTERS for p in pods.pods)

@@ -17,8 +17,7 @@ from extproc.datalayer.k8s_objects import (
     parse_selector,
     pod_warnings,
 )
-from extproc.datalayer.pods_file import RANK_LABEL
-from extproc.pods import Pod, PodId, PodRole
+from extproc.pods import RANK_LABEL, Pod, PodId, PodRole
 from tests.datalayer.fake_kube import inference_pool, k8s_pod
 
 MAPPING = PodMapping()

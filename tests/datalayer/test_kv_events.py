@@ -18,8 +18,7 @@ from extproc.datalayer.kv_events import (
     IndexCollector,
     KvEventsSubscriber,
 )
-from extproc.datalayer.pods_file import RANK_LABEL
-from extproc.pods import Pod, PodId
+from extproc.pods import RANK_LABEL, Pod, PodId
 from extproc.prefix.precise.index import PreciseIndex
 from extproc.prefix.precise.keys import chain_keys
 from extproc.sim.kv_cache import BlockStored, hash_request_tokens

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.datalayer.pods_file import RANK_LABEL, parse_pods
+from extproc.datalayer.pods_file import parse_pods
 from extproc.errors import ConfigError
-from extproc.pods import Pod, PodId
+from extproc.pods import RANK_LABEL, Pod, PodId
 
 _DROP = object()
 
