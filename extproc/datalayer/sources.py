@@ -86,7 +86,8 @@ def add_source_arguments(p: argparse.ArgumentParser, env: Callable[[str, Any], A
         "--inference-pool",
         metavar="NAME",
         default=env("inference-pool", None),
-        help="watch this InferencePool's pods, on its target port (default: none)",
+        help="watch this InferencePool's pods, each of its target ports an endpoint (a "
+        "data-parallel rank) (default: none)",
     )
     g.add_argument(
         "--inference-pool-api",
