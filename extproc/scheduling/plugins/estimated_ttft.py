@@ -196,11 +196,11 @@ class EstimatedTTFTArgs:
     sessionIdleS: float = arg(
         120.0, "Seconds after its latest request a session stops counting as live."
     )
-    # Estimated, not measured here: vLLM reads a small adapter (rank 16 on a 7-8B model,
-    # ~30 MB) from local disk into a GPU slot in the order of 100 ms (from its CPU cache
-    # of adapters, a few ms); measure the pods' own and set it.
+    # 50 ms, the simulated pods' (sim.engine's lora_load_ms): a rank-16 adapter of an 8B
+    # model, ~80 MB of bf16 safetensors read at ~2 GB/s from the page cache, then copied
+    # into the GPU slot. Measure the pods' own and set it.
     loraLoadMs: float = arg(
-        100.0,
+        50.0,
         "Milliseconds a pod takes to load a LoRA adapter that is not active there "
         "(0: adapters ignored).",
         within=ZERO_UP,

@@ -16,7 +16,7 @@ from testkit import estimated_ttft
 from testkit.factories import make_cycle
 
 BASE, ADAPTER = "base", "sql-lora"
-LOAD, SLOT = 100.0, 1000.0
+LOAD, SLOT = 50.0, 1000.0
 
 
 def pod(name: str, lora: LoraSlots | None, *, adapter: bool = True) -> Pod:
