@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from extproc.cli import serve
 from extproc.routing.flow.config import parse_flow_control
+from extproc.routing.rewrites import parse_model_rewrites
 from extproc.scheduling.config import build_scheduler, default_config_text, parse_config
 from testkit.chart import CHART_DIR, GATEWAY_PEERS, MODES, NAMESPACE, find, render
 
@@ -173,13 +174,14 @@ def test_discovery_args_and_least_rbac(mode: str, source_args: list[str], pool_r
                 "resourceNames": [FULLNAME],  # the pool is named after the release
             }
         )
-        expected.append(  # flow control's InferenceObjective priorities
+        expected += [  # flow control's InferenceObjective priorities, and model rewrites
             {
                 "apiGroups": ["inference.networking.x-k8s.io"],
-                "resources": ["inferenceobjectives"],
+                "resources": [resource],
                 "verbs": ["list", "watch"],
             }
-        )
+            for resource in ("inferenceobjectives", "inferencemodelrewrites")
+        ]
     assert rules == expected
     binding = find(docs, "RoleBinding")
     assert binding["subjects"] == [
@@ -332,3 +334,33 @@ def test_the_flow_control_value_becomes_the_configs_section() -> None:
     config = parse_config(text, "chart")
     flow = parse_flow_control(config.flow_control, config.source)
     assert flow.enabled and flow.ttl_s == 30
+
+
+def test_the_model_rewrites_value_becomes_the_configs_section() -> None:
+    """modelRewrites ([] by default: no section) is rendered as the configuration's
+    top-level section, which extproc parses as it would its own file."""
+    assert "modelRewrites" not in yaml.safe_load(
+        find(render(), "ConfigMap", FULLNAME)["data"]["config.yaml"]
+    )
+    rules = [
+        {
+            "matches": [{"model": "food-review"}],
+            "targets": [
+                {"modelRewrite": "food-review-v2", "weight": 90},
+                {"modelRewrite": "food-review-v1", "weight": 10},
+            ],
+        }
+    ]
+    configmap = find(render({"modelRewrites": rules}), "ConfigMap", FULLNAME)
+    config = parse_config(configmap["data"]["config.yaml"], "chart")
+    (rule,) = parse_model_rewrites(config.model_rewrites, config.source)
+    assert [(t.model, t.weight) for t in rule.targets] == [
+        ("food-review-v2", 90),
+        ("food-review-v1", 10),
+    ]
+
+
+def test_extra_target_ports_are_the_pools_data_parallel_ranks() -> None:
+    values = {**MODES["gateway"], "modelServers": {"extraTargetPorts": [8001, 8002]}}
+    pool = find(render(values), "InferencePool")
+    assert pool["spec"]["targetPorts"] == [{"number": n} for n in (8000, 8001, 8002)]

@@ -68,6 +68,9 @@ app.kubernetes.io/component: envoy
 {{- if kindIs "map" .Values.flowControl }}
 {{- $_ := set $config "flowControl" .Values.flowControl }}
 {{- end }}
+{{- if .Values.modelRewrites }}
+{{- $_ := set $config "modelRewrites" .Values.modelRewrites }}
+{{- end }}
 {{ $config | toYaml }}
 {{- end }}
 
