@@ -16,7 +16,9 @@ with peft). Checked:
 * extproc's scraper (the classes ``extproc serve`` runs) finds each pod's adapters on its
   ``/v1/models`` when the pods file names only the base model, and reads the running
   adapter and the slot count from ``vllm:lora_requests_info``; ``extproc serve`` on such
-  a pods file routes ``a`` to the first pod alone once it has read the pages.
+  a pods file routes ``a`` to the first pod alone once it has read the pages;
+* with the ``lora-affinity`` plugin, while ``a`` runs in the first pod's only adapter
+  slot and ``b`` on the second pod, requests for ``b`` go to the second pod.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import tempfile
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -38,7 +41,13 @@ from zmq.utils.monitor import recv_monitor_message
 from e2e.real_vllm.pods import BLOCK_SIZE, MODEL, VllmPod, start_vllm_pods
 from e2e.real_vllm.prepare import adapter_dir, prepare
 from e2e.real_vllm.support import chat, delta, long_prefix, lora_info, send_recorded, snapshot
-from e2e.support import LIST_HEADER, PREFIX_CONFIG, TRIES_HEADER, answer_says_list_and_tries
+from e2e.support import (
+    LIST_HEADER,
+    PREFIX_CONFIG,
+    TRIES_HEADER,
+    answer_says_list_and_tries,
+    metric,
+)
 from extproc.datalayer.kv_events import decode_batch
 from extproc.datalayer.scrape import MetricsScraper
 from extproc.datalayer.store import PodStore
@@ -52,6 +61,18 @@ ONLY_FIRST = "a"  # served by the first pod alone
 ON_BOTH = "b"
 PREFIX_TOKENS = 7 * BLOCK_SIZE  # the full blocks of ``long_prefix()``'s system prompt
 CONNECT_TIMEOUT_MS = 10_000
+AFFINITY_CONFIG = """\
+scheduler:
+  plugins:
+    Filter:
+      enabled: [lora-affinity]
+    Score:
+      enabled:
+        - name: lora-affinity
+          weight: 1
+"""
+SCRAPES = "extproc_scrape_duration_seconds_count"  # one a pod scraped
+LONG_TOKENS = 480  # a few seconds of decoding on CPU, within the pods' max-model-len
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +102,19 @@ def base_only_stack(lora_pods: list[VllmPod]) -> Iterator[Stack]:
         yield s
 
 
+@pytest.fixture(scope="module")
+def affinity_stack(
+    lora_pods: list[VllmPod], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """extproc with lora-affinity alone; the first pod listed first, so a tie-break in its
+    favour cannot hide a miss."""
+    config = tmp_path_factory.mktemp("lora") / "lora-affinity.yaml"
+    config.write_text(AFFINITY_CONFIG)
+    pods = [p.as_pod() for p in lora_pods]
+    with run_stack(pods, config=config, envoy_transform=answer_says_list_and_tries) as s:
+        yield s
+
+
 @pytest.fixture
 def client(lora_stack: Stack) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=lora_stack.url, timeout=60) as c:
@@ -106,6 +140,16 @@ def chat_with(pod: VllmPod, body: dict[str, object]) -> httpx.Response:
     resp = httpx.post(pod.url + "/v1/chat/completions", json=body, timeout=60)
     assert resp.status_code == 200, resp.text
     return resp
+
+
+@contextmanager
+def busy(pod: VllmPod, model: str) -> Iterator[None]:
+    """A long request for ``model`` running on ``pod`` (straight) during the ``with``,
+    answered in full by the end of it."""
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(complete, pod, model, "Count:", LONG_TOKENS)
+        yield
+        assert answer.result(120)["usage"]["completion_tokens"] == LONG_TOKENS
 
 
 def parents(pod: VllmPod) -> dict[str, str | None]:
@@ -171,14 +215,10 @@ def test_a_pod_serves_its_adapters_lists_them_and_reports_the_running_one(
     answer = complete(first, ONLY_FIRST, prompt)
     assert answer["model"] == ONLY_FIRST
     assert answer["choices"][0]["text"] != complete(first, MODEL, prompt)["choices"][0]["text"]
-    worker = threading.Thread(target=complete, args=(first, ONLY_FIRST, prompt, 400))
-    worker.start()
-    try:
+    with busy(first, ONLY_FIRST):
         wait_until(lambda: running_adapters(first) == ONLY_FIRST, 30, what=first.metrics_text)
         info = lora_info(first.metrics_text())
         assert info is not None and info["max_lora"] == "1"
-    finally:
-        worker.join(120)
     wait_until(lambda: running_adapters(first) == "", 10, what=first.metrics_text)
 
 
@@ -240,26 +280,23 @@ def test_extprocs_scraper_finds_the_adapters_and_reads_the_running_one(
     scraper = MetricsScraper(
         store, interval_s=0.1, registry=CollectorRegistry(), models_interval_s=0.1
     )
-    worker = threading.Thread(target=complete, args=(first, ONLY_FIRST, long_prefix(), 400))
     scraper.start()
     try:
         served = [frozenset(p.adapters) for p in lora_pods]
         wait_until(lambda: [p.adapters for p in store.pods] == served, 10, what=lambda: store.pods)
         assert store.pods[0].models == {MODEL, ONLY_FIRST, ON_BOTH}
-        worker.start()
 
         def first_running() -> frozenset[str] | None:
             lora = store.pods[0].metrics.lora
             return None if lora is None else lora.running
 
-        wait_until(
-            lambda: first_running() == frozenset({ONLY_FIRST}), 30, what=lambda: store.pods[0]
-        )
+        with busy(first, ONLY_FIRST):
+            wait_until(
+                lambda: first_running() == frozenset({ONLY_FIRST}), 30, what=lambda: store.pods[0]
+            )
         lora = store.pods[0].metrics.lora
         assert lora is not None and lora.max_lora == 1
     finally:
-        if worker.is_alive():
-            worker.join(120)
         scraper.stop()
 
 
@@ -278,3 +315,23 @@ def test_extproc_routes_an_adapter_it_found_on_the_pods_pages(
             question = chat(long_prefix(), f"{i}?", model=ONLY_FIRST)
             resp = send_recorded(base_only_stack, client, question)
             assert resp.headers[LIST_HEADER] == first.address
+
+
+def test_lora_affinity_sends_an_adapter_where_it_runs_not_where_another_holds_the_slot(
+    affinity_stack: Stack, lora_pods: list[VllmPod]
+) -> None:
+    """Both pods equally busy (one long request each): only the adapters tell them apart."""
+    first, second = lora_pods
+    with (
+        httpx.Client(base_url=affinity_stack.url, timeout=60) as client,
+        busy(first, ONLY_FIRST),
+        busy(second, ON_BOTH),
+    ):
+        running = [ONLY_FIRST, ON_BOTH]
+        wait_until(lambda: [running_adapters(p) for p in lora_pods] == running, 30)
+        scrapes = metric(affinity_stack, SCRAPES)
+        wait_until(lambda: metric(affinity_stack, SCRAPES) >= scrapes + 2 * len(lora_pods), 10)
+        for i in range(4):
+            body = chat(long_prefix(), f"b {i}?", model=ON_BOTH)
+            resp = send_recorded(affinity_stack, client, body)
+            assert resp.headers[LIST_HEADER].split(",")[0] == second.address
