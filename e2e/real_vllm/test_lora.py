@@ -71,7 +71,7 @@ scheduler:
         - name: lora-affinity
           weight: 1
 """
-SCRAPES = "extproc_scrape_duration_seconds_count"  # one a pod scraped
+SCRAPES = "extproc_scrape_duration_seconds_count"  # +1 for each pod extproc scrapes
 LONG_TOKENS = 480  # a few seconds of decoding on CPU, within the pods' max-model-len
 
 
