@@ -6,6 +6,8 @@
   estimated-ttft cost model), ``kthena`` (``extproc/data/kthena.yaml``, Kthena's default:
   least-request filter, least-request + gpu-usage + least-latency + prefix-cache scores)
   and ``cost-aware`` (``extproc/data/cost-aware.yaml``: Kthena's default plus cost-aware).
+- ``extproc-no-lora-affinity``: the shipped default less its ``lora-affinity`` score, to
+  show what that plugin adds on the ``lora`` workload.
 - ``extproc-default-2-replicas``: the default configuration on two extproc replicas
   behind one Envoy, records in the reply metadata, views shared through a redis-server
   (``testkit.replicas``).
@@ -26,6 +28,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 import extproc as extproc_package
 from bench.bench_pods import PodSet
@@ -95,6 +99,24 @@ def extproc_with(config: Path | None) -> Serve:
         timings = timing_log(log_dir / LOG_NAME)
         with run_stack(pod_set.pods, config=config, envoy_transform=timings) as stack:
             yield stack.url
+
+    return serve
+
+
+def without_score(plugin: str) -> Serve:
+    """Envoy + extproc with the shipped default less the score ``plugin`` (what it adds)."""
+
+    @contextmanager
+    def serve(pod_set: PodSet, log_dir: Path) -> Iterator[str]:
+        config = yaml.safe_load((EXTPROC_DATA / "config.yaml").read_text())
+        scores = config["scheduler"]["plugins"]["Score"]["enabled"]
+        config["scheduler"]["plugins"]["Score"]["enabled"] = [
+            s for s in scores if s["name"] != plugin
+        ]
+        path = log_dir / f"config-without-{plugin}.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        with extproc_with(path)(pod_set, log_dir) as url:
+            yield url
 
     return serve
 
@@ -202,6 +224,7 @@ CONTENDERS: dict[str, Serve] = {
     "extproc-least-request": extproc_with(CONFIGS / "least-request.yaml"),
     "extproc-prefix-cache": extproc_with(CONFIGS / "prefix-cache.yaml"),
     "extproc-default": extproc_with(None),
+    "extproc-no-lora-affinity": without_score("lora-affinity"),
     "extproc-kthena": extproc_with(EXTPROC_DATA / "kthena.yaml"),
     "extproc-cost-aware": extproc_with(EXTPROC_DATA / "cost-aware.yaml"),
     "extproc-default-2-replicas": extproc_replicas(2),

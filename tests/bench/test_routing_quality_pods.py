@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import httpx
 import pytest
+import yaml
 
 from bench.bench_pods import sim_pod_set
 from bench.contenders import CACHE_AWARE, CONTENDERS, ROUND_ROBIN, sglang_argv
@@ -144,3 +146,10 @@ def test_the_lora_workload_runs_alone_on_its_own_pods_with_adapters(tmp_path: Pa
     with start() as pods:
         assert all(len(p.adapters) == LORA_ADAPTERS for p in pods.pods)
         assert [c["adapter_loads"] for c in pods.counters()] == [0.0] * 4
+        with CONTENDERS["extproc-no-lora-affinity"](pods, tmp_path) as url:
+            body = {"model": "lora-3", "prompt": "hello", "max_tokens": 2}
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+        assert sum(c["adapter_loads"] for c in pods.counters()) == 1
+    config = yaml.safe_load((tmp_path / "config-without-lora-affinity.yaml").read_text())
+    scores = config["scheduler"]["plugins"]["Score"]["enabled"]
+    assert [s["name"] for s in scores] == ["estimated-ttft"]
