@@ -23,7 +23,8 @@ $(STAMP): pyproject.toml setup.py extproc/kernels/_compiled.pyx
 
 venv: $(STAMP)
 
-# The real-vLLM tests' own venv and model, and the peer routers, cached in ~/.cache/extproc-e2e.
+# The real-vLLM tests' own venv, model and LoRA adapters, and the peer routers, cached in
+# ~/.cache/extproc-e2e.
 vllm: $(STAMP)
 	$(PY) -m e2e.real_vllm.prepare
 
