@@ -315,7 +315,10 @@ def test_configmap_config_is_extprocs_default_and_loads() -> None:
     assert yaml.safe_load(text) == yaml.safe_load(default_config_text())
     config = parse_config(text, "chart ConfigMap")
     build_scheduler(config, CollectorRegistry())
-    assert [(s.name, s.weight) for s in config.scores] == [("estimated-ttft", 1)]
+    assert [(s.name, s.weight) for s in config.scores] == [
+        ("estimated-ttft", 1),
+        ("lora-affinity", 1),
+    ]
     assert config.filters == ()
 
 
