@@ -159,6 +159,8 @@ class PrecisePrefixCache:
         except ValueError as exc:
             raise ConfigError(f"precise-prefix-cache: {exc}") from None
         self.arrivals = Arrivals()
+        # The pods' LoRA adapters: vLLM keys an adapter's blocks by its name too.
+        self.adapters: frozenset[str] = frozenset()
         registry = ctx.registry
         ratio = shared_metric(  # shared: a reload builds the plugin again
             registry,
@@ -234,7 +236,7 @@ class PrecisePrefixCache:
         if not isinstance(previous, PrecisePrefixCache):
             return False
         old, new = previous.args, self.args
-        self.index = previous.index
+        self.index, self.adapters = previous.index, previous.adapters
         self.index.stale_s = new.staleSeconds
         if new.capacityBlocks != old.capacityBlocks:
             self.index.capacity = new.capacityBlocks  # new pods' views; and the known:
@@ -310,13 +312,16 @@ class PrecisePrefixCache:
         cycle.token_chains.clear()
         return keys
 
-    @staticmethod
-    def _chain(cycle: Cycle, tokens: TokenIds, size: int) -> list[int]:
+    def _chain(self, cycle: Cycle, tokens: TokenIds, size: int) -> list[int]:
         """The token ids' block keys in ``size`` blocks, chained once per decision (the
-        score, the exact counts and the credit read them)."""
+        score, the exact counts and the credit read them); a LoRA adapter's request keyed
+        by the adapter's name, as vLLM keys its blocks."""
         keys = cycle.token_chains.get(size)
         if keys is None:
-            keys = cycle.token_chains[size] = chain_keys(tokens, size, cycle.request.cache_salt)
+            request = cycle.request
+            lora = request.model if request.model in self.adapters else None
+            keys = chain_keys(tokens, size, request.cache_salt, lora)
+            cycle.token_chains[size] = keys
         return keys
 
     def _precise(
@@ -435,6 +440,7 @@ class PrecisePrefixCache:
             self.arrivals.remove(keys, pod)
 
     def pods_changed(self, pods: Sequence[Pod]) -> None:
+        self.adapters = frozenset().union(*(p.adapters for p in pods))
         self.approx.retain_pods(p.id for p in pods)
         self.arrivals.forget_pods({p.id for p in pods})
         self.recorded.retain({p.id for p in pods})

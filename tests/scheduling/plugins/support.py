@@ -10,10 +10,19 @@ from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 BS = 16
 
 
-def store(plugin: PrecisePrefixCache, pod: Pod, ids: Tokens, salt: str | None = None) -> None:
-    """What the pod's engine would publish after serving ``ids``."""
+def store(
+    plugin: PrecisePrefixCache,
+    pod: Pod,
+    ids: Tokens,
+    salt: str | None = None,
+    lora: str | None = None,
+) -> None:
+    """What the pod's engine would publish after serving ``ids`` (for LoRA adapter
+    ``lora``: its blocks' extra keys start with the adapter's name)."""
     tokens = [int(t) for t in ids]  # as the events carry them
     num = len(tokens) // BS
-    extra = [[salt] if salt and i == 0 else None for i in range(num)]
+    extra = [
+        ([lora] if lora else []) + ([salt] if salt and i == 0 else []) or None for i in range(num)
+    ]
     hashes = [hash((pod.id, salt, tuple(tokens[: (i + 1) * BS]))) for i in range(num)]
     plugin.index.stored(pod.id, hashes, None, tokens[: num * BS], BS, extra)

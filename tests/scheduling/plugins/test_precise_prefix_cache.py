@@ -3,6 +3,7 @@ approximate fallbacks (unknown model, untokenizable request, stale pod), configu
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import orjson
@@ -78,6 +79,21 @@ def test_the_salt_isolates_chains() -> None:
     assert plugin.score(cycle(), PODS) == {}
     assert PODS[0].id in plugin.score(cycle(cache_salt="t1"), PODS)
     assert plugin.score(cycle(cache_salt="t2"), PODS) == {}
+
+
+def test_an_adapters_blocks_match_only_its_own_requests() -> None:
+    """vLLM keys a LoRA adapter's blocks by its name: a pod holding the prompt for
+    adapter ``lora-a`` holds nothing for the base model, and the base model's blocks
+    nothing for the adapter."""
+    plugin = make(models={"m": str(MODEL_DIR), "lora-a": str(MODEL_DIR)})
+    pods = [replace(p, models=p.models | {"lora-a"}, adapters=frozenset({"lora-a"})) for p in PODS]
+    plugin.pods_changed(pods)
+    tokens = plugin.prompt_tokens(cycle(model="lora-a"))
+    assert tokens is not None
+    store(plugin, pods[0], tokens, lora="lora-a")
+    store(plugin, pods[1], tokens)  # the base model's
+    assert set(plugin.score(cycle(model="lora-a"), pods)) == {pods[0].id}
+    assert set(plugin.score(cycle(), pods)) == {pods[1].id}
 
 
 @pytest.mark.parametrize(
