@@ -55,8 +55,9 @@ crowded one (``extproc_sessions_moved_total``, and the tokens the moves prefill)
 
 LoRA adapters: a request for an adapter (a model some pod lists among its ``adapters``)
 waits on a pod where the adapter is not active for it to be loaded, and, where every
-slot is taken, for a slot to free (vLLM's ``vllm:lora_requests_info``: ``PodMetrics.lora``;
-the states as ``scheduling.plugins.lora_rows`` tells them). Every pod's cost then gets,
+slot is taken, for a slot to free (vLLM's ``vllm:lora_requests_info``: ``PodMetrics.lora``,
+with the adapters this replica routed to the pod lately counted active; the states as
+``scheduling.plugins.lora_rows`` tells them). Every pod's cost then gets,
 last::
 
     lora_ms = 0                                           active (requests running with it)
@@ -137,8 +138,10 @@ from extproc.scheduling.plugins.lora_rows import (
     FREE,
     UNKNOWN,
     WAITING,
+    RoutedAdapters,
     is_adapter,
     queued_adapters,
+    slots_per_row,
     state,
 )
 from extproc.scheduling.plugins.pod_work import pod_work, work_terms
@@ -348,6 +351,7 @@ class EstimatedTTFT:
         self.recorded = RecordTimes()  # for ``pod_view``
         self.written = Written(args.writtenWindow)
         self.sessions = SessionBook(args.sessionIdleS)
+        self.routed = RoutedAdapters()  # the adapters routed to each pod lately
         registry = ctx.registry  # its metrics are shared: a reload builds it again
         self.sessions_moved = shared_metric(
             registry,
@@ -403,6 +407,7 @@ class EstimatedTTFT:
         self.written.set_window(new.writtenWindow)
         self.sessions = previous.sessions
         self.sessions.idle_s = new.sessionIdleS
+        self.routed = previous.routed
         return kept_view and kept_arrivals
 
     @property
@@ -550,7 +555,7 @@ class EstimatedTTFT:
         adapter = cycle.request.model
         if self.args.loraLoadMs <= 0 or not any(adapter in p.adapters for p in pods):
             return None
-        return {p.id: self._pod_lora_ms(p.metrics.lora, adapter) for p in pods}
+        return {p.id: self._pod_lora_ms(self.routed.slots(p), adapter) for p in pods}
 
     def _pod_lora_ms(self, slots: LoraSlots | None, adapter: str) -> float:
         a = self.args
@@ -571,13 +576,11 @@ class EstimatedTTFT:
         if self.args.loraLoadMs <= 0 or not is_adapter(table, adapter):
             return None
 
-        def column() -> npt.NDArray[np.float64]:
-            slots = (p.metrics.lora for p in table.pods)
-            ms = (self._pod_lora_ms(s, adapter) for s in slots)
-            return np.fromiter(ms, np.float64, len(table))
-
-        lora_column: npt.NDArray[np.float64] = table.memo((self, "lora_ms", adapter), column)
-        return lora_column[positions]
+        column = slots_per_row(
+            table, self.routed, lambda s: self._pod_lora_ms(s, adapter), np.float64
+        )
+        rows: npt.NDArray[np.float64] = column[positions]
+        return rows
 
     def explain(self, cycle: Cycle, pods: Sequence[Pod]) -> list[PodTerms]:
         """``Explainer``: each pod's terms of ``cost`` (module doc), in ms and tokens, as
@@ -742,6 +745,7 @@ class EstimatedTTFT:
         self.written.add(pod, cycle.num_prefill_tokens(pod))
         if len(keys):
             self.arrivals.add(keys, pod)
+        self.routed.arriving(cycle.request.model, pod)
         placed = self.sessions.place(self._session_prompt(cycle), pod, cycle.session_found)
         if placed.moved_from is not None and cycle.num_prompt_bytes > 0:  # ours, not a replica's
             self.sessions_moved.inc()
@@ -760,3 +764,4 @@ class EstimatedTTFT:
         self.written.forget_pods(ids)
         self.sessions.forget_pods(ids)
         self.recorded.retain(ids)
+        self.routed.pods_changed(pods)

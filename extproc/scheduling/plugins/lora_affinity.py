@@ -16,8 +16,8 @@ filter; the Gateway API Inference Extension's scorer).
   plugin changes no base-model decision; a pod whose page has no LoRA metric scores 80
   for an adapter, as one with a free slot (a pod listing the adapter can load it).
 
-No arguments. The scores of a snapshot are computed once per adapter and reused by every
-request for it (``PodTable.memo``).
+No arguments. The adapters this replica routed to each pod lately count as active there
+(``lora_rows.RoutedAdapters``): vLLM's metric names only those with requests in flight.
 """
 
 from __future__ import annotations
@@ -29,7 +29,15 @@ import numpy as np
 
 from extproc.pods import Pod, PodId
 from extproc.scheduling.interfaces import Cycle, PluginContext, Scores
-from extproc.scheduling.plugins.lora_rows import ACTIVE, FREE, FULL, UNKNOWN, WAITING, lora_states
+from extproc.scheduling.plugins.lora_rows import (
+    ACTIVE,
+    FREE,
+    FULL,
+    UNKNOWN,
+    WAITING,
+    RoutedAdapters,
+    lora_states,
+)
 from extproc.scheduling.podtable import PodTable, Positions
 
 BASE_MODEL_SCORE = 100  # nothing to load: every pod alike
@@ -44,9 +52,27 @@ class LoraAffinity:
     type_name: ClassVar[str] = "lora-affinity"
     args_type: ClassVar[None] = None  # no arguments
 
+    def __init__(self) -> None:
+        self.routed = RoutedAdapters()
+
     @classmethod
     def from_args(cls, args: Any, ctx: PluginContext) -> LoraAffinity:
         return cls()
+
+    def adopt(self, previous: object) -> bool:
+        """``Reloadable``: the adapters routed lately are kept."""
+        if isinstance(previous, LoraAffinity):
+            self.routed = previous.routed
+        return True
+
+    def arriving(self, cycle: Cycle, pod: PodId) -> None:
+        self.routed.arriving(cycle.request.model, pod)
+
+    def settled(self, cycle: Cycle, pod: PodId) -> None:
+        """Nothing to take back: the adapter stays in its slot after the request."""
+
+    def pods_changed(self, pods: Sequence[Pod]) -> None:
+        self.routed.pods_changed(pods)
 
     def filter(self, cycle: Cycle, pods: Sequence[Pod]) -> Sequence[Pod]:
         model = cycle.request.model
@@ -61,7 +87,7 @@ class LoraAffinity:
         return dict(zip(table.ids, scores.tolist(), strict=True))
 
     def score_table(self, cycle: Cycle, table: PodTable, positions: Positions) -> Scores:
-        states = lora_states(table, cycle.request.model)
+        states = lora_states(table, cycle.request.model, self.routed)
         if states is None:
             return np.full(len(positions), BASE_MODEL_SCORE, dtype=np.int64)
         scores: Scores = SCORE_BY_STATE[states[positions]]
