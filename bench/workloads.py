@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -143,26 +143,11 @@ def multi_turn(
 ) -> list[TimedRequest]:
     """Chat sessions starting at ``rate`` per second; each turn re-sends the whole history
     (a short shared system prompt, earlier questions and fixed assistant answers)."""
-    rng = random.Random(seed)
     system = words(7, system_tokens * BYTES_PER_TOKEN)
-    out: list[TimedRequest] = []
-    start = 0.0
-    for s in range(sessions):
-        start += rng.expovariate(rate)
-        messages = [{"role": "system", "content": system}]
-        at = start
-        for turn in range(turns):
-            seed_s = s * 1000 + turn
-            messages = [
-                *messages,
-                {"role": "user", "content": words(seed_s, turn_tokens * BYTES_PER_TOKEN)},
-            ]
-            max_tokens = rng.randint(4, sizing.max_output_tokens)
-            out.append(_chat(sizing, at, messages, max_tokens, session=s))
-            answer = words(seed_s + 500, turn_tokens * BYTES_PER_TOKEN // 2)
-            messages = [*messages, {"role": "assistant", "content": answer}]
-            at += rng.expovariate(1 / think_s)
-    return sorted(out, key=lambda r: r.at_s)
+    return _chats(
+        random.Random(seed), lambda _rng: (sizing, system), sessions=sessions, turns=turns,
+        rate=rate, think_s=think_s, turn_tokens=turn_tokens, words_seed=0,
+    )  # fmt: skip
 
 
 def adapter_names(num_adapters: int) -> list[str]:
@@ -186,27 +171,49 @@ def lora_sessions(
     """Multi-turn chats, each for one LoRA adapter (its ``model``), adapters chosen with
     Zipf popularity (``zipf_s``): a few adapters busy, a long tail seldom asked for. Each
     adapter's chats share its own system prompt; each turn re-sends the history."""
-    rng = random.Random(seed)
     names = adapter_names(adapters)
     weights = [1 / (k + 1) ** zipf_s for k in range(adapters)]
     systems = [words(30_000 + k, system_tokens * BYTES_PER_TOKEN) for k in range(adapters)]
+
+    def opening(rng: random.Random) -> tuple[Sizing, str]:
+        (adapter,) = rng.choices(range(adapters), weights)
+        return replace(sizing, model=names[adapter]), systems[adapter]
+
+    return _chats(
+        random.Random(seed), opening, sessions=sessions, turns=turns, rate=rate,
+        think_s=think_s, turn_tokens=turn_tokens, words_seed=40_000,
+    )  # fmt: skip
+
+
+def _chats(
+    rng: random.Random,
+    opening: Callable[[random.Random], tuple[Sizing, str]],
+    *,
+    sessions: int,
+    turns: int,
+    rate: float,
+    think_s: float,
+    turn_tokens: int,
+    words_seed: int,
+) -> list[TimedRequest]:
+    """Chats starting at ``rate`` per second, each opened by ``opening`` (its sizing, with
+    the model, and its system prompt); each turn re-sends the history with a new question
+    (words seeded from ``words_seed``) and a fixed answer, after a think time."""
     out: list[TimedRequest] = []
     start = 0.0
     for s in range(sessions):
         start += rng.expovariate(rate)
-        (adapter,) = rng.choices(range(adapters), weights)
-        adapter_sizing = Sizing(sizing.scale, sizing.max_prompt_tokens,
-                                sizing.max_output_tokens, names[adapter])  # fmt: skip
-        messages = [{"role": "system", "content": systems[adapter]}]
+        sizing, system = opening(rng)
+        messages = [{"role": "system", "content": system}]
         at = start
         for turn in range(turns):
-            seed_s = 40_000 + s * 1000 + turn
+            seed_s = words_seed + s * 1000 + turn
             messages = [
                 *messages,
                 {"role": "user", "content": words(seed_s, turn_tokens * BYTES_PER_TOKEN)},
             ]
             max_tokens = rng.randint(4, sizing.max_output_tokens)
-            out.append(_chat(adapter_sizing, at, messages, max_tokens, session=s))
+            out.append(_chat(sizing, at, messages, max_tokens, session=s))
             answer = words(seed_s + 500, turn_tokens * BYTES_PER_TOKEN // 2)
             messages = [*messages, {"role": "assistant", "content": answer}]
             at += rng.expovariate(1 / think_s)
