@@ -118,15 +118,15 @@ captured.close()
 """
 
 
+def python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``code`` run by this Python in a process of its own (its output captured)."""
+    argv = [sys.executable, "-c", code]
+    return subprocess.run(argv, check=True, capture_output=True, text=True, timeout=60, env=env)
+
+
 def test_with_json_logs_what_reaches_stderr_outside_logging_is_a_record_too() -> None:
     """gRPC's C core writes its own lines to fd 2 (a CI run once found one in JSON logs)."""
-    done = subprocess.run(
-        [sys.executable, "-c", OUTSIDE_LOGGING],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = python(OUTSIDE_LOGGING)
     records = [orjson.loads(line) for line in done.stderr.splitlines()]  # all JSON
     by_message = {r["message"]: r for r in records}
     goaway = by_message["Got goaway [2]"]
@@ -146,15 +146,7 @@ def test_the_command_quiets_grpc_core_info_lines_unless_the_operator_set_it() ->
 
     def verbosity(env: dict[str, str]) -> str:
         clean = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
-        done = subprocess.run(
-            [sys.executable, "-c", code],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env={**clean, **env},
-        )
-        return done.stdout.splitlines()[-1]
+        return python(code, {**clean, **env}).stdout.splitlines()[-1]
 
     assert verbosity({}) == "ERROR"
     assert verbosity({"GRPC_VERBOSITY": "DEBUG"}) == "DEBUG"
