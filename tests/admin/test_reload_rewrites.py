@@ -15,21 +15,13 @@ from extproc.admin.state import config_state
 from extproc.routing.rewrites import parse_model_rewrites
 from extproc.routing.router import Router
 from extproc.scheduling.config import build_scheduler, config_text, parse_config
-from testkit.factories import make_pod
+from testkit.factories import PREFIX_ONLY, make_pod
 
 PODS = [make_pod("v1", model="m-v1", port=8001), make_pod("v2", model="m-v2", port=8002)]
-BASE = """
-scheduler:
-  plugins:
-    Score:
-      enabled:
-        - name: prefix-cache
-          weight: 1
-"""
 
 
 def with_rule(target: str, weight: object = 1) -> str:
-    return BASE + (
+    return PREFIX_ONLY + (
         f"modelRewrites:\n  - matches: [{{model: m}}]\n"
         f"    targets: [{{modelRewrite: {target}, weight: {weight}}}]\n"
     )
@@ -58,7 +50,7 @@ def routed_to(router: Router) -> str:
     [
         (with_rule("m-v3"), "no known pod serves the target 'm-v3'"),
         (with_rule("m-v2", -1), "weight must be an integer from 0 to 1000000, got -1"),
-        (BASE + "modelRewrites: {m: m-v2}\n", "modelRewrites must be a list of rules"),
+        (PREFIX_ONLY + "modelRewrites: {m: m-v2}\n", "modelRewrites must be a list of rules"),
     ],
 )
 def test_a_bad_rule_is_refused_and_a_good_one_applied(
