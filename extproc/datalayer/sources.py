@@ -223,18 +223,8 @@ def make_objectives_watcher(
     args: argparse.Namespace, on_change: Callable[[Mapping[str, int]], object]
 ) -> InferenceObjectiveWatcher | None:
     """With an InferencePool, the watcher of its InferenceObjectives' priorities (not
-    started); None otherwise (the chart grants their RBAC only with a pool)."""
-    if not args.inference_pool:
-        return None
-    config = load_kube_config(args.kubeconfig, args.kube_context)
-    return InferenceObjectiveWatcher(
-        config,
-        on_change,
-        namespace=args.k8s_namespace or config.namespace,
-        pool=args.inference_pool,
-        api=args.inference_objective_api,
-        timing=WatchTiming(start_timeout_s=args.k8s_start_timeout_s),
-    )
+    started); None otherwise."""
+    return InferenceObjectiveWatcher.of_pool(args, on_change, api=args.inference_objective_api)
 
 
 def describe_source(args: argparse.Namespace) -> str:

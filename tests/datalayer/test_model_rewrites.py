@@ -4,27 +4,18 @@ oldest first, malformed objects left out, a missing CRD."""
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from lightkube.config.kubeconfig import KubeConfig, SingleConfig
-from lightkube.config.models import Cluster
 
-from extproc.datalayer.k8s import WatchTiming
 from extproc.datalayer.model_rewrites import ModelRewriteWatcher, Published, WatchedRewrite
+from tests.datalayer import crd_watching
+from tests.datalayer.crd_watching import Recorder
 from tests.datalayer.fake_kube import FakeKube
 
 REWRITES = "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/ns/inferencemodelrewrites"
-FAST = WatchTiming(
-    start_timeout_s=3.0,
-    request_timeout_s=2.0,
-    watch_timeout_s=30.0,
-    backoff_initial_s=0.01,
-    backoff_max_s=0.05,
-)
 
 
 def rewrite(name: str, target: str, created: str, pool: str | None = "pool") -> dict[str, Any]:
@@ -46,24 +37,6 @@ def watched(*pairs: tuple[str, str]) -> tuple[WatchedRewrite, ...]:
     )
 
 
-class Seen:
-    def __init__(self) -> None:
-        self.published: list[Published] = []
-        self._cond = threading.Condition()
-
-    def __call__(self, published: Published) -> None:
-        with self._cond:
-            self.published.append(published)
-            self._cond.notify_all()
-
-    def wait(self, expected: Published, timeout_s: float = 5.0) -> None:
-        with self._cond:
-            if not self._cond.wait_for(
-                lambda: bool(self.published) and self.published[-1] == expected, timeout_s
-            ):
-                raise AssertionError(f"expected {expected}, published {self.published}")
-
-
 @pytest.fixture
 def kube() -> Iterator[FakeKube]:
     with FakeKube() as fake:
@@ -71,16 +44,9 @@ def kube() -> Iterator[FakeKube]:
 
 
 @contextmanager
-def watching(kube: FakeKube) -> Iterator[Seen]:
-    config = KubeConfig.from_one(cluster=Cluster(server=kube.url), namespace="ns").get()
-    assert isinstance(config, SingleConfig)
-    seen = Seen()
-    watcher = ModelRewriteWatcher(config, seen, namespace="ns", pool="pool", timing=FAST)
-    watcher.start()
-    try:
+def watching(kube: FakeKube) -> Iterator[Recorder[Published]]:
+    with crd_watching.watching(kube, ModelRewriteWatcher, pool="pool") as (_, seen):
         yield seen
-    finally:
-        watcher.stop()
 
 
 def test_the_pools_rewrites_oldest_first_then_followed(kube: FakeKube) -> None:
@@ -88,7 +54,7 @@ def test_the_pools_rewrites_oldest_first_then_followed(kube: FakeKube) -> None:
     kube.put(REWRITES, rewrite("older", "a", "2026-01-01T00:00:00Z"))
     kube.put(REWRITES, rewrite("theirs", "c", "2025-01-01T00:00:00Z", pool="other"))
     with watching(kube) as seen:
-        assert seen.published == [watched(("older", "a"), ("newer", "b"))]
+        assert seen.calls == [watched(("older", "a"), ("newer", "b"))]
         kube.wait_for_watches(1)
         kube.put(REWRITES, rewrite("theirs", "c", "2025-01-01T00:00:00Z"))  # moves here
         seen.wait(watched(("theirs", "c"), ("older", "a"), ("newer", "b")))
@@ -102,7 +68,7 @@ def test_an_object_without_a_pool_is_left_out_with_one_warning(
     kube.put(REWRITES, rewrite("ok", "a", "2026-01-01T00:00:00Z"))
     kube.put(REWRITES, rewrite("poolless", "b", "2026-01-01T00:00:00Z", pool=None))
     with caplog.at_level(logging.WARNING, "extproc.datalayer"), watching(kube) as seen:
-        assert seen.published == [watched(("ok", "a"))]
+        assert seen.calls == [watched(("ok", "a"))]
         kube.wait_for_watches(1)
         kube.put(REWRITES, rewrite("later", "c", "2026-03-01T00:00:00Z"))
         seen.wait(watched(("ok", "a"), ("later", "c")))
@@ -113,5 +79,5 @@ def test_a_missing_crd_is_no_rules_until_it_appears(kube: FakeKube) -> None:
     kube.put(REWRITES, rewrite("a", "x", "2026-01-01T00:00:00Z"))
     kube.fail_next(404, 404, 404)
     with watching(kube) as seen:
-        assert seen.published == [()]
+        assert seen.calls == [()]
         seen.wait(watched(("a", "x")))

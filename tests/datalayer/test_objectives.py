@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from lightkube.config.kubeconfig import KubeConfig, SingleConfig
-from lightkube.config.models import Cluster
 
 from extproc.datalayer.k8s import WatchTiming
 from extproc.datalayer.objectives import (
@@ -21,42 +17,10 @@ from extproc.datalayer.objectives import (
 )
 from extproc.errors import ConfigError
 from testkit.waiting import wait_until
+from tests.datalayer.crd_watching import FAST, server_config, watching
 from tests.datalayer.fake_kube import FakeKube, inference_objective
 
 OBJECTIVES = "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/ns/inferenceobjectives"
-FAST = WatchTiming(
-    start_timeout_s=3.0,
-    request_timeout_s=2.0,
-    watch_timeout_s=30.0,
-    backoff_initial_s=0.01,
-    backoff_max_s=0.05,
-)
-
-
-def server_config(url: str) -> SingleConfig:
-    config = KubeConfig.from_one(cluster=Cluster(server=url), namespace="ns").get()
-    assert config is not None
-    return config
-
-
-class Published:
-    """Records ``on_change`` calls; ``wait`` blocks until the latest map is the expected one."""
-
-    def __init__(self) -> None:
-        self.maps: list[Mapping[str, int]] = []
-        self._cond = threading.Condition()
-
-    def __call__(self, priorities: Mapping[str, int]) -> None:
-        with self._cond:
-            self.maps.append(priorities)
-            self._cond.notify_all()
-
-    def wait(self, expected: dict[str, int], timeout_s: float = 5.0) -> None:
-        with self._cond:
-            if not self._cond.wait_for(
-                lambda: bool(self.maps) and self.maps[-1] == expected, timeout_s
-            ):
-                raise AssertionError(f"expected {expected}, published {self.maps}")
 
 
 @pytest.fixture
@@ -65,28 +29,12 @@ def kube() -> Iterator[FakeKube]:
         yield fake
 
 
-@contextmanager
-def watching(
-    kube: FakeKube, **kwargs: Any
-) -> Iterator[tuple[InferenceObjectiveWatcher, Published]]:
-    published = Published()
-    watcher = InferenceObjectiveWatcher(
-        server_config(kube.url), published, namespace="ns", timing=FAST, **kwargs
-    )
-    watcher.start()
-    try:
-        yield watcher, published
-    finally:
-        watcher.stop()
-        assert not [t for t in threading.enumerate() if t.name.startswith("k8s-watch:")]
-
-
 def test_start_lists_then_follows_changes(kube: FakeKube) -> None:
     kube.put(OBJECTIVES, inference_objective("critical", 100))
     kube.put(OBJECTIVES, inference_objective("unset"))  # no priority: 0
-    with watching(kube, pool="pool") as (watcher, published):
-        assert published.maps == [{"critical": 100, "unset": 0}]
-        assert watcher.priorities == {"critical": 100, "unset": 0}
+    with watching(kube, InferenceObjectiveWatcher, pool="pool") as (watcher, published):
+        assert published.calls == [{"critical": 100, "unset": 0}]
+        assert watcher.published == {"critical": 100, "unset": 0}
         assert kube.requests_of("list")[0].path == OBJECTIVES
         kube.wait_for_watches(1)
         kube.put(OBJECTIVES, inference_objective("sheddable", -1))
@@ -104,15 +52,15 @@ def test_only_the_pools_objectives_count(kube: FakeKube) -> None:
     several = inference_objective("several", 30, pool=None)
     several["spec"]["poolRefs"] = [{"name": "other"}, {"name": "pool"}]
     kube.put(OBJECTIVES, several)
-    with watching(kube, pool="pool") as (_, published):
-        assert published.maps == [{"mine": 10, "several": 30}]
+    with watching(kube, InferenceObjectiveWatcher, pool="pool") as (_, published):
+        assert published.calls == [{"mine": 10, "several": 30}]
         kube.wait_for_watches(1)
         kube.put(OBJECTIVES, inference_objective("mine", 10, pool="other"))  # moves away
         published.wait({"several": 30})
         kube.put(OBJECTIVES, inference_objective("theirs", 20))  # moves here
         published.wait({"several": 30, "theirs": 20})
-    with watching(kube) as (watcher, _):  # no pool: the whole namespace
-        assert watcher.priorities == {"mine": 10, "several": 30, "theirs": 20}
+    with watching(kube, InferenceObjectiveWatcher) as (watcher, _):  # no pool: the whole namespace
+        assert watcher.published == {"mine": 10, "several": 30, "theirs": 20}
 
 
 def test_a_malformed_objective_is_skipped_with_one_warning(
@@ -123,12 +71,12 @@ def test_a_malformed_objective_is_skipped_with_one_warning(
     kube.put(OBJECTIVES, inference_objective("fraction", 1.5))
     with (
         caplog.at_level(logging.WARNING, "extproc.datalayer"),
-        watching(kube, pool="pool") as (
+        watching(kube, InferenceObjectiveWatcher, pool="pool") as (
             _,
             published,
         ),
     ):
-        assert published.maps == [{"ok": 1}]
+        assert published.calls == [{"ok": 1}]
         kube.wait_for_watches(1)
         kube.put(OBJECTIVES, inference_objective("flag", True))
         kube.put(OBJECTIVES, inference_objective("later", 2))
@@ -180,7 +128,7 @@ def test_an_objective_of_another_pool_is_not_checked() -> None:
 @pytest.mark.parametrize("abrupt", [False, True], ids=["server-ends", "dropped"])
 def test_watch_resumes_after_the_server_drops_it(kube: FakeKube, abrupt: bool) -> None:
     kube.put(OBJECTIVES, inference_objective("a", 1))
-    with watching(kube, pool="pool") as (_, published):
+    with watching(kube, InferenceObjectiveWatcher, pool="pool") as (_, published):
         kube.wait_for_watches(1)
         assert kube.drop_watches(abrupt=abrupt) == 1
         kube.put(OBJECTIVES, inference_objective("b", 2))  # during the gap or after: not lost
@@ -197,13 +145,13 @@ def test_a_missing_crd_is_no_objectives_until_it_appears(
     started_s = time.monotonic()
     with (
         caplog.at_level(logging.WARNING, "extproc.datalayer"),
-        watching(kube) as (
+        watching(kube, InferenceObjectiveWatcher) as (
             _,
             published,
         ),
     ):
         assert time.monotonic() - started_s < FAST.start_timeout_s
-        assert published.maps == [{}]
+        assert published.calls == [{}]
         published.wait({"a": 1})  # the CRD is served now
         kube.wait_for_watches(1)
         kube.put(OBJECTIVES, inference_objective("b", 2))
@@ -216,7 +164,7 @@ def test_start_fails_when_forbidden(kube: FakeKube) -> None:
     kube.fail_next(*[403] * 200)
     timing = WatchTiming(start_timeout_s=0.3, backoff_initial_s=0.01, backoff_max_s=0.05)
     watcher = InferenceObjectiveWatcher(
-        server_config(kube.url), Published(), namespace="ns", timing=timing
+        server_config(kube.url), lambda _: None, namespace="ns", timing=timing
     )
     with pytest.raises(ConfigError, match="within 0.3 s: list InferenceObjectives in ns: 403"):
         watcher.start()
@@ -225,7 +173,7 @@ def test_start_fails_when_forbidden(kube: FakeKube) -> None:
 def test_another_api_version(kube: FakeKube) -> None:
     path = "/apis/example.io/v1/namespaces/ns/inferenceobjectives"
     kube.put(path, inference_objective("a", 3))
-    with watching(kube, api="example.io/v1") as (watcher, _):
-        assert watcher.priorities == {"a": 3}
+    with watching(kube, InferenceObjectiveWatcher, api="example.io/v1") as (watcher, _):
+        assert watcher.published == {"a": 3}
     with pytest.raises(ConfigError, match="group/version"):
-        InferenceObjectiveWatcher(server_config(kube.url), Published(), namespace="ns", api="v1")
+        InferenceObjectiveWatcher(server_config(kube.url), lambda _: None, namespace="ns", api="v1")

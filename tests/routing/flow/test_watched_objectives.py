@@ -14,8 +14,9 @@ from extproc.routing.flow.held import Held
 from extproc.routing.router import Router
 from testkit.factories import PREFIX_ONLY, make_pod, make_scheduler
 from testkit.waiting import wait_until
+from tests.datalayer.crd_watching import FAST, server_config
 from tests.datalayer.fake_kube import FakeKube, inference_objective
-from tests.datalayer.test_objectives import FAST, OBJECTIVES, server_config
+from tests.datalayer.test_objectives import OBJECTIVES
 
 BODY = orjson.dumps({"model": "m", "prompt": "hi"})
 
