@@ -309,8 +309,9 @@ def test_provisional_credit_goes_at_the_end_and_only_success_records(end: str) -
     plugin_ = ttft_plugin(router)
     decision = router.route("/v1/completions", body("q0"), request_id="r0")
     pick, other = decision.pods[0], decision.pods[1]
-    if end != "timeout":
-        assert plugin_.arrivals.num_requests == 1
+    # the control: the pick holds the credit before the end, whichever end comes
+    credited = plugin_.matched_blocks(make_cycle(PROMPT + " q1", model="m"), router.pods)
+    assert plugin_.arrivals.num_requests == 1 and set(credited) == {pick.id}
     if end == "failure":
         router.complete("r0", pick.address, succeeded=False)
     elif end == "retry-elsewhere":
