@@ -5,9 +5,7 @@ again goes back to the rank that served it), and each rank's metrics page is scr
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,17 +20,7 @@ from e2e.support import (
     send_and_wait_recorded,
     unique_prefix,
 )
-from extproc.datalayer.pods_file import load_pods
-from extproc.envoyconf.options import EnvoyOptions
-from extproc.sim.launch import (
-    Proc,
-    SimPods,
-    Stack,
-    free_port,
-    spawn_sim_pods,
-    start_envoy,
-    start_extproc,
-)
+from extproc.sim.launch import SimPods, Stack, free_port, run_stack, spawn_sim_pods
 from testkit.waiting import wait_until
 
 API = "/v1/completions"
@@ -47,51 +35,16 @@ def ranks() -> Iterator[SimPods]:
 
 
 @pytest.fixture(scope="module")
-def dp(ranks: SimPods) -> Iterator[tuple[Stack, str]]:
+def dp(ranks: SimPods, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, str]]:
     """extproc on a pods file with one pod ``dp`` of two ports, Envoy in front; the stack
     and extproc's admin URL."""
-    with tempfile.TemporaryDirectory(prefix="extproc-ranks-") as tmp:
-        log_dir = Path(tmp)
-        pods_file = log_dir / "pods.yaml"
-        entry = {"name": "dp", "address": "127.0.0.1", "ports": [p.port for p in ranks.pods]}
-        pods_file.write_text(yaml.safe_dump({"pods": [{**entry, "models": [MODEL]}]}))
-        grpc_port, metrics_port, admin_port = free_port(), free_port(), free_port()
-        options = EnvoyOptions(
-            extproc_address=f"127.0.0.1:{grpc_port}",
-            listen_port=free_port(),
-            admin_port=free_port(),
-        )
-
-        def start_picker() -> Proc:
-            return start_extproc(
-                pods_file,
-                log_dir,
-                grpc_port=grpc_port,
-                metrics_port=metrics_port,
-                config=PREFIX_CONFIG,
-                extra_args=["--admin-port", str(admin_port)],
-            )
-
-        picker = start_picker()
-        try:
-            envoy = start_envoy(load_pods(pods_file), options, log_dir)
-            stack = Stack(
-                envoy,
-                picker,
-                options.listen_port,
-                options.admin_port,
-                grpc_port,
-                metrics_port,
-                pods_file,
-                log_dir,
-                start_picker,
-            )
-            try:
-                yield stack, f"http://127.0.0.1:{admin_port}"
-            finally:
-                envoy.stop()
-        finally:
-            picker.stop()
+    pods_file = tmp_path_factory.mktemp("ranks") / "pods.yaml"
+    entry = {"name": "dp", "address": "127.0.0.1", "ports": [p.port for p in ranks.pods]}
+    pods_file.write_text(yaml.safe_dump({"pods": [{**entry, "models": [MODEL]}]}))
+    admin_port = free_port()
+    extproc_args = ["--admin-port", str(admin_port)]
+    with run_stack(pods_file, config=PREFIX_CONFIG, extproc_args=extproc_args) as stack:
+        yield stack, f"http://127.0.0.1:{admin_port}"
 
 
 def rank_of(ranks: SimPods) -> dict[str, str]:

@@ -37,6 +37,7 @@ import yaml
 
 import extproc
 from extproc.datalayer.kv_events import EVENTS_PORT_LABEL
+from extproc.datalayer.pods_file import load_pods
 from extproc.envoyconf.build import make_bootstrap
 from extproc.envoyconf.options import DEFAULT_MESSAGE_TIMEOUT_S, EnvoyOptions
 from extproc.envoyconf.render import to_dict
@@ -487,7 +488,7 @@ def start_envoy_config(
 
 @contextmanager
 def run_stack(
-    pods: Sequence[Pod],
+    pods: Sequence[Pod] | Path,
     *,
     config: Path | None = None,
     failure_mode_allow: bool = False,
@@ -501,6 +502,9 @@ def run_stack(
 ) -> Iterator[Stack]:
     """extproc (on a pods file of ``pods``) and Envoy in front of it, both stopped after.
 
+    ``pods``: the pods, or a pods file given as is (one entry may stand for several
+    endpoints, as a pod with data-parallel ranks does; Envoy gets the pods read from it).
+
     ``extproc_command`` runs another entry point with extproc's ``serve`` flags (a test
     wrapper such as ``e2e.slow_scheduler``, or extproc under a profiler, which may need a
     longer ``extproc_start_timeout_s`` and Envoy's ``message_timeout_s``).
@@ -508,7 +512,10 @@ def run_stack(
     """
     with tempfile.TemporaryDirectory(prefix="extproc-stack-") as tmp:
         log_dir = Path(tmp)
-        pods_file = write_pods_file(pods, log_dir / "pods.yaml")
+        if isinstance(pods, Path):
+            pods_file, pods = pods, load_pods(pods)
+        else:
+            pods_file = write_pods_file(pods, log_dir / "pods.yaml")
         grpc_port, metrics_port = free_port(), free_port()
         options = EnvoyOptions(
             extproc_address=f"127.0.0.1:{grpc_port}",
