@@ -292,10 +292,10 @@ def test_a_route_the_caller_gave_up_on_is_forgotten(
     """Envoy's message timeout passed while extproc was routing (504, or fail-open): no
     access-log entry will ever come for it, so it must not stay pending and in flight."""
     route = server.router.route_or_defer
-    routed = threading.Event()
+    gave_up, routed = threading.Event(), threading.Event()
 
     def slow_route(*args: object, **kwargs: object) -> object:
-        time.sleep(0.4)
+        gave_up.wait(10)  # routing ends only once the caller has gone
         try:
             return route(*args, **kwargs)  # type: ignore[arg-type]
         finally:
@@ -305,6 +305,7 @@ def test_a_route_the_caller_gave_up_on_is_forgotten(
     messages = [headers(rid="late"), body()] if server.protocol == "epp" else [routed_body("late")]
     with pytest.raises(grpc.RpcError) as info:
         list(server.bidi(iter(messages), timeout=0.1))
+    gave_up.set()
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert routed.wait(10)  # the late route is done: now it must be forgotten
     wait_settled(server.router)
@@ -316,25 +317,35 @@ def test_a_body_over_a_mebibyte_is_routed_off_the_loop(
     server: Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Routing a big body takes long (a quarter of a million chat messages: 0.7 s); it
-    runs on a worker thread, and requests arriving meanwhile are routed at once."""
+    runs on a worker thread, and requests arriving meanwhile are routed at once. The big
+    route is held until the quick one is answered: routed on the loop, the quick one
+    would wait out its gRPC deadline instead."""
     route = server.router.route_or_defer
+    routing_big, release = threading.Event(), threading.Event()
 
-    def slow_when_big(path: str, data: bytes, **kwargs: object) -> object:
+    def held_when_big(path: str, data: bytes, **kwargs: object) -> object:
         if len(data) >= OFF_LOOP_BODY_BYTES:
-            time.sleep(0.5)
+            routing_big.set()
+            release.wait(10)
         return route(path, data, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(server.router, "route_or_defer", slow_when_big)
+    monkeypatch.setattr(server.router, "route_or_defer", held_when_big)
     big = orjson.dumps({"model": "m", "prompt": "x" * OFF_LOOP_BODY_BYTES})
     epp = server.protocol == "epp"
     with ThreadPoolExecutor(1) as pool:
-        late = pool.submit(
-            server.exchange, [headers(rid="big"), body(big)] if epp else [routed_body("big", big)]
-        )
-        time.sleep(0.1)
-        quick = server.exchange([headers(rid="quick"), body()] if epp else [routed_body("quick")])
-        assert not late.done()  # answered while the big one was still being routed
-        replies = late.result(timeout=5)
+        try:
+            late = pool.submit(
+                server.exchange,
+                [headers(rid="big"), body(big)] if epp else [routed_body("big", big)],
+            )
+            assert routing_big.wait(10)
+            quick = server.exchange(
+                [headers(rid="quick"), body()] if epp else [routed_body("quick")]
+            )
+            assert not late.done()  # answered while the big one was still being routed
+        finally:
+            release.set()
+        replies = late.result(timeout=10)
     assert [destination(r) for r in quick + replies if r.dynamic_metadata.fields]
     assert len([r for r in replies if r.dynamic_metadata.fields]) == 1
     if not epp:
