@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 
@@ -12,21 +13,29 @@ from testkit.factories import constant_step, make_sim_request, seq
 
 
 def test_tokens_arrive_in_order_at_the_engines_pace() -> None:
+    """Each step lasts its 20 ms and hands out its token only at its end; one token a
+    step (counts and engine times, not wall-clock bounds a loaded machine would break)."""
+    steps: list[StepResult] = []
+
     async def main() -> None:
-        runner = EngineRunner(Engine(EngineConfig(timing_profile=constant_step(0.02))))
+        runner = EngineRunner(
+            Engine(EngineConfig(timing_profile=constant_step(0.02))), on_step=steps.append
+        )
         runner.start()
         try:
-            loop = asyncio.get_running_loop()
-            start = loop.time()
             stream = runner.submit(make_sim_request(seq(1, 8), max_tokens=5))
-            indexes = [out.index async for out in stream.tokens()]
-            elapsed = loop.time() - start
+            arrivals = [(out.index, runner.now()) async for out in stream.tokens()]
         finally:
             await runner.stop()
-        assert indexes == [0, 1, 2, 3, 4]
+        assert [index for index, _ in arrivals] == [0, 1, 2, 3, 4]
+        assert [[out.index for out in step.outputs] for step in steps] == [[i] for i in range(5)]
+        for step, (_, arrived) in zip(steps, arrivals, strict=True):
+            assert step.end_s - step.start_s == pytest.approx(0.02)
+            assert arrived >= step.end_s  # not before its step ended
+        for earlier, later in itertools.pairwise(steps):
+            assert later.start_s >= earlier.end_s  # one step at a time
         assert stream.finished is not None
         assert stream.num_cached_tokens == 0
-        assert 0.1 <= elapsed < 1.0  # 5 steps of 20 ms
 
     asyncio.run(main())
 
