@@ -23,16 +23,19 @@ Format::
     modelRewrites: [...]                    # optional: model A to B, or weighted splits
                                             # (``routing.rewrites``)
 
-Semantics follow Kthena's ``conf.go`` and ``factory.go``: a score weight that is missing,
+Semantics follow Kthena's spec, ``conf.go`` and ``factory.go``: a score weight that is missing,
 0 or negative stops start-up with ``score plugin "NAME" must set a weight greater than
-0, got N`` (the spec); a plugin listed twice in ``Score.enabled`` is configured once,
-with its last entry's weight (Kthena keeps them in a map), and likewise a filter listed
-twice runs once and a ``pluginConfig`` entry listed twice gives its last args;
+0, got N`` (the spec; Kthena's code reads a missing one as 0 and a negative one as 0,
+logged, and the spec wins); a plugin listed twice in ``Score.enabled`` is configured
+once, with its last entry's weight (Kthena keeps them in a map), a filter listed twice
+runs once (Kthena runs it again, on the pods it kept: the same pods), and a
+``pluginConfig`` entry listed twice gives its last args;
 ``Score.disabled`` has no effect; a name no built-in plugin answers to (for that
 extension point) is logged as ``Failed to get plugin NAME.`` and skipped, except Kthena's
 ``kvcache-aware`` score (its Redis block index, fed from the pods' KV events), read as
 ``precise-prefix-cache`` (the pods' KV events, read here) when that is configured, and
-otherwise logged and skipped (``_map_kvcache_aware``); plugin args
+otherwise logged and skipped (``_map_kvcache_aware``; a kvcache-aware argument that is
+not an integer is left at its default alone, as in Kthena); plugin args
 use ``extproc.scheduling.args`` rules, except that an invalid least-latency
 ``TTFTTPOTWeightFactor`` stops start-up, as in Kthena. Unreadable YAML or a missing file
 stops start-up with a ``ConfigError`` naming the file.
@@ -252,7 +255,7 @@ def _translated_args(kvcache: Any, precise: Any, source: str) -> Any:
         target = KVCACHE_AWARE_ARGS.get(key.lower()) if isinstance(key, str) else None
         if target is None:
             dropped.append(key)
-        elif target.lower() not in own_keys:
+        elif target.lower() not in own_keys and _readable_int(key, value, source):
             own[target] = value
     if dropped:
         precise = PrecisePrefixCache.type_name
@@ -260,6 +263,19 @@ def _translated_args(kvcache: Any, precise: Any, source: str) -> Any:
             "%s: %s args with no %s meaning, ignored: %s", source, KVCACHE_AWARE, precise, dropped
         )
     return own
+
+
+def _readable_int(key: str, value: Any, source: str) -> bool:
+    """Whether kvcache-aware's ``key`` decodes as Kthena's int field. One that does not
+    (a string, a fraction) leaves only that argument at its default, as Go's decoder
+    skips the field and Kthena's plugin keeps the others; carried over, it would make
+    precise-prefix-cache's whole block unparseable."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return True
+    log.warning(
+        "%s: %s %s %r is not an integer, using the default", source, KVCACHE_AWARE, key, value
+    )
+    return False
 
 
 def _implements(plugin: type, point: type) -> bool:

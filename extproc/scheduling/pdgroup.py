@@ -12,7 +12,9 @@ Kthena's rules (``datastore/model_server.go``): a pod's group is the value of it
 ``groupKey`` label; a pod without it (or with an empty value) is in no group and gets no
 PD traffic. A pod in a group is a decode pod when it has every ``decodeLabels`` label,
 else a prefill pod when it has every ``prefillLabels`` label, else neither; an empty set
-of labels matches nothing. Only a decode pod and a prefill pod of the same group pair up.
+of labels matches nothing, and a label required with the value ``""`` matches a pod
+without that label (Go reads a missing map key as ``""``). Only a decode pod and a
+prefill pod of the same group pair up.
 
 With the section, the pods' own ``role`` (pods file, role label) is not used.
 """
@@ -87,8 +89,10 @@ class PDGroup:
 
 
 def _matches(pod: Pod, required: Labels) -> bool:
-    """Kthena's ``matchesLabels``: every required label, and at least one."""
-    return bool(required) and all(pod.label(k) == v for k, v in required)
+    """Kthena's ``matchesLabels``: every required label, and at least one. A missing
+    label reads as ``""`` (a Go map's zero value), so one required as ``""`` matches a
+    pod without it."""
+    return bool(required) and all((pod.label(k) or "") == v for k, v in required)
 
 
 def _labels(raw: Any, where: str) -> Labels:

@@ -4,9 +4,10 @@ Kthena's prefix-cache plugin, to the letter (``kthena-prefix-cache-plugin.txt``)
 
 * inputs: the rendered prompt's chained block hashes (``extproc.prefix.hashing``) and the
   per-pod LRU index of blocks recorded after successful responses;
-* score = floor(matched blocks / hashed blocks * 100) for at most ``topKMatches`` pods,
-  found from the longest match down; every other candidate scores 0; an empty prompt
-  is not scored;
+* score = ``int(float64(matched) / float64(hashed) * 100)`` for at most ``topKMatches``
+  pods, found from the longest match down (Kthena's float arithmetic, truncated: 29 of
+  50 blocks is 57, not the exact 58, as 0.58 is a shade under it in binary); every other
+  candidate scores 0; an empty prompt is not scored;
 * record: after a response ended successfully, the prompt's blocks for the serving pod;
 * side output (extproc's): when no plugin before it did, the top-K pods' uncached tokens
   as a cost plugin leaves them (``ceil((prompt bytes - held bytes) / 4)``; the other pods
@@ -68,6 +69,12 @@ class PrefixCacheArgs:
 VIEW_ARGS = ("blockSizeToHash", "maxBlocksToMatch", "maxHashCacheSize")
 
 
+def kthena_score(matched: int, hashed: int) -> int:
+    """Kthena's ``int((float64(matched) / float64(hashed)) * 100)``: float division then
+    truncation, which is one below the exact floor for some ratios (29 of 50: 57)."""
+    return int(matched / hashed * 100)
+
+
 class PrefixCacheScorer:
     """Scores by recorded prefix match and records served prompts."""
 
@@ -112,7 +119,7 @@ class PrefixCacheScorer:
             for pod, matched in matches.items():
                 cycle.uncached_tokens[pod] = uncached_tokens(cycle, min(matched * size, num_bytes))
         self._observe(cycle, matches, len(keys))
-        return {pod: matched * 100 // len(keys) for pod, matched in matches.items()}
+        return {pod: kthena_score(matched, len(keys)) for pod, matched in matches.items()}
 
     def score_table(self, cycle: Cycle, table: PodTable, positions: Positions) -> Scores:
         keys = self._keys(cycle)
@@ -126,7 +133,7 @@ class PrefixCacheScorer:
             held = np.minimum(matched * self.args.blockSizeToHash, num_bytes)
             uncached = -((held - num_bytes) // BYTES_PER_TOKEN)
             cycle.uncached_rows.append(RowValues(table, positions, uncached))
-        scores: Scores = matched * 100 // len(keys)
+        scores: Scores = (matched / len(keys) * 100).astype(np.int64)  # as ``kthena_score``
         return scores
 
     def _observe(self, cycle: Cycle, matches: Mapping[PodId, int], num_hashed: int) -> None:
