@@ -48,6 +48,7 @@ from extproc.envoyconf.options import DEFAULT_MAX_MESSAGE_TIMEOUT_S
 from extproc.errors import ConfigError
 from extproc.kernels import IMPLEMENTATION as KERNELS_IMPLEMENTATION
 from extproc.pods import Pod
+from extproc.prefix.snapshot import View, ViewSnapshot
 from extproc.request.render import Rendering
 from extproc.routing.flow.config import FlowConfig, parse_flow_control
 from extproc.routing.outcome_metrics import OutcomeMetrics
@@ -55,9 +56,12 @@ from extproc.routing.preparing import PreparePool
 from extproc.routing.rewrites import WatchedRules, check_targets, parse_model_rewrites
 from extproc.routing.router import Router
 from extproc.routing.sharing import RedisSharing
-from extproc.scheduling.config import build_scheduler, config_text, parse_config
+from extproc.scheduling.config import build_scheduler, config_text, parse_config, plugins_of
 from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
+from extproc.scheduling.plugins.prefix_cache import PrefixCacheScorer
+from extproc.scheduling.scheduler import Scheduler
 from extproc.scheduling.sessions import SessionStore
 from extproc.wire.epp import epp_process
 from extproc.wire.ext_proc import HOLD_MARGIN_S
@@ -74,6 +78,7 @@ from extproc.wire.tls import TlsSettings, server_credentials
 log = logging.getLogger("extproc.serve")
 
 STOP_GRACE_S = 2.0  # beyond --drain-s, for the servers to confirm they stopped
+RESTORED_MODEL = "(view snapshot)"  # the model label of restored entries' evictions
 
 
 @dataclass
@@ -97,6 +102,7 @@ class Running:
     tracing: Tracing | None = None
     reloader: ConfigReloader | None = None
     admin: AdminServer | None = None
+    snapshot: ViewSnapshot | None = None
 
     def stop(self, drain_s: float = 10.0) -> None:
         set_serving(self.health_servicer, False)
@@ -137,6 +143,8 @@ class Running:
         self.health_server.stop(0).wait(STOP_GRACE_S)
         if self.sharing is not None:
             self.sharing.stop()
+        if self.snapshot is not None:  # nothing records any more
+            self.snapshot.write(snapshot_views(self.router.scheduler))
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
         if self.tracing is not None:
@@ -181,6 +189,7 @@ def check_args(args: argparse.Namespace) -> None:
         ("redis_maxlen", args.redis_maxlen >= 1, "must be 1 or more"),
         ("v", args.v >= 0, "must be 0 or more"),
         ("config_poll_s", args.config_poll_s >= 0, "must be 0 (only on SIGHUP) or more"),
+        ("view_snapshot_max_age_s", args.view_snapshot_max_age_s > 0, "must be greater than 0"),
     )
     for name, ok, rule in rules:
         if not ok:
@@ -327,6 +336,12 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
     watcher.start()
     if not known_at_load:  # a Kubernetes source has listed them now
         check_targets(rewrites, router.pods)
+    snapshot = None
+    if args.view_snapshot is not None:  # before Redis's window, which is newer
+        snapshot = ViewSnapshot(
+            args.view_snapshot, args.view_snapshot_max_age_s, registry, time.time
+        )
+        snapshot.load(snapshot_views(scheduler), {pod.id for pod in router.pods})
     if objectives is not None:
         objectives.start()
     if rewrite_watcher is not None:
@@ -371,7 +386,23 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         tracing,
         reloader=reloader,
         admin=admin,
+        snapshot=snapshot,
     )
+
+
+def snapshot_views(scheduler: Scheduler) -> list[View]:
+    """The approximate prefix views of ``scheduler``'s plugins, for ``--view-snapshot``."""
+    views = []
+    for plugin in plugins_of(scheduler).values():
+        if isinstance(plugin, PrefixCacheScorer | EstimatedTTFT):
+            index, tag = plugin.index, plugin.metrics.model_tag(RESTORED_MODEL)
+        elif isinstance(plugin, PrecisePrefixCache):
+            index, tag = plugin.approx, 0  # untagged: it has no eviction metric
+        else:
+            continue
+        size, blocks = plugin.args.blockSizeToHash, plugin.args.maxBlocksToMatch
+        views.append(View(plugin.type_name, index, size, blocks, plugin.recorded.age, tag))
+    return views
 
 
 def _check_hold_fits_envoy(flow: FlowConfig) -> None:

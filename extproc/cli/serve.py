@@ -28,6 +28,7 @@ from extproc.cli.app import check_args, start
 from extproc.datalayer.kv_events import add_events_arguments
 from extproc.datalayer.sources import add_source_arguments
 from extproc.errors import ConfigError
+from extproc.prefix.snapshot import add_snapshot_arguments
 from extproc.request.parse import DEFAULT_MAX_BODY_BYTES
 from extproc.request.render import Rendering
 from extproc.routing.preparing import DEFAULT_MAX_WAITING, DEFAULT_THREADS
@@ -280,6 +281,7 @@ def register(sub: Any) -> None:
     add_tracing_arguments(p, _env)
     add_reload_arguments(p, _env)
     add_admin_arguments(p, _env)
+    add_snapshot_arguments(p, _env)
     g = p.add_argument_group("logging")
     g.add_argument(
         "--log-level",
