@@ -1,7 +1,8 @@
 """Through real Envoy, with the shipped default (estimated-ttft): a pick's prompt counts as
 arriving at its pod at once, so a second request with the same new prefix follows it
 before the first response ends; the credit goes when the request ends, however it ends
-(success, failure, a retry another pod served, Envoy's message timeout)."""
+(success, failure, a retry another pod served, Envoy's message timeout). Each test of an
+end first sees the credit given (``post_credited``): a credit never given leaves none too."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from e2e.slow_after_pick import after_pick
 from e2e.slow_scheduler import marker
 from e2e.support import MODEL, RECORDED, metric, unique_prefix
 from extproc.sim.launch import SimPods, Stack, run_stack
@@ -23,8 +25,8 @@ FAILED = ("extproc_completions_total", 'outcome="failed"')
 ABANDONED = ("extproc_completions_total", 'outcome="abandoned"')
 RETRIES = ("extproc_retries_observed_total", "")
 MAX_TRIES = 30  # fresh prefixes tie: the pick is random, a failing one comes up soon
-MESSAGE_TIMEOUT_S = 1.0  # Envoy's, in the timeout case; the scheduler there takes longer
-SLOW_SCHEDULE_S = 2.5
+MESSAGE_TIMEOUT_S = 1.0  # Envoy's, in the timeout case; the route there takes longer
+IN_FLIGHT_S = 2.0  # how long the pods hold a request while a test looks at its credit
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +38,19 @@ def default_stack(sim: SimPods) -> Iterator[Stack]:
 def post(url: str, prompt: str, out: dict[str, httpx.Response], key: str) -> None:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
     out[key] = httpx.post(url + "/v1/completions", json=body, timeout=30)
+
+
+def post_credited(stack: Stack, prompt: str, out: dict[str, httpx.Response], key: str) -> None:
+    """``post`` the request, which must be the only one in flight, and see its pick
+    credited before its end (the control: without it "no credit after" proves nothing)."""
+    assert metric(stack, *ARRIVING) == 0, "a credit left from before"
+    request = threading.Thread(target=post, args=(stack.url, prompt, out, key))
+    request.start()
+    try:
+        wait_until(lambda: metric(stack, *ARRIVING) == 1, 10, what="no credit at the pick")
+    finally:
+        request.join(30)
+    assert not request.is_alive(), "the request never ended"
 
 
 def test_a_second_request_follows_the_first_before_it_ends(
@@ -60,16 +75,16 @@ def test_a_second_request_follows_the_first_before_it_ends(
 def test_a_failed_request_leaves_no_credit_and_no_record(
     default_stack: Stack, sim: SimPods
 ) -> None:
-    for pod in sim.pods:
-        sim.set_faults(pod.name, error_rate=1.0, error_status=500)
-    entries = metric(default_stack, "extproc_estimated_ttft_entries")
+    for pod in sim.pods:  # each answers 500, after a while in flight
+        sim.set_faults(pod.name, delay_s=IN_FLIGHT_S, error_rate=1.0, error_status=500)
+    entries = metric(default_stack, *ENTRIES)
     failed = metric(default_stack, *FAILED)
     answers: dict[str, httpx.Response] = {}
-    post(default_stack.url, unique_prefix() + "q", answers, "only")
+    post_credited(default_stack, unique_prefix() + "q", answers, "only")
     assert answers["only"].status_code >= 500
     wait_until(lambda: metric(default_stack, *FAILED) > failed, 10)
     assert metric(default_stack, *ARRIVING) == 0
-    assert metric(default_stack, "extproc_estimated_ttft_entries") == entries
+    assert metric(default_stack, *ENTRIES) == entries
 
 
 def test_a_retry_served_elsewhere_leaves_no_credit_and_records_the_server(
@@ -79,14 +94,15 @@ def test_a_retry_served_elsewhere_leaves_no_credit_and_records_the_server(
     healthy one after Envoy's retry ends with no credit anywhere, recorded for the healthy
     pod only, so the prefix's next request goes there once every pod is healthy again."""
     healthy = sim.pods[0].name
+    sim.set_faults(healthy, delay_s=IN_FLIGHT_S)  # every pick stays in flight a while
     for pod in sim.pods[1:]:
-        sim.set_faults(pod.name, error_rate=1.0, error_status=503)
+        sim.set_faults(pod.name, delay_s=IN_FLIGHT_S, error_rate=1.0, error_status=503)
     answers: dict[str, httpx.Response] = {}
     for _ in range(MAX_TRIES):
         ended = metric(default_stack, *RECORDED) + metric(default_stack, *FAILED)
         retries = metric(default_stack, *RETRIES)
         prefix = unique_prefix()
-        post(default_stack.url, prefix + "q", answers, "try")
+        post_credited(default_stack, prefix + "q", answers, "try")
         wait_until(  # called within this iteration, so ``ended`` is this iteration's
             lambda: metric(default_stack, *RECORDED) + metric(default_stack, *FAILED) > ended,  # noqa: B023
             10,
@@ -109,22 +125,34 @@ def test_a_retry_served_elsewhere_leaves_no_credit_and_records_the_server(
 @pytest.fixture(scope="module")
 def slow_stack(sim: SimPods) -> Iterator[Stack]:
     """The shipped default, behind an Envoy that waits 1 s for extproc's answer; a prompt
-    with ``e2e.slow_scheduler``'s marker takes longer to schedule."""
+    with ``e2e.slow_scheduler``'s marker takes longer to schedule, one with
+    ``e2e.slow_after_pick``'s is answered that long after its pick's credit."""
     with run_stack(
         sim.as_pods(),
-        extproc_command=(sys.executable, "-m", "e2e.slow_scheduler"),
+        extproc_command=(sys.executable, "-m", "e2e.slow_after_pick"),
         message_timeout_s=MESSAGE_TIMEOUT_S,
     ) as running:
         yield running
 
 
-def test_a_route_envoy_stopped_waiting_for_leaves_no_credit(slow_stack: Stack) -> None:
-    """Envoy's message timeout passes while extproc schedules: the request is answered 504,
-    extproc abandons the route it made, and with it the credit; nothing is recorded."""
+@pytest.mark.parametrize(
+    ("schedule_s", "after_pick_s"),
+    [
+        pytest.param(0.0, 2.5, id="credited-before-envoy-stopped-waiting"),
+        pytest.param(1.5, 1.5, id="credited-after-envoy-stopped-waiting"),
+    ],
+)
+def test_a_route_envoy_stopped_waiting_for_leaves_no_credit(
+    slow_stack: Stack, schedule_s: float, after_pick_s: float
+) -> None:
+    """Envoy's message timeout passes while extproc routes: the request is answered 504,
+    extproc abandons the route it made, and with it the credit it was seen to give
+    (before Envoy stopped waiting, or after); nothing is recorded."""
     abandoned = metric(slow_stack, *ABANDONED)
     entries = metric(slow_stack, *ENTRIES)
     answers: dict[str, httpx.Response] = {}
-    post(slow_stack.url, marker(SLOW_SCHEDULE_S) + unique_prefix(), answers, "slow")
+    prompt = marker(schedule_s) + after_pick(after_pick_s) + unique_prefix()
+    post_credited(slow_stack, prompt, answers, "slow")
     assert answers["slow"].status_code == 504
     wait_until(lambda: metric(slow_stack, *ABANDONED) == abandoned + 1, 15)
     assert metric(slow_stack, *ARRIVING) == 0
