@@ -14,8 +14,10 @@ from e2e.support import MODEL, metric
 from extproc.sim.launch import SimPods, Stack, run_stack, spawn_sim_pods
 from testkit.waiting import wait_until
 
-# One request at a time, about 0.6 s each (60 decode steps of 10 ms): a queue builds fast.
+# One request at a time: a long one running (decode steps of about 10 ms), the rest wait.
 SLOW_POD_ARGS = ["--model", MODEL, "--max-num-seqs", "1"]
+HOG_TOKENS = 6000  # about a minute of decoding; cut (the client leaves) once checked
+QUEUED = 12  # waiting behind it: over maxWaitingRequests (10)
 SCRAPES = "extproc_scrape_duration_seconds_count"
 KTHENA = Path("kthena")  # a shipped configuration, by name (``extproc serve --config kthena``)
 
@@ -41,25 +43,33 @@ def waiting(pod_url: str) -> float:
 def test_a_pod_whose_queue_is_full_is_filtered_out(
     default_stack: Stack, slow_pods: SimPods
 ) -> None:
+    """The busy pod runs one long streamed request (about a minute) while QUEUED short
+    ones wait behind it: its queue stays full for as long as the test needs, however
+    slow the machine, and empties once the long one is cut."""
     busy = slow_pods.pods[0]
-    body = {"model": MODEL, "prompt": "fill the queue", "max_tokens": 60}
-    with ThreadPoolExecutor(14) as pool, httpx.Client(timeout=60) as direct:
-        backlog = [
-            pool.submit(direct.post, f"{busy.url}/v1/completions", json=body) for _ in range(14)
-        ]
-        wait_until(lambda: waiting(busy.url) >= 10, timeout_s=10)
-        assert "extproc_pods_ready 3.0" in default_stack.metrics_text()
-        # extproc has seen the full queue: two more sweeps over every pod's /metrics
-        scraped = metric(default_stack, SCRAPES)
-        sweeps = 2 * len(slow_pods.pods)
-        wait_until(lambda: metric(default_stack, SCRAPES) >= scraped + sweeps, 10)
-        with httpx.Client(base_url=default_stack.url, timeout=30) as client:
-            for i in range(12):
-                resp = client.post(
-                    "/v1/completions", json={"model": MODEL, "prompt": f"q{i}", "max_tokens": 1}
-                )
-                assert resp.status_code == 200
-                assert resp.headers["x-sim-pod"] != busy.name
-        assert waiting(busy.url) >= 5  # the queue was still long when we finished
-        for f in backlog:
-            assert f.result().status_code == 200
+    short = {"model": MODEL, "prompt": "fill the queue", "max_tokens": 1}
+    hog = {**short, "max_tokens": HOG_TOKENS, "stream": True}
+    with ThreadPoolExecutor(QUEUED) as pool, httpx.Client(timeout=60) as direct:
+        with direct.stream("POST", f"{busy.url}/v1/completions", json=hog) as running:
+            lines = running.iter_lines()  # kept: closing it would cut the long request
+            assert next(line for line in lines if line.startswith("data: "))
+            backlog = [
+                pool.submit(direct.post, f"{busy.url}/v1/completions", json=short)
+                for _ in range(QUEUED)
+            ]
+            wait_until(lambda: waiting(busy.url) == QUEUED, timeout_s=10)
+            assert "extproc_pods_ready 3.0" in default_stack.metrics_text()
+            # extproc has seen the full queue: two more sweeps over every pod's /metrics
+            scraped = metric(default_stack, SCRAPES)
+            sweeps = 2 * len(slow_pods.pods)
+            wait_until(lambda: metric(default_stack, SCRAPES) >= scraped + sweeps, 10)
+            with httpx.Client(base_url=default_stack.url, timeout=30) as client:
+                for i in range(12):
+                    resp = client.post(
+                        "/v1/completions", json={"model": MODEL, "prompt": f"q{i}", "max_tokens": 1}
+                    )
+                    assert resp.status_code == 200
+                    assert resp.headers["x-sim-pod"] != busy.name
+            assert waiting(busy.url) == QUEUED  # the queue was still full when we finished
+        for f in backlog:  # the long request cut, the queue drains
+            assert f.result(timeout=60).status_code == 200
