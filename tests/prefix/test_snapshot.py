@@ -228,7 +228,7 @@ def _counts_off(valid: bytes) -> bytes:
     with np.load(io.BytesIO(valid), allow_pickle=False) as npz:
         arrays = {name: npz[name] for name in npz.files}
     header = json.loads(arrays.pop("header").tobytes())
-    arrays["v0_counts"] = arrays["v0_counts"] + 1
+    arrays["v0_counts"][-1] += 5  # the last pod's would run past the keys
     return _npz(header, **arrays)
 
 
