@@ -9,14 +9,17 @@ replica of Envoy's choosing. ``redis-server`` (the Debian package) runs on a fre
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import socket
 import tempfile
+import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from extproc.envoyconf.options import EnvoyOptions
 from extproc.pods import Pod
@@ -91,6 +94,7 @@ class Replica:
     pods_file: Path
     log_dir: Path
     config: Path | None
+    admin_port: int | None = None
     proc: Proc | None = None
     starts: int = 0
 
@@ -106,13 +110,29 @@ class Replica:
             grpc_port=self.grpc_port,
             metrics_port=self.metrics_port,
             config=self.config,
-            extra_args=self.args,
+            extra_args=self.args + self._admin_args(),
             name=f"extproc-{self.index}-{self.starts}",
         )
+
+    def _admin_args(self) -> list[str]:
+        return [] if self.admin_port is None else ["--admin-port", str(self.admin_port)]
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None:
             self.proc.stop(sig)
+
+    def explain(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The replica's ``/debug/pick`` for this request: what its view holds for it on
+        every pod, read without recording, crediting or counting anything."""
+        if self.admin_port is None:
+            raise ValueError("started without an admin port: run_replicas(admin=True)")
+        envelope = json.dumps({"path": path, "body": body}).encode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.admin_port}/debug/pick", data=envelope, method="POST"
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            answer: dict[str, Any] = json.load(resp)
+        return answer
 
     def metrics_text(self) -> str:
         return metrics_page(self.metrics_port)
@@ -161,9 +181,11 @@ def run_replicas(
     config: Path | None = None,
     failure_mode_allow: bool = False,
     extproc_args: Sequence[str] = (),
+    admin: bool = False,
 ) -> Iterator[Replicas]:
-    """``num_replicas`` extprocs (each told the Redis URL when ``redis``) behind
-    ``num_envoys`` Envoys that all list every replica; everything stopped after."""
+    """``num_replicas`` extprocs (each told the Redis URL when ``redis``; each with its own
+    admin port when ``admin``, for ``Replica.explain``) behind ``num_envoys`` Envoys that
+    all list every replica; everything stopped after."""
     with tempfile.TemporaryDirectory(prefix="extproc-replicas-") as tmp, ExitStack() as stack:
         log_dir = Path(tmp)
         pods_file = write_pods_file(pods, log_dir / "pods.yaml")
@@ -174,7 +196,16 @@ def run_replicas(
             *extproc_args,
         ]  # fmt: skip
         replicas = [
-            Replica(i, free_port(), free_port(), list(args), pods_file, log_dir, config)
+            Replica(
+                i,
+                free_port(),
+                free_port(),
+                list(args),
+                pods_file,
+                log_dir,
+                config,
+                admin_port=free_port() if admin else None,
+            )
             for i in range(num_replicas)
         ]
         for replica in replicas:
