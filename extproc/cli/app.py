@@ -194,6 +194,10 @@ def check_args(args: argparse.Namespace) -> None:
     for name, ok, rule in rules:
         if not ok:
             raise ConfigError(f"--{name.replace('_', '-')} {rule}, got {getattr(args, name)}")
+    if args.view_snapshot is not None and not args.view_snapshot.parent.is_dir():
+        raise ConfigError(  # else found only at the drain, when the write fails
+            f"--view-snapshot: no directory {args.view_snapshot.parent} to write it in"
+        )
     tls_settings(args)
     check_tracing_args(args)
     if str(args.log_level).lower() not in _LOG_LEVELS:

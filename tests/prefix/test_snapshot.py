@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from extproc.cli import build_parser
 from extproc.cli.app import snapshot_views, start
+from extproc.errors import ConfigError
 from extproc.pods import PodId
 from extproc.prefix import PrefixIndex, hash_prompt
 from extproc.prefix.hashing import Keys, as_keys
@@ -340,5 +341,10 @@ def test_serve_writes_the_views_on_stop_and_reads_them_at_start(tmp_path: Path) 
 
 
 def test_serve_refuses_a_max_age_that_is_not_positive(tmp_path: Path) -> None:
-    with pytest.raises(Exception, match="--view-snapshot-max-age-s must be greater than 0"):
+    with pytest.raises(ConfigError, match="--view-snapshot-max-age-s must be greater than 0"):
         start(_serve(tmp_path / "v.npz", "--view-snapshot-max-age-s", "0"), CollectorRegistry())
+
+
+def test_serve_refuses_a_snapshot_in_a_directory_that_does_not_exist(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--view-snapshot: no directory .*missing"):
+        start(_serve(tmp_path / "missing" / "v.npz"), CollectorRegistry())
