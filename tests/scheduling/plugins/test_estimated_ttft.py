@@ -8,7 +8,7 @@ import random
 
 import numpy as np
 import pytest
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
@@ -207,6 +207,7 @@ def common_blocks(a: list[int], b: list[int]) -> int:
 PICK, END, GONE = "pick", "end", "pod-gone"
 
 
+@settings(deadline=None)  # a per-example time limit fails on a loaded machine, not on a bug
 @given(
     st.lists(
         st.tuples(
