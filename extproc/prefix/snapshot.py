@@ -18,6 +18,9 @@ on start read back:
   format or version, or whose geometry differs from the configured plugin's, is
   refused as a whole with one log line: the views start empty.
 
+With ``--redis-url`` too, the file is read first and the stream's window replayed after
+it: both fill the view, and the stream's records, the newer, are the most recently used.
+
 Restored entries are tagged ``tag`` (their evictions' model label), as the file does not
 keep which model recorded them.
 """
