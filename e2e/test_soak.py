@@ -18,4 +18,6 @@ def test_soak_through_envoy() -> None:
     assert report.ok, report.summary() + "\n" + "\n".join(report.unexpected)
     assert report.num_unexpected == 0 and report.pending_at_end == 0
     assert report.recorded == SUITE_REQUESTS  # every request succeeded and was recorded once
+    assert report.ends_checked == SUITE_REQUESTS  # each ended once, on the pod that served it
+    assert len(report.samples) > SUITE_REQUESTS // 250  # usage sampled through the run
     assert report.max_index_entries == report.index_bound  # the bound was reached: eviction ran
