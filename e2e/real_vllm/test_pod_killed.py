@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from e2e.real_vllm.kills import READY, live_pods
 from e2e.real_vllm.pods import VllmPod
 from e2e.real_vllm.support import (
     chat,
@@ -40,11 +41,12 @@ NUM_AFTER = 16
 def test_killing_a_pod_mid_stream_others_serve_and_nothing_is_recorded_for_it(
     vllm_stack: Stack, vllm_pods: list[VllmPod], client: httpx.Client
 ) -> None:
+    alive = live_pods(vllm_stack, vllm_pods)  # whichever killing test ran first
     prefix = long_prefix()
-    before = snapshot(vllm_pods)
+    before = snapshot(alive)
     send_recorded(vllm_stack, client, chat(prefix, "warm up"))
-    owner = delta(before, snapshot(vllm_pods), "vllm:request_success_total").index(1.0)
-    live = [p for i, p in enumerate(vllm_pods) if i != owner]
+    owner = alive[delta(before, snapshot(alive), "vllm:request_success_total").index(1.0)]
+    live = [p for p in alive if p is not owner]
     failed, recorded = metric(vllm_stack, *FAILED), metric(vllm_stack, *RECORDED)
     live_before = snapshot(live)
 
@@ -53,8 +55,8 @@ def test_killing_a_pod_mid_stream_others_serve_and_nothing_is_recorded_for_it(
         assert resp.status_code == 200
         lines = resp.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
-        vllm_pods[owner].kill()
-        wait_until(lambda: metric(vllm_stack, "extproc_pods_ready") == len(live), 10)
+        owner.kill()
+        wait_until(lambda: metric(vllm_stack, READY) == len(live), 10)
         with pytest.raises(httpx.HTTPError):
             for _ in lines:
                 pass
