@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
-import os
 import re
 import sys
 from collections.abc import Sequence
@@ -153,9 +152,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # gRPC's C core reads this once, on import: its INFO lines (a GOAWAY received...) are
-    # noise on an operator's stderr. An operator's own setting wins.
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -137,16 +137,3 @@ def test_with_json_logs_what_reaches_stderr_outside_logging_is_a_record_too() ->
     uncaught = by_message["uncaught in thread worker"]
     assert "ValueError: in a thread" in uncaught["exception"]
     assert by_message["the last line"]["level"] == "ERROR"  # written just before close: kept
-
-
-def test_the_command_quiets_grpc_core_info_lines_unless_the_operator_set_it() -> None:
-    code = "import contextlib, os; from extproc.cli import main\n"
-    code += "with contextlib.suppress(SystemExit): main(['--version'])\n"
-    code += "print(os.environ['GRPC_VERBOSITY'])"
-
-    def verbosity(env: dict[str, str]) -> str:
-        clean = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
-        return python(code, {**clean, **env}).stdout.splitlines()[-1]
-
-    assert verbosity({}) == "ERROR"
-    assert verbosity({"GRPC_VERBOSITY": "DEBUG"}) == "DEBUG"

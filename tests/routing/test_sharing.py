@@ -219,9 +219,10 @@ def held(router: Router, body: bytes, pods: Sequence[Pod]) -> dict[PodId, int]:
 
 
 def arriving(router: Router) -> int:
+    """Requests credited as arriving, over the plugins keeping prefix credit (lora-affinity
+    is provisional too, with nothing to take back)."""
     return sum(
-        p.arrivals.num_requests  # type: ignore[attr-defined]
-        for p in router.scheduler.provisional
+        p.arrivals.num_requests for p in router.scheduler.provisional if hasattr(p, "arrivals")
     )
 
 
