@@ -19,17 +19,11 @@ from extproc.datalayer.k8s_objects import PodTarget
 from extproc.errors import ConfigError
 from extproc.pods import Pod
 from testkit.waiting import wait_until
+from tests.datalayer.crd_watching import FAST
 from tests.datalayer.fake_kube import FakeKube, inference_pool, k8s_pod
 
 PODS = "/api/v1/namespaces/ns/pods"
 POOLS = "/apis/inference.networking.k8s.io/v1/namespaces/ns/inferencepools"
-FAST = WatchTiming(
-    start_timeout_s=3.0,
-    request_timeout_s=2.0,
-    watch_timeout_s=30.0,
-    backoff_initial_s=0.01,
-    backoff_max_s=0.05,
-)
 SELECTOR = PodTarget("app=vllm", (8000,))
 
 
