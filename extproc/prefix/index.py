@@ -132,6 +132,12 @@ class PrefixIndex:
     def pods(self) -> list[PodId]:
         return list(self.storage.lru_by_pod)
 
+    def live_entries(self) -> list[tuple[PodId, Keys]]:
+        """Each pod's live block hashes, least recently used first (copies)."""
+        storage = self.storage
+        with self._lock:
+            return [(pod, storage.live_keys(lru).copy()) for pod, lru in storage.lru_by_pod.items()]
+
     def match(
         self,
         hashes: Sequence[int] | Keys,

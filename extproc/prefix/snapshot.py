@@ -206,7 +206,7 @@ class ViewSnapshot:
         arrays: dict[str, Keys] = {}
         header["views"] = []
         for i, view in enumerate(views):
-            pods = _live_entries(view.index)
+            pods = view.index.live_entries()
             header["views"].append(
                 {
                     "plugin": view.plugin,
@@ -233,13 +233,6 @@ class ViewSnapshot:
         if age is not None:
             return now - age
         return self._restored_at.get((view.plugin, pod), now)
-
-
-def _live_entries(index: PrefixIndex) -> list[tuple[PodId, Keys]]:
-    """Each pod's live block hashes, oldest first, read under the index's lock."""
-    storage = index.storage
-    with index._lock:  # records may still arrive (from the other replicas)
-        return [(pod, storage.live_keys(lru).copy()) for pod, lru in storage.lru_by_pod.items()]
 
 
 def _replace_atomically(path: Path, data: bytes) -> None:
