@@ -6,6 +6,7 @@ ones by rebinding a snapshot, so the request path reads them without locks.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
@@ -88,3 +89,8 @@ class Pod:
 
     def serves(self, model: str) -> bool:
         return model in self.models
+
+
+def adapters_of(pods: Iterable[Pod]) -> frozenset[str]:
+    """The LoRA adapters any of ``pods`` serves."""
+    return frozenset().union(*(p.adapters for p in pods))

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from operator import attrgetter
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from extproc.pods import LoraSlots, Pod, PodId
+from extproc.pods import LoraSlots, Pod, PodId, adapters_of
 from extproc.scheduling.podtable import PodTable
 
 ACTIVE, FREE, WAITING, FULL, UNKNOWN = range(5)
@@ -62,7 +61,7 @@ class RoutedAdapters:
 
     def pods_changed(self, pods: Iterable[Pod]) -> None:
         pods = list(pods)
-        self._adapters = frozenset().union(*map(attrgetter("adapters"), pods))
+        self._adapters = adapters_of(pods)
         kept = {p.id for p in pods}
         for pod in [p for p in self._recent if p not in kept]:
             del self._recent[pod]
@@ -93,9 +92,7 @@ def state(slots: LoraSlots | None, adapter: str) -> int:
 
 def is_adapter(table: PodTable, model: str) -> bool:
     """Whether ``model`` is a LoRA adapter on some pod of the snapshot."""
-    adapters: frozenset[str] = table.memo(
-        _ADAPTERS, lambda: frozenset().union(*map(attrgetter("adapters"), table.pods))
-    )
+    adapters: frozenset[str] = table.memo(_ADAPTERS, lambda: adapters_of(table.pods))
     return model in adapters
 
 

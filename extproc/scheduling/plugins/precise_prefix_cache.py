@@ -43,7 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from extproc.errors import ConfigError
-from extproc.pods import Pod, PodId
+from extproc.pods import Pod, PodId, adapters_of
 from extproc.prefix.hashing import Keys, as_keys
 from extproc.prefix.index import PrefixIndex
 from extproc.prefix.precise.index import PreciseIndex
@@ -440,7 +440,7 @@ class PrecisePrefixCache:
             self.arrivals.remove(keys, pod)
 
     def pods_changed(self, pods: Sequence[Pod]) -> None:
-        self.adapters = frozenset().union(*(p.adapters for p in pods))
+        self.adapters = adapters_of(pods)
         self.approx.retain_pods(p.id for p in pods)
         self.arrivals.forget_pods({p.id for p in pods})
         self.recorded.retain({p.id for p in pods})
