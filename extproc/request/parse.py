@@ -8,6 +8,8 @@ raises ``BadRequest`` (or ``BodyTooLarge``) with a message naming the field.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -102,13 +104,8 @@ def parse_request(
         raise BadRequest(
             "'cache_salt' must be a non-empty string", code="invalid_type", param="cache_salt"
         )
-    stream = data.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be a boolean", code="invalid_type", param="stream")
+    stream = _stream_flag(data.get("stream"))
     prompt = render_kthena(data) if rendering is Rendering.KTHENA else _RENDERERS[api](data)
-    _check_encodable(prompt)
     session_key = None
     if session_header and headers:
         session_key = headers.get(session_header) or None
@@ -116,21 +113,17 @@ def parse_request(
 
 
 def _load_json(body: bytes) -> dict[str, Any]:
+    """The body's object: orjson's decoding, or vLLM's where orjson refuses the body.
+
+    orjson is strict JSON: it refuses what vLLM's server takes (``_load_json_as_vllm``), and
+    it never yields a lone surrogate, so its strings are all UTF-8 (hashable as they are).
+    """
     if not body:
         raise BadRequest("the request body is empty; expected a JSON object", code="invalid_json")
     try:
         data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        try:
-            body.decode("utf-8")
-        except UnicodeDecodeError as uexc:
-            raise BadRequest(
-                f"the request body is not valid UTF-8 (byte {uexc.start})",
-                code="invalid_encoding",
-            ) from None
-        raise BadRequest(
-            f"the request body is not valid JSON: {exc}", code="invalid_json"
-        ) from None
+    except orjson.JSONDecodeError:
+        data = _load_json_as_vllm(body)
     if not isinstance(data, dict):
         raise BadRequest(
             f"the request body must be a JSON object, got {json_type(data)}", code="invalid_json"
@@ -138,17 +131,83 @@ def _load_json(body: bytes) -> dict[str, Any]:
     return data
 
 
-def _check_encodable(prompt: str) -> None:
-    """JSON escapes can smuggle lone surrogates, which have no UTF-8 form."""
-    if prompt.isascii():  # a flag CPython keeps on every str: no scan
-        return
+def _load_json_as_vllm(body: bytes) -> Any:
+    """``body`` decoded as vLLM's server decodes it, its lone surrogates made U+FFFD.
+
+    vLLM (FastAPI, Starlette's ``Request.json``) calls ``json.loads`` on the bytes with its
+    default options: a UTF-8 BOM and UTF-16/32 are decoded, ``NaN``, ``Infinity`` and
+    numbers past a double (``1e400``: inf) are taken, integers keep every digit, escapes
+    of lone surrogates are kept; invalid UTF-8, nesting past the recursion limit or an
+    integer over 4,300 digits are refused (vLLM: 400). Each surrogate left in a string
+    (keys too) becomes U+FFFD, as Go's ``encoding/json`` (Kthena) decodes a lone surrogate
+    escape: the prompt, model and salt hash as Kthena hashes them, and nothing downstream
+    meets a string without a UTF-8 form.
+    """
     try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError:
+        data = json.loads(body)
+    except UnicodeDecodeError as exc:
         raise BadRequest(
-            "the prompt contains text that is not valid UTF-8 (a lone surrogate escape)",
-            code="invalid_encoding",
+            f"the request body is not valid UTF-8 (byte {exc.start})", code="invalid_encoding"
         ) from None
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply", code="invalid_json") from None
+    except ValueError as exc:  # JSONDecodeError, or an integer over Python's digit limit
+        raise BadRequest(
+            f"the request body is not valid JSON: {exc}", code="invalid_json"
+        ) from None
+    return _replace_surrogates(data)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _safe_text(text: str) -> str:
+    return text if text.isascii() else _SURROGATE.sub("\ufffd", text)
+
+
+def _replace_surrogates(data: Any) -> Any:
+    """``data`` with every surrogate in its strings replaced by U+FFFD (in place: the
+    containers are the decoder's own), walked without recursion (it may be ~1,000 deep)."""
+    if isinstance(data, str):
+        return _safe_text(data)
+    pending = [data]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            if not all(key.isascii() for key in node):
+                fixed = {_safe_text(key): value for key, value in node.items()}
+                node.clear()
+                node.update(fixed)  # colliding keys: the last wins, as in a Go map
+            items: Any = node.items()
+        elif isinstance(node, list):
+            items = enumerate(node)
+        else:
+            continue
+        for key, value in list(items):
+            if isinstance(value, str):
+                node[key] = _safe_text(value)
+            elif isinstance(value, (dict, list)):
+                pending.append(value)
+    return data
+
+
+# What pydantic's lax ``bool`` (vLLM's ``stream: bool | None``) takes, lower-cased.
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def _stream_flag(value: object) -> bool:
+    """``stream`` read as vLLM reads it: a boolean, null (false), 0 or 1, or a string
+    pydantic takes for a boolean (``"true"``, ``"no"``...); anything else is refused."""
+    if value is None or value is False or value is True:
+        return bool(value)
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        lowered = value.lower()
+        if lowered in _TRUE or lowered in _FALSE:
+            return lowered in _TRUE
+    raise BadRequest("'stream' must be a boolean", code="invalid_type", param="stream")
 
 
 _RENDERERS = {
