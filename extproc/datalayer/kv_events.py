@@ -17,6 +17,13 @@ configured; if that fails, or without one, the pod's view is marked stale (the s
 uses the approximate view for it) and rebuilt from the next events. A sequence number
 below the expected one is a restarted engine: its view starts empty.
 
+A pod whose view was seeded from the view snapshot (``resume``, before ``start``) expects
+the sequence number saved with it: a first batch that follows it confirms the seeded
+view, a gap is replayed (a full replay confirms it too); where the replay fails or there
+is none, the seeded blocks stay provisional (``PreciseIndex``) rather than forgotten, and
+only later gaps mark the view stale. A lower number (the publisher restarted while
+extproc was down) drops the seeded view.
+
 ZMQ sockets are not thread-safe, so only the subscriber's thread touches them; the pod
 list reaches it as a snapshot that it reconciles on its next wake-up.
 """
@@ -83,11 +90,28 @@ class EventsIndex(Protocol):
 
     def removed(self, pod: PodId, hashes: Sequence[int], medium: Any = None) -> object: ...
 
-    def cleared(self, pod: PodId) -> None: ...
+    def cleared(self, pod: PodId, reason: str = "cleared") -> None: ...
 
     def mark_stale(self, pod: PodId) -> None: ...
 
     def retain_pods(self, keep: Iterable[PodId]) -> None: ...
+
+    def confirm(self, pod: PodId) -> int: ...
+
+    def expire(self, now: float | None = None) -> int: ...
+
+    # seeded blocks (view snapshot): how many, confirmed, dropped by reason, still pending
+    @property
+    def seeded(self) -> int: ...
+
+    @property
+    def confirmed(self) -> int: ...
+
+    @property
+    def dropped(self) -> Mapping[str, int]: ...
+
+    @property
+    def num_provisional(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,7 +284,8 @@ class _Metrics:
 class IndexCollector(Collector):
     """At scrape time, from each pod's view: blocks per medium, pods whose view is stale,
     and the blocks the view could not key (orphans) or dropped over capacity (its
-    counts restart with the view when a pod leaves and comes back)."""
+    counts restart with the view when a pod leaves and comes back); and the blocks seeded
+    from the view snapshot: how many, confirmed, still provisional, dropped by reason."""
 
     def __init__(self, index: EventsIndex) -> None:
         self.index = index
@@ -294,7 +319,37 @@ class IndexCollector(Collector):
             orphans.add_metric([label], view.orphans)
             evicted.add_metric([label], view.evicted)
         stale.add_metric([], num_stale)
-        return [blocks, stale, orphans, evicted]
+        return [blocks, stale, orphans, evicted, *self._seeded()]
+
+    def _seeded(self) -> list[GaugeMetricFamily | CounterMetricFamily]:
+        index = self.index
+        seeded = CounterMetricFamily(
+            "extproc_kv_events_seeded_blocks",
+            "Blocks seeded into the pods' views from the view snapshot at start, "
+            "provisional until the pods' events confirm them.",
+        )
+        seeded.add_metric([], index.seeded)
+        confirmed = CounterMetricFamily(
+            "extproc_kv_events_confirmed_blocks",
+            "Seeded blocks the pods' events confirmed (a replay or an unbroken sequence "
+            "confirms them all, a BlockStored of the same key one).",
+        )
+        confirmed.add_metric([], index.confirmed)
+        pending = GaugeMetricFamily(
+            "extproc_kv_events_provisional_blocks",
+            "Seeded blocks not confirmed yet: scored, but not exact for the cost model.",
+        )
+        pending.add_metric([], index.num_provisional)
+        dropped = CounterMetricFamily(
+            "extproc_kv_events_provisional_dropped_blocks",
+            "Seeded blocks dropped unconfirmed: expired (provisionalSeconds passed), "
+            "removed (BlockRemoved), cleared (AllBlocksCleared), restarted (the publisher "
+            "started again from 0), stale (a later gap) or evicted (over capacityBlocks).",
+            labels=["reason"],
+        )
+        for reason, num in dict(index.dropped).items():
+            dropped.add_metric([reason], num)
+        return [seeded, confirmed, pending, dropped]
 
 
 class EventsState(NamedTuple):
@@ -333,6 +388,7 @@ class KvEventsSubscriber:
         self._sockets: dict[PodId, tuple[zmq.Socket[bytes], str]] = {}  # connect topology
         self._bound: list[zmq.Socket[bytes]] = []
         self._next_seq: dict[PodId, int] = {}
+        self._seeded: set[PodId] = set()  # resumed from the snapshot, no batch since
         self._applied_at: dict[PodId, float] = {}  # monotonic, for ``pod_states``
         self._tally: dict[tuple[PodId, str], int] = {}  # (pod, gaps|replays|...) -> count
         self._stop = threading.Event()
@@ -344,12 +400,26 @@ class KvEventsSubscriber:
         self._pods = tuple(pods)
         self._pods_version += 1
 
+    def resume(self, pod: PodId, next_seq: int) -> None:
+        """``pod``'s view was seeded from the view snapshot, which saved ``next_seq`` as
+        the sequence number it expected next (before ``start``: the thread owns these)."""
+        if self._thread.is_alive():
+            raise RuntimeError("resume before start")
+        self._next_seq[pod] = next_seq
+        self._seeded.add(pod)
+
+    def next_sequences(self) -> dict[PodId, int]:
+        """The sequence number each pod's publisher is expected to send next, for the
+        view snapshot (after ``stop``)."""
+        return dict(self._next_seq)
+
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
-        self._thread.join(timeout_s)
+        if self._thread.is_alive():  # never started: nothing to wait for
+            self._thread.join(timeout_s)
 
     # The subscriber's thread -----------------------------------------------------------
 
@@ -367,6 +437,7 @@ class KvEventsSubscriber:
                     self.ready.set()
                 for sock, _ in poller.poll(POLL_MS):
                     self._drain(sock)
+                self.index.expire()
         except Exception:
             log.exception("the KV-events subscriber stopped")
             raise
@@ -390,6 +461,7 @@ class KvEventsSubscriber:
         self.index.retain_pods(p.id for p in pods)
         for gone in set(self._next_seq) - set(self._ip):
             del self._next_seq[gone]
+        self._seeded &= set(self._ip)
         if self.settings.topology != "connect":
             return
         wanted = {p.id: f"tcp://{self._ip[p.id]}:{self._events_port(p)}" for p in pods}
@@ -430,20 +502,24 @@ class KvEventsSubscriber:
         """Sequence check, then apply: see the module docstring."""
         expected = self._next_seq.get(pod)
         label = str(pod)
+        seeded = pod in self._seeded  # the first batch since the view was seeded
+        self._seeded.discard(pod)
         if expected is None:
             if seq > 0:  # joined a running publisher: what it stored before is unknown
                 self._recover(pod, 0, seq)
         elif seq < expected:  # replays apply only batches lost live, so never a duplicate
             self._metrics.restarts(label).inc()
             self._count(pod, "restarts")
-            self.index.cleared(pod)
+            self.index.cleared(pod, "restarted")
             del self._next_seq[pod]
             if seq > 0:
                 self._recover(pod, 0, seq)
         elif seq > expected:
             self._metrics.gaps(label).inc()
             self._count(pod, "gaps")
-            self._recover(pod, expected, seq)
+            self._recover(pod, expected, seq, seeded)
+        elif seeded:  # nothing was published while extproc was down
+            self.index.confirm(pod)
         self._apply(pod, seq, payload)
 
     def _apply(self, pod: PodId, seq: int, payload: bytes) -> None:
@@ -466,14 +542,21 @@ class KvEventsSubscriber:
         if applied:
             self._metrics.applied(label).inc(applied)
 
-    def _recover(self, pod: PodId, first: int, until: int) -> None:
-        """Batches ``first``..``until - 1`` were missed: replay them, else go stale."""
+    def _recover(self, pod: PodId, first: int, until: int, seeded: bool = False) -> None:
+        """Batches ``first``..``until - 1`` were missed: replay them, else go stale (a
+        ``seeded`` view stays, provisional)."""
         if self.settings.replay_port is not None and self._replay(pod, first, until):
             self._metrics.replays(str(pod), "ok").inc()
             self._count(pod, "replays")
+            if seeded:
+                self.index.confirm(pod)
             return
         if self.settings.replay_port is not None:
             self._metrics.replays(str(pod), "failed").inc()
+        if seeded:
+            log.info("%s: events missed while extproc was down were not replayed; its "
+                     "seeded view stays provisional", pod)  # fmt: skip
+            return
         self._metrics.marked_stale(str(pod)).inc()
         self._count(pod, "marked_stale")
         self.index.mark_stale(pod)

@@ -14,6 +14,15 @@ known counts one more copy (in ``copies``, which holds only hashes with more tha
 so the request path reads nothing more), and a removal drops the block only with its
 last copy.
 
+Seeding (``serve --view-snapshot``): a restarted extproc fills each pod's view from the
+snapshot (``saved`` / ``seed``), its blocks marked *provisional*: scored at once, but not
+exact (``provisional_in``) until the pod's events confirm them. A replay of the missed
+batches, or a first batch that follows the saved sequence number, confirms them all
+(``confirm``); else each is confirmed by a ``BlockStored`` of its key and dropped by a
+``BlockRemoved`` of its hash (the hash -> key map is restored too), and those still
+unconfirmed ``provisional_s`` after the seeding are dropped (``expire``), as are all of
+them on ``AllBlocksCleared``, a restarted publisher or a later gap.
+
 Memory is bounded by the pod's real capacity (``capacity`` blocks per medium, from the
 configuration): an engine never holds more, so an overflow means removals were lost,
 and the oldest-stored blocks go first.
@@ -28,6 +37,9 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from extproc.pods import PodId
 from extproc.prefix.precise.keys import ROOT, block_key, token_bytes
@@ -48,6 +60,9 @@ class PodView:
     stale_until: float = 0.0  # monotonic time; the view is not trusted before it
     orphans: int = 0  # stored blocks whose parent was unknown
     evicted: int = 0  # blocks dropped over capacity (lost removals)
+    # medium -> keys seeded from the snapshot and not yet confirmed by the pod's events
+    provisional: dict[str, set[int]] = field(default_factory=dict)
+    provisional_until: float = 0.0  # monotonic time; unconfirmed seeded blocks go then
 
     def stale(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) < self.stale_until
@@ -56,9 +71,39 @@ class PodView:
         self.blocks = {}
         self.keys = {}
         self.copies = {}
+        self.provisional = {}
+
+    def num_provisional(self) -> int:
+        return sum(len(keys) for keys in self.provisional.values())
 
     def num_blocks(self, medium: str) -> int:
         return len(self.blocks.get(medium, ()))
+
+
+@dataclass(frozen=True, slots=True)
+class SavedBlocks:
+    """One medium of a pod's view as the view snapshot keeps it, oldest stored first."""
+
+    medium: str
+    keys: npt.NDArray[np.uint64]  # our keys (``keys.block_key``)
+    hashes: npt.NDArray[np.uint64]  # the engine's hash of each
+    copies: npt.NDArray[np.uint32]  # each one's copies beyond the first
+
+
+@dataclass(frozen=True, slots=True)
+class SavedView:
+    """A pod's view as the view snapshot keeps it."""
+
+    block_size: int | None
+    media: tuple[SavedBlocks, ...]
+
+    def num_blocks(self) -> int:
+        return sum(len(m.keys) for m in self.media)
+
+
+# Why seeded blocks leave the view unconfirmed (``PreciseIndex.dropped``'s keys).
+DROP_REASONS = ("expired", "removed", "cleared", "restarted", "stale", "evicted")
+_U64 = 1 << 64
 
 
 def medium_of(value: Any) -> str:
@@ -69,12 +114,20 @@ def medium_of(value: Any) -> str:
 class PreciseIndex:
     """Every known pod's ``PodView``; the subscriber writes, the scorer reads."""
 
-    def __init__(self, capacity_blocks: int, stale_s: float = 30.0) -> None:
+    def __init__(
+        self, capacity_blocks: int, stale_s: float = 30.0, provisional_s: float = 600.0
+    ) -> None:
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be 1 or more, got {capacity_blocks}")
         self.capacity = capacity_blocks
         self.stale_s = stale_s
+        self.provisional_s = provisional_s
         self.views: dict[PodId, PodView] = {}
+        # seeded blocks: how many, confirmed by events, dropped unconfirmed (by reason)
+        self.seeded = 0
+        self.confirmed = 0
+        self.dropped = dict.fromkeys(DROP_REASONS, 0)
+        self._seeded_pods: set[PodId] = set()  # pods with provisional blocks
 
     def view(self, pod: PodId) -> PodView:
         view = self.views.get(pod)
@@ -86,6 +139,54 @@ class PreciseIndex:
         keep = set(keep)
         for pod in [p for p in self.views if p not in keep]:
             del self.views[pod]
+        self._seeded_pods &= keep
+
+    # The view snapshot (before the subscriber starts, after it stopped) ---------------
+
+    def saved(self, pod: PodId) -> SavedView | None:
+        """``pod``'s view for the snapshot; None when there is nothing to keep: no view,
+        a stale one (being rebuilt), or engine hashes that are not 64-bit integers
+        (vLLM's events carry integers unless ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``)."""
+        view = self.views.get(pod)
+        if view is None or view.stale():
+            return None
+        media = []
+        for medium, blocks in view.blocks.items():
+            hashes = list(blocks.values())
+            if not all(isinstance(h, int) and 0 <= h < _U64 for h in hashes):
+                return None
+            copies = view.copies.get(medium, {})
+            media.append(
+                SavedBlocks(
+                    medium,
+                    np.fromiter(blocks, dtype=np.uint64, count=len(blocks)),
+                    np.array(hashes, dtype=np.uint64),
+                    np.array([copies.get(h, 0) for h in hashes], dtype=np.uint32),
+                )
+            )
+        return SavedView(view.block_size, tuple(media))
+
+    def seed(self, pod: PodId, saved: SavedView, now: float | None = None) -> int:
+        """Fill ``pod``'s view from the snapshot, every block provisional until
+        ``provisional_s`` from ``now`` (monotonic); returns the blocks seeded (at most
+        ``capacity`` a medium, the newest)."""
+        view = self.views[pod] = PodView(self.capacity, saved.block_size)
+        for medium in saved.media:
+            start = max(0, len(medium.keys) - self.capacity)
+            keys = [int(k) for k in medium.keys[start:]]
+            hashes = [int(h) for h in medium.hashes[start:]]
+            view.blocks[medium.medium] = dict(zip(keys, hashes, strict=True))
+            view.keys[medium.medium] = dict(zip(hashes, keys, strict=True))
+            view.copies[medium.medium] = {
+                h: int(c) for h, c in zip(hashes, medium.copies[start:], strict=True) if c
+            }
+            view.provisional[medium.medium] = set(keys)
+        num = view.num_provisional()
+        if num:
+            view.provisional_until = (time.monotonic() if now is None else now) + self.provisional_s
+            self._seeded_pods.add(pod)
+        self.seeded += num
+        return num
 
     # Writes (the subscriber's thread) ------------------------------------------------
 
@@ -114,12 +215,19 @@ class PreciseIndex:
         view.block_size = block_size
         blocks = view.blocks.setdefault(med, {})
         copies = view.copies.setdefault(med, {})
+        provisional = view.provisional.get(med)
         data = token_bytes(token_ids)
         step = 4 * block_size
         for i, engine_hash in enumerate(hashes):
             extra = extra_keys[i] if extra_keys and i < len(extra_keys) else None
             parent_key = block_key(parent_key, data[i * step : (i + 1) * step], extra)
-            if blocks.pop(parent_key, None) == engine_hash:  # another copy, newest again
+            known = blocks.pop(parent_key, None)
+            if provisional and parent_key in provisional:
+                # confirmed, not one more copy: the seeded block may have been evicted
+                # while extproc was down and computed again
+                provisional.discard(parent_key)
+                self.confirmed += 1
+            elif known == engine_hash:  # another copy, newest again
                 copies[engine_hash] = copies.get(engine_hash, 0) + 1
             blocks[parent_key] = engine_hash
             by_hash[engine_hash] = parent_key
@@ -129,6 +237,9 @@ class PreciseIndex:
             by_hash.pop(engine_hash, None)
             copies.pop(engine_hash, None)
             view.evicted += 1
+            if provisional and oldest in provisional:
+                provisional.discard(oldest)
+                self.dropped["evicted"] += 1
         return len(hashes)
 
     def removed(self, pod: PodId, hashes: Sequence[int], medium: Any = None) -> int:
@@ -138,6 +249,7 @@ class PreciseIndex:
         med = medium_of(medium)
         by_hash, blocks = view.keys.get(med, {}), view.blocks.get(med, {})
         copies = view.copies.get(med, {})
+        provisional = view.provisional.get(med)
         dropped = 0
         for engine_hash in hashes:
             others = copies.pop(engine_hash, 0)
@@ -148,12 +260,17 @@ class PreciseIndex:
             key = by_hash.pop(engine_hash, None)
             if key is not None and blocks.pop(key, None) is not None:
                 dropped += 1
+                if provisional and key in provisional:
+                    provisional.discard(key)
+                    self.dropped["removed"] += 1
         return dropped
 
-    def cleared(self, pod: PodId) -> None:
-        """``AllBlocksCleared``, or a restarted engine: the pod holds nothing, which is
-        exactly known, so a stale view is trusted again."""
+    def cleared(self, pod: PodId, reason: str = "cleared") -> None:
+        """``AllBlocksCleared`` (``reason`` "cleared"), or a restarted engine
+        ("restarted"): the pod holds nothing, which is exactly known, so a stale view is
+        trusted again."""
         view = self.view(pod)
+        self._drop_provisional(pod, view, reason)
         view.clear()
         view.stale_until = 0.0
 
@@ -161,8 +278,52 @@ class PreciseIndex:
         """Events were lost: forget the pod's view and distrust it for ``stale_s``
         while it is rebuilt from the next events."""
         view = self.view(pod)
+        self._drop_provisional(pod, view, "stale")
         view.clear()
         view.stale_until = time.monotonic() + self.stale_s
+
+    def confirm(self, pod: PodId) -> int:
+        """No event of ``pod`` was missed since its seeding (a replay brought back every
+        batch, or the first one followed the saved sequence number): its seeded blocks
+        are exact again; returns how many were confirmed."""
+        view = self.views.get(pod)
+        num = 0 if view is None else view.num_provisional()
+        if view is not None:
+            view.provisional = {}
+        self._seeded_pods.discard(pod)
+        self.confirmed += num
+        return num
+
+    def expire(self, now: float | None = None) -> int:
+        """Drop the seeded blocks still unconfirmed ``provisional_s`` after their seeding;
+        returns how many went."""
+        now = time.monotonic() if now is None else now
+        num = 0
+        for pod in [p for p in self._seeded_pods if self.views[p].provisional_until <= now]:
+            view = self.views[pod]
+            for medium, keys in view.provisional.items():
+                blocks, by_hash = view.blocks.get(medium, {}), view.keys.get(medium, {})
+                copies = view.copies.get(medium, {})
+                for key in keys:
+                    engine_hash = blocks.pop(key, None)
+                    if engine_hash is not None:
+                        by_hash.pop(engine_hash, None)
+                        copies.pop(engine_hash, None)
+                num += len(keys)
+            view.provisional = {}
+            self._seeded_pods.discard(pod)
+        self.dropped["expired"] += num
+        return num
+
+    def _drop_provisional(self, pod: PodId, view: PodView, reason: str) -> None:
+        self.dropped[reason] += view.num_provisional()
+        view.provisional = {}
+        self._seeded_pods.discard(pod)
+
+    @property
+    def num_provisional(self) -> int:
+        """Seeded blocks not yet confirmed, every pod."""
+        return sum(self.views[p].num_provisional() for p in list(self._seeded_pods))
 
     @staticmethod
     def _key_of(view: PodView, engine_hash: int, medium: str) -> int | None:
@@ -193,3 +354,11 @@ class PreciseIndex:
             else:
                 break
         return on_gpu, elsewhere
+
+    def provisional_in(self, pod: PodId, keys: Sequence[int]) -> bool:
+        """Whether any of ``keys`` is a seeded block of ``pod`` not yet confirmed."""
+        view = self.views.get(pod)
+        if view is None or not view.provisional:
+            return False
+        pending = tuple(view.provisional.values())  # the writer may confirm meanwhile
+        return any(key in p for key in keys for p in pending)

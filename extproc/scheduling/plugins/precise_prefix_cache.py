@@ -19,8 +19,10 @@ process builds the events subscriber on this plugin's ``index`` and feeds it the
   keeps too;
 * exact counts for the cost model: ``exact_matches`` (``ExactPrefix``, which
   estimated-ttft reads) gives the prompt's length and, per pod with a trusted view, the
-  tokens vLLM will find cached (whole blocks, never the prompt's last token);
-  ``matched_tokens`` adds the fallbacks' estimates;
+  tokens vLLM will find cached (whole blocks, never the prompt's last token); a pod whose
+  match runs through blocks seeded from the view snapshot and not yet confirmed by its
+  events (provisional) is left out, as not exact; ``matched_tokens`` adds the
+  fallbacks' estimates, and the provisional matches as estimates;
 * provisional credit: events come after the prefill, not at the pick, so from the pick
   until the request ends the prompt's blocks count as held on the picked pod
   (``Arrivals`` over this plugin's keys in ``blockSize`` blocks, kept in
@@ -82,6 +84,11 @@ class PreciseArgs:
         30.0,
         "After lost events, a pod's view is distrusted (scored from the approximate "
         "view) for this many seconds.",
+    )
+    provisionalSeconds: float = arg(
+        600.0,
+        "Blocks seeded from the view snapshot at start and not confirmed by the pod's "
+        "events are dropped after this many seconds.",
     )
     cpuWeight: float = arg(0.5, "An offloaded (CPU) block's worth against a GPU block.")
     topKMatches: int = arg(
@@ -149,7 +156,7 @@ class PrecisePrefixCache:
 
     def __init__(self, args: PreciseArgs, models: Mapping[str, str], ctx: PluginContext) -> None:
         self.args = args
-        self.index = PreciseIndex(args.capacityBlocks, args.staleSeconds)
+        self.index = PreciseIndex(args.capacityBlocks, args.staleSeconds, args.provisionalSeconds)
         self.approx = PrefixIndex(args.maxHashCacheSize)
         self.models = dict(models)  # model -> tokenizer directory, for ``adopt``
         self.recorded = RecordTimes()  # the approximate view's, for ``pod_view``
@@ -238,6 +245,7 @@ class PrecisePrefixCache:
         old, new = previous.args, self.args
         self.index, self.adapters = previous.index, previous.adapters
         self.index.stale_s = new.staleSeconds
+        self.index.provisional_s = new.provisionalSeconds  # for the next seeding
         if new.capacityBlocks != old.capacityBlocks:
             self.index.capacity = new.capacityBlocks  # new pods' views; and the known:
             for view in list(self.index.views.values()):
@@ -383,20 +391,39 @@ class PrecisePrefixCache:
         tokens = self.prompt_tokens(cycle)
         if tokens is None:
             return None
+        exact, _ = self._exact_and_provisional(cycle, tokens, pods)
+        return ExactMatches(len(tokens), exact)
+
+    def _exact_and_provisional(
+        self, cycle: Cycle, tokens: TokenIds, pods: Sequence[Pod]
+    ) -> tuple[dict[PodId, int], dict[PodId, int]]:
+        """Tokens each pod with a trusted view will find cached: those known exactly, and
+        those whose match runs through seeded blocks not yet confirmed (provisional)."""
         precise, _ = self._precise(cycle, tokens, [p.id for p in pods])
         limit = max(0, len(tokens) - 1)
-        matched: dict[PodId, int] = {}
+        exact: dict[PodId, int] = {}
+        provisional: dict[PodId, int] = {}
         for pod, (gpu, _, _) in precise.items():
             view = self.index.views.get(pod)
             size = (view.block_size if view else None) or self.args.blockSize
-            matched[pod] = min(gpu, limit // size) * size
-        return ExactMatches(len(tokens), matched)
+            tokens_cached = min(gpu, limit // size) * size
+            keys = self._chain(cycle, tokens, size)[:gpu]
+            if gpu and self.index.provisional_in(pod, keys):
+                provisional[pod] = tokens_cached
+            else:
+                exact[pod] = tokens_cached
+        return exact, provisional
 
     def matched_tokens(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
-        """``exact_matches``' counts, and the approximate view's for the fallbacks."""
-        exact = self.exact_matches(cycle, pods)
-        out = dict(exact.matched_tokens) if exact is not None else {}
-        num_tokens = exact.num_prompt_tokens if exact is not None else cycle.num_prompt_tokens
+        """``exact_matches``' counts, the provisional ones, and the approximate view's
+        for the fallbacks."""
+        tokens = self.prompt_tokens(cycle)
+        out: dict[PodId, int] = {}
+        num_tokens = cycle.num_prompt_tokens
+        if tokens is not None:
+            exact, provisional = self._exact_and_provisional(cycle, tokens, pods)
+            out = exact | provisional
+            num_tokens = len(tokens)
         approximate = [p.id for p in pods if p.id not in out]
         for pod, fraction in self._approx_fraction(cycle, approximate).items():
             out[pod] = int(fraction * num_tokens)

@@ -118,5 +118,5 @@ def test_every_precise_metric_is_in_the_metrics_reference(
         f"{family.name}_total" if family.type == "counter" else family.name
         for family in registry.collect()
     ]
-    assert len(names) == 20
+    assert len(names) == 24
     assert [name for name in names if f"`{name}`" not in reference] == []
