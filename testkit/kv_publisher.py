@@ -7,7 +7,7 @@ import threading
 
 import zmq
 
-from extproc.sim.kv_cache import BlockStored
+from extproc.sim.kv_cache import KVCacheEvent
 from extproc.sim.kv_events import encode_event_batch
 from extproc.sim.launch import free_port
 
@@ -32,7 +32,7 @@ class Publisher:
             self._thread = threading.Thread(target=self._serve_replay, daemon=True)
             self._thread.start()
 
-    def publish(self, *events: BlockStored, lose: bool = False) -> None:
+    def publish(self, *events: KVCacheEvent, lose: bool = False) -> None:
         payload = encode_event_batch(0.0, events)
         self.sent.append((self.seq, payload))
         if not lose:

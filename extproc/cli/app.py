@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
+import socket
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -48,7 +50,7 @@ from extproc.envoyconf.options import DEFAULT_MAX_MESSAGE_TIMEOUT_S
 from extproc.errors import ConfigError
 from extproc.kernels import IMPLEMENTATION as KERNELS_IMPLEMENTATION
 from extproc.pods import Pod
-from extproc.prefix.snapshot import View, ViewSnapshot
+from extproc.prefix.snapshot import PreciseView, View, ViewSnapshot
 from extproc.request.render import Rendering
 from extproc.routing.flow.config import FlowConfig, parse_flow_control
 from extproc.routing.outcome_metrics import OutcomeMetrics
@@ -143,8 +145,9 @@ class Running:
         self.health_server.stop(0).wait(STOP_GRACE_S)
         if self.sharing is not None:
             self.sharing.stop()
-        if self.snapshot is not None:  # nothing records any more
-            self.snapshot.write(snapshot_views(self.router.scheduler))
+        if self.snapshot is not None:  # nothing records any more, no event comes in
+            scheduler = self.router.scheduler
+            self.snapshot.write(snapshot_views(scheduler), precise_views(scheduler, self.kv_events))
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
         if self.tracing is not None:
@@ -198,6 +201,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(  # else found only at the drain, when the write fails
             f"--view-snapshot: no directory {args.view_snapshot.parent} to write it in"
         )
+    if args.view_snapshot_dir is not None and not args.view_snapshot_dir.is_dir():
+        raise ConfigError(f"--view-snapshot-dir: {args.view_snapshot_dir} is not a directory")
     tls_settings(args)
     check_tracing_args(args)
     if str(args.log_level).lower() not in _LOG_LEVELS:
@@ -340,12 +345,10 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
     watcher.start()
     if not known_at_load:  # a Kubernetes source has listed them now
         check_targets(rewrites, router.pods)
-    snapshot = None
-    if args.view_snapshot is not None:  # before Redis's window, which is newer
-        snapshot = ViewSnapshot(
-            args.view_snapshot, args.view_snapshot_max_age_s, registry, time.time
-        )
-        snapshot.load(snapshot_views(scheduler), {pod.id for pod in router.pods})
+    snapshot = make_snapshot(args, registry)
+    if snapshot is not None:  # before Redis's window, which is newer; and the events
+        pods = {pod.id for pod in router.pods}
+        snapshot.load(snapshot_views(scheduler), pods, precise_views(scheduler, kv_events))
     if objectives is not None:
         objectives.start()
     if rewrite_watcher is not None:
@@ -392,6 +395,29 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         admin=admin,
         snapshot=snapshot,
     )
+
+
+def make_snapshot(args: argparse.Namespace, registry: CollectorRegistry) -> ViewSnapshot | None:
+    """The view snapshot of ``--view-snapshot`` or ``--view-snapshot-dir`` (this
+    replica's file named by ``POD_NAME``, else the host name: a pod's own name)."""
+    max_age_s = args.view_snapshot_max_age_s
+    if args.view_snapshot is not None:
+        return ViewSnapshot(args.view_snapshot, max_age_s, registry, time.time)
+    if args.view_snapshot_dir is not None:
+        replica = os.environ.get("POD_NAME") or socket.gethostname()
+        return ViewSnapshot(args.view_snapshot_dir, max_age_s, registry, time.time, replica)
+    return None
+
+
+def precise_views(scheduler: Scheduler, kv_events: KvEventsSubscriber | None) -> list[PreciseView]:
+    """The token-exact view the KV-events subscriber feeds, for the view snapshot."""
+    if kv_events is None:
+        return []
+    return [
+        PreciseView(plugin.type_name, plugin.index, kv_events.next_sequences, kv_events.resume)
+        for plugin in plugins_of(scheduler).values()
+        if isinstance(plugin, PrecisePrefixCache) and plugin.index is kv_events.index
+    ]
 
 
 def snapshot_views(scheduler: Scheduler) -> list[View]:
