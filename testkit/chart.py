@@ -44,6 +44,10 @@ MODES: dict[str, dict[str, Any]] = {
         "networkPolicy": {"gatewayFrom": GATEWAY_PEERS},
         "tls": {"mode": "files", "secretName": "picker-cert"},
     },
+    "view-snapshot-replicas": {
+        "replicas": 3,
+        "viewSnapshot": {"enabled": True, "persistence": {"storageClass": "nfs-client"}},
+    },
     "precise-connect-replicas": {
         **PRECISE,
         "replicas": 3,

@@ -106,6 +106,31 @@ self-signed, what the Inference Extension's gateways expect of a picker; else of
 {{- fail "inferencePool.httpRoute.parentRefs is empty: name the Gateway the HTTPRoute attaches to, e.g. [{name: inference-gateway}]" }}
 {{- end }}
 {{- include "extproc.validateKvEvents" . }}
+{{- include "extproc.validateViewSnapshot" . }}
+{{- end }}
+
+{{/* The view snapshot's claim: the operator's, or the one the chart makes. */}}
+{{- define "extproc.viewSnapshotClaim" -}}
+{{- .Values.viewSnapshot.existingClaim | default (printf "%s-views" (include "extproc.fullname" .)) }}
+{{- end }}
+
+{{/* The chart-made claim's access modes: as set, else ReadWriteMany for several replicas
+(each replica's pod mounts it, on any node), ReadWriteOnce for one. */}}
+{{- define "extproc.viewSnapshotAccessModes" -}}
+{{- $modes := .Values.viewSnapshot.persistence.accessModes }}
+{{- if not $modes }}
+{{- $modes = ternary (list "ReadWriteMany") (list "ReadWriteOnce") (gt (int .Values.replicas) 1) }}
+{{- end }}
+{{- toJson $modes }}
+{{- end }}
+
+{{- define "extproc.validateViewSnapshot" -}}
+{{- $vs := .Values.viewSnapshot }}
+{{- if and $vs.enabled (not $vs.existingClaim) (gt (int .Values.replicas) 1) }}
+{{- if not (has "ReadWriteMany" (include "extproc.viewSnapshotAccessModes" . | fromJsonArray)) }}
+{{- fail (printf "viewSnapshot.persistence.accessModes %v with %d replicas: the replicas' pods share the volume, so it must be ReadWriteMany (or leave accessModes empty)" $vs.persistence.accessModes (int .Values.replicas)) }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* "true" when scheduler.plugins.Score enables precise-prefix-cache, else "". */}}
