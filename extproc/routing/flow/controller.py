@@ -124,9 +124,13 @@ class FlowController:
         return pods
 
     def with_room(self, pods: Sequence[Pod]) -> Sequence[Pod]:
-        """The pods not over their limits (all of them if none is): where a request
-        dispatched from the queue may go, so that it takes the room that freed rather
-        than a place behind another pod's queue."""
+        """The pods with a free batch slot, else those not over their limits (all of
+        them if none is): where a request dispatched from the queue may go, so that it
+        takes the slot that freed rather than a place behind a full batch or another
+        pod's queue."""
+        free = [pod for pod in pods if self.saturation.free_slots(pod) > 0]
+        if free:
+            return free
         room = [pod for pod in pods if not self.saturation.over(pod)]
         return room or pods
 

@@ -28,9 +28,10 @@ baseline stays older: the estimate can then run high by requests routed and ende
 A model is saturated when every ready pod serving it is over; a model no ready pod
 serves is not (routing answers 404 or 503 as without flow control). With
 ``reservedSlots``, it is saturated for priorities below ``reservedFor`` while its pods'
-room (requests they take before they are over, summed) is that many or fewer: the last
-few places go to the high band, which then finds a free slot at once instead of waiting
-for one to free (a pod whose size is not known yet has room without end).
+free batch slots, summed, are that many or fewer: the last few slots go to the high band,
+which then starts at the engine's next step instead of waiting for one to free (a pod
+whose size is not known yet has slots without end). Queue places do not count there: a
+high-band request sent to one waits behind a full batch.
 """
 
 from __future__ import annotations
@@ -136,25 +137,44 @@ class SaturationDetector:
             return float("inf")
         return self._limit(pod) - self.estimated_waiting(pod)
 
+    def free_slots(self, pod: Pod) -> float:
+        """Batch slots free in the pod now: a request sent there starts at the engine's
+        next step instead of waiting in its queue (unbounded while its size is unknown;
+        without scraping, its room)."""
+        if self.over(pod):
+            return 0.0
+        if not self._scraped:
+            return self.room(pod)
+        if pod.id not in self._full:
+            return float("inf")
+        return max(0.0, -self.estimated_waiting(pod))
+
+    def _spare(self, pod: Pod, reserved: bool) -> float:
+        """What a pod adds towards the model's room: its free slots where a reserve is
+        kept (a queue place, ``maxWaiting``'s or a probe's, is no place for the high
+        band: it waits there behind a full batch), else its room."""
+        return self.free_slots(pod) if reserved else self.room(pod)
+
     def saturated(self, model: str, priority: int) -> bool:
         """Every ready pod serving ``model`` (in the last snapshot) is over its limits,
-        or, below ``reservedFor``, their room is no more than ``reservedSlots``; False if
-        no ready pod serves it.
+        or, below ``reservedFor``, their free slots are no more than ``reservedSlots``;
+        False if no ready pod serves it.
 
         The pod last found with room is tried first: while the model is not saturated a
         check usually costs one pod, not the whole pool.
         """
-        needed = self._reserved_slots if priority < self._reserved_for else 0
+        reserved = self._reserved_slots > 0 and priority < self._reserved_for
+        needed = self._reserved_slots if reserved else 0
         last_id = self._last_free.get(model)
         last = self._by_id.get(last_id) if last_id is not None else None
-        if last is not None and last.ready and self.room(last) > needed:
+        if last is not None and last.ready and self._spare(last, reserved) > needed:
             return False
         candidates = 0
         room = 0.0
         for pod in self._pods:
             if pod.ready and pod.serves(model):
                 candidates += 1
-                pod_room = self.room(pod)
+                pod_room = self._spare(pod, reserved)
                 room += pod_room
                 if pod_room > 0:
                     self._last_free[model] = pod.id

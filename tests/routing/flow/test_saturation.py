@@ -3,8 +3,11 @@ pod (scraped, moved by extproc's routing since) beyond its batch slots, or KV us
 
 from __future__ import annotations
 
+from prometheus_client import CollectorRegistry
+
 from extproc.pods import Pod, PodMetrics
 from extproc.routing.flow.config import FlowConfig
+from extproc.routing.flow.controller import FlowController
 from extproc.routing.flow.saturation import SaturationDetector
 from extproc.scheduling.inflight import InFlight
 from testkit.factories import make_pod
@@ -123,6 +126,40 @@ def test_the_reserve_keeps_the_last_room_for_the_high_band() -> None:
     in_flight.start(quiet[0].id)
     in_flight.start(quiet[1].id)
     assert detector.saturated("m", 100)
+
+
+def test_the_reserve_counts_free_slots_not_queue_places() -> None:
+    """A high-band request sent to a queue place (``maxWaiting``'s or a probe's) waits
+    there behind a full batch: only free slots keep the reserve."""
+    in_flight = InFlight()
+    config = FlowConfig(enabled=True, max_waiting=1, reserved_slots=1, reserved_for=100)
+    detector = SaturationDetector(config, in_flight)
+    detector.pods_changed((scraped(4, 1), scraped(4, 1, name="p1", port=8001)))  # 4 slots
+    busy = (scraped(4), scraped(2, name="p1", port=8001))  # 0 and 2 slots free
+    detector.pods_changed(busy)
+    assert [detector.free_slots(p) for p in busy] == [0, 2]
+    assert [detector.room(p) for p in busy] == [2, 3]  # p0: its queue place and a probe
+    assert not detector.saturated("m", 0)
+    in_flight.start(busy[1].id)  # one slot left (the reserve), three queue places
+    assert detector.saturated("m", 0) and not detector.saturated("m", 100)
+    in_flight.start(busy[1].id)  # no slot left: the high band takes a queue place
+    assert detector.free_slots(busy[1]) == 0 and not detector.saturated("m", 100)
+
+
+def test_a_request_from_the_queue_takes_a_free_slot_over_a_queue_place() -> None:
+    in_flight = InFlight()
+    controller = FlowController(
+        FlowConfig(enabled=True, max_waiting=1), in_flight, CollectorRegistry()
+    )
+    try:
+        controller.pods_changed((scraped(4, 1), scraped(4, 1, name="p1", port=8001)))
+        busy = (scraped(4), scraped(3, name="p1", port=8001))  # a queue place; a slot
+        controller.pods_changed(busy)
+        assert [p.id for p in controller.with_room(busy)] == [busy[1].id]
+        in_flight.start(busy[1].id)  # no slot free: either queue place
+        assert [p.id for p in controller.with_room(busy)] == [busy[0].id, busy[1].id]
+    finally:
+        controller.close()
 
 
 def test_a_pod_of_unknown_size_leaves_room_beyond_any_reserve() -> None:
