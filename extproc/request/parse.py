@@ -93,7 +93,7 @@ def parse_request(
         raise BodyTooLarge(
             f"request body is {len(body)} bytes, over the limit of {max_body_bytes} bytes"
         )
-    data = _load_json(body)
+    data = load_body(body)
     model = data.get("model")
     if model is None:
         raise BadRequest("the request has no 'model' field", code="missing_model", param="model")
@@ -112,11 +112,14 @@ def parse_request(
     return InferenceRequest(api, model, prompt, salt, stream, session_key, data)
 
 
-def _load_json(body: bytes) -> dict[str, Any]:
+def load_body(body: bytes) -> dict[str, Any]:
     """The body's object: orjson's decoding, or vLLM's where orjson refuses the body.
 
     orjson is strict JSON: it refuses what vLLM's server takes (``_load_json_as_vllm``), and
     it never yields a lone surrogate, so its strings are all UTF-8 (hashable as they are).
+
+    Raises:
+        BadRequest: empty, not JSON as vLLM reads it, or not an object.
     """
     if not body:
         raise BadRequest("the request body is empty; expected a JSON object", code="invalid_json")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import json
 import logging
 import random
 import re
@@ -39,6 +40,7 @@ import orjson
 
 from extproc.errors import ConfigError
 from extproc.pods import Pod
+from extproc.request.parse import load_body
 
 log = logging.getLogger(__name__)
 
@@ -244,9 +246,13 @@ def rewritten_body(body: bytes, data: Mapping[str, Any], target: str) -> bytes:
             spliced = (
                 body[: value.end()] + orjson.dumps(target) + body[value.end() + len(written) :]
             )
-            if orjson.loads(spliced).get("model") == target:
+            if load_body(spliced).get("model") == target:  # decoded as the body was
                 return spliced
-    return orjson.dumps({**data, "model": target})
+    rewritten = {**data, "model": target}
+    try:
+        return orjson.dumps(rewritten)
+    except orjson.JSONEncodeError:  # an integer past 64 bits, as vLLM's json.loads reads it
+        return json.dumps(rewritten, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 _MODEL_KEY = b'"model"'

@@ -3,6 +3,7 @@ rewritten, and the router routing a rewritten request to its target's pods."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from typing import Any
@@ -13,6 +14,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from extproc.errors import ConfigError, ModelNotFound
+from extproc.request.parse import parse_request
 from extproc.routing.rewrites import (
     RewriteRule,
     Target,
@@ -296,3 +298,26 @@ def test_a_rule_to_the_model_itself_and_reloaded_rules() -> None:
     )
     decision = router.route("/v1/completions", b'{"model": "other", "prompt": "x"}')
     assert decision.body == b'{"model": "food-review-v2", "prompt": "x"}'  # watched catch-all
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(b'\xef\xbb\xbf{"model":"food-review","prompt":"hi"}', id="bom"),
+        pytest.param(b'{"model":"food-review","prompt":"hi","x":NaN}', id="nan"),
+        pytest.param('{"model":"food-review","prompt":"hi"}'.encode("utf-16"), id="utf-16"),
+        pytest.param(
+            b'{"model":"food-review","model":"food-review","prompt":"hi","seed":%s,"x":NaN}'
+            % (b"9" * 30),
+            id="big-int-reserialised",
+        ),
+    ],
+)
+def test_bodies_decoded_as_vllm_does_are_rewritten(body: bytes) -> None:
+    """Bodies only the stdlib fallback decodes (``parse.load_body``) are rewritten too, and
+    the result decodes as vLLM decodes it (issue 33: no 500 for a body vLLM serves)."""
+    data = parse_request("/v1/completions", body).data
+    assert data is not None
+    out = json.loads(rewritten_body(body, data, "food-review-v2"))
+    assert out["model"] == "food-review-v2" and out["prompt"] == "hi"
+    assert out.get("seed", 0) in (0, int("9" * 30))
