@@ -231,7 +231,12 @@ class ViewSnapshot:
         """Restore ``views`` and seed ``precise`` from the file(s), keeping only ``pods``;
         returns the approximate entries restored. Never raises: a bad file is refused,
         the views stay as they are."""
-        files = self._files()
+        try:
+            files = self._files()
+        except OSError as exc:  # the directory went away, or cannot be read
+            log.warning("view snapshot %s refused, the views start empty: %s", self.path, exc)
+            self.metrics.loads.labels("refused").inc()
+            return 0
         if not files:
             where = self.directory or self.path
             log.info("view snapshot %s: no file yet, the views start empty", where)

@@ -195,3 +195,10 @@ def test_the_file_and_directory_flags_exclude_each_other(tmp_path: Path) -> None
     flags = _serve("--view-snapshot", str(tmp_path / "v.npz"), "--view-snapshot-dir", str(tmp_path))
     with pytest.raises(SystemExit):
         build_parser().parse_args(flags)
+
+
+def test_a_directory_that_went_away_is_refused_and_the_views_start_empty(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    gone = replica(tmp_path / "gone", "r", registry)
+    assert gone.load([view(PrefixIndex(10))], {A}) == 0
+    assert sample(registry, "extproc_view_snapshot_loads_total", result="refused") == 1

@@ -323,7 +323,8 @@ class PreciseIndex:
     @property
     def num_provisional(self) -> int:
         """Seeded blocks not yet confirmed, every pod."""
-        return sum(self.views[p].num_provisional() for p in list(self._seeded_pods))
+        views = [self.views.get(p) for p in list(self._seeded_pods)]  # any thread
+        return sum(v.num_provisional() for v in views if v is not None)
 
     @staticmethod
     def _key_of(view: PodView, engine_hash: int, medium: str) -> int | None:
