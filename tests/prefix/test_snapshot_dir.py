@@ -12,9 +12,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.cli import build_parser
-from extproc.cli.app import start
+from extproc.cli.app import snapshot_views, start
 from extproc.errors import ConfigError
-from extproc.prefix import PrefixIndex
+from extproc.prefix import PrefixIndex, hash_prompt
 from extproc.prefix.snapshot import ViewSnapshot, replica_file_name
 from testkit.example_pods import EXAMPLE_PODS_FILE
 from tests.prefix.test_snapshot import NOW, A, B, keys_of, live, sample, view
@@ -183,6 +183,36 @@ def test_serve_writes_its_file_named_by_pod_name(
     assert written.name == "extproc-abc.npz"
     with np.load(written, allow_pickle=False) as npz:
         assert "header" in npz.files
+
+
+def test_serve_replicas_each_write_their_file_and_a_new_one_starts_from_the_union(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rolling update: replicas r1 and r2 each served a prompt on another pod and
+    drained; r3, a new pod, starts with both."""
+    args = build_parser().parse_args(_serve("--view-snapshot-dir", str(tmp_path)))
+    recorded = {}
+    for i, name in enumerate(("extproc-r1", "extproc-r2")):
+        monkeypatch.setenv("POD_NAME", name)
+        running = start(args, CollectorRegistry())
+        try:
+            (first,) = snapshot_views(running.router.scheduler)
+            pod = running.router.pods[i].id
+            keys = hash_prompt("sim-model", f"tenant {i} " * 80, first.block_size, first.max_blocks)
+            first.index.record(keys, pod)
+            recorded[pod] = live(first.index, pod)
+        finally:
+            running.stop(0.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["extproc-r1.npz", "extproc-r2.npz"]
+    monkeypatch.setenv("POD_NAME", "extproc-r3")
+    registry = CollectorRegistry()
+    running = start(args, registry)
+    try:
+        (view_r3,) = snapshot_views(running.router.scheduler)
+        assert {pod: live(view_r3.index, pod) for pod in recorded} == recorded
+        assert sample(registry, "extproc_view_snapshot_loaded_files") == 2
+    finally:
+        running.stop(0.0)
 
 
 def test_serve_refuses_a_snapshot_dir_that_is_not_a_directory(tmp_path: Path) -> None:
