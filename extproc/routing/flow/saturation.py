@@ -10,11 +10,12 @@ or, if more, the last scrape's running and waiting moved by that count since the
 pod's answer and its publication, or ended before the access log said so, would be
 missed or counted twice, and a pool held at its slots would be fed past them.
 
-The slots are known once a scrape showed the pod with requests waiting (it was full;
-a request also waits a moment for the engine's next step with slots free, so while a
-scrape shows the pod running its most and queueing nothing, one more is let in now and
-then, or at every scrape while that grows its slots: a probe that lets slots learned low
-grow);
+The slots are known once two scrapes in a row showed the pod with requests waiting (it
+was full: a request also waits a moment for the engine's next step with slots free, which
+one scrape may catch at any load, and a pool taken for full at the few requests it ran
+then would be held, and its low bands refused, at half its capacity; and while a scrape
+shows the pod running its most and queueing nothing, one more is let in now and then, or
+at every scrape while that grows its slots: a probe that lets slots learned low grow);
 until then a pod is over only by its KV use: the most it ran so far may be far below its
 batch size (a fresh extproc, a quiet pod), and feeding it only one request beyond that
 would ramp it up one request a scrape. Its engine queues the excess, as without flow
@@ -60,7 +61,8 @@ class SaturationDetector:
         # rebound whole, read lock-free.
         self._baselines: dict[PodId, tuple[PodMetrics, int]] = {}
         self._slots: dict[PodId, int] = {}  # the most requests a scrape showed it running
-        self._full: set[PodId] = set()  # pods a scrape showed with requests waiting
+        self._full: set[PodId] = set()  # pods two scrapes in a row showed queueing
+        self._queued: set[PodId] = set()  # pods whose last scrape showed requests waiting
         self._probing: set[PodId] = set()  # pods taking one request beyond their slots now
         self._probed: dict[PodId, float] = {}  # when each pod's last probe began
         self._pods: tuple[Pod, ...] = ()
@@ -83,12 +85,17 @@ class SaturationDetector:
             if grew:
                 self._slots[pod.id] = metrics.running
             self._probe(pod.id, metrics, grew, now)
-            if pod.metrics.waiting > 0:
-                self._full.add(pod.id)
+            if metrics.waiting > 0:
+                if pod.id in self._queued:
+                    self._full.add(pod.id)
+                self._queued.add(pod.id)
+            else:
+                self._queued.discard(pod.id)
         self._baselines = baselines
         for gone in self._slots.keys() - baselines.keys():  # a pod back later may differ
             del self._slots[gone]
             self._full.discard(gone)
+            self._queued.discard(gone)
             self._probed.pop(gone, None)
             self._probing.discard(gone)
         self._by_id = {pod.id: pod for pod in pods}

@@ -200,8 +200,8 @@ def test_the_drain_routes_every_held_request() -> None:
 
 def test_a_scrape_showing_room_dispatches() -> None:
     router, _ = make_router(scraped=True)
-    busy = make_pod("p0", metrics=PodMetrics(waiting=3))
-    router.set_pods([busy])
+    for _ in range(2):  # two scrapes in a row queueing: full
+        router.set_pods([make_pod("p0", metrics=PodMetrics(waiting=3))])
     held = send(router, "r1")
     assert isinstance(held, Held)
     router.set_pods([make_pod("p0", metrics=PodMetrics(waiting=0))])

@@ -3,6 +3,8 @@ pod (scraped, moved by extproc's routing since) beyond its batch slots, or KV us
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from prometheus_client import CollectorRegistry
 
 from extproc.pods import Pod, PodMetrics
@@ -21,11 +23,17 @@ def scraped(
     return make_pod(name, port=port, metrics=PodMetrics(waiting, running, kv))
 
 
+def seen_full(sink: SaturationDetector | FlowController, pods: tuple[Pod, ...]) -> None:
+    """Two scrapes in a row showing ``pods`` as they are (queueing: their size known)."""
+    sink.pods_changed(pods)
+    sink.pods_changed(tuple(replace(p, metrics=replace(p.metrics)) for p in pods))
+
+
 def test_requests_routed_since_the_scrape_count_at_once() -> None:
     in_flight = InFlight()
     detector = SaturationDetector(CONFIG, in_flight)
     pod = scraped(running=4, waiting=1)  # full: it has 4 slots
-    detector.pods_changed((pod,))
+    seen_full(detector, (pod,))
     assert detector.estimated_waiting(pod) == 1 and not detector.saturated("m", 0)
     in_flight.start(pod.id)  # routed after the scrape
     assert detector.estimated_waiting(pod) == 2 and detector.saturated("m", 0)
@@ -37,7 +45,7 @@ def test_requests_routed_since_the_scrape_count_at_once() -> None:
 def test_requests_that_take_free_slots_are_not_waiting() -> None:
     in_flight = InFlight()
     detector = SaturationDetector(FlowConfig(enabled=True, max_waiting=0), in_flight)
-    detector.pods_changed((scraped(running=4, waiting=2),))  # seen full: 4 slots
+    seen_full(detector, (scraped(running=4, waiting=2),))  # 4 slots
     pod = scraped(running=2)
     detector.pods_changed((pod,))
     assert detector.estimated_waiting(pod) == -2 and not detector.over(pod)
@@ -61,7 +69,7 @@ def test_a_pod_never_seen_full_is_over_only_by_its_kv_use() -> None:
         in_flight.start(pod.id)
     assert not detector.over(pod)
     queueing = scraped(running=8, waiting=3)
-    detector.pods_changed((queueing,))
+    seen_full(detector, (queueing,))
     assert detector.over(queueing)  # 8 slots, 11 in it: 3 waiting
     detector.pods_changed((scraped(running=1, kv=0.95),))
     assert detector.saturated("m", 0)
@@ -93,7 +101,7 @@ def test_pods_not_ready_or_serving_another_model_do_not_count() -> None:
     full = scraped(running=0, waiting=5)
     unready = make_pod("p1", port=8001, ready=False)
     other = make_pod("p2", port=8002, model="other")
-    detector.pods_changed((full, unready, other))
+    seen_full(detector, (full, unready, other))
     assert detector.saturated("m", 0)
     assert not detector.saturated("nobody-serves-this", 0)  # routing answers it, not us
 
@@ -103,7 +111,7 @@ def test_requests_routed_before_a_scrape_was_published_still_count() -> None:
     scrape was published after: the scrape shows four, extproc knows of five."""
     in_flight = InFlight()
     detector = SaturationDetector(FlowConfig(enabled=True, max_waiting=1), in_flight)
-    detector.pods_changed((scraped(running=4, waiting=1),))  # seen full: 4 slots
+    seen_full(detector, (scraped(running=4, waiting=1),))  # 4 slots
     for _ in range(5):
         in_flight.start(make_pod("p0").id)
     pod = scraped(running=3, waiting=1)
@@ -111,12 +119,31 @@ def test_requests_routed_before_a_scrape_was_published_still_count() -> None:
     assert detector.estimated_waiting(pod) == 1 and detector.over(pod)
 
 
+def test_one_scrape_catching_a_request_waiting_for_the_next_step_is_not_full() -> None:
+    """At any load a request waits a moment for the engine's next step, and a scrape may
+    catch it: a pod taken for full at the two requests it ran then would hold (and, with
+    a reserve, refuse) the low bands at half its size. Two scrapes in a row queueing
+    tell its size."""
+    in_flight = InFlight()
+    config = FlowConfig(enabled=True, max_waiting=0, reserved_slots=1, reserved_for=100)
+    detector = SaturationDetector(config, in_flight)
+    for _ in range(3):
+        in_flight.start(make_pod("p0").id)
+    detector.pods_changed((scraped(running=2, waiting=1),))
+    calm = scraped(running=3)
+    detector.pods_changed((calm,))
+    assert detector.free_slots(calm) == float("inf") and not detector.saturated("m", 0)
+    detector.pods_changed((scraped(running=3, waiting=1),))
+    queueing = scraped(running=3, waiting=1)
+    detector.pods_changed((queueing,))  # the second in a row: 3 slots, none free
+    assert detector.free_slots(queueing) == 0 and detector.saturated("m", 0)
+
+
 def test_the_reserve_keeps_the_last_room_for_the_high_band() -> None:
     in_flight = InFlight()
     config = FlowConfig(enabled=True, max_waiting=0, reserved_slots=2, reserved_for=100)
     detector = SaturationDetector(config, in_flight)
-    pods = (scraped(4, 1), scraped(4, 1, name="p1", port=8001))  # seen full: 4 slots each
-    detector.pods_changed(pods)
+    seen_full(detector, (scraped(4, 1), scraped(4, 1, name="p1", port=8001)))  # 4 slots each
     quiet = (scraped(2), scraped(3, name="p1", port=8001))  # 2 + 1 slots free
     detector.pods_changed(quiet)
     assert detector.room(quiet[0]) == 2 and detector.room(quiet[1]) == 1
@@ -134,7 +161,7 @@ def test_the_reserve_counts_free_slots_not_queue_places() -> None:
     in_flight = InFlight()
     config = FlowConfig(enabled=True, max_waiting=1, reserved_slots=1, reserved_for=100)
     detector = SaturationDetector(config, in_flight)
-    detector.pods_changed((scraped(4, 1), scraped(4, 1, name="p1", port=8001)))  # 4 slots
+    seen_full(detector, (scraped(4, 1), scraped(4, 1, name="p1", port=8001)))  # 4 slots
     busy = (scraped(4), scraped(2, name="p1", port=8001))  # 0 and 2 slots free
     detector.pods_changed(busy)
     assert [detector.free_slots(p) for p in busy] == [0, 2]
@@ -152,7 +179,7 @@ def test_a_request_from_the_queue_takes_a_free_slot_over_a_queue_place() -> None
         FlowConfig(enabled=True, max_waiting=1), in_flight, CollectorRegistry()
     )
     try:
-        controller.pods_changed((scraped(4, 1), scraped(4, 1, name="p1", port=8001)))
+        seen_full(controller, (scraped(4, 1), scraped(4, 1, name="p1", port=8001)))
         busy = (scraped(4), scraped(3, name="p1", port=8001))  # a queue place; a slot
         controller.pods_changed(busy)
         assert [p.id for p in controller.with_room(busy)] == [busy[1].id]
@@ -175,7 +202,7 @@ def test_slots_learned_low_grow_by_a_probe() -> None:
     request goes in, and the next scrape shows the fourth slot."""
     in_flight = InFlight()
     detector = SaturationDetector(FlowConfig(enabled=True, max_waiting=0), in_flight)
-    detector.pods_changed((scraped(running=3, waiting=1),))
+    seen_full(detector, (scraped(running=3, waiting=1),))
     pod_id = make_pod("p0").id
     for _ in range(3):
         in_flight.start(pod_id)

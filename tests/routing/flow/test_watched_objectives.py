@@ -34,6 +34,7 @@ def test_a_watched_priority_change_applies_to_new_requests() -> None:
         registry=CollectorRegistry(),
         flow=config,
     )
+    router.set_pods([make_pod("p0", metrics=PodMetrics(waiting=3))])  # the second scrape
     assert router.flow is not None
     objectives = router.flow.objectives
 
