@@ -317,7 +317,7 @@ def test_configmap_config_is_extprocs_default_and_loads() -> None:
     build_scheduler(config, CollectorRegistry())
     assert [(s.name, s.weight) for s in config.scores] == [
         ("estimated-ttft", 1),
-        ("lora-affinity", 1),
+        ("lora-affinity", 6),
     ]
     assert config.filters == ()
 

@@ -37,7 +37,7 @@ def test_embedded_default_is_the_estimated_ttft_cost_model_every_argument_writte
     assert config.filters == ()
     assert [(s.name, s.weight) for s in config.scores] == [
         ("estimated-ttft", 1),
-        ("lora-affinity", 1),
+        ("lora-affinity", 6),
     ]
     written = config.plugin_args["estimated-ttft"]
     assert written == {f.name: f.default for f in dataclasses.fields(EstimatedTTFTArgs)}

@@ -3,11 +3,14 @@ adapter-slot scores, per pod and on the table path."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.pods import LoraSlots, Pod, PodId, PodMetrics
+from extproc.scheduling.config import build_scheduler, load_config
 from extproc.scheduling.interfaces import PluginContext
 from extproc.scheduling.plugins.lora_affinity import LoraAffinity
 from extproc.scheduling.podtable import PodTable
@@ -140,3 +143,72 @@ def test_table_scores_follow_a_new_snapshot_of_the_slots() -> None:
     scorer = plugin()
     assert scorer.score_table(cycle, first, first.all_positions()).tolist() == [0]
     assert scorer.score_table(cycle, second, second.all_positions()).tolist() == [100]
+
+
+def busy(waiting: int, lora: LoraSlots | None) -> PodMetrics:
+    """A pod with ``waiting`` requests queued (and 8 running): the cost model's costliest."""
+    return PodMetrics(waiting=waiting, running=8, lora=lora)
+
+
+def adapter_pods(metrics: list[PodMetrics]) -> list[Pod]:
+    return [replace(pod(f"p{i}", [BASE, ADAPTER]), metrics=m) for i, m in enumerate(metrics)]
+
+
+def default_first(pods: list[Pod]) -> str:
+    """The pod the shipped default ranks first for an adapter's request, the same each time
+    (a tie would be drawn at random)."""
+    scheduler = build_scheduler(load_config(), CollectorRegistry())
+    firsts = {
+        scheduler.schedule(make_cycle("hello", model=ADAPTER), pods)[0].id.name for _ in range(8)
+    }
+    assert len(firsts) == 1
+    return firsts.pop()
+
+
+# The shipped default weighs lora-affinity 6 against estimated-ttft's 1: a step between two
+# states (20 points) outweighs the cost model's whole range (100), so the adapter's state
+# on a pod ranks it first, even where the cost model finds that pod the costliest.
+@pytest.mark.parametrize(
+    ("metrics", "first"),
+    [
+        pytest.param(
+            [busy(12, slots({ADAPTER})), PodMetrics(lora=slots(set()))],
+            "p0",
+            id="active beats an idle pod's free slot: no second copy",
+        ),
+        pytest.param(
+            [busy(12, slots({ADAPTER})), PodMetrics(lora=None)],
+            "p0",
+            id="active beats an idle pod without the metric",
+        ),
+        pytest.param(
+            [busy(60, slots({"b"})), PodMetrics(lora=slots({"c", "d"}))],
+            "p0",
+            id="a free slot beats slots full of other adapters",
+        ),
+        pytest.param(
+            [busy(60, slots({"b"}, {ADAPTER})), PodMetrics(lora=slots({"c", "d"}, {"e"}))],
+            "p0",
+            id="queued for a slot beats slots full without it",
+        ),
+    ],
+)
+def test_the_default_ranks_an_adapters_pods_by_its_state_first(
+    metrics: list[PodMetrics], first: str
+) -> None:
+    assert default_first(adapter_pods(metrics)) == first
+
+
+@pytest.mark.parametrize(
+    "metrics",
+    [
+        pytest.param([busy(12, slots({ADAPTER})), PodMetrics(lora=slots({ADAPTER}))], id="active"),
+        pytest.param([busy(12, slots(set())), PodMetrics(lora=slots({"b"}))], id="free slot"),
+        pytest.param([busy(12, slots({"b", "c"})), PodMetrics(lora=slots({"d", "e"}))], id="full"),
+    ],
+)
+def test_the_default_leaves_pods_in_one_state_to_the_cost_model(
+    metrics: list[PodMetrics],
+) -> None:
+    """Control: the busy pod loses to the idle one in the same state."""
+    assert default_first(adapter_pods(metrics)) == "p1"
