@@ -1,6 +1,7 @@
 """Request body -> ``InferenceRequest``: the model, the rendered prompt and routing keys.
 
-The path selects the API; the body must be a JSON object with a ``model``; the prompt is
+The path selects the API; the body must be a JSON object with a ``model`` (or the caller's
+default, where vLLM defaults it); the prompt is
 rendered by ``request.render`` as Kthena renders it (``Rendering`` chooses whether the
 path or Kthena's fixed field order says where the prompt is). Anything that cannot be routed
 raises ``BadRequest`` (or ``BodyTooLarge``) with a message naming the field.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -74,6 +75,7 @@ def parse_request(
     session_header: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     rendering: Rendering = Rendering.EXTENDED,
+    default_model: Callable[[], str] | None = None,
 ) -> InferenceRequest:
     """Parse and render one OpenAI-style request.
 
@@ -84,6 +86,9 @@ def parse_request(
         session_header: the header carrying the session key, if sessions are used.
         max_body_bytes: larger bodies are refused with 413.
         rendering: where the prompt is read from (``request.render.Rendering``).
+        default_model: called only for a body naming no model (absent, null or ``""``,
+            which vLLM serves with its served model): the model to route it as (it may
+            raise, e.g. when the pods serve several). Without it such a body is refused.
 
     Raises:
         BadRequest: the body cannot be routed as sent; the message says why.
@@ -95,10 +100,8 @@ def parse_request(
         )
     data = load_body(body)
     model = data.get("model")
-    if model is None:
-        raise BadRequest("the request has no 'model' field", code="missing_model", param="model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("'model' must be a non-empty string", code="invalid_type", param="model")
+    if not model or not isinstance(model, str):
+        model = _model_or_default(model, default_model)
     salt = data.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise BadRequest(
@@ -110,6 +113,16 @@ def parse_request(
     if session_header and headers:
         session_key = headers.get(session_header) or None
     return InferenceRequest(api, model, prompt, salt, stream, session_key, data)
+
+
+def _model_or_default(model: object, default_model: Callable[[], str] | None) -> str:
+    """A body's ``model`` that is no non-empty string: its default where vLLM would
+    default it (absent, null or ``""``, and ``default_model`` given), else refused."""
+    if (model is None or model == "") and default_model is not None:
+        return default_model()
+    if model is None:
+        raise BadRequest("the request has no 'model' field", code="missing_model", param="model")
+    raise BadRequest("'model' must be a non-empty string", code="invalid_type", param="model")
 
 
 def load_body(body: bytes) -> dict[str, Any]:

@@ -236,11 +236,11 @@ def check_targets(rules: Iterable[RewriteRule], pods: Sequence[Pod]) -> None:
 def rewritten_body(body: bytes, data: Mapping[str, Any], target: str) -> bytes:
     """``body`` with its ``model`` set to ``target``: the other bytes kept when the key is
     written once, plainly, with the model (the result parsed to check the top-level model
-    is the one changed); else ``data`` re-serialised."""
+    is the one changed); else ``data`` re-serialised (a body naming no model gets one)."""
     if body.count(_MODEL_KEY) == 1:
         start = body.index(_MODEL_KEY) + len(_MODEL_KEY)
         value = _COLON.match(body, start)
-        written = orjson.dumps(data["model"])
+        written = orjson.dumps(data.get("model"))  # none: a nested "model" key, not spliced
         assert value is not None  # the pattern matches the empty string
         if body.startswith(written, value.end()):
             spliced = (

@@ -25,6 +25,11 @@ theirs), and ``apply_shared`` their ends: their records enter this view, and a r
 ends here, however it was routed. A pick heard after its end (ids of recent ends are
 kept) is dropped, and one whose end never comes expires with the pending table.
 
+A body naming no model (absent, null or ``""``) is routed, as vLLM serves it, as the one
+base model the ready candidate pods serve (its body unchanged: the pod fills the model
+in); when they serve several it is refused naming them. Flow control and the rewrite
+rules see that model.
+
 Model rewrites (``routing.rewrites``): a request whose model a rule matches is parsed,
 scheduled, counted and recorded as a request for the target chosen (by its session key,
 else at random), and its decision carries the body naming the target, which the wire
@@ -46,7 +51,7 @@ from typing import Any, NamedTuple
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from extproc.errors import ExtProcError, ModelNotFound, NoReadyPods
+from extproc.errors import BadRequest, ExtProcError, ModelNotFound, NoReadyPods
 from extproc.pods import Pod, PodId
 from extproc.request.parse import DEFAULT_MAX_BODY_BYTES, InferenceRequest, parse_request
 from extproc.request.render import Rendering
@@ -295,6 +300,7 @@ class Router:
                 session_header=self.session_header,
                 max_body_bytes=self.max_body_bytes,
                 rendering=self.rendering,
+                default_model=lambda: self._default_model(subset),
             )
             pods = self._candidates(subset)
         except ExtProcError as exc:
@@ -320,6 +326,31 @@ class Router:
         data = {**request.data, "model": target}
         rewritten = Rewritten(request.model, rule, rewritten_body(body, request.data, target))
         return replace(request, model=target, data=data), rewritten
+
+    def _default_model(self, subset: Sequence[str] | None) -> str:
+        """The model of a body naming none, as vLLM defaults it: the base model every
+        ready candidate serves, when it is one (a LoRA adapter is never the default:
+        vLLM serves such a body with its base model, adapters loaded or not).
+
+        Raises:
+            NoReadyPods: no candidate is ready.
+            ModelNotFound: they serve no base model.
+            BadRequest: they serve several base models.
+        """
+        ready = [p for p in self._candidates(subset) if p.ready]
+        if not ready:
+            raise NoReadyPods("no pod is ready to serve a request that names no model")
+        bases = sorted(frozenset().union(*(p.models - p.adapters for p in ready)))
+        if not bases:
+            raise ModelNotFound("the request names no model and no ready pod serves a base model")
+        if len(bases) > 1:
+            raise BadRequest(
+                "the request names no model and the pods serve several: name one of: "
+                + ", ".join(bases),
+                code="missing_model",
+                param="model",
+            )
+        return bases[0]
 
     def _candidates(self, subset: Sequence[str] | None) -> Sequence[Pod]:
         """The pods a request may go to: all, or those of the gateway's subset hint.

@@ -178,3 +178,27 @@ def test_surrogate_keys_collide_and_the_last_wins() -> None:
     data = parse_request("/v1/completions", body).data
     assert data is not None
     assert data[FFFD] == 2 and data["k"] == [FFFD, {FFFD: "a"}]
+
+
+DEFAULTED = {"no-model", "null-model", "empty-model"}  # vLLM serves them with its model
+
+
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_only_bodies_naming_no_model_take_the_default(name: str) -> None:
+    """Given the routing layer's default, the bodies vLLM serves with its served model are
+    routed as it, and the default is asked for no other body."""
+    asked: list[str] = []
+
+    def default_model() -> str:
+        asked.append(name)
+        return MODEL
+
+    edge = CORPUS[name]
+    try:
+        req = parse_request(edge.api.value, edge.body, default_model=default_model)
+    except ExtProcError as exc:
+        assert name not in DEFAULTED and EXPECTED[name] == Refused(exc.http_status, exc.code)
+    else:
+        expected = HI if name in DEFAULTED else EXPECTED[name]
+        assert (req.prompt, req.model) == expected[:2]
+    assert asked == ([name] if name in DEFAULTED else [])
