@@ -10,10 +10,12 @@ or, if more, the last scrape's running and waiting moved by that count since the
 pod's answer and its publication, or ended before the access log said so, would be
 missed or counted twice, and a pool held at its slots would be fed past them.
 
-The slots are known once two scrapes in a row showed the pod with requests waiting (it
-was full: a request also waits a moment for the engine's next step with slots free, which
-one scrape may catch at any load, and a pool taken for full at the few requests it ran
-then would be held, and its low bands refused, at half its capacity; and while a scrape
+The slots are known once two scrapes in a row showed the pod with a request waiting, or
+one with two or more (it was full: a request also waits a moment for the engine's next
+step with slots free, which one scrape may catch at any load, and a pool taken for full at
+the few requests it ran then would be held, and its low bands refused, at half its
+capacity; two arriving within one step are rare at such loads, while a burst from idle
+queues several at once and must be seen at its first scrape); and while a scrape
 shows the pod running its most and queueing nothing, one more is let in now and then, or
 at every scrape while that grows its slots: a probe that lets slots learned low grow);
 until then a pod is over only by its KV use: the most it ran so far may be far below its
@@ -45,6 +47,7 @@ from extproc.routing.flow.config import FlowConfig
 from extproc.scheduling.inflight import InFlight
 
 PROBE_EVERY_S = 5.0  # a pod at its known size is probed for more slots this often
+QUEUED_AT_ONCE = 2  # requests waiting in one scrape that tell a pod's size at once
 
 
 class SaturationDetector:
@@ -86,7 +89,7 @@ class SaturationDetector:
                 self._slots[pod.id] = metrics.running
             self._probe(pod.id, metrics, grew, now)
             if metrics.waiting > 0:
-                if pod.id in self._queued:
+                if metrics.waiting >= QUEUED_AT_ONCE or pod.id in self._queued:
                     self._full.add(pod.id)
                 self._queued.add(pod.id)
             else:

@@ -139,6 +139,16 @@ def test_one_scrape_catching_a_request_waiting_for_the_next_step_is_not_full() -
     assert detector.free_slots(queueing) == 0 and detector.saturated("m", 0)
 
 
+def test_a_burst_queueing_several_at_once_tells_the_size_at_its_first_scrape() -> None:
+    in_flight = InFlight()
+    detector = SaturationDetector(FlowConfig(enabled=True, max_waiting=0), in_flight)
+    for _ in range(6):
+        in_flight.start(make_pod("p0").id)
+    burst = scraped(running=4, waiting=2)
+    detector.pods_changed((burst,))
+    assert detector.free_slots(burst) == 0 and detector.saturated("m", 0)
+
+
 def test_the_reserve_keeps_the_last_room_for_the_high_band() -> None:
     in_flight = InFlight()
     config = FlowConfig(enabled=True, max_waiting=0, reserved_slots=2, reserved_for=100)
