@@ -404,7 +404,7 @@ class KvEventsSubscriber:
         """``pod``'s view was seeded from the view snapshot, which saved ``next_seq`` as
         the sequence number it expected next (before ``start``: the thread owns these)."""
         if self._thread.is_alive():
-            raise RuntimeError("resume before start")
+            raise RuntimeError("resume is for before start: the running thread owns the sequences")
         self._next_seq[pod] = next_seq
         self._seeded.add(pod)
 
