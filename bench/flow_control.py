@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import json
 import math
+import re
 import shlex
 import signal
 import sys
@@ -77,21 +78,28 @@ Serve = Callable[[PodSet, Path], AbstractContextManager[Served]]
 
 @dataclass(frozen=True)
 class Saturation:
-    """A flow contender's saturation limits: ``maxWaiting`` and ``reservedSlots``
-    (kept for the critical band, priority 100); written ``W`` or ``WrR`` (``0r2``)."""
+    """A flow contender's saturation limits: ``maxWaiting``, ``reservedSlots`` (kept for
+    the critical band, priority 100) and ``batchSlots`` (the pods' size, told); written
+    ``W``, ``WrR`` (``0r2``), ``WsS`` or ``WrRsS`` (``0r4s4``)."""
 
     max_waiting: float
     reserved_slots: int = 0
+    batch_slots: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> Saturation:
-        waiting, _, reserved = text.partition("r")
-        return cls(float(waiting), int(reserved or 0))
+        match = re.fullmatch(r"([0-9.]+)(?:r([0-9]+))?(?:s([0-9]+))?", text)
+        if match is None:
+            raise ValueError(f"saturation limits {text!r}: expected W, WrR, WsS or WrRsS")
+        waiting, reserved, slots = match.groups()
+        return cls(float(waiting), int(reserved or 0), int(slots) if slots else None)
 
     @property
     def name(self) -> str:
-        return f"w{self.max_waiting:g}" + (
-            f"-r{self.reserved_slots}" if self.reserved_slots else ""
+        return (
+            f"w{self.max_waiting:g}"
+            + (f"-r{self.reserved_slots}" if self.reserved_slots else "")
+            + (f"-s{self.batch_slots}" if self.batch_slots else "")
         )
 
 
@@ -105,6 +113,8 @@ def flow_section(path: Path, limits: Saturation | None) -> str:
         if limits.reserved_slots:
             saturation["reservedSlots"] = limits.reserved_slots
             saturation["reservedFor"] = 100
+        if limits.batch_slots:
+            saturation["batchSlots"] = limits.batch_slots
     return str(yaml.safe_dump(doc, sort_keys=False))
 
 
@@ -312,9 +322,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--slo-ttft-s", type=float, default=1.0, help="goodput's TTFT limit")
     p.add_argument("--flow-config", type=Path, default=FLOW_SECTION)
     p.add_argument("--saturation", default="",
-                   help="override the saturation limits: W (maxWaiting) or WrR (and "
-                   "reservedSlots R for the critical band); several (comma-separated): one "
-                   "extproc-flow-wW[-rR] contender each")  # fmt: skip
+                   help="override the saturation limits: W (maxWaiting), WrR (and "
+                   "reservedSlots R for the critical band), WsS or WrRsS (and batchSlots S); "
+                   "several (comma-separated): one "
+                   "extproc-flow-wW[-rR][-sS] contender each")  # fmt: skip
     p.add_argument("--sglang-queue-size", type=int, default=1000)
     p.add_argument("--sglang-queue-timeout-s", type=int, default=15)
     p.add_argument("--out", type=Path, default=Path("bench/results"))

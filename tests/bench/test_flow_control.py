@@ -313,11 +313,15 @@ def test_the_flow_section_parses_and_the_variants_override_its_saturation() -> N
     assert config.enabled and config.objectives == {"critical": 100, "standard": 0,
                                                     "sheddable": -1}  # fmt: skip
     assert config.trusted_headers == {OBJECTIVE_HEADER, FAIRNESS_HEADER}
-    several = flow_sections(FLOW_SECTION, [Saturation.parse("5"), Saturation.parse("0.5r2")])
-    assert list(several) == ["extproc-flow-w5", "extproc-flow-w0.5-r2"]
+    variants = [Saturation.parse(v) for v in ("5", "0.5r2", "0r4s8")]
+    several = flow_sections(FLOW_SECTION, variants)
+    assert list(several) == ["extproc-flow-w5", "extproc-flow-w0.5-r2", "extproc-flow-w0-r4-s8"]
     limits = [parse_flow_control(yaml.safe_load(s)["flowControl"], "t") for s in several.values()]
-    assert [(c.max_waiting, c.reserved_slots) for c in limits] == [(5, 0), (0.5, 2)]
+    assert [(c.max_waiting, c.reserved_slots, c.batch_slots) for c in limits] == [
+        (5, 0, None), (0.5, 2, None), (0, 4, 8)]  # fmt: skip
     assert limits[1].reserved_for == 100
+    with pytest.raises(ValueError, match="expected W, WrR"):
+        Saturation.parse("0x4")
     assert expand(["extproc-flow", "sglang-router"], several) == [*several, "sglang-router"]
 
 

@@ -9,7 +9,8 @@ behaviour: no request is held or refused by flow control)::
       objectives: {critical: 100, standard: 0, sheddable: -1}   # name -> priority
       defaultPriority: 0            # no objective, an unknown or a malformed one
       fairness: {header: x-gateway-inference-fairness-id, bodyField: user}
-      saturation: {maxWaiting: 1, maxKvUsage: 0.9, reservedSlots: 0, reservedFor: 1}
+      saturation: {maxWaiting: 1, maxKvUsage: 0.9, reservedSlots: 0, reservedFor: 1,
+                   batchSlots: null}   # the engines' --max-num-seqs, if known
       queue: {maxRequests: 1000, maxBytes: 104857600, ttlS: 15, bandTtlS: {100: 30},
               retryAfterS: 1}
 
@@ -45,6 +46,7 @@ class FlowConfig:
     max_kv_usage: float = 0.9
     reserved_slots: int = 0  # room kept for priorities >= reserved_for
     reserved_for: int = 1
+    batch_slots: int | None = None  # each pod's batch size, if given (else learned)
     max_requests: int = 1000
     max_bytes: int = 100 << 20
     ttl_s: float = 15.0
@@ -89,7 +91,7 @@ def parse_flow_control(section: Any, source: str) -> FlowConfig:
     saturation = _mapping(
         top.get("saturation", {}),
         f"{where}.saturation",
-        {"maxWaiting", "maxKvUsage", "reservedSlots", "reservedFor"},
+        {"maxWaiting", "maxKvUsage", "reservedSlots", "reservedFor", "batchSlots"},
     )
     queue = _mapping(
         top.get("queue", {}),
@@ -138,6 +140,7 @@ def parse_flow_control(section: Any, source: str) -> FlowConfig:
         reserved_for=_int(
             saturation.get("reservedFor", defaults.reserved_for), f"{where}.saturation.reservedFor"
         ),
+        batch_slots=_batch_slots(saturation.get("batchSlots"), f"{where}.saturation.batchSlots"),
         max_requests=int(
             _positive(queue.get("maxRequests", defaults.max_requests), f"{where}.queue.maxRequests")
         ),
@@ -183,6 +186,17 @@ def _int(value: Any, where: str) -> int:
         if isinstance(value, str) and value.lstrip("-").isdigit():
             return int(value)  # a YAML key written as a string: "100"
         raise ConfigError(f"{where} must be an integer, got {value!r}")
+    return value
+
+
+def _batch_slots(value: Any, where: str) -> int | None:
+    """The engines' batch size, if given: a whole number of requests, 1 or more."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"{where} must be an integer of 1 or more (vLLM's --max-num-seqs), got {value!r}"
+        )
     return value
 
 

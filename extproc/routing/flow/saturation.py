@@ -10,20 +10,25 @@ or, if more, the last scrape's running and waiting moved by that count since the
 pod's answer and its publication, or ended before the access log said so, would be
 missed or counted twice, and a pool held at its slots would be fed past them.
 
-The slots are known once two scrapes in a row showed the pod with a request waiting, or
-one with two or more (it was full: a request also waits a moment for the engine's next
-step with slots free, which one scrape may catch at any load, and a pool taken for full at
-the few requests it ran then would be held, and its low bands refused, at half its
-capacity; two arriving within one step are rare at such loads, while a burst from idle
-queues several at once and must be seen at its first scrape); and while a scrape
-shows the pod running its most and queueing nothing, one more is let in now and then, or
-at every scrape while that grows its slots: a probe that lets slots learned low grow);
-until then a pod is over only by its KV use: the most it ran so far may be far below its
-batch size (a fresh extproc, a quiet pod), and feeding it only one request beyond that
-would ramp it up one request a scrape. Its engine queues the excess, as without flow
-control, and the next scrape tells its size. Without scraping (``--stale-after-s 0``,
-``FlowConfig.scraped`` False) no slot is ever known: the estimate is extproc's in-flight
-count alone, and ``maxWaiting`` (at least 1) caps it.
+A pod's slots (its batch size) are known:
+
+* from the start when the operator gives them (``batchSlots``, the engines'
+  ``--max-num-seqs``);
+* else once a scrape shows two or more requests waiting, or two scrapes in a row one: it
+  is full. A single waiting request proves nothing, as a request also waits a moment for
+  the engine's next step with slots free, which a scrape may catch at any load: a pool
+  taken for full at the few requests it ran then would be held (and with a reserve its
+  low bands refused) at half its size. A burst from idle queues several at once.
+
+Either way the slots grow to the most a scrape showed running; while a scrape shows the
+pod running its most and queueing nothing, one more request is let in now and then (at
+every scrape while that grows its slots): a probe that lets slots learned low grow. Until
+its size is known a pod is over only by its KV use: the most it ran so far may be far
+below its batch size (a fresh extproc, a quiet pod), and feeding it only one request
+beyond that would ramp it up one request a scrape; its engine queues the excess, as
+without flow control. Without scraping (``--stale-after-s 0``, ``FlowConfig.scraped``
+False) no slot is ever known: the estimate is extproc's in-flight count alone, and
+``maxWaiting`` (at least 1) caps it.
 
 A pod whose next scrape repeats the last one exactly is not republished, so its
 baseline stays older: the estimate can then run high by requests routed and ended since.
@@ -59,6 +64,7 @@ class SaturationDetector:
         self._scraped = config.scraped
         self._reserved_slots = config.reserved_slots
         self._reserved_for = config.reserved_for
+        self._batch_slots = config.batch_slots
         self._in_flight = in_flight
         # pod -> (the metrics it was last published with, its in-flight count then);
         # rebound whole, read lock-free.
@@ -84,6 +90,9 @@ class SaturationDetector:
                 continue
             baselines[pod.id] = (pod.metrics, self._in_flight.get(pod.id))
             metrics = pod.metrics
+            if self._batch_slots is not None and pod.id not in self._slots:
+                self._slots[pod.id] = self._batch_slots  # told: known before it is full
+                self._full.add(pod.id)
             grew = metrics.running > self._slots.get(pod.id, 0)
             if grew:
                 self._slots[pod.id] = metrics.running

@@ -19,6 +19,8 @@ def test_no_section_is_off_and_an_empty_one_is_on_with_the_defaults() -> None:
     reserve = parse_flow_control({"saturation": {"reservedSlots": 2, "reservedFor": 50}}, "f")
     assert (reserve.reserved_slots, reserve.reserved_for) == (2, 50)
     assert (on.reserved_slots, on.reserved_for) == (0, 1)
+    assert on.batch_slots is None
+    assert parse_flow_control({"saturation": {"batchSlots": 256}}, "f").batch_slots == 256
 
 
 def test_the_section_reaches_the_routing_layer_through_the_scheduler_config() -> None:
@@ -46,6 +48,8 @@ flowControl:
         ({"saturation": {"maxWaiting": -1}}, "maxWaiting must be a number 0 or more"),
         ({"saturation": {"reservedSlots": -2}}, "reservedSlots must be a number 0 or more"),
         ({"saturation": {"reservedFor": "high"}}, "reservedFor must be an integer"),
+        ({"saturation": {"batchSlots": 0}}, "batchSlots must be an integer of 1 or more"),
+        ({"saturation": {"batchSlots": 2.5}}, "batchSlots must be an integer of 1 or more"),
         ({"queue": {"maxRequests": "many"}}, "queue.maxRequests"),
         ({"objectives": {"critical": "high"}}, "objectives.critical must be an integer"),
         ({"trustedHeaders": ["X-Tenant"]}, "not a lowercase header name"),

@@ -149,6 +149,28 @@ def test_a_burst_queueing_several_at_once_tells_the_size_at_its_first_scrape() -
     assert detector.free_slots(burst) == 0 and detector.saturated("m", 0)
 
 
+def test_batch_slots_given_make_the_size_known_before_the_pod_is_ever_full() -> None:
+    """A burst from idle is held at the pods' slots from its first request, instead of
+    queueing in the engines until a scrape shows them full; a scrape showing more
+    running grows the slots."""
+    in_flight = InFlight()
+    config = FlowConfig(enabled=True, max_waiting=0, reserved_slots=1, reserved_for=100)
+    told = SaturationDetector(replace(config, batch_slots=4), in_flight)
+    learning = SaturationDetector(config, in_flight)
+    idle = scraped(running=0)
+    for detector in (told, learning):
+        detector.pods_changed((idle,))
+    for _ in range(3):
+        in_flight.start(idle.id)
+    assert told.free_slots(idle) == 1 and told.saturated("m", 0)
+    assert not told.saturated("m", 100)
+    assert learning.free_slots(idle) == float("inf") and not learning.saturated("m", 0)
+    told.pods_changed((scraped(running=6),))  # 6 running: its slots are 6
+    calm = scraped(running=2)
+    told.pods_changed((calm,))
+    assert told.free_slots(calm) == 3  # 6 slots, our 3 requests in it
+
+
 def test_the_reserve_keeps_the_last_room_for_the_high_band() -> None:
     in_flight = InFlight()
     config = FlowConfig(enabled=True, max_waiting=0, reserved_slots=2, reserved_for=100)
