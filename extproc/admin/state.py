@@ -199,6 +199,7 @@ def flow_section(flow: FlowConfig) -> dict[str, Any]:
             "maxKvUsage": flow.max_kv_usage,
             "reservedSlots": flow.reserved_slots,
             "reservedFor": flow.reserved_for,
+            "batchSlots": flow.batch_slots,
         },
         "queue": {
             "maxRequests": flow.max_requests,
