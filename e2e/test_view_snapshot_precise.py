@@ -77,7 +77,8 @@ def prompt(tenant: int, question: str) -> dict[str, object]:
 
 
 def held_blocks(stack: Stack, sim: SimPods) -> float:
-    return sum(metric(stack, BLOCKS, f'medium="GPU",pod="default/{p.name}"') for p in sim.pods)
+    gpu = (f'medium="GPU",pod="default/{p.name}"' for p in sim.pods)
+    return sum(metric(stack, BLOCKS, labels, absent=0) for labels in gpu)
 
 
 def warm(stack: Stack, sim: SimPods, client: httpx.Client) -> dict[int, str]:
