@@ -74,12 +74,15 @@ CORPUS: dict[str, Case] = {
     "json-string": bad(C, b'"hello"', "invalid_json"),
     "json-null": bad(C, b"null", "invalid_json"),
     "nan": bad(C, b'{"model":"sim-llm","prompt":NaN}', "invalid_type"),  # decoded as vLLM does
-    # routed, as vLLM decodes them (it serves a BOM; e2e/real_vllm/test_edge_bodies.py);
-    # the simulated pods are strict JSON
-    "utf8-bom": routed(C, b"\xef\xbb\xbf" + completion(), 400),
+    # routed, as vLLM decodes them (e2e/real_vllm/test_edge_bodies.py), and served by the
+    # simulated pods, which decode as vLLM does
+    "utf8-bom": routed(C, b"\xef\xbb\xbf" + completion()),
+    "nan-in-extra-field": routed(C, completion()[:-1] + b',"x_extra":NaN}'),
     "non-utf8": bad(C, b'{"model":"sim-llm","prompt":"\xff\xfe\xfd"}', "invalid_encoding"),
     "latin1": bad(C, '{"model":"sim-llm","prompt":"café"}'.encode("latin-1"), "invalid_encoding"),
-    "lone-surrogate-escape": routed(C, b'{"model":"sim-llm","prompt":"\\ud800"}', 400),
+    "lone-surrogate-escape": routed(
+        C, b'{"model":"sim-llm","prompt":"\\ud800"}', 400
+    ),  # untokenizable
     "deeply-nested": bad(C, b"[" * 100_000 + b"]" * 100_000, "invalid_json"),
     "deeply-nested-field": bad(
         C,
@@ -89,12 +92,13 @@ CORPUS: dict[str, Case] = {
     "gzip-body": bad(
         C, gzip.compress(completion()), "invalid_encoding", headers={"content-encoding": "gzip"}
     ),
+    # no model: routed as the pods' one model, which vLLM (and the pod) defaults to
+    "no-model": routed(C, j({"prompt": "x"})),
+    "model-null": routed(C, j({"model": None, "prompt": "x"})),
+    "model-empty": routed(C, j({"model": "", "prompt": "x"})),
     # wrong types in every field the parser reads
-    "no-model": bad(C, j({"prompt": "x"}), "missing_model"),
-    "model-null": bad(C, j({"model": None, "prompt": "x"}), "missing_model"),
     "model-number": bad(C, j({"model": 7, "prompt": "x"}), "invalid_type"),
     "model-list": bad(C, j({"model": [MODEL], "prompt": "x"}), "invalid_type"),
-    "model-empty": bad(C, j({"model": "", "prompt": "x"}), "invalid_type"),
     "unknown-model": bad(C, j({"model": "gpt-9", "prompt": "x"}), "model_not_found", 404),
     "salt-number": bad(C, completion(cache_salt=5), "invalid_type"),
     "salt-empty": bad(C, completion(cache_salt=""), "invalid_type"),

@@ -5,8 +5,10 @@ Each entry is raw bytes, as a client may send them, for one endpoint, with what 
 model and prompt, or refused with which status and code);
 ``e2e/real_vllm/test_edge_bodies.py`` sends each straight to a real vLLM pod and through
 Envoy + extproc, and checks that extproc routes every body vLLM serves and refuses only
-bodies vLLM refuses too, with the same status class. ``docs/reliability.md`` has the
-table of both outcomes and Kthena's.
+bodies vLLM refuses too, with the same status class; ``tests/sim/test_edge_bodies.py``
+checks the simulated pods answer each with vLLM's status class. ``VLLM_STATUS`` is what
+vLLM 0.32 answered (the real-vLLM test checks it still does); ``docs/reliability.md`` has
+the table of both outcomes and Kthena's.
 
 The bodies ask for one generated token (``max_tokens``) unless that field is the probe.
 """
@@ -485,3 +487,86 @@ def edge_bodies(model: str) -> tuple[EdgeBody, ...]:
             "a number as cache_salt",
         ),
     )
+
+
+# What vLLM 0.32 answers each body with (CPU, the real-vLLM tests' tiny Qwen3, a 512-token
+# context), as measured by e2e/real_vllm/test_edge_bodies.py and shown in docs/reliability.md.
+VLLM_STATUS: dict[str, int] = {
+    "plain-completions": 200,
+    "plain-chat": 200,
+    "plain-responses": 200,
+    "surrounding-whitespace": 200,
+    "surrogate-pair-escape": 200,
+    "lone-surrogate-prompt": 400,
+    "lone-low-surrogate-prompt": 400,
+    "lone-surrogate-message": 400,
+    "lone-surrogate-responses": 400,
+    "lone-surrogate-role": 200,
+    "lone-surrogate-model": 400,
+    "lone-surrogate-cache-salt": 400,
+    "lone-surrogate-ignored-field": 200,
+    "raw-0xff-prompt": 400,
+    "raw-0xff-message": 400,
+    "raw-cesu-surrogate": 400,
+    "utf8-bom": 200,
+    "utf16-body": 200,
+    "1e400-temperature": 400,
+    "minus-1e400-temperature": 400,
+    "1e400-max-tokens": 400,
+    "1e400-ignored-field": 200,
+    "1e400-model": 400,
+    "nan-temperature": 400,
+    "infinity-temperature": 400,
+    "minus-infinity-ignored-field": 200,
+    "nan-ignored-field": 200,
+    "huge-int-max-tokens": 400,
+    "huge-int-seed": 400,
+    "u64-max-seed": 400,
+    "huge-int-ignored-field": 200,
+    "int-5000-digits": 400,
+    "float-max-tokens": 200,
+    "nesting-900": 200,
+    "nesting-1025": 400,
+    "nesting-10001": 400,
+    "whitespace-model": 404,
+    "empty-model": 200,
+    "padded-model": 404,
+    "no-model": 200,
+    "null-model": 200,
+    "number-model": 400,
+    "duplicate-model-last-served": 200,
+    "duplicate-model-first-served": 404,
+    "duplicate-prompt": 200,
+    "duplicate-messages": 200,
+    "root-array": 400,
+    "root-string": 400,
+    "root-number": 400,
+    "root-null": 400,
+    "root-true": 400,
+    "empty-body": 400,
+    "whitespace-body": 400,
+    "parts-text-only": 200,
+    "parts-text-and-image": 400,
+    "parts-text-and-unknown-type": 400,
+    "parts-text-without-type": 400,
+    "parts-input-text-in-chat": 400,
+    "escaped-nul": 200,
+    "raw-tab-in-string": 400,
+    "raw-newline-in-string": 400,
+    "raw-nul-in-string": 400,
+    "raw-del-in-string": 200,
+    "long-single-token": 400,
+    "long-single-token-ignored-field": 200,
+    "trailing-garbage": 400,
+    "second-object": 400,
+    "trailing-comma": 400,
+    "single-quotes": 400,
+    "comment": 400,
+    "stream-string-false": 200,
+    "stream-string-true": 200,
+    "stream-string-maybe": 400,
+    "stream-int-0": 200,
+    "stream-null": 200,
+    "empty-cache-salt": 400,
+    "number-cache-salt": 400,
+}

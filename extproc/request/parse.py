@@ -107,7 +107,7 @@ def parse_request(
         raise BadRequest(
             "'cache_salt' must be a non-empty string", code="invalid_type", param="cache_salt"
         )
-    stream = _stream_flag(data.get("stream"))
+    stream = stream_flag(data.get("stream"))
     prompt = render_kthena(data) if rendering is Rendering.KTHENA else _RENDERERS[api](data)
     session_key = None
     if session_header and headers:
@@ -125,11 +125,13 @@ def _model_or_default(model: object, default_model: Callable[[], str] | None) ->
     raise BadRequest("'model' must be a non-empty string", code="invalid_type", param="model")
 
 
-def load_body(body: bytes) -> dict[str, Any]:
+def load_body(body: bytes, *, keep_surrogates: bool = False) -> dict[str, Any]:
     """The body's object: orjson's decoding, or vLLM's where orjson refuses the body.
 
     orjson is strict JSON: it refuses what vLLM's server takes (``_load_json_as_vllm``), and
     it never yields a lone surrogate, so its strings are all UTF-8 (hashable as they are).
+    ``keep_surrogates``: leave the lone surrogates vLLM's decoding keeps (the simulated
+    pods, which refuse them where vLLM does), not U+FFFD.
 
     Raises:
         BadRequest: empty, not JSON as vLLM reads it, or not an object.
@@ -139,7 +141,7 @@ def load_body(body: bytes) -> dict[str, Any]:
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
-        data = _load_json_as_vllm(body)
+        data = _load_json_as_vllm(body, keep_surrogates)
     if not isinstance(data, dict):
         raise BadRequest(
             f"the request body must be a JSON object, got {json_type(data)}", code="invalid_json"
@@ -147,8 +149,9 @@ def load_body(body: bytes) -> dict[str, Any]:
     return data
 
 
-def _load_json_as_vllm(body: bytes) -> Any:
-    """``body`` decoded as vLLM's server decodes it, its lone surrogates made U+FFFD.
+def _load_json_as_vllm(body: bytes, keep_surrogates: bool = False) -> Any:
+    """``body`` decoded as vLLM's server decodes it, its lone surrogates made U+FFFD
+    unless ``keep_surrogates``.
 
     vLLM (FastAPI, Starlette's ``Request.json``) calls ``json.loads`` on the bytes with its
     default options: a UTF-8 BOM and UTF-16/32 are decoded, ``NaN``, ``Infinity`` and
@@ -171,7 +174,7 @@ def _load_json_as_vllm(body: bytes) -> Any:
         raise BadRequest(
             f"the request body is not valid JSON: {exc}", code="invalid_json"
         ) from None
-    return _replace_surrogates(data)
+    return data if keep_surrogates else _replace_surrogates(data)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -212,7 +215,7 @@ _TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
 _FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
 
 
-def _stream_flag(value: object) -> bool:
+def stream_flag(value: object) -> bool:
     """``stream`` read as vLLM reads it: a boolean, null (false), 0 or 1, or a string
     pydantic takes for a boolean (``"true"``, ``"no"``...); anything else is refused."""
     if value is None or value is False or value is True:

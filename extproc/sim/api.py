@@ -51,6 +51,7 @@ without a name) is a 400 of type ``"Bad Request"``, as vLLM's validation answers
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from collections.abc import Callable, Collection
@@ -60,8 +61,9 @@ from typing import Any, Literal
 
 import orjson
 
+from extproc.errors import BadRequest
 from extproc.request.chat_input import ChatInput, NotExact, chat_input, responses_input
-from extproc.request.parse import Api
+from extproc.request.parse import Api, load_body, stream_flag
 from extproc.request.tokens import SegmentTokenizer
 from extproc.sim.engine import FinishedRequest, TokenOutput
 from extproc.sim.tokenizer import VOCAB_SIZE, ChatMessage, ToolCall, render_chat, tokenize
@@ -74,6 +76,10 @@ _ERROR_TYPES = {
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1  # vLLM's bounds on ``seed``
+_FINITE_KEYS = ("temperature", "repetition_penalty")  # vLLM: "must be a finite number"
+# Parts of the Responses API that a chat message may not hold: vLLM 0.32 answers 400.
+_RESPONSES_ONLY_PARTS = frozenset({"input_text"})
 _MAX_TOKENS_KEYS: dict[Kind, tuple[str, ...]] = {
     "completion": ("max_tokens",),
     "chat": ("max_completion_tokens", "max_tokens"),
@@ -147,12 +153,20 @@ class GenerationRequest:
 
 
 def fit_context(req: GenerationRequest, max_model_len: int) -> GenerationRequest:
-    """vLLM's length rules: a prompt longer than the context is refused, one that fills it
-    leaves no room for a token, and ``max_tokens`` is lowered to the room left.
+    """vLLM's length rules: ``max_tokens`` over the context is refused, a prompt longer
+    than the context too, one that fills it leaves no room for a token, and ``max_tokens``
+    is lowered to the room left.
 
     Raises:
         ApiError: 400, worded as vLLM words it.
     """
+    if req.max_tokens > max_model_len:
+        raise _invalid(
+            f"max_tokens={req.max_tokens} cannot be greater than max_model_len="
+            f"{max_model_len}. Please request fewer output tokens.",
+            "max_tokens",
+            value=req.max_tokens,
+        )
     num_prompt = len(req.prompt_token_ids)
     if num_prompt > max_model_len:
         raise _invalid(
@@ -173,6 +187,20 @@ def fit_context(req: GenerationRequest, max_model_len: int) -> GenerationRequest
     return replace(req, max_tokens=min(req.max_tokens, max_model_len - num_prompt))
 
 
+def decode_body(raw: bytes) -> dict[str, Any]:
+    """A request body decoded as vLLM's server decodes it (``json.loads`` on the bytes, as
+    Starlette does: a BOM, UTF-16, ``NaN``, ``1e400``, lone surrogate escapes taken), with
+    extproc's decoder (orjson first, the standard library only where orjson refuses).
+
+    Raises:
+        ApiError: 400 for what vLLM refuses (not JSON as it reads it, not an object).
+    """
+    try:
+        return load_body(raw, keep_surrogates=True)
+    except BadRequest as e:
+        raise ApiError(400, e.message, "body") from None
+
+
 def parse_request(
     kind: Kind,
     body: Any,
@@ -190,16 +218,20 @@ def parse_request(
     """
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    model = body.get("model", served_model)
+    model = body.get("model")
+    if model is None or model == "":  # as vLLM: the served model, never an adapter
+        model = served_model
     if not isinstance(model, str):
         raise ApiError(400, "model must be a string", "model")
+    _check_utf8(model, "model")
     if model != served_model and model not in adapters:
         raise ApiError(
             404, f"The model `{model}` does not exist. Valid aliases: {served_model}.", "model"
         )
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise ApiError(400, "stream must be a boolean", "stream")
+    try:
+        stream = stream_flag(body.get("stream"))  # pydantic's lax bool, as vLLM reads it
+    except BadRequest:
+        raise ApiError(400, "stream must be a boolean", "stream") from None
     options = body.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict)):
         raise ApiError(400, "Stream options can only be defined when `stream=True`.")
@@ -209,6 +241,8 @@ def parse_request(
         value = body.get(key)
         if value is None:
             continue
+        if isinstance(value, float) and value.is_integer():  # pydantic's lax int: 1.0 is 1
+            value = int(value)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ApiError(400, f"{key} must be an integer of at least 1, got {value!r}", key)
         max_tokens = value
@@ -220,9 +254,35 @@ def parse_request(
         raise ApiError(
             400, "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt"
         )
+    if salt is not None:
+        _check_utf8(salt, "cache_salt")
     seed = body.get("seed") or 0
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ApiError(400, "seed must be an integer", "seed")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not _INT64_MIN <= seed <= _INT64_MAX:
+        raise ApiError(400, "seed must be a 64-bit integer", "seed")
+    for key in _FINITE_KEYS:
+        value = body.get(key)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise _invalid(f"{key} must be a finite number, got {value}.", key, value)
+    try:
+        return _generation_request(
+            kind, body, model, max_tokens, salt, seed, stream, include_usage, tokenizer
+        )
+    except UnicodeEncodeError as e:  # a lone surrogate in text vLLM's tokenizer meets
+        raise ApiError(400, f"the prompt cannot be tokenized: {e.reason}", "prompt") from None
+
+
+def _generation_request(
+    kind: Kind,
+    body: dict[str, Any],
+    model: str,
+    max_tokens: int,
+    salt: str | None,
+    seed: int,
+    stream: bool,
+    include_usage: bool,
+    tokenizer: SegmentTokenizer | None,
+) -> GenerationRequest:
+    """``parse_request``'s request, its prompt rendered and tokenized."""
     call = None
     tools: tuple[dict[str, Any], ...] = ()
     tool_choice: Any = "none"
@@ -254,6 +314,14 @@ def parse_request(
         kind, model, tuple(tokens), max_tokens, salt, seed, stream, include_usage,
         call, tools, tool_choice,
     )  # fmt: skip
+
+
+def _check_utf8(text: str, param: str) -> None:
+    """vLLM refuses a model or salt with no UTF-8 form (a lone surrogate escape): 400."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ApiError(400, f"{param} is not valid Unicode (a lone surrogate)", param) from None
 
 
 def parse_lora_load(body: Any) -> tuple[str, str, bool]:
@@ -339,6 +407,13 @@ def _check_content_part(part: Any) -> None:
     string (vLLM's own parser would take a bare string, but validation refuses it first)."""
     if not isinstance(part, dict):
         raise _malformed("dict_type", "body.messages.content", "Input should be a valid dictionary")
+    part_type = part.get("type")
+    if isinstance(part_type, str) and part_type in _RESPONSES_ONLY_PARTS:
+        raise _malformed(
+            "union_tag_invalid",
+            "body.messages.content",
+            f"Input tag '{part_type}' found using 'type' does not match any of the expected tags",
+        )
     if part.get("type") == "text" and not isinstance(part.get("text"), str):
         raise _malformed(
             "string_type", "body.messages.content.text", "Input should be a valid string"

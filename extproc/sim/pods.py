@@ -47,6 +47,7 @@ from extproc.sim.api import (
     GenerationRequest,
     Kind,
     ResponseFormat,
+    decode_body,
     error_body,
     fit_context,
     parse_lora_load,
@@ -371,9 +372,7 @@ class SimPod:
         """vLLM's ``GenerateRequest`` (completions: a list of one), token ids and all."""
         try:
             raw = await request.read()
-            parsed = await self._parse(kind, orjson.loads(raw), len(raw))
-        except orjson.JSONDecodeError as e:
-            return self._error(400, f"the body is not valid JSON: {e}")
+            parsed = await self._parse(kind, decode_body(raw), len(raw))
         except ApiError as e:
             return _json(e.body(), e.status)
         rendered = render_body(parsed)
@@ -423,7 +422,7 @@ class SimPod:
         try:
             raw = await request.read()
             parsed = fit_context(
-                await self._parse(kind, orjson.loads(raw), len(raw)),
+                await self._parse(kind, decode_body(raw), len(raw)),
                 self.engine.config.max_model_len,
             )
             req = SimRequest(
@@ -436,9 +435,6 @@ class SimPod:
                 lora=self._adapter(parsed),
             )
             stream = self.runner.submit(req)
-        except orjson.JSONDecodeError as e:
-            self.counters["num_rejected"] += 1
-            return self._error(400, f"the body is not valid JSON: {e}")
         except ApiError as e:
             self.counters["num_rejected"] += 1
             return _json(e.body(), e.status)

@@ -16,7 +16,8 @@ the answer), tools included: the tool catalog in a first system block (after the
 message's text, with the template's instructions), one JSON object a line; an assistant's
 ``tool_calls`` as ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`` after its
 content; tool messages as ``<tool_response>`` blocks, consecutive ones in one user turn. As
-in that template, ids (``tool_call_id``, a call's ``id``) are not rendered. Each piece the
+in that template, ids (``tool_call_id``, a call's ``id``) are not rendered, nor a message
+of a role other than system, user, assistant and tool. Each piece the
 template writes is tokenized on its own, with the special tokens in it (``SPECIAL_IDS``,
 Qwen's ids) atomic, the way real tokenizers split added tokens out first. Pieces never
 share a chunk, so rendering messages 1..n+1 extends the tokens of messages 1..n, whatever
@@ -125,6 +126,10 @@ def render_chat(
     return [token for piece in pieces for token in _encode_piece(piece)]
 
 
+# The roles Qwen3's template renders; it skips a message of any other role.
+_TEMPLATE_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
 def chat_pieces(
     messages: Sequence[ChatMessage],
     tools: Sequence[Mapping[str, Any]] = (),
@@ -142,6 +147,8 @@ def chat_pieces(
         pieces += ["\n" + json.dumps(tool, ensure_ascii=False) for tool in tools]
         pieces.append(TOOLS_FOOTER)
     for i, message in enumerate(messages):
+        if message.role not in _TEMPLATE_ROLES:
+            continue
         if message.role == "tool":
             if i == 0 or messages[i - 1].role != "tool":
                 pieces.append("<|im_start|>user")
