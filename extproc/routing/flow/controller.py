@@ -43,7 +43,7 @@ from extproc.scheduling.inflight import InFlight
 log = logging.getLogger("extproc.flow")
 
 IDLE_WAKE_S = 0.5  # the dispatcher looks at the queue at least this often
-HOT_S = 1.0  # after a model was saturated, this long its requests go to pods with room
+HOT_S = 1.0  # after a model was saturated, this long it is hot (``FlowController._hot``)
 Route = Callable[[], RouteDecision | Future[RouteDecision]]
 
 
@@ -119,7 +119,7 @@ class FlowController:
         """Where a request admitted at once may go: while its model was saturated lately
         (``HOT_S``), the pods with room only (a high band's request must take the room
         left, not queue behind a full pod the scorers liked); else every pod, at no cost."""
-        if self._hot_until.get(model, 0.0) > time.monotonic():
+        if self._hot(model):
             return self.with_room(pods)
         return pods
 
@@ -170,8 +170,19 @@ class FlowController:
 
     # -- holding (under the lock) --------------------------------------------------------
 
+    def saturated(self, model: str, priority: int) -> bool:
+        """Whether a request of ``priority`` would be held now (no side effect)."""
+        return self.saturation.saturated(model, priority, reserve=self._hot(model))
+
+    def _hot(self, model: str) -> bool:
+        """The model was saturated within ``HOT_S``: its requests go to the pods with
+        room, and the reserve is kept. A pool never saturated keeps none: its free slots
+        are the high band's anyway, and a reserve there would hold (and shed) the low
+        bands of a half-loaded pool at every burst."""
+        return self._hot_until.get(model, 0.0) > time.monotonic()
+
     def _saturated(self, model: str, priority: int) -> bool:
-        saturated = self.saturation.saturated(model, priority)
+        saturated = self.saturated(model, priority)
         if saturated:
             self._hot_until[model] = time.monotonic() + HOT_S
         if self._was_saturated.get(model) is not saturated:  # the gauge moves on changes only

@@ -174,15 +174,15 @@ class SaturationDetector:
         band: it waits there behind a full batch), else its room."""
         return self.free_slots(pod) if reserved else self.room(pod)
 
-    def saturated(self, model: str, priority: int) -> bool:
+    def saturated(self, model: str, priority: int, *, reserve: bool = True) -> bool:
         """Every ready pod serving ``model`` (in the last snapshot) is over its limits,
-        or, below ``reservedFor``, their free slots are no more than ``reservedSlots``;
-        False if no ready pod serves it.
+        or, with ``reserve`` and below ``reservedFor``, their free slots are no more than
+        ``reservedSlots``; False if no ready pod serves it.
 
         The pod last found with room is tried first: while the model is not saturated a
         check usually costs one pod, not the whole pool.
         """
-        reserved = self._reserved_slots > 0 and priority < self._reserved_for
+        reserved = reserve and self._reserved_slots > 0 and priority < self._reserved_for
         needed = self._reserved_slots if reserved else 0
         last_id = self._last_free.get(model)
         last = self._by_id.get(last_id) if last_id is not None else None

@@ -265,16 +265,18 @@ def test_a_held_request_goes_where_room_freed_not_where_its_prefix_is() -> None:
 
 def test_with_a_reserve_the_high_band_passes_while_the_low_one_is_held() -> None:
     router, _ = make_router(max_waiting=3, reserved_slots=1, reserved_for=100)
-    first, second = send(router, "r1"), send(router, "r2")
-    assert isinstance(first, RouteDecision) and isinstance(second, RouteDecision)
-    standard = send(router, "s1")  # one place left: the reserve
+    sent = [send(router, f"r{i}") for i in range(3)]  # never saturated: no reserve yet
+    routed = [r for r in sent if isinstance(r, RouteDecision)]
+    assert len(routed) == 3
+    standard = send(router, "s1")  # saturated: the model is hot, the reserve kept
     assert isinstance(standard, Held)
+    router.complete("r0", routed[0].pods[0].address, succeeded=True)  # one place: the reserve
     critical = send(router, "c1", "critical")
     assert isinstance(critical, RouteDecision)
-    router.complete("r1", first.pods[0].address, succeeded=True)
+    router.complete("r1", routed[1].pods[0].address, succeeded=True)
     time.sleep(0.2)
     assert not standard.done()  # the freed place refills the reserve
-    router.complete("r2", second.pods[0].address, succeeded=True)
+    router.complete("r2", routed[2].pods[0].address, succeeded=True)
     assert isinstance(settle(standard), RouteDecision)
 
 
@@ -300,9 +302,13 @@ def test_while_saturated_lately_a_request_admitted_at_once_takes_the_room_left()
     assert isinstance(warm, RouteDecision)
     router.complete("warm", warm.pods[0].address, succeeded=True)
     cached = warm.pods[0]
-    router.in_flight.start(cached.id)  # full: the room left is the reserve, elsewhere
+    other = next(p for p in pods if p.id != cached.id)
+    for pod in (cached, other):
+        router.in_flight.start(pod.id)  # both full: saturated, the model hot
     standard = send(router, "s1")
-    assert isinstance(standard, Held)  # the model was saturated for its band: hot
+    assert isinstance(standard, Held)
+    router.in_flight.end(other.id)  # p1's place frees: the reserve, kept while hot
     critical = send(router, "c1", "critical")
-    assert isinstance(critical, RouteDecision) and critical.pods[0].id != cached.id
+    assert isinstance(critical, RouteDecision) and critical.pods[0].id == other.id
+    assert not standard.done()
     standard.cancel()
