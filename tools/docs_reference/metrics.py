@@ -1,7 +1,7 @@
 """metrics.md: every metric family ``extproc serve`` exposes, by when: found by starting
 what serve builds (``cli.app.start``) into a fresh registry, once per mode (no scraping
 and one plugin without metrics, then scraping on, each plugin, flow control, Redis
-sharing), plus
+sharing, the view snapshot), plus
 prometheus_client's default collectors (the process and the Python runtime)."""
 
 from __future__ import annotations
@@ -49,12 +49,13 @@ class Condition(NamedTuple):
         return _HEADINGS.get(self.rank, f"the `{self.plugin}` plugin")
 
 
-ALWAYS, SCRAPING, PLUGIN, FLOW, REDIS, RUNTIME = range(6)
+ALWAYS, SCRAPING, PLUGIN, FLOW, REDIS, SNAPSHOT, RUNTIME = range(7)
 _HEADINGS = {
     ALWAYS: "Always",
     SCRAPING: "With scraping (`--stale-after-s` > 0, the default)",
     FLOW: "With flow control (a `flowControl` section in the configuration)",
     REDIS: "With `--redis-url` (replicas sharing their view)",
+    SNAPSHOT: "With `--view-snapshot` or `--view-snapshot-dir` (the view kept across restarts)",
     RUNTIME: "The process and the Python runtime (prometheus_client's default collectors)",
 }
 
@@ -78,6 +79,9 @@ def metrics_page() -> str:
     add(Condition(FLOW), _without(flow, base))
     redis = [*no_scraping, "--redis-url", "redis://127.0.0.1:1"]
     add(Condition(REDIS), _without(_serve_families(redis, "gpu-usage"), base))
+    with tempfile.TemporaryDirectory() as views:
+        snapshot = [*no_scraping, "--view-snapshot-dir", views]
+        add(Condition(SNAPSHOT), _without(_serve_families(snapshot, "gpu-usage"), base))
     runtime = CollectorRegistry()
     for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
         runtime.register(collector)
