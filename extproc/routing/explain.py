@@ -59,6 +59,7 @@ def explain_pick(
             session_header=router.session_header,
             max_body_bytes=router.max_body_bytes,
             rendering=router.rendering,
+            default_model=router.default_model,
         )
     except ExtProcError as exc:
         return _error(exc, [])

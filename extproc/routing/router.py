@@ -300,7 +300,7 @@ class Router:
                 session_header=self.session_header,
                 max_body_bytes=self.max_body_bytes,
                 rendering=self.rendering,
-                default_model=lambda: self._default_model(subset),
+                default_model=lambda: self.default_model(subset),
             )
             pods = self._candidates(subset)
         except ExtProcError as exc:
@@ -327,7 +327,7 @@ class Router:
         rewritten = Rewritten(request.model, rule, rewritten_body(body, request.data, target))
         return replace(request, model=target, data=data), rewritten
 
-    def _default_model(self, subset: Sequence[str] | None) -> str:
+    def default_model(self, subset: Sequence[str] | None = None) -> str:
         """The model of a body naming none, as vLLM defaults it: the base model every
         ready candidate serves, when it is one (a LoRA adapter is never the default:
         vLLM serves such a body with its base model, adapters loaded or not).

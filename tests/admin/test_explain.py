@@ -175,6 +175,15 @@ def test_prefill_pod_named_with_disaggregation() -> None:
     assert [p["role"] for p in answer["passes"]] == ["serving", "prefill"]
 
 
+def test_a_body_naming_no_model_is_explained_as_routed_for_the_pools_model() -> None:
+    router = make_router()
+    body = json.dumps({"messages": [{"role": "user", "content": "which model?"}]}).encode()
+    answer = explain_pick(router, PATH, body)
+    assert answer["status"] == 200
+    real = router.route(PATH, body, request_id="r1")
+    assert str(real.pods[0].id) == answer["pick"]
+
+
 def test_a_request_the_router_would_refuse_is_explained_as_its_error() -> None:
     router = make_router()
     assert explain_pick(router, PATH, b"{oops")["status"] == 400
