@@ -28,7 +28,7 @@ from bench.contenders import precise_config
 from bench.restart import engine_totals
 from e2e.support import MODEL
 from extproc.sim.launch import run_stack, spawn_sim_pods
-from testkit.factories import write_tokenizer
+from testkit.factories import precise_only_config, write_tokenizer
 from testkit.kv_events import wait_events_trusted
 from testkit.waiting import wait_until
 
@@ -38,20 +38,6 @@ PREFIX_WORDS = 96  # six blocks of 16 tokens
 WORDS = ("hello", "world", "system", "user", "assistant")  # write_tokenizer's vocabulary
 KINDS = ("no restart", "snapshot, precise view seeded", "snapshot, approximate only", "no snapshot")
 RECORDED_WAIT_S = 1.0  # the last answers' access-log records and KV events reach extproc
-PRECISE_ONLY = """
-scheduler:
-  plugins:
-    Score:
-      enabled:
-        - name: precise-prefix-cache
-          weight: 1
-  pluginConfig:
-    - name: precise-prefix-cache
-      args:
-        models:
-          {model}: {tokenizer}
-        blockSize: 16
-"""
 
 
 def as_version_1(path: Path) -> None:
@@ -75,7 +61,7 @@ def hit_ratio_after(kind: str, config_name: str, seed: int) -> float:
             config = precise_config(MODEL, tokenizer, 16, Path(tmp) / "precise.yaml")
         else:
             config = Path(tmp) / "precise-only.yaml"
-            config.write_text(PRECISE_ONLY.format(model=MODEL, tokenizer=tokenizer))
+            config.write_text(precise_only_config(MODEL, tokenizer))
         snapshot = Path(tmp) / "view.npz"
         args = ["--drain-s", "2", "--kv-events-topology", "connect"]
         if kind != KINDS[3]:

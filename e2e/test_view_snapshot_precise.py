@@ -16,7 +16,7 @@ import pytest
 
 from e2e.support import MODEL, metric, served_by
 from extproc.sim.launch import SimPods, Stack, run_stack, spawn_sim_pods
-from testkit.factories import write_tokenizer
+from testkit.factories import precise_only_config, write_tokenizer
 from testkit.kv_events import wait_events_trusted
 from testkit.waiting import wait_until
 
@@ -42,20 +42,7 @@ def sim(tokenizer: Path) -> Iterator[SimPods]:
 
 
 def config(tokenizer: Path, path: Path) -> Path:
-    path.write_text(f"""
-scheduler:
-  plugins:
-    Score:
-      enabled:
-        - name: precise-prefix-cache
-          weight: 1
-  pluginConfig:
-    - name: precise-prefix-cache
-      args:
-        models:
-          {MODEL}: {tokenizer}
-        blockSize: 16
-""")
+    path.write_text(precise_only_config(MODEL, tokenizer))
     return path
 
 

@@ -73,6 +73,25 @@ def write_tokenizer(directory: Path) -> Path:
     return directory
 
 
+def precise_only_config(model: str, tokenizer: Path, block_size: int = 16) -> str:
+    """A scheduler configuration scoring with precise-prefix-cache alone, ``model``'s
+    prompts tokenized with ``tokenizer`` (a directory, e.g. ``write_tokenizer``'s)."""
+    return f"""
+scheduler:
+  plugins:
+    Score:
+      enabled:
+        - name: precise-prefix-cache
+          weight: 1
+  pluginConfig:
+    - name: precise-prefix-cache
+      args:
+        models:
+          {model}: {tokenizer}
+        blockSize: {block_size}
+"""
+
+
 def make_scheduler(yaml_text: str, registry: CollectorRegistry | None = None) -> Scheduler:
     return build_scheduler(parse_config(yaml_text, "test.yaml"), registry or CollectorRegistry())
 
