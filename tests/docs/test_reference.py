@@ -62,6 +62,7 @@ def test_the_metrics_page_lists_exactly_the_families_serve_exposes(tmp_path: Pat
         "flowControl": {},
     }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    (tmp_path / "views").mkdir()
     (tmp_path / "pods.yaml").write_text(
         "pods:\n  - name: p0\n    address: 127.0.0.1:9\n    models: [m]\n"
     )
@@ -72,7 +73,12 @@ def test_the_metrics_page_lists_exactly_the_families_serve_exposes(tmp_path: Pat
         grpc_port=free_port(),
         metrics_port=metrics_port,
         config=tmp_path / "config.yaml",
-        extra_args=["--redis-url", "redis://127.0.0.1:1/0"],
+        extra_args=[
+            "--redis-url",
+            "redis://127.0.0.1:1/0",
+            "--view-snapshot-dir",
+            str(tmp_path / "views"),
+        ],
     )
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
@@ -87,4 +93,5 @@ def test_the_metrics_page_lists_exactly_the_families_serve_exposes(tmp_path: Pat
     listed = set(re.findall(r"^\| `([a-z_:]+)` \|", page, re.MULTILINE))
     assert "extproc_precise_prefix_segments_total" in exposed
     assert "extproc_flow_queue_requests" in exposed
+    assert "extproc_view_snapshot_loads_total" in exposed
     assert exposed == listed
