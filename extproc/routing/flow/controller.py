@@ -1,12 +1,13 @@
 """Flow control: admit, hold, dispatch or refuse each request while pods are saturated.
 
 ``admit`` runs on the request's thread. While the request's model is not saturated and
-none of its requests of the same or a higher priority is held, it returns None: the request is routed at once, as
-without flow control (one saturation check, usually one pod). Otherwise a sheddable
-request (priority below 0) is refused at once (also while others are held: they go
-first), and any other is held: ``admit`` returns
-its ``Held`` and the request waits in its model's ``ModelQueue``. A full queue refuses
-the arriving request, unless it outranks the lowest band, whose newest request is then
+none of its requests of the same or a higher priority is held, it returns None: the
+request is routed at once, as without flow control (one saturation check, usually one
+pod). Otherwise a sheddable request (priority below 0) is refused at once while others
+are held (they go first) or the pods are full (the reserve aside: where only the reserve
+stands in its way it is held like the rest), and any other is held: ``admit`` returns its
+``Held`` and the request waits in its model's ``ModelQueue``. A full queue refuses the
+arriving request, unless it outranks the lowest band, whose newest request is then
 refused in its place.
 
 One thread (``extproc-flow``) dispatches: woken when a request ends, when a new pod
@@ -43,7 +44,7 @@ from extproc.scheduling.inflight import InFlight
 log = logging.getLogger("extproc.flow")
 
 IDLE_WAKE_S = 0.5  # the dispatcher looks at the queue at least this often
-HOT_S = 1.0  # after a model was saturated, this long it is hot (``FlowController._hot``)
+HOT_S = 1.0  # after a model was saturated, this long its requests go to pods with room
 Route = Callable[[], RouteDecision | Future[RouteDecision]]
 
 
@@ -106,7 +107,8 @@ class FlowController:
                 self._straight_through(flow.priority).inc()
                 return None
             refusal: Overloaded | None
-            if flow.priority < 0:  # saturated, or requests wait: no room for it
+            if flow.priority < 0 and (not first or self._full(model, flow.priority)):
+                # requests wait, or the pods are full: no room for it
                 refusal = self._refusal(flow.priority, "shed", "the pods are saturated")
             else:
                 refusal = self._make_room(flow.priority, size)
@@ -172,13 +174,16 @@ class FlowController:
 
     def saturated(self, model: str, priority: int) -> bool:
         """Whether a request of ``priority`` would be held now (no side effect)."""
-        return self.saturation.saturated(model, priority, reserve=self._hot(model))
+        return self.saturation.saturated(model, priority)
+
+    def _full(self, model: str, priority: int) -> bool:
+        """Saturated even without the reserve: a sheddable request is refused only then
+        (or while others wait). Where only the reserve stands in its way, a burst of a
+        pool far from full, it is held like any other: shedding is for overload."""
+        return self.saturation.saturated(model, priority, reserve=False)
 
     def _hot(self, model: str) -> bool:
-        """The model was saturated within ``HOT_S``: its requests go to the pods with
-        room, and the reserve is kept. A pool never saturated keeps none: its free slots
-        are the high band's anyway, and a reserve there would hold (and shed) the low
-        bands of a half-loaded pool at every burst."""
+        """The model was saturated within ``HOT_S``: its requests go to the pods with room."""
         return self._hot_until.get(model, 0.0) > time.monotonic()
 
     def _saturated(self, model: str, priority: int) -> bool:

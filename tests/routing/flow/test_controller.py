@@ -265,19 +265,31 @@ def test_a_held_request_goes_where_room_freed_not_where_its_prefix_is() -> None:
 
 def test_with_a_reserve_the_high_band_passes_while_the_low_one_is_held() -> None:
     router, _ = make_router(max_waiting=3, reserved_slots=1, reserved_for=100)
-    sent = [send(router, f"r{i}") for i in range(3)]  # never saturated: no reserve yet
-    routed = [r for r in sent if isinstance(r, RouteDecision)]
-    assert len(routed) == 3
-    standard = send(router, "s1")  # saturated: the model is hot, the reserve kept
+    first, second = send(router, "r1"), send(router, "r2")
+    assert isinstance(first, RouteDecision) and isinstance(second, RouteDecision)
+    standard = send(router, "s1")  # one place left: the reserve
     assert isinstance(standard, Held)
-    router.complete("r0", routed[0].pods[0].address, succeeded=True)  # one place: the reserve
     critical = send(router, "c1", "critical")
     assert isinstance(critical, RouteDecision)
-    router.complete("r1", routed[1].pods[0].address, succeeded=True)
+    router.complete("r1", first.pods[0].address, succeeded=True)
     time.sleep(0.2)
     assert not standard.done()  # the freed place refills the reserve
-    router.complete("r2", routed[2].pods[0].address, succeeded=True)
+    router.complete("r2", second.pods[0].address, succeeded=True)
     assert isinstance(settle(standard), RouteDecision)
+
+
+def test_a_sheddable_request_is_held_where_only_the_reserve_is_in_its_way() -> None:
+    """Shedding is for overload: at a burst that leaves only the reserve, a sheddable
+    request waits like the rest; once the pods are full it is refused at once."""
+    router, _ = make_router(max_waiting=3, reserved_slots=1, reserved_for=100)
+    assert all(isinstance(send(router, f"r{i}"), RouteDecision) for i in range(2))
+    held = send(router, "x1", "sheddable")  # one place left: the reserve
+    assert isinstance(held, Held)
+    held.cancel()
+    assert isinstance(send(router, "c1", "critical"), RouteDecision)  # now full
+    with pytest.raises(Overloaded) as refused:
+        send(router, "x2", "sheddable")
+    assert refused.value.code == "shed"
 
 
 def test_while_saturated_lately_a_request_admitted_at_once_takes_the_room_left() -> None:
