@@ -177,11 +177,10 @@ def test_prefill_pod_named_with_disaggregation() -> None:
 
 def test_a_body_naming_no_model_is_explained_as_routed_for_the_pools_model() -> None:
     router = make_router()
-    body = json.dumps({"messages": [{"role": "user", "content": "which model?"}]}).encode()
-    answer = explain_pick(router, PATH, body)
-    assert answer["status"] == 200
-    real = router.route(PATH, body, request_id="r1")
-    assert str(real.pods[0].id) == answer["pick"]
+    warm = served(router, chat("which model?"), "r1")  # the same prompt, naming "m"
+    body = json.dumps({k: v for k, v in json.loads(chat("which model?")).items() if k != "model"})
+    answer = explain_pick(router, PATH, body.encode())
+    assert answer["status"] == 200 and answer["pick"] == warm  # hashed as m's
 
 
 def test_a_request_the_router_would_refuse_is_explained_as_its_error() -> None:
