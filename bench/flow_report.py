@@ -21,7 +21,7 @@ CLASS_COLUMNS = (
 )  # fmt: skip
 SECTION_TITLE = "Flow control's section (appended to extproc's default scheduler configuration):"
 GOALS = {
-    "critical_ttft": "critical TTFT p99 overloaded <= 1.5x the TTFT p99 not overloaded (ms)",
+    "critical_ttft": "critical TTFT p99 overloaded <= 1.5x the TTFT p99 not overloaded, its own or extproc-off's if lower (ms)",
     "critical_not_refused": "no critical request refused",
     "fairness": "Jain's index over the standard tenants' tokens served overloaded >= 0.9",
     "goodput": "total goodput >= extproc without flow control's (tok/s)",

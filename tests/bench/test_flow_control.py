@@ -271,6 +271,16 @@ def test_the_critical_limit_is_the_baseline_p99_of_every_class() -> None:
     assert "goodput" not in v  # extproc-off did not run
 
 
+def test_the_critical_limit_is_extproc_offs_unloaded_p99_when_lower() -> None:
+    """A reserve holds the standard band at an unloaded run's bursts: the contender's own
+    unloaded p99 is then higher than the pods', and must not loosen its limit."""
+    slower = summary(all_p99=280.0)
+    v = verdicts(summary(crit_p99=140.0), slower, 100.0, reference_baseline_p99=90.0)
+    assert v["critical_ttft"]["limit"] == 135.0 and not v["critical_ttft"]["pass"]
+    v = verdicts(summary(crit_p99=140.0), summary(all_p99=60.0), 100.0, 90.0)
+    assert v["critical_ttft"]["limit"] == 90.0  # its own, when lower
+
+
 def test_run_all_judges_every_contender_against_extproc_default(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
