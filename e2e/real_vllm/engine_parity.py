@@ -30,7 +30,9 @@ What is compared, and why so:
   where ten requests decode at once, greedy, on a quiet machine; the real pod's own
   decode steps were 2-3 times slower than when the profile was fitted, at the same
   load), and the full suite's load slows the real pod further, which sets the factor.
-  The per-request figures are printed, not asserted.
+  The per-request figures are printed, and the medians outside the tolerance too:
+  neither is asserted, here or in the suite (a real pod's wall clock under load is a
+  benchmark's figure).
 
 Output lengths match: every request sends ``ignore_eos`` (the random-weight model may
 sample its end-of-sequence token early; the sim always generates ``max_tokens`` and
