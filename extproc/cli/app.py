@@ -327,6 +327,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         credentials=server_credentials(tls_settings(args), names=(args.address,)),
     )
     health_server, servicer, health_port = make_health_server(f"{args.address}:{args.health_port}")
+    snapshot = make_snapshot(args, registry)  # its metrics on the page from the first scrape
     metrics_server = None
     if args.metrics_port:
         try:
@@ -345,7 +346,6 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
     watcher.start()
     if not known_at_load:  # a Kubernetes source has listed them now
         check_targets(rewrites, router.pods)
-    snapshot = make_snapshot(args, registry)
     if snapshot is not None:  # before Redis's window, which is newer; and the events
         pods = {pod.id for pod in router.pods}
         snapshot.load(snapshot_views(scheduler), pods, precise_views(scheduler, kv_events))
