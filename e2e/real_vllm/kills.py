@@ -17,7 +17,9 @@ READY = "extproc_pods_ready"
 def live_pods(stack: Stack, pods: list[VllmPod]) -> list[VllmPod]:
     """The pods alive and healthy, once extproc's ready count agrees; at least two (one to
     kill, one to take over)."""
-    alive = [p for p in pods if p.proc.alive() and p.healthy()]
+    alive = [p for p in pods if p.proc.alive()]
     assert len(alive) >= 2, "needs a pod to kill and one to take over"
+    # A loaded machine can keep a live pod's /health past its 2 s timeout: wait for it.
+    wait_until(lambda: all(p.healthy() for p in alive), timeout_s=60, what="live pods healthy")
     wait_until(lambda: metric(stack, READY) == len(alive), timeout_s=30)
     return alive
