@@ -213,7 +213,7 @@ def _flow_state(router: Router, cycle: Cycle, headers: Mapping[str, str] | None)
         }
     request = cycle.request
     priority = flow.classify(headers, request.data).priority
-    saturated = flow.saturated(request.model, priority)
+    saturated = flow.saturation.saturated(request.model, priority)
     return {
         "enabled": True,
         "priority": priority,

@@ -172,10 +172,6 @@ class FlowController:
 
     # -- holding (under the lock) --------------------------------------------------------
 
-    def saturated(self, model: str, priority: int) -> bool:
-        """Whether a request of ``priority`` would be held now (no side effect)."""
-        return self.saturation.saturated(model, priority)
-
     def _full(self, model: str, priority: int) -> bool:
         """Saturated even without the reserve: a sheddable request is refused only then
         (or while others wait). Where only the reserve stands in its way, a burst of a
@@ -187,7 +183,7 @@ class FlowController:
         return self._hot_until.get(model, 0.0) > time.monotonic()
 
     def _saturated(self, model: str, priority: int) -> bool:
-        saturated = self.saturated(model, priority)
+        saturated = self.saturation.saturated(model, priority)
         if saturated:
             self._hot_until[model] = time.monotonic() + HOT_S
         if self._was_saturated.get(model) is not saturated:  # the gauge moves on changes only
