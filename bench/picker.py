@@ -141,9 +141,9 @@ def routers(
     pods: list[Pod], log_dir: Path, args: argparse.Namespace
 ) -> Iterator[tuple[list[Target], Stack]]:
     """Start Envoy alone, Envoy + extproc and (maybe) sglang-router; stop them after."""
-    extproc_args = (
-        ["--scrape-interval-s", str(args.scrape_interval_s)] if args.scrape_interval_s else []
-    )
+    extproc_args = ["--scraper", args.scraper]
+    if args.scrape_interval_s:
+        extproc_args += ["--scrape-interval-s", str(args.scrape_interval_s)]
     with ExitStack() as stack:
         envoy, envoy_url = start_envoy_alone(pods, log_dir, "envoy-alone")
         stack.callback(envoy.stop)
@@ -249,6 +249,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config", type=Path, help="extproc scheduler config (default: shipped)")
     parser.add_argument(
         "--scrape-interval-s", type=float, help="extproc's pod scrape interval (default: its own)"
+    )
+    parser.add_argument(
+        "--scraper", choices=("process", "thread"), default="process", help="extproc's --scraper"
     )
     parser.add_argument("--json", type=Path, help="write config, machine, runs, medians here")
     parser.add_argument("--markdown", type=Path, help="write the tables here")

@@ -37,7 +37,8 @@ from extproc.datalayer.model_rewrites import (
     make_rewrites_watcher,
 )
 from extproc.datalayer.objectives import InferenceObjectiveWatcher
-from extproc.datalayer.scrape import MetricsScraper
+from extproc.datalayer.scrape import MetricsScraper, ScrapeOptions
+from extproc.datalayer.scrape_process import ScrapeProcess
 from extproc.datalayer.sources import (
     PodsSource,
     check_pods_source,
@@ -94,7 +95,7 @@ class Running:
     health_servicer: health.HealthServicer
     health_port: int
     watcher: PodsSource
-    scraper: MetricsScraper | None
+    scraper: MetricsScraper | ScrapeProcess | None
     metrics_server: Any
     registry: CollectorRegistry
     sharing: RedisSharing | None = None
@@ -309,14 +310,7 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
     rewrite_watcher = make_rewrites_watcher(args, watched_rewrites)
     scraper = None
     if scraping:
-        scraper = MetricsScraper(
-            store,
-            interval_s=args.scrape_interval_s,
-            timeout_s=args.scrape_timeout_s,
-            models_interval_s=args.models_interval_s,
-            cpu_budget=args.scrape_cpu_budget,
-            registry=registry,
-        )
+        scraper = make_scraper(args, store, registry)
     grpc_server, grpc_port = make_grpc_server(
         router,
         f"{args.address}:{args.grpc_port}",
@@ -395,6 +389,21 @@ def start(args: argparse.Namespace, registry: CollectorRegistry = REGISTRY) -> R
         admin=admin,
         snapshot=snapshot,
     )
+
+
+def make_scraper(
+    args: argparse.Namespace, store: PodStore, registry: CollectorRegistry
+) -> MetricsScraper | ScrapeProcess:
+    """The pods' scraper, in a child process or a thread (``--scraper``)."""
+    options = ScrapeOptions(
+        interval_s=args.scrape_interval_s,
+        timeout_s=args.scrape_timeout_s,
+        cpu_budget=args.scrape_cpu_budget,
+        models_interval_s=args.models_interval_s,
+    )
+    if args.scraper == "process":
+        return ScrapeProcess(store, options, registry=registry)
+    return MetricsScraper.with_options(store, options, registry=registry)
 
 
 def make_snapshot(args: argparse.Namespace, registry: CollectorRegistry) -> ViewSnapshot | None:

@@ -213,6 +213,14 @@ def register(sub: Any) -> None:
         "spaced out to fit, and pods stay fresh for 3 sweeps (default: %(default)s of a core)",
     )
     g.add_argument(
+        "--scraper",
+        choices=("process", "thread"),
+        default=_env("scraper", "process"),
+        help="where the scrapes run: a child process, off the routing process's GIL (a "
+        "sweep over many pods otherwise delays the requests arriving meanwhile), or a "
+        "thread of the routing process (default: %(default)s)",
+    )
+    g.add_argument(
         "--stale-after-s",
         type=float,
         default=_env("stale-after-s", "2.0"),

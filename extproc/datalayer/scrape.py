@@ -55,8 +55,9 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, Final, NamedTuple, TypeVar
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Final, NamedTuple, Protocol, TypeVar
 from urllib.parse import urlencode
 
 import aiohttp
@@ -64,7 +65,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 from extproc.datalayer.adapters import MODELS_PAGE, parse_adapters
 from extproc.datalayer.engine_metrics import SAMPLE_NAMES, PageParser, PodReader
-from extproc.datalayer.store import AdaptersUpdate, MetricsUpdate, PodStore
+from extproc.datalayer.store import AdaptersUpdate, MetricsUpdate
 from extproc.pods import Pod, PodId, PodMetrics
 
 log = logging.getLogger("extproc.datalayer.scrape")
@@ -77,6 +78,17 @@ FULL_PAGE: Final = "/metrics"
 FILTERED_PAGE: Final = "/metrics/?" + urlencode([("name[]", n) for n in sorted(SAMPLE_NAMES)])
 
 
+class ScrapedStore(Protocol):
+    """What the scraper needs of a ``PodStore`` (``scrape_process`` relays these)."""
+
+    base_pods: tuple[Pod, ...]
+    stale_after_s: float | None
+
+    def update_metrics(
+        self, updates: Iterable[MetricsUpdate], adapters: Iterable[AdaptersUpdate] = ()
+    ) -> None: ...
+
+
 class _ScrapeError(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
@@ -84,11 +96,17 @@ class _ScrapeError(Exception):
 
 
 class ScrapeMetrics:
+    # the labelled families' label names (ScrapeProcess's parent shows them before any child)
+    LABELS: Final = {
+        "extproc_scrape_errors": ("pod", "reason"),
+        "extproc_models_scrape_errors": ("pod", "reason"),
+    }
+
     def __init__(self, registry: CollectorRegistry) -> None:
         self.errors = Counter(
             "extproc_scrape_errors",
             "Failed scrapes of pods' /metrics, by pod and reason.",
-            ["pod", "reason"],
+            self.LABELS["extproc_scrape_errors"],
             registry=registry,
         )
         self.duration = Histogram(
@@ -112,17 +130,45 @@ class ScrapeMetrics:
         self.models_errors = Counter(
             "extproc_models_scrape_errors",
             "Failed reads of pods' /v1/models (their LoRA adapters), by pod and reason.",
-            ["pod", "reason"],
+            self.LABELS["extproc_models_scrape_errors"],
             registry=registry,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeOptions:
+    """The scraper's settings (``MetricsScraper.with_options``; ``ScrapeProcess``'s child
+    builds its scraper from them)."""
+
+    interval_s: float = 0.2
+    timeout_s: float = 1.0
+    cpu_budget: float = 0.1
+    latency_hold_s: float = 10.0
+    max_page_bytes: int = MAX_PAGE_BYTES
+    models_interval_s: float = 0.0
 
 
 class MetricsScraper:
     """Scrapes the store's pods in a background thread; ``start()``/``stop()``."""
 
+    @classmethod
+    def with_options(
+        cls, store: ScrapedStore, options: ScrapeOptions, *, registry: CollectorRegistry
+    ) -> MetricsScraper:
+        return cls(
+            store,
+            interval_s=options.interval_s,
+            timeout_s=options.timeout_s,
+            cpu_budget=options.cpu_budget,
+            latency_hold_s=options.latency_hold_s,
+            max_page_bytes=options.max_page_bytes,
+            models_interval_s=options.models_interval_s,
+            registry=registry,
+        )
+
     def __init__(
         self,
-        store: PodStore,
+        store: ScrapedStore,
         *,
         interval_s: float = 0.2,
         timeout_s: float = 1.0,

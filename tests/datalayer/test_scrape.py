@@ -1,4 +1,8 @@
-"""MetricsScraper against real HTTP servers on 127.0.0.1: metrics, failures, staleness."""
+"""MetricsScraper against real HTTP servers on 127.0.0.1: metrics, failures, staleness.
+
+The behaviour tests run the scraper both ways serve does (``--scraper``): in a thread of
+this process, and in a child process whose outcomes, metrics and logs come back here.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.datalayer.engine_metrics import SAMPLE_NAMES
-from extproc.datalayer.scrape import MetricsScraper
+from extproc.datalayer.scrape import MetricsScraper, ScrapeOptions
+from extproc.datalayer.scrape_process import ScrapeProcess
 from extproc.datalayer.store import PodStore
 from extproc.pods import Pod, PodId
 from testkit.factories import make_pod
@@ -33,7 +38,11 @@ def fake_pods() -> Iterator[list[FakePod]]:
 
 class Rig:
     def __init__(
-        self, fakes: list[FakePod], cpu_budget: float = 0.1, interval_s: float = 0.02
+        self,
+        fakes: list[FakePod],
+        cpu_budget: float = 0.1,
+        interval_s: float = 0.02,
+        mode: str = "thread",
     ) -> None:
         self.registry = CollectorRegistry()
         self.store = PodStore(self._published, stale_after_s=STALE_S)
@@ -45,13 +54,12 @@ class Rig:
         # each published snapshot's readiness of pod 0 and its connect errors by then
         self.history: list[tuple[bool, float]] = []
         self.store.set_pods(self.pods)
-        self.scraper = MetricsScraper(
-            self.store,
-            interval_s=interval_s,
-            timeout_s=0.2,
-            cpu_budget=cpu_budget,
-            registry=self.registry,
-        )
+        options = ScrapeOptions(interval_s=interval_s, timeout_s=0.2, cpu_budget=cpu_budget)
+        self.scraper: MetricsScraper | ScrapeProcess
+        if mode == "process":
+            self.scraper = ScrapeProcess(self.store, options, registry=self.registry)
+        else:
+            self.scraper = MetricsScraper.with_options(self.store, options, registry=self.registry)
 
     def _published(self, pods: tuple[Pod, ...]) -> None:
         self.snapshot = pods
@@ -60,14 +68,25 @@ class Rig:
     def pod(self, idx: int) -> Pod:
         return self.snapshot[idx]
 
+    def sweep_interval_s(self) -> float:
+        return self.registry.get_sample_value("extproc_scrape_interval_seconds") or 0.0
+
     def errors(self, idx: int, reason: str) -> float:
         labels = {"pod": str(self.pods[idx].id), "reason": reason}
         return self.registry.get_sample_value("extproc_scrape_errors_total", labels) or 0.0
 
 
+MODES = ["thread", "process"]
+
+
+@pytest.fixture(params=MODES)
+def scraper_mode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-def rig(fake_pods: list[FakePod]) -> Iterator[Rig]:
-    rig = Rig(fake_pods)
+def rig(fake_pods: list[FakePod], scraper_mode: str) -> Iterator[Rig]:
+    rig = Rig(fake_pods, mode=scraper_mode)
     rig.scraper.start()
     yield rig
     rig.scraper.stop()
@@ -96,10 +115,10 @@ def test_asks_for_just_the_series_it_reads(rig: Rig, fake_pods: list[FakePod]) -
 
 
 def test_a_pod_without_the_filtered_page_is_scraped_by_its_full_page(
-    fake_pods: list[FakePod],
+    fake_pods: list[FakePod], scraper_mode: str
 ) -> None:
     fake_pods[0].filters = False
-    rig = Rig(fake_pods)
+    rig = Rig(fake_pods, mode=scraper_mode)
     rig.scraper.start()
     try:
         wait_until(lambda: bool(rig.snapshot) and rig.pod(0).metrics.waiting == 1)
@@ -206,8 +225,10 @@ def test_removed_pod_is_no_longer_scraped_and_its_errors_are_dropped(
     assert rig.errors(0, "http_status") == 0
 
 
-def test_discovery_unready_pods_are_not_scraped(fake_pods: list[FakePod]) -> None:
-    rig = Rig(fake_pods)
+def test_discovery_unready_pods_are_not_scraped(
+    fake_pods: list[FakePod], scraper_mode: str
+) -> None:
+    rig = Rig(fake_pods, mode=scraper_mode)
     rig.store.set_pods(
         [
             make_pod("idle", port=fake_pods[0].port, ready=False),
@@ -229,16 +250,17 @@ def test_stop_ends_the_thread_promptly(fake_pods: list[FakePod]) -> None:
     started = time.monotonic()
     rig.scraper.stop()
     assert time.monotonic() - started < 20.0  # generous for a loaded machine
+    assert isinstance(rig.scraper, MetricsScraper)
     assert rig.scraper._thread is not None and not rig.scraper._thread.is_alive()
 
 
 def test_sweeps_are_spaced_out_to_stay_within_the_cpu_budget(
-    fake_pods: list[FakePod], caplog: pytest.LogCaptureFixture
+    fake_pods: list[FakePod], caplog: pytest.LogCaptureFixture, scraper_mode: str
 ) -> None:
-    rig = Rig(fake_pods, cpu_budget=0.001)
+    rig = Rig(fake_pods, cpu_budget=0.001, mode=scraper_mode)
     rig.scraper.start()
     try:
-        wait_until(lambda: rig.scraper.sweep_interval_s > 0.2)
+        wait_until(lambda: rig.sweep_interval_s() > 0.2)
         served, started = fake_pods[0].num_requests, time.monotonic()
         wait_until(lambda: fake_pods[0].num_requests >= served + SPACED_SWEEPS, timeout_s=30)
         took = time.monotonic() - started
@@ -248,10 +270,9 @@ def test_sweeps_are_spaced_out_to_stay_within_the_cpu_budget(
     # sweeps counted span at least SPACED_SWEEPS - 1 whole intervals (a lower bound a
     # loaded machine only lengthens; every 20 ms they would take 0.04 s)
     assert took >= (SPACED_SWEEPS - 1) * 0.2
-    final = rig.scraper.sweep_interval_s  # re-measured each sweep
+    final = rig.sweep_interval_s()  # re-measured each sweep
     assert final > 0.2
-    assert rig.registry.get_sample_value("extproc_scrape_interval_seconds") == final
-    assert rig.store.stale_after_s == max(STALE_S, 3 * final)  # pods stay fresh
+    wait_until(lambda: rig.store.stale_after_s == max(STALE_S, 3 * rig.sweep_interval_s()))
     assert "scraping every" in caplog.text and "--scrape-cpu-budget" in caplog.text
 
 

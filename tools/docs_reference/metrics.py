@@ -183,8 +183,9 @@ def _families(registry: CollectorRegistry) -> dict[str, Family]:
             if isinstance(collector, MetricWrapperBase)
             else None
         )
+        by_family = getattr(collector, "family_labelnames", {})  # a collector relaying families
         for metric in collector.collect():
-            labels = wrapper_labels
+            labels = wrapper_labels or by_family.get(metric.name)
             if labels is None:
                 labels = getattr(metric, "_labelnames", None) or tuple(
                     sorted({k for s in metric.samples for k in s.labels} - {"le", "quantile"})
