@@ -3,13 +3,19 @@
 Design: one daemon thread runs an asyncio loop with one aiohttp session (keep-alive
 connections, C HTTP parser: a fraction of httpx's CPU per GET); parsing is
 ``engine_metrics``' job. Parsing holds the GIL, so a request arriving meanwhile waits
-for it. The costs per scrape and per sweep: docs/performance.md (``bench/scrape.py``).
+for it: ``extproc serve`` runs the scraper in a child process (``scrape_process``) unless
+``--scraper thread``. The costs per scrape and per sweep: docs/performance.md
+(``bench/scrape.py``).
 
-Each tick (every ``interval_s``) starts a scrape of every discovery-ready pod that has
-none in progress, waits for them until the next tick at most, and hands the outcomes
-that arrived to ``PodStore.update_metrics`` in one batch (one publish per tick; an empty
-batch still lets the store re-check staleness). A slow pod's scrape, bounded by
-``timeout_s``, carries over into later ticks without delaying the other pods.
+Each tick (every ``interval_s``) starts a scrape of every discovery-ready pod that is due
+and has none in progress, waits for them until the next tick at most, and hands the
+outcomes that arrived to ``PodStore.update_metrics`` in one batch (one publish per tick;
+an empty batch still lets the store re-check staleness). A pod is due at once when new,
+then every sweep interval, its first a random part of one: when the sweeps are spaced out
+(below) each tick scrapes its share of the pods instead of every pod landing on one tick,
+which at 1,000 pods took the bursts of CPU, and the p99 they cost the requests, away
+(docs/performance.md). A slow pod's scrape, bounded by ``timeout_s``, carries over into
+later ticks without delaying the other pods.
 
 Scraping stays within ``cpu_budget`` of one core (default a tenth): the thread's CPU
 time per sweep is measured, and when scraping every pod each ``interval_s`` would cost
@@ -38,11 +44,10 @@ goes to ``extproc_scrape_duration_seconds``.
 LoRA adapters: with ``models_interval_s`` > 0 the same loop reads each ready pod's
 ``/v1/models`` too (``adapters``), every ``models_interval_s`` (stretched by the same
 factor as the sweeps when the CPU budget stretches them), with the same time and size
-limits; the adapters found go to the store in the tick's batch. A pod's first read is
-at once; its second is at a random point of the interval, so that the reads of many
-pods spread over the ticks instead of all landing on one. A failed read keeps the last
-good list and is counted in ``extproc_models_scrape_errors_total{pod, reason}`` (the
-reasons above; ``parse``: not an OpenAI model list). A pod that refused a connection,
+limits and the same spreading; the adapters found go to the store in the tick's batch.
+A failed read keeps the last good list and is counted in
+``extproc_models_scrape_errors_total{pod, reason}`` (the reasons above; ``parse``: not an
+OpenAI model list). A pod that refused a connection,
 to either page, is read again from the next tick on: a restarted vLLM has lost the
 adapters loaded at run time, and its new list is read with its first metrics. So is a
 pod whose models the source changed (an adapter's parent must be one of them).
@@ -205,8 +210,9 @@ class MetricsScraper:
         self.metrics.full_page_pods.set_function(lambda: len(self._full_page))
         self._error_labels: set[tuple[str, str]] = set()
         self._models_error_labels: set[tuple[str, str]] = set()
-        self._models_due: dict[PodId, float] = {}  # loop time of each pod's next read
-        self._models_read: set[PodId] = set()  # pods read at least once
+        # a tick's lateness (half a tick) must not skip a pod that is due every tick
+        self._scrapes = _Schedule(slack_s=interval_s / 2)
+        self._models = _Schedule(slack_s=interval_s / 2)
         self._known: tuple[Pod, ...] | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -264,9 +270,9 @@ class MetricsScraper:
         while not self._stopping.is_set():
             self._follow_pods(in_flight)
             started = self._start_reads(session, in_flight, loop.time())
-            next_tick += self.sweep_interval_s
+            next_tick += self.interval_s
             if next_tick <= loop.time():  # fell behind (a stalled process): skip missed ticks
-                next_tick = loop.time() + self.sweep_interval_s
+                next_tick = loop.time() + self.interval_s
             tasks = in_flight.tasks()
             if tasks:
                 await asyncio.wait(tasks, timeout=next_tick - loop.time())
@@ -284,29 +290,22 @@ class MetricsScraper:
     def _start_reads(self, session: aiohttp.ClientSession, in_flight: _InFlight, now: float) -> int:
         """Start the scrapes and ``/v1/models`` reads due; returns how many scrapes."""
         started = 0
+        models_interval = self.models_interval_s * self.sweep_interval_s / self.interval_s
         for pod in self.store.base_pods:
             if not pod.ready:
                 continue
-            if pod.id not in in_flight.metrics:
+            if pod.id not in in_flight.metrics and self._scrapes.is_due(pod.id, now):
                 in_flight.metrics[pod.id] = asyncio.create_task(self._scrape(session, pod))
+                self._scrapes.started(pod.id, now, self.sweep_interval_s)
                 started += 1
             if (
                 self.models_interval_s
                 and pod.id not in in_flight.models
-                and self._models_due.get(pod.id, now) <= now
+                and self._models.is_due(pod.id, now)
             ):
                 in_flight.models[pod.id] = asyncio.create_task(self._read_models(session, pod))
-                self._models_due[pod.id] = now + self._until_next_models_read(pod.id)
+                self._models.started(pod.id, now, models_interval)
         return started
-
-    def _until_next_models_read(self, pod_id: PodId) -> float:
-        """The interval, stretched as the sweeps are; after a pod's first read a random
-        part of it, which spreads the pods' reads over the ticks (module doc)."""
-        interval = self.models_interval_s * self.sweep_interval_s / self.interval_s
-        if pod_id in self._models_read:
-            return interval
-        self._models_read.add(pod_id)
-        return random.uniform(0.0, interval)
 
     def _fit_budget(self, sweep_cpu_s: float, num_pods: int, scraped: int) -> None:
         """Space sweeps so that scraping every pod costs at most ``cpu_budget`` of a core."""
@@ -348,16 +347,16 @@ class MetricsScraper:
         models_before = {p.id: p.models for p in known or ()}
         for pod in pods:
             if models_before.get(pod.id, pod.models) != pod.models:
-                self._models_due.pop(pod.id, None)
+                self._models.at_next_tick(pod.id)
         ids = {p.id for p in pods}
         for tasks in (in_flight.metrics, in_flight.models):
             for pod_id in [i for i in tasks if i not in ids]:
                 tasks.pop(pod_id).cancel()
-        for state in (self._readers, self._models_due):
-            for pod_id in [i for i in state if i not in ids]:
-                del state[pod_id]
+        for pod_id in [i for i in self._readers if i not in ids]:
+            del self._readers[pod_id]
+        self._scrapes.keep(ids)
+        self._models.keep(ids)
         self._full_page &= ids
-        self._models_read &= ids
         names = {str(i) for i in ids}
         for counter, seen in (
             (self.metrics.errors, self._error_labels),
@@ -379,7 +378,7 @@ class MetricsScraper:
         if isinstance(outcome, _Failed):
             self._count_error(self.metrics.errors, self._error_labels, pod, outcome.reason)
             if outcome.reason == "connect":  # it may be restarting: its adapters change
-                self._models_due.pop(pod.id, None)
+                self._models.at_next_tick(pod.id)
             return MetricsUpdate(pod.id, None, reachable=outcome.reason != "connect")
         return MetricsUpdate(pod.id, outcome)
 
@@ -389,7 +388,7 @@ class MetricsScraper:
         if not isinstance(outcome, _Failed):
             return AdaptersUpdate(pod.id, outcome)
         if outcome.reason == "connect":
-            self._models_due.pop(pod.id, None)  # read again at the next tick
+            self._models.at_next_tick(pod.id)
         self._count_error(
             self.metrics.models_errors, self._models_error_labels, pod, outcome.reason
         )
@@ -462,6 +461,35 @@ class MetricsScraper:
         seen.add(labels)
         counter.labels(*labels).inc()
         log.debug("a read of %s (%s) failed: %s", pod.id, pod.address, reason)
+
+
+class _Schedule:
+    """When each pod's next read is due (loop time): at once for a pod not read yet, then
+    every interval, the first of them a random part of it, so that the reads of many
+    pods spread over the ticks instead of all landing on one. Due up to ``slack_s`` early."""
+
+    def __init__(self, slack_s: float) -> None:
+        self.slack_s = slack_s
+        self._due: dict[PodId, float] = {}
+        self._read: set[PodId] = set()  # pods read at least once
+
+    def is_due(self, pod_id: PodId, now: float) -> bool:
+        return self._due.get(pod_id, now) <= now + self.slack_s
+
+    def started(self, pod_id: PodId, now: float, interval_s: float) -> None:
+        if pod_id in self._read:
+            self._due[pod_id] = now + interval_s
+        else:
+            self._read.add(pod_id)
+            self._due[pod_id] = now + random.uniform(0.0, interval_s)
+
+    def at_next_tick(self, pod_id: PodId) -> None:
+        self._due.pop(pod_id, None)
+
+    def keep(self, ids: set[PodId]) -> None:
+        """Forget the pods not in ``ids``."""
+        self._due = {i: t for i, t in self._due.items() if i in ids}
+        self._read &= ids
 
 
 class _InFlight:

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.datalayer.engine_metrics import SAMPLE_NAMES
-from extproc.datalayer.scrape import MetricsScraper, ScrapeOptions
+from extproc.datalayer.scrape import MetricsScraper, ScrapeOptions, _Schedule
 from extproc.datalayer.scrape_process import ScrapeProcess
 from extproc.datalayer.store import PodStore
 from extproc.pods import Pod, PodId
@@ -286,3 +286,37 @@ def test_the_budget_follows_the_measured_cost_and_never_goes_below_the_interval(
     assert store.stale_after_s == pytest.approx(30.0)
     scraper._fit_budget(0.0, num_pods=1000, scraped=1000)  # pods got cheap again
     assert scraper.sweep_interval_s == 0.2 and store.stale_after_s == 2.0
+
+
+def test_pods_due_every_spaced_sweep_spread_over_its_ticks() -> None:
+    """1,000 pods read at once when new, then each on a tick of its own within the sweep
+    interval (2.5 s, ticks of 0.2 s): no tick takes much more than its share."""
+    schedule = _Schedule(slack_s=0.1)
+    ids = [PodId("default", f"p{i}") for i in range(1000)]
+    assert all(schedule.is_due(i, 0.0) for i in ids)
+    for pod_id in ids:
+        schedule.started(pod_id, 0.0, 2.5)
+    per_tick = []
+    for tick in range(1, 14):
+        due = [i for i in ids if schedule.is_due(i, tick * 0.2)]
+        for pod_id in due:
+            schedule.started(pod_id, tick * 0.2, 2.5)
+        per_tick.append(len(due))
+    share = 1000 * 0.2 / 2.5  # 80 a tick; the first tick also takes its slack's 40
+    steady = per_tick[1:12]
+    assert max(steady) < 1.6 * share and min(steady) > 0.4 * share
+    assert max(per_tick) < 2.2 * share  # never every pod on one tick
+    assert sum(per_tick[:12]) >= 1000 * 2.3 / 2.5  # each pod once within its interval
+
+
+def test_a_pod_due_every_tick_is_read_every_tick_however_late_the_ticks() -> None:
+    schedule = _Schedule(slack_s=0.1)  # the scraper's: half a tick
+    pod_id = PodId("default", "p0")
+    late = [0.0, 0.03, 0.0, 0.09, 0.01, 0.0, 0.05]  # each tick's lateness
+    reads = 0
+    for tick, lateness in enumerate(late):
+        now = tick * 0.2 + lateness
+        if schedule.is_due(pod_id, now):
+            schedule.started(pod_id, now, 0.2)
+            reads += 1
+    assert reads == len(late)
