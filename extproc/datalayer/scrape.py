@@ -61,7 +61,7 @@ import random
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Final, NamedTuple, Protocol, TypeVar
 from urllib.parse import urlencode
 
@@ -160,16 +160,7 @@ class MetricsScraper:
     def with_options(
         cls, store: ScrapedStore, options: ScrapeOptions, *, registry: CollectorRegistry
     ) -> MetricsScraper:
-        return cls(
-            store,
-            interval_s=options.interval_s,
-            timeout_s=options.timeout_s,
-            cpu_budget=options.cpu_budget,
-            latency_hold_s=options.latency_hold_s,
-            max_page_bytes=options.max_page_bytes,
-            models_interval_s=options.models_interval_s,
-            registry=registry,
-        )
+        return cls(store, registry=registry, **asdict(options))
 
     def __init__(
         self,
