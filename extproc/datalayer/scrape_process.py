@@ -19,9 +19,11 @@ Over one ``multiprocessing`` pipe, pickled:
 
 A child that dies is started again after ``restart_delay_s``, doubled while children
 die before their first report (at most ``MAX_RESTART_DELAY_S``), and counted in
-``extproc_scrape_process_restarts_total``; meanwhile no tick arrives, so the pods keep
-their last metrics until the new child reports (its counters start again from zero, as a
-restarted process's do). ``spawn`` imports the parent's main module in the child: a
+``extproc_scrape_process_restarts_total`` (the new child's counters start again from
+zero, as a restarted process's do). While no report arrives (a child dead, starting or
+hung), the relay hands the store an empty batch every ``interval_s``, as an empty tick
+does, so pods go stale on time; a child that has sent nothing for ``hung_after_s`` is
+killed and started again. ``spawn`` imports the parent's main module in the child: a
 script that starts one needs the ``if __name__ == "__main__":`` guard. The child exits
 when the parent's end of the pipe closes, so a killed extproc leaves no scraper behind.
 """
@@ -34,6 +36,7 @@ import logging.handlers
 import multiprocessing
 import signal
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -73,10 +76,12 @@ class ScrapeProcess:
         *,
         registry: CollectorRegistry = REGISTRY,
         restart_delay_s: float = 1.0,
+        hung_after_s: float = 30.0,
     ) -> None:
         self.store = store
         self.options = options
         self.restart_delay_s = restart_delay_s
+        self.hung_after_s = hung_after_s
         self._stale_after_s = store.stale_after_s  # as configured, before any stretching
         self._forwarded = _ForwardedFamilies(options.interval_s)
         registry.register(self._forwarded)
@@ -93,6 +98,8 @@ class ScrapeProcess:
         self._stopping = threading.Event()
         self._relay: threading.Thread | None = None
         self._reported = False  # the child in place has sent a tick
+        self._published_s = time.monotonic()  # the store's last batch, a tick's or empty
+        self._heard_s = time.monotonic()  # the child in place's last message (or its start)
         self._delay_s = restart_delay_s
 
     @property
@@ -129,6 +136,7 @@ class ScrapeProcess:
         process.start()
         child_end.close()  # the child's copy alone: its death is EOF here
         self._process, self._conn, self._sent = process, parent_end, pods
+        self._heard_s = time.monotonic()
 
     def _end_child(self, timeout_s: float) -> None:
         process, conn = self._process, self._conn
@@ -159,12 +167,15 @@ class ScrapeProcess:
                 self._send(("pods", pods))
             try:
                 if not conn.poll(POLL_S):
+                    self._publish_if_silent()
+                    self._end_if_hung()
                     continue
                 kind, payload = conn.recv()
             except (EOFError, OSError):
                 if not self._stopping.is_set():
                     self._restart()
                 continue
+            self._heard_s = time.monotonic()
             try:
                 self._apply(kind, payload)
             except Exception:  # a bug downstream (on_change) must not end the scraping
@@ -174,6 +185,7 @@ class ScrapeProcess:
         if kind == "tick":
             tick: _Tick = payload
             self._reported = True
+            self._published_s = time.monotonic()
             self._forwarded.families = tick.families
             if self.store.stale_after_s is not None and tick.stale_after_s is not None:
                 self.store.stale_after_s = tick.stale_after_s
@@ -200,11 +212,35 @@ class ScrapeProcess:
         with self._send_lock:
             if self._conn is not None:
                 self._conn.close()
-        if self._stopping.wait(self._delay_s):
-            return
+        deadline = time.monotonic() + self._delay_s
+        while time.monotonic() < deadline:
+            if self._stopping.wait(POLL_S):
+                return
+            self._publish_if_silent()
         with self._send_lock:
             self._spawn()
             self._reported = False
+
+    def _end_if_hung(self) -> None:
+        """Kill a child silent for ``hung_after_s``: its end of the pipe closes, and the
+        relay starts another."""
+        process = self._process
+        silent_s = time.monotonic() - self._heard_s
+        if process is None or silent_s < self.hung_after_s or not process.is_alive():
+            return
+        log.error("the scraper process sent nothing for %.0f s; ending it", silent_s)
+        process.kill()
+
+    def _publish_if_silent(self) -> None:
+        """No report for a tick: an empty batch, so that the store re-checks staleness."""
+        now = time.monotonic()
+        if now - self._published_s < self.options.interval_s:
+            return
+        self._published_s = now
+        try:
+            self.store.update_metrics(())
+        except Exception:  # a bug downstream (on_change) must not end the relay
+            log.exception("publishing scraped metrics failed")
 
 
 class _ForwardedFamilies(Collector):

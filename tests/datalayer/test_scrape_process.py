@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -116,3 +117,60 @@ def test_the_child_ends_when_its_parent_is_gone(fake: FakePod) -> None:
     finally:
         if child.is_alive():
             child.kill()
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGKILL, signal.SIGSTOP], ids=["dead", "hung"])
+def test_pods_go_stale_while_no_child_reports(fake: FakePod, stop_signal: signal.Signals) -> None:
+    """Killed (restarted only after 3 s) or hung, the child sends nothing: the pod still
+    goes stale on time, and is ready again once a child reports."""
+    published = Published()
+    store = PodStore(published, stale_after_s=0.3)
+    store.set_pods([Pod(PodId("default", "p0"), fake.address, frozenset({MODEL}))])
+    scraper = ScrapeProcess(
+        store,
+        ScrapeOptions(interval_s=0.02, timeout_s=0.5),
+        registry=CollectorRegistry(),
+        restart_delay_s=3.0,
+    )
+    scraper.start()
+    try:
+        wait_until(lambda: published.waiting() == 1 and published.snapshot[0].ready)
+        child = scraper.pid
+        assert child is not None
+        os.kill(child, stop_signal)
+        stopped = time.monotonic()
+        wait_until(lambda: not published.snapshot[0].ready, timeout_s=2.9)
+        assert time.monotonic() - stopped >= 0.25  # stale, not dropped at once
+        if stop_signal == signal.SIGSTOP:
+            os.kill(child, signal.SIGCONT)
+        wait_until(lambda: published.snapshot[0].ready, timeout_s=30)
+    finally:
+        scraper.stop()
+
+
+def test_a_hung_child_is_ended_and_started_again(
+    fake: FakePod, caplog: pytest.LogCaptureFixture
+) -> None:
+    registry, published = CollectorRegistry(), Published()
+    store = PodStore(published, stale_after_s=2.0)
+    store.set_pods([Pod(PodId("default", "p0"), fake.address, frozenset({MODEL}))])
+    scraper = ScrapeProcess(
+        store,
+        ScrapeOptions(interval_s=0.02, timeout_s=0.5),
+        registry=registry,
+        restart_delay_s=0.1,
+        hung_after_s=1.0,
+    )
+    scraper.start()
+    try:
+        wait_until(lambda: published.waiting() == 1)
+        hung = scraper.pid
+        assert hung is not None
+        os.kill(hung, signal.SIGSTOP)
+        wait_until(lambda: registry.get_sample_value("extproc_scrape_process_restarts_total") == 1)
+        assert "the scraper process sent nothing for 1 s; ending it" in caplog.text
+        fake.page = make_vllm_page([EngineState(waiting=4)])
+        wait_until(lambda: published.waiting() == 4)  # a new child scrapes
+        assert scraper.pid != hung
+    finally:
+        scraper.stop()
