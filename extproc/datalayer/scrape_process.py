@@ -218,6 +218,8 @@ class ScrapeProcess:
                 return
             self._publish_if_silent()
         with self._send_lock:
+            if self._stopping.is_set():  # stop() came between the wait and here
+                return
             self._spawn()
             self._reported = False
 
