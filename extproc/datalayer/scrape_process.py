@@ -22,8 +22,8 @@ die before their first report (at most ``MAX_RESTART_DELAY_S``), and counted in
 ``extproc_scrape_process_restarts_total`` (the new child's counters start again from
 zero, as a restarted process's do). While no report arrives (a child dead, starting or
 hung), the relay hands the store an empty batch every ``interval_s``, as an empty tick
-does, so pods go stale on time; a child that has sent nothing for ``hung_after_s`` is
-killed and started again. ``spawn`` imports the parent's main module in the child: a
+does, so pods go stale on time; a child that has sent nothing for ``hung_after_s`` since
+its last report (``STARTUP_S`` at the most before its first) is killed and started again. ``spawn`` imports the parent's main module in the child: a
 script that starts one needs the ``if __name__ == "__main__":`` guard. The child exits
 when the parent's end of the pipe closes, so a killed extproc leaves no scraper behind.
 """
@@ -56,6 +56,7 @@ log = logging.getLogger("extproc.datalayer.scrape")
 POLL_S: Final = 0.05  # how soon a change of discovery's pods reaches the child
 STOP_WAIT_S: Final = 5.0
 MAX_RESTART_DELAY_S: Final = 30.0
+STARTUP_S: Final = 60.0  # a child's first report may take this long (a loaded machine)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,11 +225,12 @@ class ScrapeProcess:
             self._reported = False
 
     def _end_if_hung(self) -> None:
-        """Kill a child silent for ``hung_after_s``: its end of the pipe closes, and the
-        relay starts another."""
+        """Kill a child silent for ``hung_after_s`` (before its first report, for
+        ``STARTUP_S`` if longer): its end of the pipe closes, and the relay starts another."""
         process = self._process
         silent_s = time.monotonic() - self._heard_s
-        if process is None or silent_s < self.hung_after_s or not process.is_alive():
+        limit = self.hung_after_s if self._reported else max(self.hung_after_s, STARTUP_S)
+        if process is None or silent_s < limit or not process.is_alive():
             return
         log.error("the scraper process sent nothing for %.0f s; ending it", silent_s)
         process.kill()

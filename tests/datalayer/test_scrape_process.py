@@ -22,6 +22,7 @@ from testkit.waiting import wait_until
 from tests.datalayer.fake_pod import FakePod
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+SPAWN_S = 30.0  # a child's start and first report, on a loaded machine
 
 
 @pytest.fixture
@@ -75,14 +76,14 @@ def test_a_killed_child_is_started_again_and_counted(
     registry, published = CollectorRegistry(), Published()
     scraper = started(fake, registry, published)
     try:
-        wait_until(lambda: published.waiting() == 1)
+        wait_until(lambda: published.waiting() == 1, timeout_s=SPAWN_S)
         first = scraper.pid
         assert first is not None and first != os.getpid()
         os.kill(first, signal.SIGKILL)
         wait_until(lambda: registry.get_sample_value("extproc_scrape_process_restarts_total") == 1)
         wait_until(lambda: scraper.pid not in (None, first))
         fake.page = make_vllm_page([EngineState(waiting=7)])
-        wait_until(lambda: published.waiting() == 7)  # the new child scrapes and reports
+        wait_until(lambda: published.waiting() == 7, timeout_s=SPAWN_S)  # the new child reports
         assert "the scraper process ended (exit code -9)" in caplog.text
     finally:
         scraper.stop()
@@ -91,7 +92,7 @@ def test_a_killed_child_is_started_again_and_counted(
 def test_stop_leaves_no_child(fake: FakePod) -> None:
     registry, published = CollectorRegistry(), Published()
     scraper = started(fake, registry, published)
-    wait_until(lambda: published.waiting() == 1)
+    wait_until(lambda: published.waiting() == 1, timeout_s=SPAWN_S)
     child = scraper._process
     scraper.stop()
     assert child is not None and not child.is_alive() and child.exitcode == 0
@@ -134,7 +135,9 @@ def test_pods_go_stale_while_no_child_reports(fake: FakePod, stop_signal: signal
     )
     scraper.start()
     try:
-        wait_until(lambda: published.waiting() == 1 and published.snapshot[0].ready)
+        wait_until(
+            lambda: published.waiting() == 1 and published.snapshot[0].ready, timeout_s=SPAWN_S
+        )
         child = scraper.pid
         assert child is not None
         os.kill(child, stop_signal)
@@ -143,7 +146,7 @@ def test_pods_go_stale_while_no_child_reports(fake: FakePod, stop_signal: signal
         assert time.monotonic() - stopped >= 0.25  # stale, not dropped at once
         if stop_signal == signal.SIGSTOP:
             os.kill(child, signal.SIGCONT)
-        wait_until(lambda: published.snapshot[0].ready, timeout_s=30)
+        wait_until(lambda: published.snapshot[0].ready, timeout_s=SPAWN_S)
     finally:
         scraper.stop()
 
@@ -163,14 +166,15 @@ def test_a_hung_child_is_ended_and_started_again(
     )
     scraper.start()
     try:
-        wait_until(lambda: published.waiting() == 1)
+        wait_until(lambda: published.waiting() == 1, timeout_s=SPAWN_S)
         hung = scraper.pid
         assert hung is not None
         os.kill(hung, signal.SIGSTOP)
-        wait_until(lambda: registry.get_sample_value("extproc_scrape_process_restarts_total") == 1)
-        assert "the scraper process sent nothing for 1 s; ending it" in caplog.text
+        wait_until(lambda: scraper.pid != hung, timeout_s=SPAWN_S)
+        restarts = registry.get_sample_value("extproc_scrape_process_restarts_total")
+        assert restarts is not None and restarts >= 1  # more if a loaded machine stalled one
+        assert "the scraper process sent nothing for" in caplog.text
         fake.page = make_vllm_page([EngineState(waiting=4)])
-        wait_until(lambda: published.waiting() == 4)  # a new child scrapes
-        assert scraper.pid != hung
+        wait_until(lambda: published.waiting() == 4, timeout_s=SPAWN_S)  # a new child reports
     finally:
         scraper.stop()
