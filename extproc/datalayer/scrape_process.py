@@ -20,12 +20,14 @@ Over one ``multiprocessing`` pipe, pickled:
 A child that dies is started again after ``restart_delay_s``, doubled while children
 die before their first report (at most ``MAX_RESTART_DELAY_S``), and counted in
 ``extproc_scrape_process_restarts_total`` (the new child's counters start again from
-zero, as a restarted process's do). While no report arrives (a child dead, starting or
-hung), the relay hands the store an empty batch every ``interval_s``, as an empty tick
-does, so pods go stale on time; a child that has sent nothing for ``hung_after_s`` since
-its last report (``STARTUP_S`` at the most before its first) is killed and started again. ``spawn`` imports the parent's main module in the child: a
-script that starts one needs the ``if __name__ == "__main__":`` guard. The child exits
-when the parent's end of the pipe closes, so a killed extproc leaves no scraper behind.
+zero, as a restarted process's do). While no report arrives for two ticks (a child dead,
+starting or hung), the relay hands the store an empty batch every two ticks, as an empty
+tick does, so pods go stale on time (a healthy child's tick a little late is not doubled
+by one). A child that has sent nothing for ``hung_after_s`` since its last report
+(``STARTUP_S`` at the most before its first) is killed and started again. ``spawn``
+imports the parent's main module in the child: a script that starts one needs the
+``if __name__ == "__main__":`` guard. The child exits when the parent's end of the pipe
+closes, so a killed extproc leaves no scraper behind.
 """
 
 from __future__ import annotations
@@ -236,9 +238,9 @@ class ScrapeProcess:
         process.kill()
 
     def _publish_if_silent(self) -> None:
-        """No report for a tick: an empty batch, so that the store re-checks staleness."""
+        """No report for two ticks: an empty batch, so that the store re-checks staleness."""
         now = time.monotonic()
-        if now - self._published_s < self.options.interval_s:
+        if now - self._published_s < 2 * self.options.interval_s:
             return
         self._published_s = now
         try:
