@@ -109,20 +109,10 @@ class Running:
 
     def stop(self, drain_s: float = 10.0) -> None:
         set_serving(self.health_servicer, False)
-        if self.reloader is not None:
-            self.reloader.stop()
-        self.watcher.stop()
-        if self.objectives is not None:
-            self.objectives.stop()
-        if self.rewrites is not None:
-            self.rewrites.stop()
-        if self.kv_events is not None:
-            self.kv_events.stop()
-        if self.scraper is not None:
-            self.scraper.stop()
         # New ext_proc streams are refused (Envoy answers 500 or fails open); the access
         # logs of the requests in flight still come in and are recorded, until none is
-        # pending or drain_s has passed.
+        # pending or drain_s has passed. First of all: stopping the feeds below takes
+        # time (the scraper's child process exits), while streams end and are recorded.
         self.grpc_server.drain(keep=[ACCESS_LOG_PATH])
         deadline = time.monotonic() + drain_s
         # Requests waiting for their preparation are routed without it now (approximate),
@@ -132,6 +122,7 @@ class Running:
             log.warning("requests still being prepared after %.1f s", drain_s)
         in_flight, recorded = len(self.router.pending), self._recorded()
         log.info("draining: new ext_proc streams are refused; %d routed in flight", in_flight)
+        self._stop_feeds()
         while len(self.router.pending) and time.monotonic() < deadline:
             time.sleep(0.05)
         log.info(
@@ -155,6 +146,20 @@ class Running:
             self.tracing.stop()  # exports the spans still batched
         if self.admin is not None:
             self.admin.stop()
+
+    def _stop_feeds(self) -> None:
+        """What brings in pods, metrics, events and configuration: nothing is routed now."""
+        if self.reloader is not None:
+            self.reloader.stop()
+        self.watcher.stop()
+        if self.objectives is not None:
+            self.objectives.stop()
+        if self.rewrites is not None:
+            self.rewrites.stop()
+        if self.kv_events is not None:
+            self.kv_events.stop()
+        if self.scraper is not None:
+            self.scraper.stop()
 
     def _recorded(self) -> int:
         value = self.registry.get_sample_value("extproc_completions_total", {"outcome": "recorded"})
