@@ -44,9 +44,16 @@ session header, else the earlier prompt it extends) and counts each pod's live
 *returning* sessions (those that sent a second request: one-shot requests sharing a
 system prompt are not conversations). Every pod's cost then gets, after the hysteresis::
 
-    session_ms = sessionMs * sessions(pod) / max(1, mean sessions of the candidates)
+    session_ms = sessionMs * weight * sessions(pod) / mean
+    mean       = max(1, mean sessions of the candidates)
+    weight     = min(1, mean * share)
 
-where ``sessions`` leaves out the request's own session on its own pod. A new
+where ``sessions`` leaves out the request's own session on its own pod, and ``share`` is
+the part of the candidates' KV caches (``vllm:cache_config_info``) the latest prompts of
+their live returning sessions fill (1 where a candidate's cache size is unknown): while
+a few short conversations fill little of the caches, spreading them would only make
+each pod recompute what they share, so the term fades; many sessions, or long ones,
+weigh in full. A new
 conversation goes where fewest live ones grow; one placed on a crowded pod moves once
 the crowding costs more than recomputing its history elsewhere (its uncached tokens
 there, and the margin), early while its history is short. Moving makes the new pod
@@ -193,7 +200,9 @@ class EstimatedTTFTArgs:
     sessionMs: float = arg(
         150.0,
         "What a pod holding the candidates' mean number of live returning sessions (besides "
-        "the request's own) adds to its estimate, in ms, in proportion (0: sessions ignored).",
+        "the request's own) adds to its estimate, in ms, in proportion, at full weight: "
+        "weighed by min(1, that mean x the share of the candidates' KV caches their latest "
+        "prompts fill) (0: sessions ignored).",
         within=ZERO_UP,
     )
     sessionIdleS: float = arg(
@@ -292,6 +301,26 @@ class Written:
             self._rows = None
 
 
+def session_weight(mean: float, held_bytes: int, capacity: npt.NDArray[np.float64]) -> float:
+    """``min(1, mean * share)`` (module doc): ``mean`` live returning sessions per
+    candidate, ``share`` the part of the candidates' KV caches (``capacity``: tokens per
+    candidate, 0 where unknown) their latest prompts (``held_bytes``) fill; 1 when a
+    candidate's cache size is unknown."""
+    if len(capacity) == 0 or capacity.min() <= 0:
+        return 1.0
+    return min(1.0, mean * held_bytes / BYTES_PER_TOKEN / float(capacity.sum()))
+
+
+def _capacity_rows(table: PodTable) -> npt.NDArray[np.float64]:
+    """Each row's KV cache in tokens (``vllm:cache_config_info``), 0 where unknown."""
+    return table.memo(
+        _CAPACITY,
+        lambda: np.fromiter(
+            (p.metrics.kv_capacity_tokens or 0 for p in table.pods), np.float64, len(table)
+        ),
+    )
+
+
 def _min_max_scores(costs: npt.NDArray[np.float64]) -> Scores:
     """The cheapest 100, the dearest 0 (``kernels.ttft_costs``'s rule)."""
     lo, hi = costs.min(), costs.max()
@@ -318,6 +347,7 @@ class PromptLength(NamedTuple):
 
 
 _SIZED = "estimated-ttft sized the view"  # a pod table's scratch key
+_CAPACITY = "estimated-ttft: KV cache tokens per row"  # a pod table's scratch key
 _NO_SESSIONS = np.empty(0, dtype=np.float64)  # the kernel reads none without a session price
 
 
@@ -500,16 +530,20 @@ class EstimatedTTFT:
         per_token = self.args.writtenMs / (most * max(1, num_tokens))
         return {pod: per_token * w * cycle.num_prefill_tokens(pod) for pod, w in written.items()}
 
-    def session_ms(self, cycle: Cycle, pods: Iterable[PodId]) -> dict[PodId, float]:
+    def session_ms(self, cycle: Cycle, pods: Sequence[Pod]) -> dict[PodId, float]:
         """Each pod's ``session_ms`` (module doc)."""
-        counts = self.sessions.returning_counts(pods)
+        ids = [p.id for p in pods]
+        counts = self.sessions.returning_counts(ids)
         if self.args.sessionMs <= 0:
             return dict.fromkeys(counts, 0.0)
         own = self._own_pod(cycle)
         if own is not None and own in counts:
             counts[own] -= 1
         mean = max(1.0, sum(counts.values()) / max(1, len(counts)))
-        return {pod: self.args.sessionMs * n / mean for pod, n in counts.items()}
+        capacity = np.array([p.metrics.kv_capacity_tokens or 0 for p in pods], np.float64)
+        weight = session_weight(mean, self.sessions.held_bytes(ids), capacity)
+        price = self.args.sessionMs * weight
+        return {pod: price * n / mean for pod, n in counts.items()}
 
     def _session_prompt(self, cycle: Cycle) -> SessionPrompt:
         """What the session book reads of ``cycle``; a cycle replayed from another
@@ -541,7 +575,7 @@ class EstimatedTTFT:
                 if units == longest:
                     est = estimates[pod]
                     estimates[pod] = min(est - a.affinityMarginMs, est / a.affinityRatio)
-        for pod, ms in self.session_ms(cycle, estimates).items():
+        for pod, ms in self.session_ms(cycle, pods).items():
             estimates[pod] += ms
         lora = self.lora_ms(cycle, pods)
         if lora is not None and len(set(lora.values())) > 1:
@@ -605,7 +639,7 @@ class EstimatedTTFT:
         write = self.write_ms(cycle, base, num_tokens)
         longest = max(held.values(), default=0)
         affine = longest > 0 and longest / max(1, length.units) >= a.affinityMinMatch
-        sessions = self.session_ms(cycle, base)
+        sessions = self.session_ms(cycle, pods)
         lora = self.lora_ms(cycle, pods) or {}
         out = []
         for pod_id, terms in base.items():
@@ -679,12 +713,18 @@ class EstimatedTTFT:
             length, held = self._exact_rows(exact, table, positions, held, num_bytes)
         requests, tokens = self.in_flight.counts_at(table.position, len(table))
         written = self.written.relative_rows(table.position, len(table))
-        sessions = _NO_SESSIONS
+        sessions, prices = _NO_SESSIONS, self.prices
         if a.sessionMs > 0:
             sessions = self.sessions.returning_rows(table.position, len(table))
             own = self._own_pod(cycle)
             if own is not None and (row := table.position.get(own)) is not None:
                 sessions[row] -= 1
+            counts = sessions[positions]
+            mean = max(1.0, counts.sum() / max(1, len(counts)))
+            held_bytes = self.sessions.held_rows(table.position, len(table))[positions].sum()
+            weight = session_weight(mean, int(held_bytes), _capacity_rows(table)[positions])
+            if weight < 1.0:
+                prices = prices._replace(session_ms=a.sessionMs * weight)
         uncached = np.empty(len(positions), dtype=np.int64)
         costs = np.empty(len(positions), dtype=np.float64)
         scores = np.empty(len(positions), dtype=np.int64)
@@ -698,7 +738,7 @@ class EstimatedTTFT:
             table.running,
             written,
             sessions,
-            self.prices,
+            prices,
             uncached,
             costs,
             scores,

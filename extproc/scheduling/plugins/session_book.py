@@ -15,7 +15,9 @@ next-to-last key (its last may be partial) and it is matched by keys alone.
 
 A session is *returning* once it has sent a second request: only returning sessions
 count towards a pod's load, so one-shot requests that share a system prompt (tenants of
-an application) are not taken for conversations about to grow. A session stays live
+an application) are not taken for conversations about to grow. Each pod's returning
+sessions' latest prompts are also summed (their bytes, or for a replayed pick its keys'
+span): how much of the pod's cache its conversations' histories take now. A session stays live
 ``idle_s`` after its latest request; the book keeps at most ``max_sessions`` (least
 recently used dropped first), so memory stays bounded whatever clients send.
 
@@ -66,6 +68,10 @@ class SessionPrompt(NamedTuple):
             return len(self.keys) - 2
         return min(len(self.data) // self.block_size, len(self.keys)) - 1
 
+    def size(self) -> int:
+        """The prompt's bytes; for a replayed pick (no prompt), its keys' span."""
+        return len(self.keys) * self.block_size if self.data is None else len(self.data)
+
     def walk_from(self, tip: int) -> int:
         """The deepest key a continued session's tip may be: before the tip, unless the
         prompt runs past the hashed range (then it grew beyond the keys)."""
@@ -80,8 +86,17 @@ class Session:
     requests: int
     last_s: float
     end: int = 0  # its latest prompt's length in bytes (0: unknown, a replayed pick)
+    size: int = 0  # its latest prompt's bytes as summed per pod (keys' span if unknown)
     tail: int = 0  # digest of that prompt's bytes after the tip
     root: int = 0  # its latest prompt's first block key (when ``tip`` is not None)
+
+
+class _Rows(NamedTuple):
+    """The per-pod sums of a pod table's rows (``SessionBook._rows``)."""
+
+    rows: Mapping[PodId, int]  # pod -> row
+    counts: npt.NDArray[np.float64]  # live returning sessions
+    held: npt.NDArray[np.float64]  # their latest prompts' bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,9 +135,11 @@ class SessionBook:
         self._by_key: dict[str, int] = {}
         self._key_of: dict[int, str] = {}
         self._returning: dict[PodId, int] = {}  # live returning sessions per pod
-        # ``_returning`` per row of the latest pod table read (its rows, their counts),
-        # kept in step by ``_add_returning``: a read copies an array, no step per pod.
-        self._rows: tuple[Mapping[PodId, int], npt.NDArray[np.float64]] | None = None
+        self._held: dict[PodId, int] = {}  # their latest prompts' bytes (``size``) per pod
+        # ``_returning`` and ``_held`` per row of the latest pod table read (its rows, the
+        # counts, the bytes), kept in step by ``_add_returning``: a read copies an array,
+        # no step per pod.
+        self._rows: _Rows | None = None
         self._next_id = 0
         self._lock = threading.Lock()
 
@@ -224,10 +241,12 @@ class SessionBook:
             s = self._sessions[found]
             moved_from = s.pod if s.pod is not None and s.pod != pod else None
             if s.requests >= 2 and s.pod is not None:
-                self._add_returning(s.pod, -1)
+                self._add_returning(s.pod, -1, -s.size)
             s.requests += 1
             s.pod, s.last_s = pod, now
-            self._add_returning(pod, s.requests >= 2)
+            s.size = prompt.size()
+            if s.requests >= 2:
+                self._add_returning(pod, 1, s.size)
             self._set_tip(found, s, prompt)
             self._sessions.move_to_end(found)
             return Placement(found, s.requests >= 2, moved_from)
@@ -285,16 +304,18 @@ class SessionBook:
         self._version = next(_versions)
         s = self._sessions.pop(sid)
         if s.requests >= 2 and s.pod is not None:
-            self._add_returning(s.pod, -1)
+            self._add_returning(s.pod, -1, -s.size)
         self._unlink(sid, s)
         key = self._key_of.pop(sid, None)
         if key is not None and self._by_key.get(key) == sid:
             del self._by_key[key]
 
-    def _add_returning(self, pod: PodId, delta: int) -> None:
+    def _add_returning(self, pod: PodId, delta: int, size: int) -> None:
         count = self._returning[pod] = self._returning.get(pod, 0) + delta
-        if self._rows is not None and (row := self._rows[0].get(pod)) is not None:
-            self._rows[1][row] = count
+        held = self._held[pod] = self._held.get(pod, 0) + size
+        if self._rows is not None and (row := self._rows.rows.get(pod)) is not None:
+            self._rows.counts[row] = count
+            self._rows.held[row] = held
 
     def returning_counts(self, pods: Iterable[PodId]) -> dict[PodId, int]:
         """Live returning sessions placed on each of ``pods``."""
@@ -302,18 +323,34 @@ class SessionBook:
             self._expire(self._clock())
             return {pod: self._returning.get(pod, 0) for pod in pods}
 
+    def held_bytes(self, pods: Iterable[PodId]) -> int:
+        """The bytes of the latest prompts of the live returning sessions on ``pods``."""
+        with self._lock:
+            self._expire(self._clock())
+            return sum(self._held.get(pod, 0) for pod in pods)
+
     def returning_rows(self, rows: Mapping[PodId, int], num_rows: int) -> npt.NDArray[np.float64]:
         """``returning_counts`` per row of a pod table (``rows``: pod -> row)."""
         with self._lock:
-            self._expire(self._clock())
-            kept = self._rows
-            if kept is None or kept[0] is not rows or len(kept[1]) != num_rows:
-                values = np.zeros(num_rows, dtype=np.float64)
-                for pod, n in self._returning.items():
-                    if n and (row := rows.get(pod)) is not None:
-                        values[row] = n
-                kept = self._rows = (rows, values)
-            return kept[1].copy()
+            return self._rows_of(rows, num_rows).counts.copy()
+
+    def held_rows(self, rows: Mapping[PodId, int], num_rows: int) -> npt.NDArray[np.float64]:
+        """``held_bytes`` of each pod alone, per row of a pod table (``rows``: pod -> row)."""
+        with self._lock:
+            return self._rows_of(rows, num_rows).held.copy()
+
+    def _rows_of(self, rows: Mapping[PodId, int], num_rows: int) -> _Rows:
+        self._expire(self._clock())
+        kept = self._rows
+        if kept is None or kept.rows is not rows or len(kept.counts) != num_rows:
+            kept = self._rows = _Rows(
+                rows, np.zeros(num_rows, dtype=np.float64), np.zeros(num_rows, dtype=np.float64)
+            )
+            for pod, n in self._returning.items():
+                if (row := rows.get(pod)) is not None:
+                    kept.counts[row] = n
+                    kept.held[row] = self._held.get(pod, 0)
+        return kept
 
     def forget_pods(self, keep: set[PodId]) -> None:
         """Sessions on pods that are gone are unplaced (placed anew by their next request)."""
@@ -322,4 +359,5 @@ class SessionBook:
                 if s.pod is not None and s.pod not in keep:
                     s.pod = None
             self._returning = {pod: n for pod, n in self._returning.items() if pod in keep}
+            self._held = {pod: n for pod, n in self._held.items() if pod in keep}
             self._rows = None

@@ -1,9 +1,10 @@
 """estimated-ttft's table path (``score_table``: NumPy columns) against its per-pod path
 (``score``: one pod at a time): the same costs, scores, uncached tokens and match ratio, to
 the last bit, on generated tables of pods, in-flight counts, records, arriving prompts and
-conversations (live returning sessions, the request continuing one), requests for a LoRA
-adapter (the pods' adapter slots), alone or with exact counts (an ``ExactPrefix`` as
-precise-prefix-cache's, some pods without an exact view)."""
+conversations (live returning sessions, the request continuing one; the pods' KV cache
+sizes known or not, for the session weight), requests for a LoRA adapter (the pods'
+adapter slots), alone or with exact counts (an ``ExactPrefix`` as precise-prefix-cache's,
+some pods without an exact view)."""
 
 from __future__ import annotations
 
@@ -96,6 +97,8 @@ LORA_SLOTS = st.none() | st.builds(
 def cases(draw: st.DrawFn) -> Case:
     num_pods = draw(st.integers(1, 80))  # past 63: the index's pods span two pages
     adapter = draw(st.booleans())  # the request's model "m" is a LoRA adapter
+    # KV caches in tokens: the session weight's share (None: unknown, the weight is 1)
+    capacity = st.sampled_from([None, 600, 20_000]) if draw(st.booleans()) else st.just(None)
     pods = [
         Pod(
             PodId("ns", f"p{i}"),
@@ -106,6 +109,7 @@ def cases(draw: st.DrawFn) -> Case:
                 waiting=draw(st.integers(0, 12)),
                 running=draw(st.integers(0, 40)),
                 lora=draw(LORA_SLOTS),
+                kv_capacity_tokens=draw(capacity),
             ),
         )
         for i in range(num_pods)

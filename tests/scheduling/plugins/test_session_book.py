@@ -284,3 +284,41 @@ def test_sessions_on_a_gone_pod_are_unplaced() -> None:
 def test_a_book_needs_positive_bounds(idle_s: float, max_sessions: int) -> None:
     with pytest.raises(ValueError, match="must be > 0"):
         SessionBook(idle_s, max_sessions)
+
+
+def held(book: SessionBook, *names: str) -> dict[str, int]:
+    """``held_bytes`` of each pod alone, checked against ``held_rows`` (the per-row copy a
+    pod table reads, built once and kept in step)."""
+    pods = [pod(name) for name in names]
+    rows = {p: i for i, p in enumerate(pods)}
+    by_rows = book.held_rows(rows, len(rows)).tolist()
+    alone = {name: book.held_bytes([pod(name)]) for name in names}
+    assert by_rows == [alone[name] for name in names]
+    return alone
+
+
+def test_each_pods_returning_sessions_prompts_are_summed() -> None:
+    """Only returning sessions count, with their latest prompt; a move carries it to the
+    new pod; expiry and a gone pod take it away; a replayed pick counts its keys' span."""
+    clock = Clock()
+    book = SessionBook(idle_s=120.0, clock=clock)
+    rows = {pod("a"): 0, pod("b"): 1}
+    book.held_rows(rows, 2)  # rows built now: later changes must keep them in step
+    place(book, CHAT[:300], "a")
+    assert held(book, "a", "b") == {"a": 0, "b": 0}  # one request: not a session yet
+    place(book, CHAT[:400], "a")
+    place(book, OTHER[:300], "b")
+    place(book, OTHER[:500], "b")
+    assert held(book, "a", "b") == {"a": 400, "b": 500}
+    assert book.held_bytes([pod("a"), pod("b")]) == 900
+    place(book, CHAT[:700], "b")  # moved: its old prompt leaves a, its new one joins b
+    assert held(book, "a", "b") == {"a": 0, "b": 1200}
+    replayed = prompt_keys("m", OTHER[:900], BS, MAX_BLOCKS, None)
+    book.place(SessionPrompt(replayed, BS, None), pod("b"))  # another replica's pick
+    assert held(book, "a", "b") == {"a": 0, "b": 700 + len(replayed) * BS}
+    clock.now = 121.0
+    place(book, THIRD[:300], "a")
+    place(book, THIRD[:600], "a")
+    assert held(book, "a", "b") == {"a": 600, "b": 0}  # b's sessions went idle
+    book.forget_pods({pod("b")})
+    assert held(book, "a", "b") == {"a": 0, "b": 0}

@@ -141,6 +141,34 @@ def test_a_new_conversation_goes_where_fewest_sessions_grow(
     assert routed.best(new, "new-key" if keyed else None) == {expected}
 
 
+@pytest.mark.parametrize(
+    ("capacity", "expected"),
+    [
+        # 6 live sessions over 4 pods (mean 1.5), their latest prompts about 1,100 tokens
+        # in all: 1.5 x 1,100 / 4,000,000 = 0.0004 of the session term, 0.12 ms on a, less
+        # than the 1 ms its cached system prompt saves
+        pytest.param(1_000_000, A, id="sessions-fill-little-of-the-caches"),
+        # 1.5 x 1,100 / 1,600 > 1: all of it, and the pod without sessions wins
+        pytest.param(400, C, id="sessions-fill-the-caches"),
+        pytest.param(None, C, id="cache-sizes-unknown"),
+    ],
+)
+def test_the_session_rule_weighs_as_much_as_sessions_fill_the_caches(
+    capacity: int | None, expected: PodId
+) -> None:
+    """The crowding term is weighed by ``min(1, mean sessions x the share of the
+    candidates' KV caches their latest prompts fill)``: while a few short conversations
+    fill little of the caches, a new one goes where its system prompt is cached."""
+    metrics = PodMetrics(kv_capacity_tokens=capacity)
+    pods = [make_pod(pod.id.name, metrics=metrics) for pod in PODS]
+    routed = Routed(EstimatedTTFTArgs(writtenMs=0.0), pods)
+    crowd(routed, dict(zip((A, B, C, D), (3, 1, 0, 2), strict=True)), keyed=False)
+    routed.route(Conversation("tenant", SHORT_SYSTEM).next_body(), to=A)
+    held = routed.plugin.sessions.held_bytes([A, B, C, D])
+    assert 4_000 < held < 4_800  # about 1,100 tokens
+    assert routed.best(Conversation("new", SHORT_SYSTEM).next_body(1000)) == {expected}
+
+
 LONG_SYSTEM = "You answer for the billing team. Cite the policy section you used. " * 40
 
 
