@@ -715,14 +715,14 @@ class EstimatedTTFT:
         written = self.written.relative_rows(table.position, len(table))
         sessions, prices = _NO_SESSIONS, self.prices
         if a.sessionMs > 0:
-            sessions = self.sessions.returning_rows(table.position, len(table))
+            sessions, held_rows = self.sessions.returning_rows(table.position, len(table))
             own = self._own_pod(cycle)
             if own is not None and (row := table.position.get(own)) is not None:
                 sessions[row] -= 1
             counts = sessions[positions]
             mean = max(1.0, counts.sum() / max(1, len(counts)))
-            held_bytes = self.sessions.held_rows(table.position, len(table))[positions].sum()
-            weight = session_weight(mean, int(held_bytes), _capacity_rows(table)[positions])
+            held_bytes = int(held_rows[positions].sum())
+            weight = session_weight(mean, held_bytes, _capacity_rows(table)[positions])
             if weight < 1.0:
                 prices = prices._replace(session_ms=a.sessionMs * weight)
         uncached = np.empty(len(positions), dtype=np.int64)

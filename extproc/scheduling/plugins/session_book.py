@@ -17,9 +17,9 @@ A session is *returning* once it has sent a second request: only returning sessi
 count towards a pod's load, so one-shot requests that share a system prompt (tenants of
 an application) are not taken for conversations about to grow. Each pod's returning
 sessions' latest prompts are also summed (their bytes, or for a replayed pick its keys'
-span): how much of the pod's cache its conversations' histories take now. A session stays live
-``idle_s`` after its latest request; the book keeps at most ``max_sessions`` (least
-recently used dropped first), so memory stays bounded whatever clients send.
+span): how much of the pod's cache its conversations' histories take now. A session
+stays live ``idle_s`` after its latest request; the book keeps at most ``max_sessions``
+(least recently used dropped first), so memory stays bounded whatever clients send.
 
 ``place`` binds a session to the pod picked for its request: a session picked elsewhere
 than the pod of its previous request has *moved*. Thread-safe.
@@ -91,12 +91,20 @@ class Session:
     root: int = 0  # its latest prompt's first block key (when ``tip`` is not None)
 
 
+class SessionRows(NamedTuple):
+    """Per row of a pod table: each pod's live returning sessions and their latest
+    prompts' bytes (``returning_counts`` and ``held_bytes`` of the pod alone)."""
+
+    counts: npt.NDArray[np.float64]
+    held: npt.NDArray[np.float64]
+
+
 class _Rows(NamedTuple):
-    """The per-pod sums of a pod table's rows (``SessionBook._rows``)."""
+    """``SessionRows`` of the latest pod table read, and its rows (``SessionBook._rows``)."""
 
     rows: Mapping[PodId, int]  # pod -> row
-    counts: npt.NDArray[np.float64]  # live returning sessions
-    held: npt.NDArray[np.float64]  # their latest prompts' bytes
+    counts: npt.NDArray[np.float64]
+    held: npt.NDArray[np.float64]
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,15 +337,11 @@ class SessionBook:
             self._expire(self._clock())
             return sum(self._held.get(pod, 0) for pod in pods)
 
-    def returning_rows(self, rows: Mapping[PodId, int], num_rows: int) -> npt.NDArray[np.float64]:
-        """``returning_counts`` per row of a pod table (``rows``: pod -> row)."""
+    def returning_rows(self, rows: Mapping[PodId, int], num_rows: int) -> SessionRows:
+        """``SessionRows`` of a pod table (``rows``: pod -> row), both read at one moment."""
         with self._lock:
-            return self._rows_of(rows, num_rows).counts.copy()
-
-    def held_rows(self, rows: Mapping[PodId, int], num_rows: int) -> npt.NDArray[np.float64]:
-        """``held_bytes`` of each pod alone, per row of a pod table (``rows``: pod -> row)."""
-        with self._lock:
-            return self._rows_of(rows, num_rows).held.copy()
+            kept = self._rows_of(rows, num_rows)
+            return SessionRows(kept.counts.copy(), kept.held.copy())
 
     def _rows_of(self, rows: Mapping[PodId, int], num_rows: int) -> _Rows:
         self._expire(self._clock())

@@ -287,11 +287,11 @@ def test_a_book_needs_positive_bounds(idle_s: float, max_sessions: int) -> None:
 
 
 def held(book: SessionBook, *names: str) -> dict[str, int]:
-    """``held_bytes`` of each pod alone, checked against ``held_rows`` (the per-row copy a
-    pod table reads, built once and kept in step)."""
+    """``held_bytes`` of each pod alone, checked against ``returning_rows`` (the per-row
+    copy a pod table reads, built once and kept in step)."""
     pods = [pod(name) for name in names]
     rows = {p: i for i, p in enumerate(pods)}
-    by_rows = book.held_rows(rows, len(rows)).tolist()
+    by_rows = book.returning_rows(rows, len(rows)).held.tolist()
     alone = {name: book.held_bytes([pod(name)]) for name in names}
     assert by_rows == [alone[name] for name in names]
     return alone
@@ -303,7 +303,7 @@ def test_each_pods_returning_sessions_prompts_are_summed() -> None:
     clock = Clock()
     book = SessionBook(idle_s=120.0, clock=clock)
     rows = {pod("a"): 0, pod("b"): 1}
-    book.held_rows(rows, 2)  # rows built now: later changes must keep them in step
+    book.returning_rows(rows, 2)  # rows built now: later changes must keep them in step
     place(book, CHAT[:300], "a")
     assert held(book, "a", "b") == {"a": 0, "b": 0}  # one request: not a session yet
     place(book, CHAT[:400], "a")

@@ -180,7 +180,7 @@ def check_same(book: SessionBook, ref: WalkBook) -> None:
     assert book.returning_counts(PODS) == ref.returning_counts()  # both expire first
     # The rows kept in step between reads (ROWS: one table read again and again).
     expected = [float(ref.returning_counts().get(pod, 0)) for pod in PODS]
-    assert book.returning_rows(ROWS, len(PODS)).tolist() == expected
+    assert book.returning_rows(ROWS, len(PODS)).counts.tolist() == expected
     pods_of = ref.session_pods()
     assert len(book) == len(pods_of)
     assert {sid: book.session_pod(sid) for sid in pods_of} == pods_of
