@@ -384,7 +384,7 @@ class Router:
         """Schedule the cycle and track the request from its pick to its end; the
         observers are told (``arrival``: given when there are observers)."""
         try:
-            schedule = self.scheduler.schedule_request(cycle, pods)
+            schedule = self.scheduler.schedule_request(cycle, pods, 1 + self.num_fallbacks)
         except ModelNotFound as exc:
             error = exc if rewritten is None else _target_not_found(rewritten, cycle)
             self._count_error(error)

@@ -106,6 +106,10 @@ def table_scorer(scorer: Scorer) -> ScoreStep:
 
 
 SMALL_RANK = 64  # candidates up to which ties are broken by ``rng`` directly (``_order``)
+# ``_order`` ranks only the best ``limit`` when the candidates outnumber them this many times
+PARTIAL_RANK_FACTOR = 4
+_FIELD_BITS = 21  # ``_best``'s key: three fields of this many bits in an int64
+_FIELD = 1 << _FIELD_BITS
 
 PLUGIN_BUCKETS = (0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.005)
 
@@ -262,9 +266,13 @@ class Scheduler:
         candidates = table.candidates(cycle.request.model).all
         return table.take(self._rank(cycle, table, self._filter(cycle, table, candidates)))
 
-    def schedule_request(self, cycle: Cycle, pods: Sequence[Pod]) -> Schedule:
-        """``schedule`` plus prefill/decode passes and session sticky (module doc)."""
-        return self._schedule_request(cycle, self.table(pods), None)
+    def schedule_request(
+        self, cycle: Cycle, pods: Sequence[Pod], limit: int | None = None
+    ) -> Schedule:
+        """``schedule`` plus prefill/decode passes and session sticky (module doc).
+        ``limit``: only the best ``limit`` pods are wanted (the pick and its fallbacks),
+        the same ones in the same order as the whole ranking's first."""
+        return self._schedule_request(cycle, self.table(pods), None, limit)
 
     def explain(self, cycle: Cycle, pods: Sequence[Pod]) -> Explanation:
         """What ``schedule_request`` would decide now, with every filter's and scorer's
@@ -284,7 +292,9 @@ class Scheduler:
             return Explanation(None, trace, exc)
         return Explanation(schedule, trace, None)
 
-    def _schedule_request(self, cycle: Cycle, table: PodTable, trace: Trace | None) -> Schedule:
+    def _schedule_request(
+        self, cycle: Cycle, table: PodTable, trace: Trace | None, limit: int | None = None
+    ) -> Schedule:
         candidates = table.candidates(cycle.request.model)
         if self.pd_group is not None:
             return self._schedule_groups(cycle, table, candidates.all, self.pd_group, trace)
@@ -320,7 +330,8 @@ class Scheduler:
             best_prefill = table.pods[self._rank(cycle, table, prefill, trace)[0]]
         if trace is not None:
             trace.resume("serving")
-        return Schedule(table.take(self._rank(cycle, table, serving, trace)), best_prefill)
+        ranked = self._rank(cycle, table, serving, trace, limit)
+        return Schedule(table.take(ranked[:limit]), best_prefill)
 
     def _schedule_groups(
         self, cycle: Cycle, table: PodTable, ready: Positions, pd: PDGroup, trace: Trace | None
@@ -445,9 +456,16 @@ class Scheduler:
         return candidates
 
     def _rank(
-        self, cycle: Cycle, table: PodTable, candidates: Positions, trace: Trace | None = None
+        self,
+        cycle: Cycle,
+        table: PodTable,
+        candidates: Positions,
+        trace: Trace | None = None,
+        limit: int | None = None,
     ) -> Positions:
-        """``candidates`` by total score, best first; equal totals in random order."""
+        """``candidates`` by total score, best first; equal totals in random order. With
+        ``limit`` (and no trace, which shows the whole order) at least the best
+        ``limit``, maybe only those."""
         totals = np.zeros(len(candidates), dtype=np.int64)
         timer = self.timer if trace is None else None
         verbose = log.isEnabledFor(logging.DEBUG)
@@ -469,7 +487,7 @@ class Scheduler:
         if verbose:
             _log_totals(table, candidates, totals)
         load = self._load(table, candidates)
-        order = candidates[self._order(totals, load)]
+        order = candidates[self._order(totals, load, None if trace is not None else limit)]
         if trace is not None:
             trace.ranked(candidates, totals, load, order)
         return order
@@ -484,20 +502,25 @@ class Scheduler:
         load: Scores = np.maximum(scraped, routed)
         return load
 
-    def _order(self, totals: Scores, load: Scores) -> Positions:
+    def _order(self, totals: Scores, load: Scores, limit: int | None = None) -> Positions:
         """Indices of ``totals``, highest first; equal totals least ``load`` first, then
         in random order.
 
         Up to ``SMALL_RANK`` candidates, one ``rng.random()`` per candidate breaks the
         remaining ties (a seeded run, e.g. the offline simulator's, repeats its picks).
         Beyond, a stable sort of a random permutation by (total, load) leaves equal keys
-        in random order.
+        in random order; with ``limit`` well below the candidates, only the first
+        ``limit`` of that order (``_best``: the same, without sorting them all).
         """
         if len(totals) <= SMALL_RANK:
             tiebreak = np.array([self.rng.random() for _ in range(len(totals))])
             small: Positions = np.lexsort((tiebreak, load, -totals))
             return small
         shuffled: Positions = self._generator().permutation(len(totals))
+        if limit is not None and limit * PARTIAL_RANK_FACTOR < len(totals):
+            best = _best(totals, load, shuffled, limit)
+            if best is not None:
+                return best
         order: Positions = shuffled[np.lexsort((load[shuffled], -totals[shuffled]))]
         return order
 
@@ -546,6 +569,26 @@ class Scheduler:
 def _call_each(calls: Iterable[Callable[[], None]]) -> None:
     for call in calls:
         call()
+
+
+def _best(totals: Scores, load: Scores, shuffled: Positions, limit: int) -> Positions | None:
+    """The first ``limit`` of ``shuffled`` stably sorted by (total descending, load), in
+    that order, without sorting them all: one key per candidate packs how far its total is
+    behind the best, its load and its place in ``shuffled`` (unique, so the smallest keys
+    are exactly those first ``limit``). None when a field does not fit its bits."""
+    behind = totals.max() - totals
+    if (
+        len(totals) >= _FIELD
+        or behind.max() >= _FIELD
+        or not 0 <= load.min() <= load.max() < _FIELD
+    ):
+        return None
+    place = np.empty(len(shuffled), dtype=np.int64)
+    place[shuffled] = np.arange(len(shuffled))
+    keys = (behind << (2 * _FIELD_BITS)) | (load << _FIELD_BITS) | place
+    best = np.argpartition(keys, limit - 1)[:limit]
+    ordered: Positions = best[np.argsort(keys[best])]
+    return ordered
 
 
 def _find(table: PodTable, candidates: Positions, pod_id: PodId) -> int | None:

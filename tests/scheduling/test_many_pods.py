@@ -7,7 +7,10 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from extproc.pods import Pod, PodId, PodMetrics, PodRole
@@ -16,7 +19,7 @@ from extproc.scheduling.config import build_scheduler, named_config_text, parse_
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.interfaces import Cycle
 from extproc.scheduling.plugins.prefix_cache import PrefixCacheScorer
-from extproc.scheduling.scheduler import Scheduler
+from extproc.scheduling.scheduler import SMALL_RANK, Scheduler
 from testkit.factories import PREFIX_ONLY, make_cycle, make_pod, make_scheduler
 
 SYSTEM = "You are a helpful assistant. " * 40
@@ -301,3 +304,37 @@ def test_a_pod_that_changes_models_is_a_candidate_for_its_new_model_only() -> No
     sched.pods_changed(moved)  # same ids in the same order, one pod's models changed
     assert pods[10].id not in {p.id for p in sched.schedule(make_cycle("x"), moved)}
     assert sched.schedule(make_cycle("x", model="other"), moved) == [moved[10]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    num=st.integers(SMALL_RANK + 1, 1500),
+    distinct=st.integers(1, 6),
+    limit=st.integers(1, 12),
+    spread=st.sampled_from([37, 1 << 22]),
+    seed=st.integers(0, 2**32),
+)
+def test_the_best_few_are_the_whole_rankings_first_few(
+    num: int, distinct: int, limit: int, spread: int, seed: int
+) -> None:
+    """``_order`` with a limit: the first ``limit`` of the full order, the same random
+    tie-breaks (few distinct totals and loads: many ties, across the cut too; totals
+    too far apart for the packed key take the whole ranking's way)."""
+    draw = np.random.default_rng(seed)
+    totals = draw.integers(0, distinct, num) * spread
+    load = draw.integers(0, 3, num)
+    whole = Scheduler(rng=random.Random(seed))._order(totals, load)
+    best = Scheduler(rng=random.Random(seed))._order(totals, load, limit)
+    assert best[:limit].tolist() == whole[:limit].tolist()
+
+
+def test_a_request_gets_the_same_pick_and_fallbacks_as_the_whole_ranking() -> None:
+    rng = random.Random(5)
+    pods = random_pods(rng, 1000)
+    first = Scheduler(rng=random.Random(2), scorers=default_scheduler(InFlight()).scorers)
+    second = Scheduler(rng=random.Random(2), scorers=first.scorers)
+    for i in range(20):
+        cycle = make_cycle(SYSTEM + str(i % 4))
+        whole = first.schedule_request(cycle, pods).pods
+        assert len(whole) > 900
+        assert second.schedule_request(cycle, pods, 3).pods == whole[:3]
