@@ -38,6 +38,7 @@ from extproc.errors import ModelNotFound, NoReadyPods
 from extproc.pods import Pod, PodId, PodRole
 
 T = TypeVar("T")
+G = TypeVar("G", bound=np.generic)
 Positions = npt.NDArray[np.int64]
 MAX_SCRATCH = 64  # entries of per-snapshot plugin memory before it is cleared
 
@@ -58,6 +59,7 @@ class PodTable:
         "_models",
         "_models_by_row",
         "by_rows",
+        "every_row",
         "has_itl",
         "has_ttft",
         "ids",
@@ -78,6 +80,8 @@ class PodTable:
         self.pods: tuple[Pod, ...] = tuple(pods)
         n = len(self.pods)
         self.objects: npt.NDArray[np.object_] = np.fromiter(self.pods, dtype=object, count=n)
+        # The candidates when every pod is one (``candidates``); ``rows`` knows it by identity.
+        self.every_row: Positions = np.arange(n, dtype=np.int64)
         self.ids: tuple[PodId, ...] = tuple(map(attrgetter("id"), self.pods))
         self._models_by_row = tuple(map(attrgetter("models"), self.pods))
         self.position: dict[PodId, int]
@@ -120,6 +124,14 @@ class PodTable:
         pods: list[Pod] = self.objects[positions].tolist()
         return pods
 
+    def rows(self, column: npt.NDArray[G], positions: Positions) -> npt.NDArray[G]:
+        """``column[positions]`` for a column of this table: a plain copy when the
+        positions are ``every_row`` (no pod left out, the usual candidates), which costs
+        a small part of a gather over many pods."""
+        if positions is self.every_row:
+            return column.copy()
+        return column[positions]
+
     def candidates(self, model: str) -> Candidates:
         """Ready pods serving ``model``, computed once per model.
 
@@ -138,9 +150,11 @@ class PodTable:
             raise NoReadyPods(
                 f"no pod serving model {model!r} is ready ({int(serves.sum())} known, none ready)"
             )
+        every = ready.all()
+        no_prefill = not self.is_prefill.any()
         found = Candidates(
-            np.flatnonzero(ready),
-            np.flatnonzero(ready & ~self.is_prefill),
+            self.every_row if every else np.flatnonzero(ready),
+            self.every_row if every and no_prefill else np.flatnonzero(ready & ~self.is_prefill),
             np.flatnonzero(ready & self.is_prefill),
         )
         self._by_model[model] = found  # bounded: only models some pod serves

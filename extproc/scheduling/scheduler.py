@@ -495,10 +495,10 @@ class Scheduler:
     def _load(self, table: PodTable, candidates: Positions) -> Scores:
         """Each candidate's load: ``max(in flight, waiting + running)`` (module doc)."""
         busy = table.memo("waiting + running", lambda: table.waiting + table.running)
-        scraped = busy[candidates]
+        scraped = table.rows(busy, candidates)
         if self.in_flight is None:
             return scraped
-        routed = self.in_flight.requests_at(table.position, len(table))[candidates]
+        routed = table.rows(self.in_flight.requests_at(table.position, len(table)), candidates)
         load: Scores = np.maximum(scraped, routed)
         return load
 

@@ -719,10 +719,10 @@ class EstimatedTTFT:
             own = self._own_pod(cycle)
             if own is not None and (row := table.position.get(own)) is not None:
                 sessions[row] -= 1
-            counts = sessions[positions]
+            counts = table.rows(sessions, positions)
             mean = max(1.0, counts.sum() / max(1, len(counts)))
-            held_bytes = int(held_rows[positions].sum())
-            weight = session_weight(mean, held_bytes, _capacity_rows(table)[positions])
+            held_bytes = int(table.rows(held_rows, positions).sum())
+            weight = session_weight(mean, held_bytes, table.rows(_capacity_rows(table), positions))
             if weight < 1.0:
                 prices = prices._replace(session_ms=a.sessionMs * weight)
         uncached = np.empty(len(positions), dtype=np.int64)

@@ -38,7 +38,7 @@ def match_lengths(
     candidate's longest recorded match, in blocks, one per row of ``positions``."""
     pod_set, exclude, every_pod = _candidates(index, table, positions)
     lengths = index.match_lengths(keys, pod_set, exclude)
-    return lengths[positions] if every_pod else lengths
+    return table.rows(lengths, positions) if every_pod else lengths
 
 
 def _candidates(
