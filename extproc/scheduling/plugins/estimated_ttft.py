@@ -311,14 +311,14 @@ def session_weight(mean: float, held_bytes: int, capacity: npt.NDArray[np.float6
     return min(1.0, mean * held_bytes / BYTES_PER_TOKEN / float(capacity.sum()))
 
 
+def _kv_capacities(pods: Sequence[Pod]) -> npt.NDArray[np.float64]:
+    """Each pod's KV cache in tokens (``vllm:cache_config_info``), 0 where unknown."""
+    return np.fromiter((p.metrics.kv_capacity_tokens or 0 for p in pods), np.float64, len(pods))
+
+
 def _capacity_rows(table: PodTable) -> npt.NDArray[np.float64]:
-    """Each row's KV cache in tokens (``vllm:cache_config_info``), 0 where unknown."""
-    return table.memo(
-        _CAPACITY,
-        lambda: np.fromiter(
-            (p.metrics.kv_capacity_tokens or 0 for p in table.pods), np.float64, len(table)
-        ),
-    )
+    """``_kv_capacities`` per row of the table, once per snapshot."""
+    return table.memo(_CAPACITY, lambda: _kv_capacities(table.pods))
 
 
 def _min_max_scores(costs: npt.NDArray[np.float64]) -> Scores:
@@ -540,8 +540,7 @@ class EstimatedTTFT:
         if own is not None and own in counts:
             counts[own] -= 1
         mean = max(1.0, sum(counts.values()) / max(1, len(counts)))
-        capacity = np.array([p.metrics.kv_capacity_tokens or 0 for p in pods], np.float64)
-        weight = session_weight(mean, self.sessions.held_bytes(ids), capacity)
+        weight = session_weight(mean, self.sessions.held_bytes(ids), _kv_capacities(pods))
         price = self.args.sessionMs * weight
         return {pod: price * n / mean for pod, n in counts.items()}
 
