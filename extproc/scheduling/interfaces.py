@@ -47,6 +47,7 @@ from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.podtable import PodTable, Positions, RowValues
 
 if TYPE_CHECKING:
+    from extproc.scheduling.plugins.precise_prefix_cache import PreciseMatches
     from extproc.scheduling.plugins.session_book import Found
 
 Scores = npt.NDArray[np.int64]  # one score per row of the ``Positions`` scored
@@ -78,6 +79,9 @@ class Cycle:
     # The token ids' chained block keys per block size (precise-prefix-cache's), kept
     # while the request is decided: its score, exact counts and credit read them.
     token_chains: dict[int, list[int]] = field(default_factory=dict)
+    # precise-prefix-cache's matches for the candidates, kept while the request is
+    # decided: its score and the exact counts read them.
+    precise_matches: PreciseMatches | None = None
     # An explanation's cycle (``Scheduler.explain``): plugins observe no metric for it.
     explaining: bool = False
     # The session estimated-ttft's book found while scoring, for placing the pick

@@ -466,6 +466,7 @@ class Scheduler:
         """``candidates`` by total score, best first; equal totals in random order. With
         ``limit`` (and no trace, which shows the whole order) at least the best
         ``limit``, maybe only those."""
+        cycle.precise_matches = None  # matched anew for this ranking's candidates
         totals = np.zeros(len(candidates), dtype=np.int64)
         timer = self.timer if trace is None else None
         verbose = log.isEnabledFor(logging.DEBUG)

@@ -95,6 +95,9 @@ def test_completions_prompts_tokenize_as_is(tok: SegmentTokenizer) -> None:
         == tok.tokenizer.encode(prompt, add_special_tokens=True).ids
     )
     assert tok.request_tokens(Api.COMPLETIONS, {"prompt": [1, 2, 3]}) == [1, 2, 3]
+    for out_of_range in ([-1, 2], [1, 2**32]):  # not 4-byte ids: no exact tokens, no crash
+        with pytest.raises(NotExact, match="a token id is out of range"):
+            tok.request_tokens(Api.COMPLETIONS, {"prompt": out_of_range})
 
 
 def test_a_cut_names_the_segments_to_encode_and_encoding_fills_the_memo(
@@ -110,5 +113,5 @@ def test_a_cut_names_the_segments_to_encode_and_encoding_fills_the_memo(
     assert tok.segments(Api.CHAT_COMPLETIONS, body).missing == []
     # Encoded meanwhile (by another thread, say): found in the memo, not encoded again.
     misses = tok.misses
-    assert tok.encode(again) == ids
+    assert tok.encode(again).tolist() == ids.tolist()
     assert tok.misses == misses

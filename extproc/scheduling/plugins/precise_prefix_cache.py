@@ -37,9 +37,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
-import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -70,6 +69,16 @@ from extproc.scheduling.shared_metrics import per_registry, shared_metric
 log = logging.getLogger("extproc.scheduling.precise")
 
 TOKENIZE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
+
+
+class PreciseMatches(NamedTuple):
+    """The prompt's blocks matched in each candidate's exact view, once per ranking."""
+
+    pods: tuple[PodId, ...]  # the candidates matched
+    # per pod with a trusted view: (GPU blocks, offloaded blocks, the prompt's blocks),
+    # its credit for arriving blocks included
+    blocks: dict[PodId, tuple[int, int, int]]
+    stale: list[PodId]  # the pods whose view is stale: scored from the approximate view
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,7 +311,7 @@ class PrecisePrefixCache:
         self, cycle: Cycle, tok: SegmentTokenizer, segments: Segments, cut_s: float
     ) -> None:
         start = time.perf_counter()
-        cycle.token_ids = np.array(tok.encode(segments), dtype=np.uint32)
+        cycle.token_ids = tok.encode(segments)
         cycle.tokenized = True
         elapsed = cut_s + time.perf_counter() - start
         if not cycle.explaining:
@@ -318,6 +327,7 @@ class PrecisePrefixCache:
         The decision is made: the chains kept for it go (the cycle lives until the end)."""
         keys = as_keys(self._chain(cycle, tokens, self.args.blockSize))
         cycle.token_chains.clear()
+        cycle.precise_matches = None
         return keys
 
     def _chain(self, cycle: Cycle, tokens: TokenIds, size: int) -> list[int]:
@@ -332,11 +342,18 @@ class PrecisePrefixCache:
             cycle.token_chains[size] = keys
         return keys
 
-    def _precise(
+    def _precise(self, cycle: Cycle, tokens: TokenIds, pods: Sequence[PodId]) -> PreciseMatches:
+        """``PreciseMatches`` for ``pods``, matched once per decision: the score and the
+        exact counts ask for the same candidates."""
+        ids = tuple(pods)
+        known = cycle.precise_matches
+        if known is None or known.pods != ids:
+            known = cycle.precise_matches = PreciseMatches(ids, *self._match(cycle, tokens, ids))
+        return known
+
+    def _match(
         self, cycle: Cycle, tokens: TokenIds, pods: Iterable[PodId]
     ) -> tuple[dict[PodId, tuple[int, int, int]], list[PodId]]:
-        """Per pod with a trusted view: (GPU blocks, offloaded blocks, full blocks), its
-        credit for arriving blocks included; and the pods whose view is stale."""
         credit_size = self.args.blockSize
         credit: dict[PodId, int] = {}
         if len(self.arrivals) and (credit_keys := self._chain(cycle, tokens, credit_size)):
@@ -371,7 +388,7 @@ class PrecisePrefixCache:
         fractions: dict[PodId, float] = {}
         approximate: list[PodId] = ids
         if tokens is not None:
-            precise, approximate = self._precise(cycle, tokens, ids)
+            _, precise, approximate = self._precise(cycle, tokens, ids)
             if approximate and not cycle.explaining:
                 self._fallbacks("stale_pod").inc(len(approximate))
             cpu = self.args.cpuWeight
@@ -399,7 +416,7 @@ class PrecisePrefixCache:
     ) -> tuple[dict[PodId, int], dict[PodId, int]]:
         """Tokens each pod with a trusted view will find cached: those known exactly, and
         those whose match runs through seeded blocks not yet confirmed (provisional)."""
-        precise, _ = self._precise(cycle, tokens, [p.id for p in pods])
+        precise = self._precise(cycle, tokens, [p.id for p in pods]).blocks
         limit = max(0, len(tokens) - 1)
         exact: dict[PodId, int] = {}
         provisional: dict[PodId, int] = {}

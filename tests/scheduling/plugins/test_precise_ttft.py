@@ -168,3 +168,29 @@ def test_a_burst_follows_its_first_pick_before_any_event() -> None:
     document = {"model": "m", "messages": [{"role": "user", "content": SYSTEM * 6}]}
     picks = {route(router, f"r{i}", document).id for i in range(3)}
     assert len(picks) == 1  # the least loaded would differ without precise's credit
+
+
+def test_one_ranking_matches_the_candidates_once_and_the_next_matches_anew(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """precise-prefix-cache's score and estimated-ttft's exact counts read one match of
+    the candidates per ranking; a later ranking of the same cycle sees the events since."""
+    router = precise_router()
+    _, precise = plugins(router)
+    tokens = tokens_of(router, CHAT)
+    matched: list[int] = []
+    match = precise._match
+
+    def counted(*args: Any) -> Any:
+        matched.append(1)
+        return match(*args)
+
+    monkeypatch.setattr(precise, "_match", counted)
+    cycle = make_cycle(CHAT)
+    router.scheduler.schedule_request(cycle, PODS)
+    assert len(matched) == 1
+    assert cycle.num_prefill_tokens(PODS[1].id) == len(tokens)
+    store(precise, PODS[1], tokens[: 3 * BS])
+    router.scheduler.schedule_request(cycle, PODS)  # as a queued request is ranked again
+    assert len(matched) == 2
+    assert cycle.num_prefill_tokens(PODS[1].id) == len(tokens) - 3 * BS
