@@ -7,7 +7,9 @@
   least-request filter, least-request + gpu-usage + least-latency + prefix-cache scores)
   and ``cost-aware`` (``extproc/data/cost-aware.yaml``: Kthena's default plus cost-aware).
 - ``extproc-no-lora-affinity``: the shipped default less its ``lora-affinity`` score, to
-  show what that plugin adds on the ``lora`` workload.
+  show what that plugin adds on the ``lora`` workload; ``extproc-lora-blind``: less its
+  adapter term too (estimated-ttft's ``loraLoadMs`` 0), to show what routing by adapter
+  adds.
 - ``extproc-default-2-replicas``: the default configuration on two extproc replicas
   behind one Envoy, records in the reply metadata, views shared through a redis-server
   (``testkit.replicas``).
@@ -103,8 +105,9 @@ def extproc_with(config: Path | None) -> Serve:
     return serve
 
 
-def without_score(plugin: str) -> Serve:
-    """Envoy + extproc with the shipped default less the score ``plugin`` (what it adds)."""
+def without_score(plugin: str, **ttft_args: float) -> Serve:
+    """Envoy + extproc with the shipped default less the score ``plugin`` (what it adds),
+    and estimated-ttft's ``ttft_args`` set."""
 
     @contextmanager
     def serve(pod_set: PodSet, log_dir: Path) -> Iterator[str]:
@@ -113,7 +116,10 @@ def without_score(plugin: str) -> Serve:
         config["scheduler"]["plugins"]["Score"]["enabled"] = [
             s for s in scores if s["name"] != plugin
         ]
-        path = log_dir / f"config-without-{plugin}.yaml"
+        (ttft,) = (c for c in config["scheduler"]["pluginConfig"] if c["name"] == "estimated-ttft")
+        ttft["args"].update(ttft_args)
+        changed = "".join(f"-{name}-{value}" for name, value in ttft_args.items())
+        path = log_dir / f"config-without-{plugin}{changed}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         with extproc_with(path)(pod_set, log_dir) as url:
             yield url
@@ -225,6 +231,7 @@ CONTENDERS: dict[str, Serve] = {
     "extproc-prefix-cache": extproc_with(CONFIGS / "prefix-cache.yaml"),
     "extproc-default": extproc_with(None),
     "extproc-no-lora-affinity": without_score("lora-affinity"),
+    "extproc-lora-blind": without_score("lora-affinity", loraLoadMs=0.0),
     "extproc-kthena": extproc_with(EXTPROC_DATA / "kthena.yaml"),
     "extproc-cost-aware": extproc_with(EXTPROC_DATA / "cost-aware.yaml"),
     "extproc-default-2-replicas": extproc_replicas(2),

@@ -146,10 +146,15 @@ def test_the_lora_workload_runs_alone_on_its_own_pods_with_adapters(tmp_path: Pa
     with start() as pods:
         assert all(len(p.adapters) == LORA_ADAPTERS for p in pods.pods)
         assert [c["adapter_loads"] for c in pods.counters()] == [0.0] * 4
-        with CONTENDERS["extproc-no-lora-affinity"](pods, tmp_path) as url:
-            body = {"model": "lora-3", "prompt": "hello", "max_tokens": 2}
-            assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
-        assert sum(c["adapter_loads"] for c in pods.counters()) == 1
-    config = yaml.safe_load((tmp_path / "config-without-lora-affinity.yaml").read_text())
-    scores = config["scheduler"]["plugins"]["Score"]["enabled"]
-    assert [s["name"] for s in scores] == ["estimated-ttft"]
+        body = {"model": "lora-3", "prompt": "hello", "max_tokens": 2}
+        for name in ("extproc-no-lora-affinity", "extproc-lora-blind"):
+            with CONTENDERS[name](pods, tmp_path) as url:
+                assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+            if name == "extproc-no-lora-affinity":
+                assert sum(c["adapter_loads"] for c in pods.counters()) == 1
+    for file, lora_load_ms in [("", 50.0), ("-loraLoadMs-0.0", 0.0)]:
+        config = yaml.safe_load((tmp_path / f"config-without-lora-affinity{file}.yaml").read_text())
+        scores = config["scheduler"]["plugins"]["Score"]["enabled"]
+        assert [s["name"] for s in scores] == ["estimated-ttft"]
+        (ttft,) = config["scheduler"]["pluginConfig"]
+        assert ttft["args"]["loraLoadMs"] == lora_load_ms
