@@ -54,7 +54,7 @@ from extproc.request.chat_input import (
 )
 from extproc.request.parse import Api
 
-__all__ = ["NotExact", "SegmentTokenizer"]
+__all__ = ["NotExact", "SegmentTokenizer", "TokenIds"]
 
 DEFAULT_MEMO_TOKENS = 4_000_000  # bounds the memo's memory: 4 bytes a token id
 MAX_TOKEN_ID = 2**32 - 1  # ids are hashed as 4-byte integers
@@ -92,10 +92,10 @@ class Segments:
     missing: Sequence[str]  # text segments not in the memo when cut, each once
 
 
-Ids = npt.NDArray[np.uint32]  # token ids, 4 bytes each as the keys hash them
+TokenIds = npt.NDArray[np.uint32]  # a prompt's token ids: 4 bytes each, as keys hash them
 
 
-def as_ids(ids: Sequence[int]) -> Ids:
+def as_ids(ids: Sequence[int]) -> TokenIds:
     """``ids`` as a read-only array (memo entries are shared by every request)."""
     array = np.array(ids, dtype=np.uint32)
     array.flags.writeable = False
@@ -156,7 +156,7 @@ class SegmentTokenizer:
         self.memo_tokens = memo_tokens
         # Arrays, not lists: a request's ids are their concatenation, where building an
         # array from a list of ints is about 35 ns an id.
-        self._memo: OrderedDict[str, Ids] = OrderedDict()
+        self._memo: OrderedDict[str, TokenIds] = OrderedDict()
         self._memo_size = 0
         self._lock = threading.Lock()  # the memo and its counts; never held while encoding
         self.hits = 0
@@ -235,7 +235,7 @@ class SegmentTokenizer:
         missing = [p for p in dict.fromkeys(parts[::2]) if p and p not in memo]
         return Segments(prefix, parts, missing)
 
-    def encode(self, segments: Segments) -> Ids:
+    def encode(self, segments: Segments) -> TokenIds:
         """The ids of ``segments``: the memo's, and the missing ones encoded in one batch
         (on the calling thread; the memo is locked only to read and fill it)."""
         parts = segments.parts
@@ -246,7 +246,7 @@ class SegmentTokenizer:
             with self._lock:
                 for segment, enc in zip(missing, encoded, strict=True):
                     self._remember(segment, enc.ids)
-        pieces: list[Ids | str] = []  # ids, or a segment the memo lost meanwhile
+        pieces: list[TokenIds | str] = []  # ids, or a segment the memo lost meanwhile
         if segments.prefix:
             pieces.append(as_ids(segments.prefix))
         with self._lock:

@@ -43,6 +43,7 @@ from prometheus_client import CollectorRegistry
 from extproc.pods import Pod, PodId
 from extproc.prefix.hashing import Keys, prompt_keys
 from extproc.request.parse import Api, InferenceRequest
+from extproc.request.tokens import TokenIds
 from extproc.scheduling.inflight import InFlight
 from extproc.scheduling.podtable import PodTable, Positions, RowValues
 
@@ -51,7 +52,6 @@ if TYPE_CHECKING:
     from extproc.scheduling.plugins.session_book import Found
 
 Scores = npt.NDArray[np.int64]  # one score per row of the ``Positions`` scored
-TokenIds = npt.NDArray[np.uint32]  # a prompt's token ids: 4 bytes each, as keys hash them
 
 BYTES_PER_TOKEN = 4  # the usual estimate for English text and code with BPE tokenizers
 

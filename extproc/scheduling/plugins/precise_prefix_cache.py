@@ -49,7 +49,7 @@ from extproc.prefix.hashing import Keys, as_keys
 from extproc.prefix.index import PrefixIndex
 from extproc.prefix.precise.index import PreciseIndex
 from extproc.prefix.precise.keys import chain_keys
-from extproc.request.tokens import NotExact, Segments, SegmentTokenizer
+from extproc.request.tokens import NotExact, Segments, SegmentTokenizer, TokenIds
 from extproc.scheduling.args import ExtraArg, arg, load_args
 from extproc.scheduling.interfaces import (
     BYTES_PER_TOKEN,
@@ -58,7 +58,6 @@ from extproc.scheduling.interfaces import (
     PluginContext,
     Preparation,
     RecordTimes,
-    TokenIds,
     ViewState,
 )
 from extproc.scheduling.plugins.adopt import same_geometry

@@ -15,10 +15,11 @@ from prometheus_client import CollectorRegistry
 
 from extproc.pods import Pod
 from extproc.request.parse import parse_request
+from extproc.request.tokens import TokenIds
 from extproc.routing.router import Router
 from extproc.scheduling.config import build_scheduler, parse_config
 from extproc.scheduling.inflight import InFlight
-from extproc.scheduling.interfaces import BYTES_PER_TOKEN, Cycle, TokenIds
+from extproc.scheduling.interfaces import BYTES_PER_TOKEN, Cycle
 from extproc.scheduling.plugins.estimated_ttft import EstimatedTTFT
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from testkit.e2e_cache import MODEL_DIR, needs_model_tokenizer
