@@ -1,9 +1,8 @@
 """Request -> the exact token ids vLLM will prefill, cheaply.
 
 Rendering follows vLLM (which calls Hugging Face ``apply_chat_template``): the model's
-``chat_template`` from ``tokenizer_config.json``, in a sandboxed jinja2 environment with
-``trim_blocks``, ``lstrip_blocks``, loop controls, HF's ``tojson`` and
-``raise_exception``, given the messages, tools and variables ``request.chat_input``
+``chat_template`` from ``tokenizer_config.json``, in HF's sandboxed jinja2 environment
+(``request.chat_template``), given the messages, tools and variables ``request.chat_input``
 builds from a chat or responses request as vLLM does, and the special tokens; continuing
 the final message renders it with a marker and cuts there, as HF does. The text is then
 tokenized without added special tokens. A completions prompt is tokenized as is, with
@@ -38,11 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
 import numpy as np
 import numpy.typing as npt
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from extproc.request.chat_input import (
@@ -52,6 +48,7 @@ from extproc.request.chat_input import (
     developer_to_system,
     responses_input,
 )
+from extproc.request.chat_template import compile_template
 from extproc.request.parse import Api
 
 __all__ = ["NotExact", "SegmentTokenizer", "TokenIds"]
@@ -59,22 +56,6 @@ __all__ = ["NotExact", "SegmentTokenizer", "TokenIds"]
 DEFAULT_MEMO_TOKENS = 4_000_000  # bounds the memo's memory: 4 bytes a token id
 MAX_TOKEN_ID = 2**32 - 1  # ids are hashed as 4-byte integers
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # Hugging Face's marker, cut off again
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: Any = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _raise(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
 
 
 def _special_token(value: Any) -> str | None:
@@ -115,12 +96,7 @@ class SegmentTokenizer:
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-        )
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise
-        self.template = env.from_string(template) if isinstance(template, str) else None
+        self.template = compile_template(template) if isinstance(template, str) else None
         # vLLM's own test (``_detect_developer_role_support``)
         self.developer_role = isinstance(template, str) and (
             '"developer"' in template or "'developer'" in template
