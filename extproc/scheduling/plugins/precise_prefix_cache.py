@@ -360,12 +360,16 @@ class PrecisePrefixCache:
         out: dict[PodId, tuple[int, int, int]] = {}
         stale: list[PodId] = []
         now = time.monotonic()
+        views = self.index.views
         for pod in pods:
-            view = self.index.views.get(pod)
-            if view is not None and view.stale(now):
+            view = views.get(pod)
+            if view is None:  # no events yet: nothing cached but what is arriving
+                out[pod] = (credit.get(pod, 0), 0, len(self._chain(cycle, tokens, credit_size)))
+                continue
+            if view.stale(now):
                 stale.append(pod)
                 continue
-            size = (view.block_size if view else None) or self.args.blockSize
+            size = view.block_size or credit_size
             keys = self._chain(cycle, tokens, size)
             gpu, offloaded = self.index.match(pod, keys)
             arriving = credit.get(pod, 0) * credit_size // size
@@ -420,11 +424,14 @@ class PrecisePrefixCache:
         exact: dict[PodId, int] = {}
         provisional: dict[PodId, int] = {}
         for pod, (gpu, _, _) in precise.items():
+            if not gpu:
+                exact[pod] = 0
+                continue
             view = self.index.views.get(pod)
             size = (view.block_size if view else None) or self.args.blockSize
             tokens_cached = min(gpu, limit // size) * size
             keys = self._chain(cycle, tokens, size)[:gpu]
-            if gpu and self.index.provisional_in(pod, keys):
+            if self.index.provisional_in(pod, keys):
                 provisional[pod] = tokens_cached
             else:
                 exact[pod] = tokens_cached
