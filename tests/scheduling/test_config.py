@@ -40,9 +40,12 @@ def test_embedded_default_is_the_estimated_ttft_cost_model_every_argument_writte
         ("lora-affinity", 6),
     ]
     written = config.plugin_args["estimated-ttft"]
-    assert written == {f.name: f.default for f in dataclasses.fields(EstimatedTTFTArgs)}
+    # every argument at its default but the slot wait: lora-affinity ranks the slots
+    defaults = {f.name: f.default for f in dataclasses.fields(EstimatedTTFTArgs)}
+    assert written == defaults | {"loraSlotWaitMs": 0.0}
     ttft, lora = build_scheduler(config, CollectorRegistry()).scorers
-    assert isinstance(ttft.scorer, EstimatedTTFT) and ttft.scorer.args == EstimatedTTFTArgs()
+    assert isinstance(ttft.scorer, EstimatedTTFT)
+    assert ttft.scorer.args == EstimatedTTFTArgs(loraSlotWaitMs=0.0)
     assert isinstance(lora.scorer, LoraAffinity)
 
 
