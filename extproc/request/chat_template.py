@@ -27,7 +27,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 __all__ = ["ChatTemplateSandbox", "compile_template"]
 
 _DICT_ATTRIBUTES = frozenset(dir(dict))
-_MAX_REMEMBERED = 4096  # (type, name) pairs: a template names few; data-made names are not kept
+_MAX_REMEMBERED = 4096  # (type, name) answers kept: a template names few; bounds names from data
 
 
 def _tojson(
@@ -72,10 +72,17 @@ class ChatTemplateSandbox(ImmutableSandboxedEnvironment):
 
 
 def compile_template(source: str) -> jinja2.Template:
-    """``source`` compiled in the environment Hugging Face renders chat templates in."""
+    """``source`` compiled in the environment Hugging Face renders chat templates in.
+
+    Raises:
+        ValueError: the template does not compile (its line and jinja2's message).
+    """
     env = ChatTemplateSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
-    return env.from_string(source)
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ValueError(f"the chat template does not compile: line {exc.lineno}: {exc}") from None

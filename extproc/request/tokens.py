@@ -96,7 +96,10 @@ class SegmentTokenizer:
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        self.template = compile_template(template) if isinstance(template, str) else None
+        try:
+            self.template = compile_template(template) if isinstance(template, str) else None
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
         # vLLM's own test (``_detect_developer_role_support``)
         self.developer_role = isinstance(template, str) and (
             '"developer"' in template or "'developer'" in template

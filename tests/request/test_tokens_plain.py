@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from tokenizers import Tokenizer
 
 from extproc.request.tokens import SegmentTokenizer
@@ -31,3 +32,16 @@ def test_a_tokenizer_without_added_tokens_tokenizes_the_text_as_one_segment(
     assert tok.added == {}
     assert tok.tokens("hello world hello") == [1, 2, 1]
     assert (tok.misses, tok.hits) == (1, 0)
+
+
+def test_a_chat_template_that_does_not_compile_is_refused_with_its_directory(
+    tmp_path: Path,
+) -> None:
+    write_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m.content }}\n{% endfo %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=rf"{tmp_path}: the chat template does not compile: line 2"
+    ):
+        SegmentTokenizer(tmp_path)

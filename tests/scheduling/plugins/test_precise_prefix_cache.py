@@ -3,6 +3,7 @@ approximate fallbacks (unknown model, untokenizable request, stale pod), configu
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from extproc.scheduling.config import build_scheduler, parse_config
 from extproc.scheduling.interfaces import Cycle, PluginContext
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from testkit.e2e_cache import MODEL_DIR, needs_model_tokenizer
+from testkit.factories import write_tokenizer
 from tests.scheduling.plugins.support import BS, store
 
 pytestmark = needs_model_tokenizer
@@ -150,6 +152,17 @@ def test_the_configuration_builds_it_and_refuses_bad_models() -> None:
         )
     with pytest.raises(ConfigError, match="'models' must map"):
         make(models=["m"])
+
+
+def test_a_model_whose_chat_template_does_not_compile_is_refused(tmp_path: Path) -> None:
+    write_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ messages[0].content "
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="precise-prefix-cache: .*chat template does not compile"):
+        PrecisePrefixCache.from_args(
+            {"models": {"m": str(tmp_path)}}, PluginContext(CollectorRegistry())
+        )
 
 
 def test_a_new_prompt_is_left_to_prepare_and_a_known_one_is_tokenized_at_once() -> None:
