@@ -47,7 +47,7 @@ from extproc.errors import ConfigError
 from extproc.pods import Pod, PodId, adapters_of
 from extproc.prefix.hashing import Keys, as_keys
 from extproc.prefix.index import PrefixIndex
-from extproc.prefix.precise.index import PreciseIndex
+from extproc.prefix.precise.index import PodView, PreciseIndex
 from extproc.prefix.precise.keys import chain_keys
 from extproc.request.tokens import NotExact, Segments, SegmentTokenizer, TokenIds
 from extproc.scheduling.args import ExtraArg, arg, load_args
@@ -369,7 +369,7 @@ class PrecisePrefixCache:
             if view.stale(now):
                 stale.append(pod)
                 continue
-            size = view.block_size or credit_size
+            size = self._block_size(view)
             keys = self._chain(cycle, tokens, size)
             gpu, offloaded = self.index.match(pod, keys)
             arriving = credit.get(pod, 0) * credit_size // size
@@ -377,6 +377,10 @@ class PrecisePrefixCache:
                 gpu, offloaded = arriving, max(0, gpu + offloaded - arriving)
             out[pod] = (gpu, offloaded, len(keys))
         return out, stale
+
+    def _block_size(self, view: PodView | None) -> int:
+        """A pod's block size: its events' once they tell it, else ``blockSize``."""
+        return (view.block_size if view is not None else None) or self.args.blockSize
 
     def _approx_fraction(self, cycle: Cycle, pods: Sequence[PodId]) -> dict[PodId, float]:
         keys = cycle.block_keys(self.args.blockSizeToHash, self.args.maxBlocksToMatch)
@@ -427,8 +431,7 @@ class PrecisePrefixCache:
             if not gpu:
                 exact[pod] = 0
                 continue
-            view = self.index.views.get(pod)
-            size = (view.block_size if view else None) or self.args.blockSize
+            size = self._block_size(self.index.views.get(pod))
             tokens_cached = min(gpu, limit // size) * size
             keys = self._chain(cycle, tokens, size)[:gpu]
             if self.index.provisional_in(pod, keys):
