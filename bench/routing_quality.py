@@ -31,7 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import asdict
 from itertools import pairwise
@@ -132,6 +132,7 @@ def summarize(
         "wall_s": wall_s,
         "slowest": slowest(ok, timings=timings),
         **lost_histories(ok, block_tokens),
+        "history_lost_turns": lost_turns(ok, block_tokens),
     }
 
 
@@ -170,20 +171,41 @@ def lost_histories(outcomes: list[Outcome], block_tokens: int) -> dict[str, int]
     ``cached_tokens`` are fewer, its chat moved to another pod or the pod evicted it.
     Tells a hit-ratio gap made of moved chats from one made of copies of a shared prefix.
     Empty when the workload has no sessions or the pods report no cached tokens."""
+    checked = lost = 0
+    for _, _, turn, held in _checked_turns(outcomes, block_tokens):
+        checked += 1
+        lost += (turn.cached_tokens or 0) < held
+    return {"history_turns": checked, "history_lost": lost} if checked else {}
+
+
+def lost_turns(outcomes: list[Outcome], block_tokens: int) -> list[dict[str, Any]]:
+    """The turns ``lost_histories`` counts lost, each with its chat, its place in the chat
+    (the first turn is 0), when it was due and the tokens it found and should have: tells
+    chats moved at a run's start from moves spread over it."""
+    return [
+        {"session": session, "turn": number, "at_s": round(turn.at_s, 2),
+         "cached": turn.cached_tokens or 0, "held": held}
+        for session, number, turn, held in _checked_turns(outcomes, block_tokens)
+        if (turn.cached_tokens or 0) < held
+    ]  # fmt: skip
+
+
+def _checked_turns(
+    outcomes: list[Outcome], block_tokens: int
+) -> Iterator[tuple[int, int, Outcome, int]]:
+    """Each chat turn sent after its previous one ended: (chat, place in the chat, the
+    turn, the tokens of its history the pod should hold)."""
     turns: dict[int, list[Outcome]] = {}
     for o in outcomes:
         if o.session is not None and o.prompt_tokens is not None and o.cached_tokens is not None:
             turns.setdefault(o.session, []).append(o)
-    checked = lost = 0
-    for session in turns.values():
-        session.sort(key=lambda o: o.at_s)
-        for prev, turn in pairwise(session):
+    for session, chat in turns.items():
+        chat.sort(key=lambda o: o.at_s)
+        for number, (prev, turn) in enumerate(pairwise(chat), start=1):
             if turn.at_s < prev.at_s + prev.e2e_s:
                 continue  # sent while its previous turn still ran
             held = (prev.prompt_tokens or 0) // block_tokens * block_tokens - block_tokens
-            checked += 1
-            lost += (turn.cached_tokens or 0) < held
-    return {"history_turns": checked, "history_lost": lost} if checked else {}
+            yield session, number, turn, held
 
 
 PEERS = ("sglang-router", "vllm-router")

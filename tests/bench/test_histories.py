@@ -10,7 +10,7 @@ import orjson
 
 from bench.replay import Outcome, _one
 from bench.report import table
-from bench.routing_quality import aggregate, lost_histories
+from bench.routing_quality import aggregate, lost_histories, lost_turns
 from bench.workloads import TimedRequest
 from tests.bench.rows import run_row
 
@@ -81,3 +81,18 @@ def test_replay_reads_prompt_and_cached_tokens_from_the_usage_chunk() -> None:
     out = asyncio.run(one())
     assert out.ok and (out.session, out.at_s) == (7, 1.5)
     assert (out.prompt_tokens, out.cached_tokens, out.completion_tokens) == (180, 96, 4)
+
+
+def test_each_lost_turn_says_its_chat_its_place_and_when_it_was_due() -> None:
+    outcomes = [
+        turn(0, 0.0, 100, 0),
+        turn(0, 1.0, 180, 96),
+        turn(0, 2.0, 260, 64),  # the chat's third turn (place 2): needs 160
+        turn(1, 0.5, 100, 0),
+        turn(1, 1.5, 180, 0),  # place 1: needs 80
+    ]
+    assert lost_turns(outcomes, BLOCK) == [
+        {"session": 0, "turn": 2, "at_s": 2.0, "cached": 64, "held": 160},
+        {"session": 1, "turn": 1, "at_s": 1.5, "cached": 0, "held": 80},
+    ]
+    assert lost_turns(outcomes[:2], BLOCK) == []
