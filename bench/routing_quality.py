@@ -420,8 +420,10 @@ new tokens (and a 32-token answer), 1,000 requests at a fixed 20 a second, so hi
 grow to about 6,000 tokens in some 15 rounds: a group's 5 histories (about 28,000 tokens)
 fit one pod's cache (32,768), two piled on one pod outgrow it past mid-run (vLLM: 3
 groups of 3 sessions, 40-token system prompts, 20-30 new tokens a round, 120 requests at
-2 a second; a history starts over as a new session before it passes ~280 tokens).
-Hit ratio: the pods' `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`
+2 a second; a history starts over as a new session before it passes ~280 tokens);
+`lora` (issue 32, on its own pods) 192 chat sessions of 4 turns, 768 requests over 60 s,
+each on one of 16 LoRA adapters drawn with Zipf popularity, an adapter's chats sharing its
+system prompt. Hit ratio: the pods' `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`
 over the run; bound: the same with unlimited cache and perfect routing, from the
 prompts, in blocks of the pods' size at 4 bytes a token (exact for the pseudo-tokenizer;
 the Qwen3 tokenizer of the vLLM pods, and of the simulated pods run for `extproc-precise`,
@@ -434,7 +436,7 @@ and single p99 values are noisy; compare contenders within a run. Chat turns los
 (the pods' `usage.prompt_tokens_details`) are fewer than that turn's whole blocks less one,
 of those checked: a chat moved or evicted. The JSON keeps each run's three slowest TTFTs
 with when they were due and, behind Envoy + extproc, Envoy's spans for each
-(`bench/envoy_timings.py`). docs/routing-quality.md reads the results."""
+(`bench/envoy_timings.py`), and each repetition's lost chat turns (chat, place, due time). docs/routing-quality.md reads the results."""
 
 
 def main() -> None:
