@@ -36,7 +36,7 @@ from contextlib import AbstractContextManager
 from dataclasses import asdict
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench import report
 from bench.bench_pods import PodSet, sim_pod_set, vllm_pod_set
@@ -171,11 +171,9 @@ def lost_histories(outcomes: list[Outcome], block_tokens: int) -> dict[str, int]
     ``cached_tokens`` are fewer, its chat moved to another pod or the pod evicted it.
     Tells a hit-ratio gap made of moved chats from one made of copies of a shared prefix.
     Empty when the workload has no sessions or the pods report no cached tokens."""
-    checked = lost = 0
-    for _, _, turn, held in _checked_turns(outcomes, block_tokens):
-        checked += 1
-        lost += (turn.cached_tokens or 0) < held
-    return {"history_turns": checked, "history_lost": lost} if checked else {}
+    checked = list(_checked_turns(outcomes, block_tokens))
+    lost = sum(t.lost for t in checked)
+    return {"history_turns": len(checked), "history_lost": lost} if checked else {}
 
 
 def lost_turns(outcomes: list[Outcome], block_tokens: int) -> list[dict[str, Any]]:
@@ -183,18 +181,29 @@ def lost_turns(outcomes: list[Outcome], block_tokens: int) -> list[dict[str, Any
     (the first turn is 0), when it was due and the tokens it found and should have: tells
     chats moved at a run's start from moves spread over it."""
     return [
-        {"session": session, "turn": number, "at_s": round(turn.at_s, 2),
-         "cached": turn.cached_tokens or 0, "held": held}
-        for session, number, turn, held in _checked_turns(outcomes, block_tokens)
-        if (turn.cached_tokens or 0) < held
+        {"session": t.session, "turn": t.number, "at_s": round(t.turn.at_s, 2),
+         "cached": t.turn.cached_tokens or 0, "held": t.held}
+        for t in _checked_turns(outcomes, block_tokens)
+        if t.lost
     ]  # fmt: skip
 
 
-def _checked_turns(
-    outcomes: list[Outcome], block_tokens: int
-) -> Iterator[tuple[int, int, Outcome, int]]:
-    """Each chat turn sent after its previous one ended: (chat, place in the chat, the
-    turn, the tokens of its history the pod should hold)."""
+class _CheckedTurn(NamedTuple):
+    """A chat turn sent after its previous one ended."""
+
+    session: int
+    number: int  # its place in the chat (the first turn is 0, never checked)
+    turn: Outcome
+    held: int  # the tokens of its history the pod should hold
+
+    @property
+    def lost(self) -> bool:
+        """It found fewer cached tokens than its history: moved or evicted."""
+        return (self.turn.cached_tokens or 0) < self.held
+
+
+def _checked_turns(outcomes: list[Outcome], block_tokens: int) -> Iterator[_CheckedTurn]:
+    """Each chat turn sent after its previous one ended, with the history it should find."""
     turns: dict[int, list[Outcome]] = {}
     for o in outcomes:
         if o.session is not None and o.prompt_tokens is not None and o.cached_tokens is not None:
@@ -205,7 +214,7 @@ def _checked_turns(
             if turn.at_s < prev.at_s + prev.e2e_s:
                 continue  # sent while its previous turn still ran
             held = (prev.prompt_tokens or 0) // block_tokens * block_tokens - block_tokens
-            yield session, number, turn, held
+            yield _CheckedTurn(session, number, turn, held)
 
 
 PEERS = ("sglang-router", "vllm-router")
