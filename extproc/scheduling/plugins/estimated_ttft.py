@@ -60,6 +60,15 @@ there, and the margin), early while its history is short. Moving makes the new p
 hold its longest prefix, so it does not move back unless the other pod becomes the
 crowded one (``extproc_sessions_moved_total``, and the tokens the moves prefill).
 
+The hold: a request continuing a conversation (returning or on its second turn) goes to
+the pod holding its history, its cost put under every other pod's (``held_cost``), while
+that pod showed no waiting request at its last scrape and the latest prompts of the live
+returning sessions placed there fill less than ``sessionHoldShare`` of its KV cache (no
+hold where the cache size is unknown). Below that, staying costs no cache turnover and
+nothing waits, while a move recomputes the history for certain: the estimate's other
+terms (a write cost, requests routed since the scrape counted as queued) would move it
+for a few ms. Past it, or with a queue, the cost model above decides.
+
 LoRA adapters: a request for an adapter (a model some pod lists among its ``adapters``)
 waits on a pod where the adapter is not active for it to be loaded, and, where every
 slot is taken, for a slot to free (vLLM's ``vllm:lora_requests_info``: ``PodMetrics.lora``,
@@ -208,6 +217,13 @@ class EstimatedTTFTArgs:
     sessionIdleS: float = arg(
         120.0, "Seconds after its latest request a session stops counting as live."
     )
+    sessionHoldShare: float = arg(
+        0.5,
+        "A conversation's request goes to the pod holding its history while that pod "
+        "showed no waiting request at its last scrape and the live returning sessions "
+        "placed there fill less than this share of its KV cache (0: no hold).",
+        within=ZERO_UP,
+    )
     # 50 ms, the simulated pods' (sim.engine's lora_load_ms): a rank-16 adapter of an 8B
     # model, ~80 MB of bf16 safetensors read at ~2 GB/s from the page cache, then copied
     # into the GPU slot. Measure the pods' own and set it.
@@ -309,6 +325,23 @@ def session_weight(mean: float, held_bytes: int, capacity: npt.NDArray[np.float6
     if len(capacity) == 0 or capacity.min() <= 0:
         return 1.0
     return min(1.0, mean * held_bytes / BYTES_PER_TOKEN / float(capacity.sum()))
+
+
+HOLD_MS = 1.0  # the least the hold puts a conversation's pod under the cheapest other
+
+
+def held_cost(cost: float, others: npt.NDArray[np.float64]) -> float:
+    """The held pod's cost (module doc): under the cheapest other pod by ``HOLD_MS`` and a
+    99th of the others' range, so that in whole scores it alone scores 100."""
+    lo, hi = float(others.min()), float(others.max())
+    return min(cost, lo - HOLD_MS - (hi - lo) / 99)
+
+
+def holds(held_bytes: float, capacity_tokens: float, share: float) -> bool:
+    """The hold's cache rule (module doc): the live returning sessions' latest prompts
+    (``held_bytes``) fill less than ``share`` of the pod's KV cache (tokens; none known:
+    no hold)."""
+    return capacity_tokens > 0 and held_bytes / BYTES_PER_TOKEN < share * capacity_tokens
 
 
 def _kv_capacities(pods: Sequence[Pod]) -> npt.NDArray[np.float64]:
@@ -555,10 +588,28 @@ class EstimatedTTFT:
 
     def _own_pod(self, cycle: Cycle) -> PodId | None:
         """The pod the request's session is placed on, if it is a returning one; what
-        the book found stays on the cycle for ``arriving``."""
+        the book found stays on the cycle for ``arriving`` and ``_home``."""
         found = cycle.session_found = self.sessions.lookup(self._session_prompt(cycle))
         pod, returning = self.sessions.session_pod(found.session)
         return pod if returning else None
+
+    def _home(self, cycle: Cycle) -> PodId | None:
+        """The pod holding the request's conversation, returning or not (after
+        ``_own_pod``), when the hold is on."""
+        found = cycle.session_found
+        if self.args.sessionHoldShare <= 0 or self.args.sessionMs <= 0 or found is None:
+            return None
+        return self.sessions.session_pod(found.session)[0]
+
+    def _hold_pod(self, cycle: Cycle, pods: Sequence[Pod]) -> PodId | None:
+        """The pod ``_costs`` ranks first by the hold (module doc), if any."""
+        home = self._home(cycle)
+        pod = next((p for p in pods if p.id == home), None)
+        if pod is None or pod.metrics.waiting > 0:
+            return None
+        held = self.sessions.held_bytes([pod.id])
+        capacity = pod.metrics.kv_capacity_tokens or 0
+        return pod.id if holds(held, capacity, self.args.sessionHoldShare) else None
 
     def _costs(
         self, cycle: Cycle, pods: Sequence[Pod], blocks: Mapping[PodId, int]
@@ -580,6 +631,10 @@ class EstimatedTTFT:
         if lora is not None and len(set(lora.values())) > 1:
             for pod, ms in lora.items():
                 estimates[pod] += ms
+        hold = self._hold_pod(cycle, pods)
+        if hold is not None and len(estimates) > 1:
+            others = np.fromiter((ms for pod, ms in estimates.items() if pod != hold), np.float64)
+            estimates[hold] = held_cost(estimates[hold], others)
         return estimates
 
     def lora_ms(self, cycle: Cycle, pods: Sequence[Pod]) -> dict[PodId, float] | None:
@@ -651,7 +706,14 @@ class EstimatedTTFT:
             terms["session_ms"] = sessions.get(pod_id, 0.0)
             terms["lora_ms"] = lora.get(pod_id, 0.0)
             terms["cost_ms"] = est + terms["session_ms"] + terms["lora_ms"]
+            terms["hold"] = 0.0
             out.append(PodTerms(pod_id, terms))
+        hold = self._hold_pod(cycle, pods)
+        if hold is not None and len(out) > 1:
+            others = np.fromiter((t.terms["cost_ms"] for t in out if t.pod != hold), np.float64)
+            terms = base[hold]
+            terms["hold"] = 1.0
+            terms["cost_ms"] = held_cost(terms["cost_ms"], others)
         return out
 
     def pod_view(self, pod: PodId) -> ViewState:
@@ -713,11 +775,13 @@ class EstimatedTTFT:
         requests, tokens = self.in_flight.counts_at(table.position, len(table))
         written = self.written.relative_rows(table.position, len(table))
         sessions, prices = _NO_SESSIONS, self.prices
+        hold_row = -1
         if a.sessionMs > 0:
             sessions, held_rows = self.sessions.returning_rows(table.position, len(table))
             own = self._own_pod(cycle)
             if own is not None and (row := table.position.get(own)) is not None:
                 sessions[row] -= 1
+            hold_row = self._hold_row(cycle, table, held_rows)
             counts = table.rows(sessions, positions)
             mean = max(1.0, counts.sum() / max(1, len(counts)))
             held_bytes = int(table.rows(held_rows, positions).sum())
@@ -746,8 +810,22 @@ class EstimatedTTFT:
         if lora is not None and len(lora) > 1 and lora.max() > lora.min():
             costs += lora
             scores = _min_max_scores(costs)
+        if hold_row >= 0 and len(costs) > 1:
+            at = np.flatnonzero(positions == hold_row)
+            if len(at):
+                costs[at[0]] = held_cost(costs[at[0]], np.delete(costs, at[0]))
+                scores = _min_max_scores(costs)
         cycle.uncached_rows.append(RowValues(table, positions, uncached))
         return costs, scores, int(blocks.max(initial=0))
+
+    def _hold_row(self, cycle: Cycle, table: PodTable, held_rows: npt.NDArray[np.float64]) -> int:
+        """``_hold_pod``'s row in ``table`` (-1 for none), from the session book's rows."""
+        home = self._home(cycle)
+        row = -1 if home is None else table.position.get(home, -1)
+        if row < 0 or table.waiting[row] > 0:
+            return -1
+        capacity = float(_capacity_rows(table)[row])
+        return row if holds(float(held_rows[row]), capacity, self.args.sessionHoldShare) else -1
 
     @staticmethod
     def _exact_rows(

@@ -49,6 +49,7 @@ def test_the_defaults_are_priced_for_the_h100_8b_engine() -> None:
         "writtenMs": 100.0,
         "sessionMs": 150.0,
         "sessionIdleS": 120.0,
+        "sessionHoldShare": 0.5,
     }
     assert {name: getattr(DEFAULTS, name) for name in expected} == expected
     shipped = ttft_plugin(default_router()).args

@@ -2,7 +2,7 @@
 (``score``: one pod at a time): the same costs, scores, uncached tokens and match ratio, to
 the last bit, on generated tables of pods, in-flight counts, records, arriving prompts and
 conversations (live returning sessions, the request continuing one; the pods' KV cache
-sizes known or not, for the session weight), requests for a LoRA adapter (the pods'
+sizes known or not, for the session weight and the hold), requests for a LoRA adapter (the pods'
 adapter slots), alone or with exact counts (an ``ExactPrefix`` as precise-prefix-cache's,
 some pods without an exact view)."""
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pytest
@@ -106,7 +106,7 @@ def cases(draw: st.DrawFn) -> Case:
             frozenset({"m"}),
             adapters=frozenset({"m"}) if adapter else frozenset(),
             metrics=PodMetrics(
-                waiting=draw(st.integers(0, 12)),
+                waiting=draw(st.just(0) | st.integers(0, 12)),  # none waiting: the hold
                 running=draw(st.integers(0, 40)),
                 lora=draw(LORA_SLOTS),
                 kv_capacity_tokens=draw(capacity),
@@ -139,6 +139,7 @@ def cases(draw: st.DrawFn) -> Case:
         writtenMs=draw(st.sampled_from([300.0, 0.0]) | ms),
         writtenWindow=draw(st.sampled_from([1000, 1]) | st.integers(2, 10**6)),
         sessionMs=draw(st.sampled_from([150.0, 0.0]) | ms),
+        sessionHoldShare=draw(st.sampled_from([0.5, 0.0]) | st.floats(0.0, 2.0)),
         loraLoadMs=draw(st.sampled_from([100.0, 0.0]) | ms),
         loraSlotWaitMs=draw(st.sampled_from([1000.0, 0.0]) | ms),
     )
@@ -218,6 +219,36 @@ def test_table_path_equals_per_pod_path(case: Case) -> None:
     plugin, registry = build(case)
     by_pods, by_table = both_paths(plugin, registry, case)
     assert by_table == by_pods
+
+
+@st.composite
+def held_cases(draw: st.DrawFn) -> tuple[Case, int]:
+    """A case whose request continues conversation 0 on a candidate that the hold keeps
+    (no pod waiting, caches large enough), and that candidate's index."""
+    case = draw(cases())
+    pods = [
+        replace(p, metrics=replace(p.metrics, waiting=0, kv_capacity_tokens=20_000))
+        for p in case.pods
+    ]
+    home = draw(st.sampled_from(case.positions))
+    turns = [*case.turns, (home, 0)]
+    args = replace(case.args, sessionMs=150.0, sessionHoldShare=0.5)
+    held = replace(case, pods=pods, turns=turns, prompt=next_turn(0, turns), args=args)
+    return held, home
+
+
+@settings(max_examples=100, deadline=None)
+@given(held_cases())
+def test_table_path_equals_per_pod_path_with_a_held_conversation(held: tuple[Case, int]) -> None:
+    """The hold on both paths: the conversation's pod alone scores highest, and the paths
+    agree on every other pod's cost too."""
+    case, home = held
+    plugin, registry = build(case)
+    by_pods, by_table = both_paths(plugin, registry, case)
+    assert by_table == by_pods
+    best = max(score for score, *_ in by_table.values())
+    top = [pod for pod, (score, *_) in by_table.items() if score == best]
+    assert top == [case.pods[home].id] or len(case.positions) == 1
 
 
 @pytest.mark.parametrize(

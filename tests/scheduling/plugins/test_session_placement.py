@@ -251,3 +251,43 @@ def test_a_conversation_past_the_hashed_blocks_stays_one_session() -> None:
     for _ in range(4):  # about 11, 33, 55 and 77 KB
         routed.route(talk.next_body(), to=A)
     assert (len(routed.plugin.sessions), routed.sessions()[A]) == (1, 1)
+
+
+@pytest.mark.parametrize("turns_before", [1, 2], ids=["second-turn", "returning"])
+@pytest.mark.parametrize(
+    ("waiting", "capacity", "hold_share", "stays"),
+    [
+        pytest.param(0, 1_000_000, 0.5, True, id="no-queue-and-room-holds"),
+        pytest.param(1, 1_000_000, 0.5, False, id="a-queue-lets-it-move"),
+        # the other conversation's latest prompt (about 180 tokens) fills 9% of 2,000
+        pytest.param(0, 2_000, 0.01, False, id="sessions-fill-the-share-lets-it-move"),
+        pytest.param(0, 1_000_000, 0.0, False, id="hold-off"),
+        pytest.param(0, None, 0.5, False, id="cache-size-unknown"),
+    ],
+)
+def test_a_conversation_holds_its_pod_while_nothing_waits_and_its_cache_has_room(
+    turns_before: int, waiting: int, capacity: int | None, hold_share: float, stays: bool
+) -> None:
+    """Pod a holds another live conversation, and three requests were routed there since
+    its last scrape (counted as queued: 90 ms and their prefill); a has written every
+    prompt so far (the whole write cost): the cost model alone moves the conversation to
+    an idle pod, though a holds its history. The hold keeps it on a while a showed no
+    waiting request and the live returning sessions there fill less than
+    ``sessionHoldShare`` of its cache; a moved conversation is counted as moved."""
+    metrics = PodMetrics(kv_capacity_tokens=capacity)
+    pods = [
+        make_pod("a", metrics=PodMetrics(waiting=waiting, kv_capacity_tokens=capacity)),
+        *(make_pod(name, metrics=metrics) for name in "bcd"),
+    ]
+    a = pods[0].id
+    routed = Routed(EstimatedTTFTArgs(sessionHoldShare=hold_share), pods)
+    crowd(routed, {a: 1}, keyed=False)
+    assert 700 < routed.plugin.sessions.held_bytes([a]) < 800  # about 180 tokens
+    talk = Conversation("subject", TUTOR, turn_bytes=300)
+    for _ in range(turns_before):
+        routed.route(talk.next_body(), to=a)
+    for _ in range(3):
+        routed.in_flight.start(a, 500)
+    picked = routed.route(talk.next_body())
+    assert (picked == a) is stays
+    assert routed.counter(MOVED) == (0 if stays else 1)
