@@ -87,6 +87,9 @@ class Cycle:
     # The session estimated-ttft's book found while scoring, for placing the pick
     # without searching again (``SessionBook.lookup``).
     session_found: Found | None = None
+    # The pod estimated-ttft's hold ranked first where its estimate ranked another, if
+    # any (``extproc_sessions_held_total`` when picked).
+    session_held: PodId | None = None
     _keys: dict[tuple[int, int], Keys] = field(default_factory=dict)
     _num_prompt_bytes: int = -1
 

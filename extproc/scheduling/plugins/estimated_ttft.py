@@ -422,6 +422,13 @@ class EstimatedTTFT:
             "extproc_sessions_moved",
             "Sessions picked for another pod than the one that served their previous request.",
         )
+        self.sessions_held = shared_metric(
+            registry,
+            Counter,
+            "extproc_sessions_held",
+            "Requests of a conversation picked for the pod holding its history by the hold "
+            "(sessionHoldShare) where the estimate alone ranked another pod first.",
+        )
         self.moved_tokens = shared_metric(
             registry,
             Counter,
@@ -632,8 +639,11 @@ class EstimatedTTFT:
             for pod, ms in lora.items():
                 estimates[pod] += ms
         hold = self._hold_pod(cycle, pods)
+        cycle.session_held = None
         if hold is not None and len(estimates) > 1:
             others = np.fromiter((ms for pod, ms in estimates.items() if pod != hold), np.float64)
+            if estimates[hold] >= others.min():
+                cycle.session_held = hold
             estimates[hold] = held_cost(estimates[hold], others)
         return estimates
 
@@ -810,10 +820,14 @@ class EstimatedTTFT:
         if lora is not None and len(lora) > 1 and lora.max() > lora.min():
             costs += lora
             scores = _min_max_scores(costs)
+        cycle.session_held = None
         if hold_row >= 0 and len(costs) > 1:
             at = np.flatnonzero(positions == hold_row)
             if len(at):
-                costs[at[0]] = held_cost(costs[at[0]], np.delete(costs, at[0]))
+                others = np.delete(costs, at[0])
+                if costs[at[0]] >= others.min():
+                    cycle.session_held = table.ids[hold_row]
+                costs[at[0]] = held_cost(costs[at[0]], others)
                 scores = _min_max_scores(costs)
         cycle.uncached_rows.append(RowValues(table, positions, uncached))
         return costs, scores, int(blocks.max(initial=0))
@@ -864,6 +878,8 @@ class EstimatedTTFT:
             self.arrivals.add(keys, pod)
         self.routed.arriving(cycle.request.model, pod)
         placed = self.sessions.place(self._session_prompt(cycle), pod, cycle.session_found)
+        if cycle.session_held == pod:
+            self.sessions_held.inc()
         if placed.moved_from is not None and cycle.num_prompt_bytes > 0:  # ours, not a replica's
             self.sessions_moved.inc()
             self.moved_tokens.inc(cycle.num_prefill_tokens(pod))

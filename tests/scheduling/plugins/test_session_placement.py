@@ -28,6 +28,7 @@ PODS = [make_pod(name) for name in "abcd"]  # idle snapshots: equal load
 A, B, C, D = (pod.id for pod in PODS)
 MOVED = "extproc_sessions_moved_total"
 MOVED_TOKENS = "extproc_sessions_moved_recomputed_tokens_total"
+HELD = "extproc_sessions_held_total"
 
 
 def filler(label: str, num_bytes: int) -> str:
@@ -273,7 +274,8 @@ def test_a_conversation_holds_its_pod_while_nothing_waits_and_its_cache_has_room
     prompt so far (the whole write cost): the cost model alone moves the conversation to
     an idle pod, though a holds its history. The hold keeps it on a while a showed no
     waiting request and the live returning sessions there fill less than
-    ``sessionHoldShare`` of its cache; a moved conversation is counted as moved."""
+    ``sessionHoldShare`` of its cache (``explain`` says so), and counts it as held; a
+    moved conversation is counted as moved."""
     metrics = PodMetrics(kv_capacity_tokens=capacity)
     pods = [
         make_pod("a", metrics=PodMetrics(waiting=waiting, kv_capacity_tokens=capacity)),
@@ -288,6 +290,13 @@ def test_a_conversation_holds_its_pod_while_nothing_waits_and_its_cache_has_room
         routed.route(talk.next_body(), to=a)
     for _ in range(3):
         routed.in_flight.start(a, 500)
-    picked = routed.route(talk.next_body())
+    body = talk.next_body()
+    explained = {t.pod: t.terms for t in routed.plugin.explain(cycle(body, None), pods)}
+    assert [pod for pod, terms in explained.items() if terms["hold"]] == ([a] if stays else [])
+    cheapest = min(explained, key=lambda pod: explained[pod]["cost_ms"])
+    held, moved = routed.counter(HELD), routed.counter(MOVED)
+    picked = routed.route(body)
+    assert picked == cheapest
     assert (picked == a) is stays
-    assert routed.counter(MOVED) == (0 if stays else 1)
+    counted = (routed.counter(HELD) - held, routed.counter(MOVED) - moved)
+    assert counted == ((1, 0) if stays else (0, 1))
