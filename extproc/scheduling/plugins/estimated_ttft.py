@@ -332,7 +332,7 @@ HOLD_MS = 1.0  # the least the hold puts a conversation's pod under the cheapest
 
 def held_cost(cost: float, others: npt.NDArray[np.float64]) -> float:
     """The held pod's cost (module doc): under the cheapest other pod by ``HOLD_MS`` and a
-    99th of the others' range, so that in whole scores it alone scores 100."""
+    99th of the others' range, so that in whole scores it alone scores highest."""
     lo, hi = float(others.min()), float(others.max())
     return min(cost, lo - HOLD_MS - (hi - lo) / 99)
 
