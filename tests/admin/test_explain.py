@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -156,6 +158,18 @@ def test_cost_terms_are_the_costs_the_plugin_scores_from() -> None:
         by_id[warm]["predicted_cached_tokens"]
         == by_id[warm]["cost"]["estimated-ttft"]["cached_tokens"]
     )
+
+
+ADMIN_PAGE = Path(__file__).resolve().parents[2] / "docs" / "operations" / "admin.md"
+
+
+def test_the_admin_page_shows_every_cost_term() -> None:
+    """docs/operations/admin.md's example answer names the cost terms explain gives."""
+    example = re.search(r'"estimated-ttft": \{\n(.*?)\n\s*\}', ADMIN_PAGE.read_text(), re.S)
+    assert example is not None, "admin.md lost its example of the cost terms"
+    documented = set(re.findall(r'"(\w+)":', example.group(1)))
+    answer = explain_pick(make_router(), PATH, chat("q"))
+    assert documented == set(answer["pods"][0]["cost"]["estimated-ttft"])
 
 
 def test_equal_pods_are_said_to_tie() -> None:
