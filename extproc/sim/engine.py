@@ -246,6 +246,11 @@ class EngineStats:
     num_steps: int
     num_preemptions: int = 0
     num_lora_loads: int = 0  # adapters brought into a GPU slot (sim:lora_loads_total)
+    # Running and waiting at the end of the last step, what vLLM's gauges report: its
+    # SchedulerStats are made after each step's scheduling, so a request that arrived
+    # since is not counted waiting until a step has passed it over.
+    step_running: int = 0
+    step_waiting: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -283,6 +288,7 @@ class Engine:
         self._queries = self._hits = self._num_preemptions = 0
         self._num_finished = self._num_prompt_tokens = self._num_generation_tokens = 0
         self._num_steps = 0
+        self._step_counts = (0, 0)  # (running, waiting) at the end of the last step
         self.lora_slots = AdapterSlots(self.config.max_loras)
         self._num_lora_loads = 0
         # vLLM 0.32's LoRARequestStates: adapter -> its requests that have sampled a token
@@ -378,6 +384,7 @@ class Engine:
         self.clock = end
         self._num_steps += 1
         outputs, finished = self._sample(scheduled, end)
+        self._step_counts = (len(self._running), len(self._waiting))
         return StepResult(
             start,
             end,
@@ -626,4 +633,6 @@ class Engine:
             num_steps=self._num_steps,
             num_preemptions=self._num_preemptions,
             num_lora_loads=self._num_lora_loads,
+            step_running=self._step_counts[0],
+            step_waiting=self._step_counts[1],
         )

@@ -205,3 +205,21 @@ def test_events_are_not_kept_unless_enabled() -> None:
     engine = Engine()
     run_alone(engine, make_sim_request(seq(1, 40)))
     assert engine.take_kv_events() == []
+
+
+def test_running_and_waiting_as_vllms_gauges_report_them_at_the_end_of_the_last_step() -> None:
+    """A request that arrived since the last step is not yet waiting in the gauges (vLLM
+    makes its SchedulerStats after scheduling); one the step passed over is."""
+    engine = Engine(dataclasses.replace(TIMED, max_num_seqs=1))
+    a, b = make_sim_request(seq(1, 8), max_tokens=5), make_sim_request(seq(2, 8), max_tokens=5)
+    engine.add_request(a, 0.0)
+    stats = engine.stats()
+    assert (stats.num_waiting, stats.step_running, stats.step_waiting) == (1, 0, 0)
+    engine.step(0.0)
+    engine.add_request(b, engine.clock)
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting) == (1, 1)
+    assert (stats.step_running, stats.step_waiting) == (1, 0)
+    engine.step(engine.clock)  # max_num_seqs 1: b passed over
+    stats = engine.stats()
+    assert (stats.step_running, stats.step_waiting) == (1, 1)
