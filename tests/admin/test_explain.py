@@ -165,7 +165,7 @@ ADMIN_PAGE = Path(__file__).resolve().parents[2] / "docs" / "operations" / "admi
 
 def test_the_admin_page_shows_every_cost_term() -> None:
     """docs/operations/admin.md's example answer names the cost terms explain gives."""
-    example = re.search(r'"estimated-ttft": \{\n(.*?)\n\s*\}', ADMIN_PAGE.read_text(), re.S)
+    example = re.search(r'"estimated-ttft": \{\n(.*?)\n\s*\}', ADMIN_PAGE.read_text(), re.DOTALL)
     assert example is not None, "admin.md lost its example of the cost terms"
     documented = set(re.findall(r'"(\w+)":', example.group(1)))
     answer = explain_pick(make_router(), PATH, chat("q"))
