@@ -14,6 +14,7 @@ gRPC core behind real Envoy): quick to run, and ``--profile`` says where the tim
 
     python -m bench.hot_path                          # 8 KB chat prompts, 16 pods
     python -m bench.hot_path --prompt-kb 220 --pods 1000 --profile
+    python -m bench.hot_path --in-flight 16     # each request ended 16 requests later
     python -m bench.hot_path --flame docs/img/hot-path-flame.svg   # py-spy's flame graph
 """
 
@@ -26,6 +27,7 @@ import pstats
 import statistics
 import tempfile
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
@@ -65,12 +67,20 @@ def make_pods(num_pods: int) -> list[Pod]:
     ]
 
 
-def make_router(num_pods: int, registry: CollectorRegistry, config_text: str) -> Router:
-    """The router ``extproc serve`` builds with its defaults, over instant pods."""
+def make_router(
+    num_pods: int, registry: CollectorRegistry, config_text: str, pod_in_flight: int = 1
+) -> Router:
+    """The router ``extproc serve`` builds with its defaults, over instant pods, each
+    taking up to ``pod_in_flight`` requests before flow control holds the next (unscraped
+    pods count only extproc's in-flight requests: ``maxWaiting``)."""
     in_flight = InFlight()
     config = parse_config(config_text, "bench.hot_path")
     scheduler = build_scheduler(config, registry, in_flight, SessionStore(ttl_s=600))
-    flow = replace(parse_flow_control(config.flow_control, config.source), scraped=False)
+    flow = replace(
+        parse_flow_control(config.flow_control, config.source),
+        scraped=False,
+        max_waiting=max(1, pod_in_flight),
+    )
     router = Router(
         scheduler,
         make_pods(num_pods),
@@ -104,7 +114,9 @@ def log_message(request_id: str, served: str, metadata: struct_pb2.Struct | None
 
 
 class HotPath:
-    """Requests over ``num_prefixes`` prompts of ``prompt_bytes``, each routed and ended."""
+    """Requests over ``num_prefixes`` prompts of ``prompt_bytes``, each routed and ended
+    ``in_flight`` requests later (0: at once), as under load with that many requests in
+    flight."""
 
     def __init__(
         self,
@@ -112,15 +124,20 @@ class HotPath:
         prompt_bytes: int,
         num_prefixes: int,
         config_text: str | None = None,
+        in_flight: int = 0,
     ) -> None:
         """``config_text``: the scheduler configuration (default: the shipped one)."""
         self.registry = CollectorRegistry()
-        self.router = make_router(num_pods, self.registry, config_text or default_config_text())
+        self.router = make_router(
+            num_pods, self.registry, config_text or default_config_text(), in_flight + 1
+        )
         self.routes = RouteHandler(self.router)
         self.logs = AccessLogHandler(self.router)
         head, tail = chat_body(prompt_bytes).split(ID_MARK.encode())
         self.bodies = [head + f"{i:08d}".encode() + tail for i in range(num_prefixes)]
         self.next_id = 0
+        self.in_flight = in_flight
+        self._unended: deque[bytes] = deque()
 
     def one_request(self) -> None:
         n = self.next_id
@@ -139,10 +156,13 @@ class HotPath:
             .struct_value.fields["x-gateway-destination-endpoint"]
             .string_value.split(",")[0]
         )
-        self._ended = als_pb2.StreamAccessLogsMessage.FromString(
-            log_message(request_id, served, reply.dynamic_metadata)
-        )
-        self.logs.complete(self._ended)
+        self._unended.append(log_message(request_id, served, reply.dynamic_metadata))
+        if len(self._unended) > self.in_flight:
+            self.end_oldest()
+
+    def end_oldest(self) -> None:
+        """The access log of the oldest request not ended yet."""
+        self.logs.complete(als_pb2.StreamAccessLogsMessage.FromString(self._unended.popleft()))
 
 
 def flame(path: HotPath, out: Path, seconds: float) -> None:
@@ -164,6 +184,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument(
+        "--in-flight", type=int, default=0, help="requests routed and not ended yet, as under load"
+    )
+    parser.add_argument(
         "--precise",
         type=Path,
         metavar="MODEL_DIR",
@@ -178,7 +201,7 @@ def main() -> None:
     if args.precise is not None:
         with tempfile.TemporaryDirectory() as work_dir:
             config_text = precise_config(args.precise, Path(work_dir)).read_text()
-    path = HotPath(args.pods, args.prompt_kb * 1024, args.prefixes, config_text)
+    path = HotPath(args.pods, args.prompt_kb * 1024, args.prefixes, config_text, args.in_flight)
     for _ in range(2 * args.prefixes):
         path.one_request()
     samples = []

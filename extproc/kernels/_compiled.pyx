@@ -3,6 +3,7 @@
 
 from cykhash.khashmaps cimport Int64toInt64Map
 from libc.stdint cimport int64_t
+from libc.stdlib cimport calloc, free
 
 from xxhash import xxh3_64_intdigest
 
@@ -32,6 +33,31 @@ def deepest_held(const int64_t[:, ::1] masks, const int64_t[::1] first_slots,
                     if place >= 0:
                         out[place] = i + 1
             i -= 1
+
+
+def arriving_blocks(const int64_t[:, ::1] keys, const int64_t[::1] lengths,
+                    const int64_t[::1] slots, Py_ssize_t num_rows, const int64_t[:] prompt,
+                    Py_ssize_t num_slots):
+    """``pure.arriving_blocks``: each row walked to its first difference."""
+    cdef int64_t *longest = <int64_t *>calloc(max(1, num_slots), sizeof(int64_t))
+    if longest == NULL:
+        raise MemoryError()
+    cdef Py_ssize_t row, i, end
+    cdef dict found = {}
+    try:
+        for row in range(num_rows):
+            end = min(lengths[row], prompt.shape[0])
+            i = 0
+            while i < end and keys[row, i] == prompt[i]:
+                i += 1
+            if i > longest[slots[row]]:
+                longest[slots[row]] = i
+        for i in range(num_slots):
+            if longest[i]:
+                found[i] = longest[i]
+    finally:
+        free(longest)
+    return found
 
 
 def ttft_costs(const int64_t[::1] held, tuple prompt, const int64_t[::1] positions,
@@ -119,4 +145,4 @@ def chain_xxh3(bytes data, Py_ssize_t step, Py_ssize_t num, root, bytes first_ex
     return keys
 
 
-KERNELS = Kernels(deepest_held, ttft_costs, put_all, discard_all, chain_xxh3)
+KERNELS = Kernels(deepest_held, arriving_blocks, ttft_costs, put_all, discard_all, chain_xxh3)

@@ -34,6 +34,22 @@ def deepest_held(masks: Masks, first_slots: Keys, places: Keys, out: Keys) -> No
     out[at[found]] = block_idx[match_idx][found] + 1
 
 
+def arriving_blocks(
+    keys: Masks, lengths: Keys, slots: Keys, num_rows: int, prompt: Keys, num_slots: int
+) -> dict[int, int]:
+    """Per slot below ``num_slots``, the most leading blocks ``prompt`` shares with a row
+    sent to it (row ``r`` of the first ``num_rows``: its first ``lengths[r]`` keys, sent
+    to ``slots[r]``); only slots sharing one or more, in slot order."""
+    n = num_rows
+    width = min(keys.shape[1], len(prompt))
+    equal = keys[:n, :width] == prompt[:width]
+    first_difference = np.where(equal.all(axis=1), width, equal.argmin(axis=1))
+    longest = np.zeros(num_slots, dtype=np.int64)
+    np.maximum.at(longest, slots[:n], np.minimum(first_difference, lengths[:n]))
+    found = np.flatnonzero(longest)
+    return dict(zip(found.tolist(), longest[found].tolist(), strict=True))
+
+
 def put_all(table: Int64toInt64Map, keys: Keys, values: Keys) -> None:
     """``table[keys[i]] = values[i]`` for each ``i`` (keys distinct): a map of the pairs
     built, then merged, as cykhash offers no batch insert of its own."""
@@ -142,10 +158,11 @@ class Kernels(NamedTuple):
     ``tests/kernels`` calls both the same way)."""
 
     deepest_held: Callable[[Masks, Keys, Keys, Keys], None]
+    arriving_blocks: Callable[[Masks, Keys, Keys, int, Keys, int], dict[int, int]]
     ttft_costs: Callable[..., None]  # ``ttft_costs``'s parameters
     put_all: Callable[[Int64toInt64Map, Keys, Keys], None]
     discard_all: Callable[[Int64toInt64Map, Keys], None]
     chain_xxh3: Callable[[bytes, int, int, int, bytes, bytes], list[int]]
 
 
-KERNELS = Kernels(deepest_held, ttft_costs, put_all, discard_all, chain_xxh3)
+KERNELS = Kernels(deepest_held, arriving_blocks, ttft_costs, put_all, discard_all, chain_xxh3)

@@ -75,6 +75,39 @@ def test_deepest_held_finds_each_slots_last_block() -> None:
 
 
 @given(
+    num_rows=st.integers(0, 12),
+    width=st.integers(1, 10),
+    prompt_length=st.integers(1, 14),
+    num_slots=st.integers(1, 5),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_arriving_blocks_are_the_same_compiled_and_pure(
+    num_rows: int, width: int, prompt_length: int, num_slots: int, seed: int
+) -> None:
+    """Rows of keys from a small alphabet, so that they share prefixes of every length
+    with the prompt, and rows beyond ``num_rows`` that must not count."""
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(0, 2, (num_rows + 2, width), dtype=np.int64)
+    lengths = rng.integers(1, width + 1, num_rows + 2)
+    slots = rng.integers(0, num_slots, num_rows + 2)
+    prompt = rng.integers(0, 2, prompt_length, dtype=np.int64)
+    found = [
+        implementation.arriving_blocks(keys, lengths, slots, num_rows, prompt, num_slots)
+        for implementation in (pure.KERNELS, compiled_kernels())
+    ]
+    assert found[0] == found[1]
+    assert list(found[1]) == sorted(found[1])  # in slot order
+    for slot, blocks in found[1].items():  # a row of that slot shares exactly so many
+        shared = [
+            next((i for i in range(n) if keys[r, i] != prompt[i]), n)
+            for r in range(num_rows)
+            if slots[r] == slot
+            for n in [min(int(lengths[r]), prompt_length)]
+        ]
+        assert blocks == max(shared) > 0
+
+
+@given(
     num_rows=st.integers(1, 40),
     seed=st.integers(0, 2**32 - 1),
     prices=st.tuples(

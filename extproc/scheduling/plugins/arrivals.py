@@ -4,10 +4,10 @@ provisional credit).
 Each routed prompt is one row of its block keys, kept until its request ends. Hashes are
 chained, so two prompts share a prefix only if their first blocks are equal, and the
 prefix they share is then the run of equal keys from the start. Rows are grouped by their
-first block, and a lookup compares the prompt with its group's rows in one NumPy pass
-(rows x blocks): picking a request costs one array write whatever the prompt's length,
-ending it a dict lookup (its row by slot, length and last key), and a lookup grows with
-the requests in flight that share its first block, not with the pods.
+first block, and a lookup compares the prompt with its group's rows in one kernel call
+(``kernels.arriving_blocks``): picking a request costs one array write whatever the
+prompt's length, ending it a dict lookup (its row by slot, length and last key), and a
+lookup grows with the requests in flight that share its first block, not with the pods.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from collections.abc import Container
 import numpy as np
 import numpy.typing as npt
 
+from extproc.kernels import arriving_blocks
 from extproc.pods import PodId
 from extproc.prefix.hashing import Keys
 
 MIN_ROWS = 4
-SMALL_GROUP = 16  # rows up to which a match folds them in Python (beyond: NumPy)
 
 
 class _Group:
@@ -81,27 +81,6 @@ class _Group:
         self.rows_of = {}
         for row in range(n):
             self.rows_of.setdefault(self._ident(row), []).append(row)
-
-    def shared_blocks(self, keys: Keys) -> npt.NDArray[np.int64]:
-        """Per row, the number of leading blocks it shares with ``keys``."""
-        n = self.num_rows
-        width = min(self.keys.shape[1], len(keys))
-        equal = self.keys[:n, :width] == keys[:width]
-        first_difference = np.where(equal.all(axis=1), width, equal.argmin(axis=1))
-        return np.minimum(first_difference, self.lengths[:n])
-
-    def shared_blocks_list(self, keys: Keys) -> list[int]:
-        """``shared_blocks`` in fewer array calls, as a list (for a few rows)."""
-        n = self.num_rows
-        width = min(self.keys.shape[1], len(keys))
-        equal = self.keys[:n, :width] == keys[:width]
-        first_difference = equal.argmin(axis=1).tolist()  # 0 where every block is equal
-        whole = equal[:, 0].tolist()  # then the first is equal
-        lengths = self.lengths[:n].tolist()
-        return [
-            min(width if (at == 0 and same) else at, length)
-            for at, same, length in zip(first_difference, whole, lengths, strict=True)
-        ]
 
     def _ident(self, row: int) -> tuple[int, int, int]:
         length = int(self.lengths[row])
@@ -195,22 +174,11 @@ class Arrivals:
             group = self._groups.get(int(keys[0]))
             if group is None:
                 return {}
-            if group.num_rows > SMALL_GROUP:
-                return self._match_many(group, keys)
-            longest: dict[int, int] = {}  # slot -> blocks
-            slots = group.slots[: group.num_rows].tolist()
-            for slot, shared in zip(slots, group.shared_blocks_list(keys), strict=True):
-                if shared > longest.get(slot, 0):
-                    longest[slot] = shared
-            return {self._pod_of[slot]: longest[slot] for slot in sorted(longest)}
-
-    def _match_many(self, group: _Group, keys: Keys) -> dict[PodId, int]:
-        """``match`` on a large group: one array pass (the lock held)."""
-        longest = np.zeros(len(self._rows_of), dtype=np.int64)
-        np.maximum.at(longest, group.slots[: group.num_rows], group.shared_blocks(keys))
-        found = np.flatnonzero(longest)
-        pods = map(self._pod_of.__getitem__, found.tolist())
-        return dict(zip(pods, longest[found].tolist(), strict=True))
+            longest = arriving_blocks(
+                group.keys, group.lengths, group.slots, group.num_rows, keys, len(self._rows_of)
+            )
+            pod_of = self._pod_of
+            return {pod_of[slot]: blocks for slot, blocks in longest.items()}
 
     def forget_pods(self, keep: Container[PodId]) -> None:
         """Drop the prompts of every pod not in ``keep``."""

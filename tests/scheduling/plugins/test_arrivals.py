@@ -7,14 +7,12 @@ chained hashes never produce) occur and must be removed in the same order."""
 from __future__ import annotations
 
 from collections.abc import Container
-from unittest import mock
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.pods import PodId
-from extproc.scheduling.plugins import arrivals as arrivals_module
 from extproc.scheduling.plugins.arrivals import MIN_ROWS, Arrivals
 
 PODS = [PodId("ns", f"pod-{i}") for i in range(3)]
@@ -69,13 +67,11 @@ operations = st.lists(
 
 
 @settings(max_examples=300, deadline=None)
-@given(operations, st.lists(key_lists, min_size=1, max_size=4), st.sampled_from([0, 2, 100]))
+@given(operations, st.lists(key_lists, min_size=1, max_size=4))
 def test_arrivals_match_the_model_of_their_rows(
-    ops: list[tuple[str, object, PodId]], queries: list[tuple[int, ...]], small_group: int
+    ops: list[tuple[str, object, PodId]], queries: list[tuple[int, ...]]
 ) -> None:
-    """Whichever way a match folds the rows (in Python up to ``small_group``)."""
-    with mock.patch.object(arrivals_module, "SMALL_GROUP", small_group):
-        check_against_the_model(ops, queries)
+    check_against_the_model(ops, queries)
 
 
 def check_against_the_model(
