@@ -7,7 +7,7 @@ from libc.stdlib cimport calloc, free
 
 from xxhash import xxh3_64_intdigest
 
-from extproc.kernels.pure import Kernels
+from extproc.kernels.pure import BYTES_PER_TOKEN, Kernels
 
 
 cdef extern from *:
@@ -63,7 +63,8 @@ def arriving_blocks(const int64_t[:, ::1] keys, const int64_t[::1] lengths,
 def ttft_costs(const int64_t[::1] held, tuple prompt, const int64_t[::1] positions,
                const int64_t[::1] requests, const int64_t[::1] tokens,
                const int64_t[::1] waiting, const int64_t[::1] running,
-               const double[::1] written, const double[::1] sessions, prices,
+               const double[::1] written, const double[::1] sessions,
+               const double[::1] session_bytes, const double[::1] capacity, prices,
                int64_t[::1] uncached_out, double[::1] costs_out, int64_t[::1] scores_out):
     """``pure.ttft_costs``: the same float operations in the same order, a row at a time
     (``-ffp-contract=off``: no fused multiply-add)."""
@@ -74,6 +75,8 @@ def ttft_costs(const int64_t[::1] held, tuple prompt, const int64_t[::1] positio
     cdef Py_ssize_t n = positions.shape[0], i
     cdef int64_t row, in_flight, queued, longest = 0
     cdef double mean, most = 0.0, scale, total = 0.0, est, low, high
+    cdef double held_bytes = 0.0, capacity_sum = 0.0, capacity_min = 0.0, weight
+    cdef double bytes_per_token = BYTES_PER_TOKEN
     for i in range(n):
         row = positions[i]
         uncached_out[i] = -((held[i] - units) // units_per_token)  # floor, as Python
@@ -91,6 +94,10 @@ def ttft_costs(const int64_t[::1] held, tuple prompt, const int64_t[::1] positio
             longest = held[i]
         if session_ms > 0:
             total += sessions[row]
+            held_bytes += session_bytes[row]
+            capacity_sum += capacity[row]
+            if i == 0 or capacity[row] < capacity_min:
+                capacity_min = capacity[row]
     if most > 0:
         scale = written_ms / (most * <double>max(1, num_tokens))
         for i in range(n):
@@ -103,6 +110,10 @@ def ttft_costs(const int64_t[::1] held, tuple prompt, const int64_t[::1] positio
                 costs_out[i] = est - margin if est - margin <= low else low
     if session_ms > 0:
         scale = max(1.0, total / <double>max(1, n))
+        if n > 0 and capacity_min > 0:  # pure.session_weight
+            weight = min(1.0, scale * held_bytes / bytes_per_token / capacity_sum)
+            if weight < 1.0:
+                session_ms = session_ms * weight
         for i in range(n):
             costs_out[i] += session_ms * sessions[positions[i]] / scale
     if n == 0:

@@ -77,6 +77,19 @@ def chain_xxh3(
     return keys
 
 
+BYTES_PER_TOKEN = 4  # the usual estimate for English text and code with BPE tokenizers
+
+
+def session_weight(mean: float, held_bytes: int, capacity: Floats) -> float:
+    """``min(1, mean * share)`` (estimated-ttft's module doc): ``mean`` live returning
+    sessions per candidate, ``share`` the part of the candidates' KV caches (``capacity``:
+    tokens per candidate, 0 where unknown) their latest prompts (``held_bytes``) fill; 1
+    when a candidate's cache size is unknown."""
+    if len(capacity) == 0 or capacity.min() <= 0:
+        return 1.0
+    return min(1.0, mean * held_bytes / BYTES_PER_TOKEN / float(capacity.sum()))
+
+
 class Prices(NamedTuple):
     """estimated-ttft's prices (``scheduling.plugins.estimated_ttft``'s arguments)."""
 
@@ -100,6 +113,8 @@ def ttft_costs(
     running: Keys,
     written: Floats,
     sessions: Floats,
+    session_bytes: Floats,
+    capacity: Floats,
     prices: Prices,
     uncached_out: Keys,
     costs_out: Floats,
@@ -111,9 +126,12 @@ def ttft_costs(
     ``held``: per candidate, the prompt units it holds; ``prompt``: the prompt's units,
     units per token and tokens; ``positions``: the candidates' rows of the pod table, whose
     columns are ``requests``/``tokens`` (in flight), ``waiting``/``running`` (scraped),
-    ``written`` (relative tokens written) and ``sessions`` (returning sessions placed,
-    the request's own left out; read only with a session price). Out: each candidate's
-    uncached tokens, cost and score."""
+    ``written`` (relative tokens written), ``sessions`` (returning sessions placed, the
+    request's own left out), ``session_bytes`` (their latest prompts' bytes) and
+    ``capacity`` (KV cache tokens, 0 where unknown); the last three are read only with a
+    session price, which ``session_weight`` scales. ``sessions``, ``session_bytes`` and
+    ``capacity`` hold whole numbers (below 2**53), so their sums are exact in any order.
+    Out: each candidate's uncached tokens, cost and score."""
     p = prices
     units, units_per_token, num_tokens = prompt
     uncached = -((held - units) // units_per_token)
@@ -141,7 +159,10 @@ def ttft_costs(
         costs[affinity] = np.minimum(est - p.affinity_margin_ms, est / p.affinity_ratio)
     if p.session_ms > 0:
         counts = sessions[positions]
-        costs += p.session_ms * counts / max(1.0, counts.sum() / max(1, len(counts)))
+        mean = max(1.0, counts.sum() / max(1, len(counts)))
+        weight = session_weight(mean, int(session_bytes[positions].sum()), capacity[positions])
+        price = p.session_ms * weight if weight < 1.0 else p.session_ms
+        costs += price * counts / mean
     uncached_out[:] = uncached
     costs_out[:] = costs
     if not len(costs):

@@ -40,6 +40,7 @@ import numpy as np
 import numpy.typing as npt
 from prometheus_client import CollectorRegistry
 
+from extproc.kernels import pure as pure_kernels
 from extproc.pods import Pod, PodId
 from extproc.prefix.hashing import Keys, prompt_keys
 from extproc.request.parse import Api, InferenceRequest
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
 
 Scores = npt.NDArray[np.int64]  # one score per row of the ``Positions`` scored
 
-BYTES_PER_TOKEN = 4  # the usual estimate for English text and code with BPE tokenizers
+BYTES_PER_TOKEN = pure_kernels.BYTES_PER_TOKEN  # defined with the kernels, which use it too
 
 
 @dataclass(slots=True)

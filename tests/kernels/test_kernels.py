@@ -139,6 +139,9 @@ def test_ttft_costs_are_the_same_compiled_and_pure(
         rng.integers(0, 24, num_rows),  # running
         rng.random(num_rows) * rng.integers(0, 2),  # written (sometimes none)
         rng.integers(0, 5, num_rows).astype(np.float64),  # returning sessions
+        rng.integers(0, 40_000, num_rows).astype(np.float64),  # their prompts' bytes
+        # KV cache tokens: sometimes one unknown (0), sometimes small enough to weigh
+        rng.integers(0 if rng.random() < 0.2 else 1, 60_000, num_rows).astype(np.float64),
     )
     outs = []
     for implementation in (pure.KERNELS, compiled_kernels()):

@@ -132,7 +132,7 @@ import numpy.typing as npt
 from prometheus_client import Counter, Gauge
 
 from extproc.kernels import ttft_costs
-from extproc.kernels.pure import Prices
+from extproc.kernels.pure import Prices, session_weight
 from extproc.pods import LoraSlots, Pod, PodId
 from extproc.prefix.hashing import Keys
 from extproc.prefix.index import PrefixIndex
@@ -315,16 +315,6 @@ class Written:
         with self._lock:
             self._pods = {pod: v for pod, v in self._pods.items() if pod in keep}
             self._rows = None
-
-
-def session_weight(mean: float, held_bytes: int, capacity: npt.NDArray[np.float64]) -> float:
-    """``min(1, mean * share)`` (module doc): ``mean`` live returning sessions per
-    candidate, ``share`` the part of the candidates' KV caches (``capacity``: tokens per
-    candidate, 0 where unknown) their latest prompts (``held_bytes``) fill; 1 when a
-    candidate's cache size is unknown."""
-    if len(capacity) == 0 or capacity.min() <= 0:
-        return 1.0
-    return min(1.0, mean * held_bytes / BYTES_PER_TOKEN / float(capacity.sum()))
 
 
 HOLD_MS = 1.0  # the least the hold puts a conversation's pod under the cheapest other
@@ -784,7 +774,7 @@ class EstimatedTTFT:
             length, held = self._exact_rows(exact, table, positions, held, num_bytes)
         requests, tokens = self.in_flight.counts_at(table.position, len(table))
         written = self.written.relative_rows(table.position, len(table))
-        sessions, prices = _NO_SESSIONS, self.prices
+        sessions = held_rows = capacity = _NO_SESSIONS
         hold_row = -1
         if a.sessionMs > 0:
             sessions, held_rows = self.sessions.returning_rows(table.position, len(table))
@@ -792,12 +782,7 @@ class EstimatedTTFT:
             if own is not None and (row := table.position.get(own)) is not None:
                 sessions[row] -= 1
             hold_row = self._hold_row(cycle, table, held_rows)
-            counts = table.rows(sessions, positions)
-            mean = max(1.0, counts.sum() / max(1, len(counts)))
-            held_bytes = int(table.rows(held_rows, positions).sum())
-            weight = session_weight(mean, held_bytes, table.rows(_capacity_rows(table), positions))
-            if weight < 1.0:
-                prices = prices._replace(session_ms=a.sessionMs * weight)
+            capacity = _capacity_rows(table)
         uncached = np.empty(len(positions), dtype=np.int64)
         costs = np.empty(len(positions), dtype=np.float64)
         scores = np.empty(len(positions), dtype=np.int64)
@@ -811,7 +796,9 @@ class EstimatedTTFT:
             table.running,
             written,
             sessions,
-            prices,
+            held_rows,
+            capacity,
+            self.prices,
             uncached,
             costs,
             scores,
