@@ -34,6 +34,7 @@ def _select() -> tuple[str, pure.Kernels]:
 IMPLEMENTATION, KERNELS = _select()
 deepest_held = KERNELS.deepest_held
 arriving_blocks = KERNELS.arriving_blocks
+rank_few = KERNELS.rank_few
 ttft_costs = KERNELS.ttft_costs
 put_all = KERNELS.put_all
 discard_all = KERNELS.discard_all

@@ -5,6 +5,7 @@ from cykhash.khashmaps cimport Int64toInt64Map
 from libc.stdint cimport int64_t
 from libc.stdlib cimport calloc, free
 
+import numpy as np
 from xxhash import xxh3_64_intdigest
 
 from extproc.kernels.pure import BYTES_PER_TOKEN, Kernels
@@ -58,6 +59,61 @@ def arriving_blocks(const int64_t[:, ::1] keys, const int64_t[::1] lengths,
     finally:
         free(longest)
     return found
+
+
+cdef inline bint _ranks_before(Py_ssize_t a, Py_ssize_t b, const int64_t *totals,
+                               const int64_t *load, const double *tiebreak):
+    """Whether ``a`` goes before ``b``: a higher total, then less load, then the draw."""
+    if totals[a] != totals[b]:
+        return totals[a] > totals[b]
+    if load[a] != load[b]:
+        return load[a] < load[b]
+    return tiebreak[a] < tiebreak[b]
+
+
+def rank_few(list scores, list weights, const int64_t[::1] positions,
+             const int64_t[::1] busy, const int64_t[::1] routed, random):
+    """``pure.rank_few``: the totals, loads and draws in one pass, then an insertion sort
+    (stable, as ``np.lexsort``; for the few candidates it is called with)."""
+    cdef Py_ssize_t n = positions.shape[0], i, j, k, at
+    cdef const int64_t[:] scored
+    cdef int64_t[::1] out
+    cdef int64_t weight, row
+    cdef int64_t *totals = <int64_t *>calloc(max(1, n), sizeof(int64_t))
+    cdef int64_t *load = <int64_t *>calloc(max(1, n), sizeof(int64_t))
+    cdef double *tiebreak = <double *>calloc(max(1, n), sizeof(double))
+    cdef Py_ssize_t *order = <Py_ssize_t *>calloc(max(1, n), sizeof(Py_ssize_t))
+    if totals == NULL or load == NULL or tiebreak == NULL or order == NULL:
+        free(totals); free(load); free(tiebreak); free(order)
+        raise MemoryError()
+    try:
+        if len(scores) != len(weights):
+            raise ValueError("one weight per scores array")
+        for j in range(len(scores)):
+            scored = scores[j]
+            weight = weights[j]
+            if scored.shape[0] != n:
+                raise ValueError("one score per position")
+            for i in range(n):
+                totals[i] += weight * scored[i]
+        for i in range(n):
+            row = positions[i]
+            load[i] = busy[row] if busy[row] >= routed[row] else routed[row]
+        for i in range(n):
+            tiebreak[i] = random()
+        for i in range(n):
+            at = i
+            while at > 0 and _ranks_before(i, order[at - 1], totals, load, tiebreak):
+                order[at] = order[at - 1]
+                at -= 1
+            order[at] = i
+        ranked = np.empty(n, dtype=np.int64)
+        out = ranked
+        for k in range(n):
+            out[k] = positions[order[k]]
+        return ranked
+    finally:
+        free(totals); free(load); free(tiebreak); free(order)
 
 
 def ttft_costs(const int64_t[::1] held, tuple prompt, const int64_t[::1] positions,
@@ -156,4 +212,4 @@ def chain_xxh3(bytes data, Py_ssize_t step, Py_ssize_t num, root, bytes first_ex
     return keys
 
 
-KERNELS = Kernels(deepest_held, arriving_blocks, ttft_costs, put_all, discard_all, chain_xxh3)
+KERNELS = Kernels(deepest_held, arriving_blocks, rank_few, ttft_costs, put_all, discard_all, chain_xxh3)

@@ -50,6 +50,27 @@ def arriving_blocks(
     return dict(zip(found.tolist(), longest[found].tolist(), strict=True))
 
 
+def rank_few(
+    scores: list[Keys],
+    weights: list[int],
+    positions: Keys,
+    busy: Keys,
+    routed: Keys,
+    random: Callable[[], float],
+) -> Keys:
+    """``positions`` best first: by total ``sum(weight * score)`` (``scores[j]`` one per
+    position, weighed ``weights[j]``), equal totals least loaded first (``max(busy,
+    routed)`` at the position's row), then by one ``random()`` drawn per position, in
+    order (a seeded ``random`` repeats the order)."""
+    totals = np.zeros(len(positions), dtype=np.int64)
+    for weight, scored in zip(weights, scores, strict=True):
+        totals += weight * scored
+    load = np.maximum(busy[positions], routed[positions])
+    tiebreak = np.array([random() for _ in range(len(positions))])
+    ranked: Keys = positions[np.lexsort((tiebreak, load, -totals))]
+    return ranked
+
+
 def put_all(table: Int64toInt64Map, keys: Keys, values: Keys) -> None:
     """``table[keys[i]] = values[i]`` for each ``i`` (keys distinct): a map of the pairs
     built, then merged, as cykhash offers no batch insert of its own."""
@@ -180,10 +201,13 @@ class Kernels(NamedTuple):
 
     deepest_held: Callable[[Masks, Keys, Keys, Keys], None]
     arriving_blocks: Callable[[Masks, Keys, Keys, int, Keys, int], dict[int, int]]
+    rank_few: Callable[[list[Keys], list[int], Keys, Keys, Keys, Callable[[], float]], Keys]
     ttft_costs: Callable[..., None]  # ``ttft_costs``'s parameters
     put_all: Callable[[Int64toInt64Map, Keys, Keys], None]
     discard_all: Callable[[Int64toInt64Map, Keys], None]
     chain_xxh3: Callable[[bytes, int, int, int, bytes, bytes], list[int]]
 
 
-KERNELS = Kernels(deepest_held, arriving_blocks, ttft_costs, put_all, discard_all, chain_xxh3)
+KERNELS = Kernels(
+    deepest_held, arriving_blocks, rank_few, ttft_costs, put_all, discard_all, chain_xxh3
+)

@@ -44,6 +44,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from extproc.errors import ExtProcError, NoCapacity, NoReadyPods
+from extproc.kernels import rank_few
 from extproc.plain_metrics import PlainHistogram
 from extproc.pods import Pod, PodId
 from extproc.scheduling.inflight import InFlight
@@ -235,8 +236,8 @@ class Scheduler:
     _filter_steps: tuple[tuple[Filter, ...], tuple[FilterStep, ...]] = field(
         default=((), ()), init=False, repr=False
     )
-    _score_steps: tuple[tuple[WeightedScorer, ...], tuple[ScoreStep, ...]] = field(
-        default=((), ()), init=False, repr=False
+    _score_steps: tuple[tuple[WeightedScorer, ...], tuple[ScoreStep, ...], list[int]] = field(
+        default=((), (), []), init=False, repr=False
     )
     _np_rng: tuple[random.Random, np.random.Generator] | None = field(
         default=None, init=False, repr=False
@@ -467,14 +468,15 @@ class Scheduler:
         ``limit`` (and no trace, which shows the whole order) at least the best
         ``limit``, maybe only those."""
         cycle.precise_matches = None  # matched anew for this ranking's candidates
-        totals = np.zeros(len(candidates), dtype=np.int64)
         timer = self.timer if trace is None else None
         verbose = log.isEnabledFor(logging.DEBUG)
         if self._score_steps[0] is not self.scorers:
             self._score_steps = (
                 self.scorers,
                 tuple(table_scorer(ws.scorer) for ws in self.scorers),
+                [ws.weight for ws in self.scorers],
             )
+        scores_of: list[Scores] = []
         for ws, step in zip(self.scorers, self._score_steps[1], strict=True):
             started = time.perf_counter()
             scores = step(cycle, table, candidates)
@@ -482,26 +484,33 @@ class Scheduler:
                 timer.observe(ws.scorer.type_name, "score", time.perf_counter() - started)
             if trace is not None:
                 trace.scored(ws.scorer.type_name, ws.weight, candidates, scores)
-            totals += ws.weight * scores
+            scores_of.append(scores)
             if verbose:
                 _log_scores(ws.scorer.type_name, table, candidates, scores)
+        busy, routed = self._load_columns(table)
+        if trace is None and not verbose and len(candidates) <= SMALL_RANK:
+            # The usual case in one kernel call: what the lines below do, for few pods.
+            return rank_few(
+                scores_of, self._score_steps[2], candidates, busy, routed, self.rng.random
+            )
+        totals = np.zeros(len(candidates), dtype=np.int64)
+        for ws, scores in zip(self.scorers, scores_of, strict=True):
+            totals += ws.weight * scores
         if verbose:
             _log_totals(table, candidates, totals)
-        load = self._load(table, candidates)
+        load = np.maximum(table.rows(busy, candidates), table.rows(routed, candidates))
         order = candidates[self._order(totals, load, None if trace is not None else limit)]
         if trace is not None:
             trace.ranked(candidates, totals, load, order)
         return order
 
-    def _load(self, table: PodTable, candidates: Positions) -> Scores:
-        """Each candidate's load: ``max(in flight, waiting + running)`` (module doc)."""
-        busy = table.memo("waiting + running", lambda: table.waiting + table.running)
-        scraped = table.rows(busy, candidates)
+    def _load_columns(self, table: PodTable) -> tuple[Scores, Scores]:
+        """Per row of ``table``, what a pod's load (module doc) is the larger of: waiting
+        + running as scraped, and the requests in flight (the first again without them)."""
+        busy: Scores = table.memo("waiting + running", lambda: table.waiting + table.running)
         if self.in_flight is None:
-            return scraped
-        routed = table.rows(self.in_flight.requests_at(table.position, len(table)), candidates)
-        load: Scores = np.maximum(scraped, routed)
-        return load
+            return busy, busy
+        return busy, self.in_flight.requests_at(table.position, len(table))
 
     def _order(self, totals: Scores, load: Scores, limit: int | None = None) -> Positions:
         """Indices of ``totals``, highest first; equal totals least ``load`` first, then

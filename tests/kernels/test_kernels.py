@@ -4,6 +4,7 @@ built as the Makefile builds it runs the compiled ones."""
 from __future__ import annotations
 
 import importlib
+import random
 import sys
 
 import msgpack
@@ -105,6 +106,40 @@ def test_arriving_blocks_are_the_same_compiled_and_pure(
             for n in [min(int(lengths[r]), prompt_length)]
         ]
         assert blocks == max(shared) > 0
+
+
+@given(
+    num_rows=st.integers(1, 40),
+    num_scorers=st.integers(0, 3),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_rank_few_is_the_same_compiled_and_pure(num_rows: int, num_scorers: int, seed: int) -> None:
+    """Scores, loads and weights from small ranges, so that totals and loads tie often and
+    the draws decide; each implementation draws from a generator seeded alike."""
+    rng = np.random.default_rng(seed)
+    positions = np.flatnonzero(rng.random(num_rows) < 0.8).astype(np.int64)
+    scores = [rng.integers(0, 3, len(positions)) for _ in range(num_scorers)]
+    weights = rng.integers(0, 3, num_scorers).tolist()
+    busy, routed = rng.integers(0, 3, num_rows), rng.integers(0, 3, num_rows)
+    ranked = [
+        implementation.rank_few(
+            scores, weights, positions, busy, routed, random.Random(seed).random
+        )
+        for implementation in (pure.KERNELS, compiled_kernels())
+    ]
+    np.testing.assert_array_equal(ranked[0], ranked[1])
+    assert sorted(ranked[1].tolist()) == positions.tolist()
+
+
+def test_rank_few_puts_the_highest_total_first_then_the_least_loaded() -> None:
+    positions = np.array([0, 1, 2, 3], dtype=np.int64)
+    scores = [np.array([10, 50, 50, 50]), np.array([0, 0, 1, 0])]
+    busy = np.array([0, 5, 0, 2], dtype=np.int64)
+    routed = np.array([0, 0, 7, 3], dtype=np.int64)  # row 2: 7 in flight beats its scrape
+    for implementation in (pure.KERNELS, compiled_kernels()):
+        ranked = implementation.rank_few(scores, [2, 1], positions, busy, routed, random.random)
+        # totals 20, 100, 101, 100: row 2 first; rows 1 and 3 tie, row 3's load 3 < 5
+        assert ranked.tolist() == [2, 3, 1, 0]
 
 
 @given(
