@@ -106,37 +106,63 @@ class PlainHistogram:
         yield metric
 
 
-class ModelCounter:
-    """A counter labelled by model, as plain numbers (a collector)."""
+class CounterChild:
+    """One label set's count."""
 
-    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+    __slots__ = ("_lock", "created", "value")
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1.0) -> None:
+        with self._lock:
+            self.value += amount
+
+
+class PlainCounter:
+    """A counter, labelled by ``labelnames`` or not, as plain numbers (a collector): an
+    unlabelled one counts from its creation, a label set from its first ``labels``."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        registry: CollectorRegistry,
+        labelnames: tuple[str, ...] = (),
+    ) -> None:
         self.name = name
         self.documentation = documentation
-        self._counts: dict[str, list[float]] = {}  # model -> [count, created]
+        self.labelnames = labelnames
         self._lock = threading.Lock()
+        self._children: dict[tuple[str, ...], CounterChild] = {}
+        if not labelnames:
+            self._children[()] = CounterChild(self._lock)
         registry.register(self)
 
-    def inc(self, model: str) -> None:
-        with self._lock:
-            count = self._counts.get(model)
-            if count is None:
-                self._counts[model] = [1.0, time.time()]
-            else:
-                count[0] += 1.0
+    def labels(self, *values: str) -> CounterChild:
+        """The child of this label set (made at its first call)."""
+        child = self._children.get(values)
+        if child is None:
+            with self._lock:
+                child = self._children.get(values)
+                if child is None:
+                    child = self._children[values] = CounterChild(self._lock)
+        return child
 
-    def value(self, model: str) -> float:
-        """The count for ``model`` (0 before its first)."""
-        count = self._counts.get(model)
-        return 0.0 if count is None else count[0]
+    def inc(self, amount: float = 1.0) -> None:
+        """Count on an unlabelled counter."""
+        self._children[()].inc(amount)
 
     def describe(self) -> list[Metric]:
-        return [CounterMetricFamily(self.name, self.documentation, labels=("model",))]
+        return [CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)]
 
     def collect(self) -> list[Metric]:
         with self._lock:
-            counts = [(model, total, created) for model, (total, created) in self._counts.items()]
-        family = CounterMetricFamily(self.name, self.documentation, labels=("model",))
+            counts = [(values, c.value, c.created) for values, c in self._children.items()]
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
         created_too = use_created()
-        for model, total, created in counts:
-            family.add_metric((model,), total, created=created if created_too else None)
+        for values, total, created in counts:
+            family.add_metric(values, total, created=created if created_too else None)
         return [family]

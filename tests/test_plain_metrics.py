@@ -7,7 +7,7 @@ import re
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from extproc.plain_metrics import ModelCounter, PlainHistogram
+from extproc.plain_metrics import PlainCounter, PlainHistogram
 from extproc.routing.metrics import SCHEDULING_BUCKETS
 
 DECISIONS = ("extproc_route_decisions", "Requests routed, by model.")
@@ -25,19 +25,19 @@ def test_plain_metrics_expose_what_prometheus_client_would() -> None:
     theirs, ours = CollectorRegistry(), CollectorRegistry()
     counter = Counter(*DECISIONS, ["model"], registry=theirs)
     histogram = Histogram(*SCHEDULING, registry=theirs, buckets=SCHEDULING_BUCKETS)
-    model_counter = ModelCounter(*DECISIONS, ours)
+    model_counter = PlainCounter(*DECISIONS, ours, ("model",))
     plain_histogram = PlainHistogram(*SCHEDULING, SCHEDULING_BUCKETS, ours)
     assert _exposition(ours) == _exposition(theirs)  # before any request
     for model in ("m", "m", "other", "m"):
         counter.labels(model).inc()
-        model_counter.inc(model)
+        model_counter.labels(model).inc()
     for seconds in TIMES:
         histogram.observe(seconds)
         plain_histogram.observe(seconds)
     exposed = _exposition(ours)
     assert exposed == _exposition(theirs)
     assert 'extproc_route_decisions_total{model="m"} 3.0' in exposed
-    assert model_counter.value("m") == 3 and model_counter.value("none") == 0
+    assert model_counter.labels("m").value == 3
     assert "extproc_route_decisions_created" in exposed  # the creation times are there too
 
 
@@ -52,3 +52,23 @@ def test_a_labelled_plain_histogram_exposes_what_prometheus_client_would() -> No
         histogram.labels(*values).observe(seconds)
         plain.labels(*values).observe(seconds)
     assert _exposition(ours) == _exposition(theirs)
+
+
+def test_plain_counters_with_two_labels_and_none_expose_what_prometheus_client_would() -> None:
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    labels = ("priority", "reason")
+    counter = Counter("extproc_flow_dispatched", "Let through.", labels, registry=theirs)
+    plain = PlainCounter("extproc_flow_dispatched", "Let through.", ours, labels)
+    retries = Counter("extproc_retries_observed", "Beyond the first.", registry=theirs)
+    plain_retries = PlainCounter("extproc_retries_observed", "Beyond the first.", ours)
+    assert _exposition(ours) == _exposition(theirs)  # the unlabelled one at 0 already
+    for n in range(7):
+        values = ("0", "not_saturated") if n % 3 else ("100", "capacity")
+        counter.labels(*values).inc()
+        plain.labels(*values).inc()
+        retries.inc(n)
+        plain_retries.inc(n)
+    exposed = _exposition(ours)
+    assert exposed == _exposition(theirs)
+    assert 'extproc_flow_dispatched_total{priority="0",reason="not_saturated"} 4.0' in exposed
+    assert "extproc_retries_observed_total 21.0" in exposed

@@ -1,7 +1,8 @@
 """The router's Prometheus metrics: decisions, errors, completions, pods, pending.
 
-The two touched on every decision (the decisions by model, the scheduling time) are kept
-as plain numbers behind collectors (``extproc.plain_metrics``).
+Those touched on every request (the decisions by model, the scheduling time, the
+completions by outcome) are kept as plain numbers behind collectors
+(``extproc.plain_metrics``).
 """
 
 from __future__ import annotations
@@ -10,17 +11,18 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from extproc.plain_metrics import ModelCounter, PlainHistogram
+from extproc.plain_metrics import PlainCounter, PlainHistogram
 
 SCHEDULING_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
 
 
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.decisions = ModelCounter(
+        self.decisions = PlainCounter(
             "extproc_route_decisions",
             "Requests routed (a destination list was returned), by model.",
             registry,
+            ("model",),
         )
         self.errors = Counter(
             "extproc_route_errors",
@@ -34,14 +36,14 @@ class RouterMetrics:
             SCHEDULING_BUCKETS,
             registry,
         )
-        self.completions = Counter(
+        self.completions = PlainCounter(
             "extproc_completions",
             "Routed requests whose end Envoy reported, by outcome (recorded, failed, "
             "unknown_request, unknown_pod; recorded_from_metadata: routed by another "
             "replica, recorded from the record it carried; abandoned: Envoy stopped "
             "waiting for the route).",
-            ["outcome"],
-            registry=registry,
+            registry,
+            ("outcome",),
         )
         self.retries = Counter(
             "extproc_retries_observed",
@@ -110,7 +112,7 @@ class RouterMetrics:
         }
 
     def decided(self, model: str) -> None:
-        self.decisions.inc(model)
+        self.decisions.labels(model).inc()
 
     def rewritten(self, model: str, target: str) -> None:
         child = self._rewrites.get((model, target))

@@ -50,7 +50,7 @@ from extproc.scheduling.podtable import PodTable, Positions, RowValues
 
 if TYPE_CHECKING:
     from extproc.scheduling.plugins.precise_prefix_cache import PreciseMatches
-    from extproc.scheduling.plugins.session_book import Found
+    from extproc.scheduling.plugins.session_book import Found, SessionPrompt
 
 Scores = npt.NDArray[np.int64]  # one score per row of the ``Positions`` scored
 
@@ -88,6 +88,9 @@ class Cycle:
     # The session estimated-ttft's book found while scoring, for placing the pick
     # without searching again (``SessionBook.lookup``).
     session_found: Found | None = None
+    # What estimated-ttft's book reads of the request, made once (scoring and the pick
+    # both read it).
+    session_prompt: SessionPrompt | None = None
     # The pod estimated-ttft's hold ranked first where its estimate ranked another, if
     # any (``extproc_sessions_held_total`` when picked).
     session_held: PodId | None = None

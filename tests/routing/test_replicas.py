@@ -45,7 +45,7 @@ from tests.routing.support import GEOMETRY, PODS, body, log_entry, make_router, 
 
 
 def outcome(router: Router, name: str) -> float:
-    value: float = router.metrics.outcome[name]._value.get()
+    value: float = router.metrics.outcome[name].value
     return value
 
 

@@ -59,7 +59,7 @@ def test_success_log_records_the_served_pod_and_next_request_follows(
     first = destination(client.send_body(prompt, path="/v1/chat/completions", request_id="a"))
     served = first[1]  # say the first pod failed and the retry went to the second
     client.log(log_entry("a", served))
-    assert router.metrics.completions.labels("recorded")._value.get() == 1
+    assert router.metrics.completions.labels("recorded").value == 1
     for i in range(10):
         nxt = destination(client.send_body(prompt, path="/v1/chat/completions", request_id=f"b{i}"))
         assert nxt[0] == served
@@ -89,7 +89,7 @@ def test_failed_responses_record_nothing(
     client.log(log_entry("f", dest[0], **kwargs))
     plugin = router.scheduler.scorers[0].scorer
     assert plugin.index.num_entries == 0, reason  # type: ignore[attr-defined]
-    assert router.metrics.completions.labels("failed")._value.get() == 1
+    assert router.metrics.completions.labels("failed").value == 1
 
 
 def test_unknown_request_and_unknown_pod_are_counted_not_recorded(
@@ -99,8 +99,8 @@ def test_unknown_request_and_unknown_pod_are_counted_not_recorded(
     dest = destination(client.send_body({"model": "m", "prompt": "y"}, request_id="u"))
     assert dest
     client.log(log_entry("u", "10.9.9.9:1"))
-    assert router.metrics.completions.labels("unknown_request")._value.get() == 1
-    assert router.metrics.completions.labels("unknown_pod")._value.get() == 1
+    assert router.metrics.completions.labels("unknown_request").value == 1
+    assert router.metrics.completions.labels("unknown_pod").value == 1
 
 
 @pytest.mark.parametrize(

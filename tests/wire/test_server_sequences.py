@@ -180,9 +180,9 @@ def test_epp_records_only_a_2xx_response_that_ended(server_kind: str) -> None:
     with Server("epp", router, server_kind) as s:
         s.exchange([headers(rid="fail"), body(), response_headers("503"), response_body()])
         s.exchange([headers(rid="cut"), body(), response_headers(), response_body(eos=False)])
-        assert router.metrics.completions.labels("recorded")._value.get() == 0
+        assert router.metrics.completions.labels("recorded").value == 0
         s.exchange([headers(rid="ok"), body(), response_headers(), response_body()])
-        assert router.metrics.completions.labels("recorded")._value.get() == 1
+        assert router.metrics.completions.labels("recorded").value == 1
 
 
 message_kinds = st.sampled_from(
@@ -389,7 +389,7 @@ def test_epp_streams_with_the_same_request_id_record_each_their_own(server_kind:
         )
         gate.set()
         assert len(list(call)) == 2
-        assert router.metrics.completions.labels("recorded")._value.get() == 2
+        assert router.metrics.completions.labels("recorded").value == 2
         wait_settled(router)
 
 
@@ -479,4 +479,4 @@ def test_a_draining_server_refuses_new_routes_but_takes_access_logs(server_kind:
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         s.one_round.log(log_entry("in-flight", served))
         wait_settled(s.router)
-        assert s.router.metrics.outcome["recorded"]._value.get() == 1
+        assert s.router.metrics.outcome["recorded"].value == 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from extproc.plain_metrics import PlainCounter
+
 QUEUED_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -31,13 +33,13 @@ class FlowMetrics:
             registry=registry,
             buckets=QUEUED_BUCKETS,
         )
-        self.dispatched = Counter(
+        self.dispatched = PlainCounter(  # counts every request: plain numbers
             "extproc_flow_dispatched",
             "Requests flow control let through, by priority band and reason "
             "(not_saturated: at once; capacity: from the queue when a pod had room; "
             "drain: from the queue when extproc stopped).",
-            ["priority", "reason"],
-            registry=registry,
+            registry,
+            ("priority", "reason"),
         )
         self.refused = Counter(
             "extproc_flow_refused",

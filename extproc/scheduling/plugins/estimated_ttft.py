@@ -575,13 +575,17 @@ class EstimatedTTFT:
         return {pod: price * n / mean for pod, n in counts.items()}
 
     def _session_prompt(self, cycle: Cycle) -> SessionPrompt:
-        """What the session book reads of ``cycle``; a cycle replayed from another
-        replica has keys but no prompt."""
-        request = cycle.request
-        data = request.prompt.encode() if cycle.num_prompt_bytes > 0 else None
-        return SessionPrompt(
-            self._keys(cycle), self.args.blockSizeToHash, data, request.session_key
-        )
+        """What the session book reads of ``cycle``, made once a cycle; a cycle replayed
+        from another replica has keys but no prompt."""
+        keys = self._keys(cycle)
+        prompt = cycle.session_prompt
+        if prompt is None or prompt.keys is not keys:  # none yet, or of another geometry
+            request = cycle.request
+            data = request.prompt.encode() if cycle.num_prompt_bytes > 0 else None
+            prompt = cycle.session_prompt = SessionPrompt(
+                keys, self.args.blockSizeToHash, data, request.session_key
+            )
+        return prompt
 
     def _own_pod(self, cycle: Cycle) -> PodId | None:
         """The pod the request's session is placed on, if it is a returning one; what
@@ -759,12 +763,13 @@ class EstimatedTTFT:
         in ``cycle.uncached_rows``."""
         self._size_view(table)
         keys = self._keys(cycle)
-        blocks = np.zeros(len(positions), dtype=np.int64)
         if len(keys):
             blocks = match_lengths(self.index, keys, table, positions)
             arriving = self.arrivals.match(keys)
             if arriving:
                 np.maximum(blocks, per_row(table, positions, arriving), out=blocks)
+        else:
+            blocks = np.zeros(len(positions), dtype=np.int64)
         a = self.args
         num_bytes = cycle.num_prompt_bytes
         length = PromptLength(num_bytes, BYTES_PER_TOKEN)
