@@ -11,17 +11,58 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Iterator
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry
 from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+
+Child = TypeVar("Child")
 
 
 def use_created() -> bool:
     """Whether prometheus-client writes ``_created`` samples (it can be told not to:
     ``PROMETHEUS_DISABLE_CREATED_SERIES``; read from its module, True if it moves)."""
     return bool(getattr(prometheus_metrics, "_use_created", True))
+
+
+class _LabelSets(Collector, Generic[Child]):
+    """A metric's children, one per label set (``labelnames``), sharing the metric's one
+    lock; an unlabelled metric has its one child at once, as prometheus-client's. A
+    subclass says how a child is made (``_new_child``) and sets what that needs first."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        registry: CollectorRegistry,
+        labelnames: tuple[str, ...] = (),
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labelnames
+        self._lock = threading.Lock()
+        self._children: dict[tuple[str, ...], Child] = {}
+        if not labelnames:
+            self._unlabelled = self.labels()
+        registry.register(self)
+
+    def _new_child(self) -> Child:
+        raise NotImplementedError
+
+    def labels(self, *values: str) -> Child:
+        """The child of one label set, made at its first call (a dict lookup after)."""
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
+            with self._lock:
+                child = self._children.get(values)
+                if child is None:
+                    child = self._children[values] = self._new_child()
+        return child
 
 
 class HistogramChild:
@@ -42,7 +83,7 @@ class HistogramChild:
             self.sum += value
 
 
-class PlainHistogram:
+class PlainHistogram(_LabelSets[HistogramChild]):
     """A histogram, labelled by ``labelnames`` (none: ``observe`` directly), registered
     in ``registry`` as a collector."""
 
@@ -54,26 +95,12 @@ class PlainHistogram:
         registry: CollectorRegistry,
         labelnames: tuple[str, ...] = (),
     ) -> None:
-        self.name = name
-        self.documentation = documentation
-        self.labelnames = labelnames
         self._bounds = buckets
         self._le = [floatToGoString(b) for b in (*buckets, float("inf"))]  # type: ignore[no-untyped-call]
-        self._lock = threading.Lock()
-        self._children: dict[tuple[str, ...], HistogramChild] = {}
-        if not labelnames:  # as prometheus-client: an unlabelled one exists at once
-            self._unlabelled = self.labels()
-        registry.register(self)
+        super().__init__(name, documentation, registry, labelnames)
 
-    def labels(self, *values: str) -> HistogramChild:
-        """The child of one label set (keep it: this is a dict lookup under a lock)."""
-        if len(values) != len(self.labelnames):
-            raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
-        with self._lock:
-            child = self._children.get(values)
-            if child is None:
-                child = self._children[values] = HistogramChild(self._bounds, self._lock)
-            return child
+    def _new_child(self) -> HistogramChild:
+        return HistogramChild(self._bounds, self._lock)
 
     def observe(self, value: float) -> None:
         """An unlabelled histogram's observation."""
@@ -121,39 +148,16 @@ class CounterChild:
             self.value += amount
 
 
-class PlainCounter:
+class PlainCounter(_LabelSets[CounterChild]):
     """A counter, labelled by ``labelnames`` or not, as plain numbers (a collector): an
     unlabelled one counts from its creation, a label set from its first ``labels``."""
 
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        registry: CollectorRegistry,
-        labelnames: tuple[str, ...] = (),
-    ) -> None:
-        self.name = name
-        self.documentation = documentation
-        self.labelnames = labelnames
-        self._lock = threading.Lock()
-        self._children: dict[tuple[str, ...], CounterChild] = {}
-        if not labelnames:
-            self._children[()] = CounterChild(self._lock)
-        registry.register(self)
-
-    def labels(self, *values: str) -> CounterChild:
-        """The child of this label set (made at its first call)."""
-        child = self._children.get(values)
-        if child is None:
-            with self._lock:
-                child = self._children.get(values)
-                if child is None:
-                    child = self._children[values] = CounterChild(self._lock)
-        return child
+    def _new_child(self) -> CounterChild:
+        return CounterChild(self._lock)
 
     def inc(self, amount: float = 1.0) -> None:
         """Count on an unlabelled counter."""
-        self._children[()].inc(amount)
+        self._unlabelled.inc(amount)
 
     def describe(self) -> list[Metric]:
         return [CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from extproc.plain_metrics import PlainCounter, PlainHistogram
@@ -72,3 +73,14 @@ def test_plain_counters_with_two_labels_and_none_expose_what_prometheus_client_w
     assert exposed == _exposition(theirs)
     assert 'extproc_flow_dispatched_total{priority="0",reason="not_saturated"} 4.0' in exposed
     assert "extproc_retries_observed_total 21.0" in exposed
+
+
+def test_a_label_set_of_the_wrong_size_is_refused_by_both_kinds() -> None:
+    registry = CollectorRegistry()
+    counter = PlainCounter("c", "C.", registry, ("priority", "reason"))
+    histogram = PlainHistogram(*SCHEDULING, SCHEDULING_BUCKETS, registry, ("plugin",))
+    with pytest.raises(ValueError, match="expected labels"):
+        counter.labels("0")
+    with pytest.raises(ValueError, match="expected labels"):
+        histogram.labels("a", "b")
+    assert counter.labels("0", "capacity") is counter.labels("0", "capacity")
