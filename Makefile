@@ -78,15 +78,15 @@ test: $(STAMP) system-deps vllm
 
 # bench.prefix (the prefix index alone); bench.picker: 1/8/220 KB prompts x 16/1,000 pods,
 # Envoy alone, Envoy + extproc and sglang-router (the peers, from `make peers`) under wrk:
-# about 7 minutes; then bench.floor (the do-nothing picker beside them, ~2.5 minutes) and
-# bench.instructions (callgrind, ~1.5 minutes), and the hot path's flame graph (py-spy, in
-# docs/img). wrk and valgrind come from bench-deps.
+# about 7 minutes; then bench.floor (the do-nothing picker beside them, warm and cold memo,
+# ~5 minutes) and bench.instructions (callgrind, ~1.5 minutes), and the hot path's flame
+# graph (py-spy, in docs/img). wrk and valgrind come from bench-deps.
 bench: $(STAMP) bench-deps peers
 	$(PY) -m pip install --quiet py-spy
 	$(PY) -m bench.prefix
 	$(PY) -m bench.picker --json bench/results/picker.json --markdown bench/results/picker.md \
 	  --profile bench/results/picker-profile.md
-	$(PY) -m bench.floor --json bench/results/floor.json --markdown bench/results/floor.md
+	$(PY) -m bench.floor --cold --json bench/results/floor.json --markdown bench/results/floor.md
 	$(PY) -m bench.instructions --json bench/results/instructions.json \
 	  --markdown bench/results/instructions.md
 	$(PY) -m bench.hot_path --flame docs/img/hot-path-flame.svg --flame-s 20

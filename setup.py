@@ -53,6 +53,10 @@ KERNELS = Extension(
     "extproc.kernels._compiled",
     ["extproc/kernels/_compiled.pyx"],
     optional=True,  # no C compiler: skipped, with setuptools' warning in the build log
+    # xxHash's C compiled into the module from its vendored header (vendor/README.md)
+    include_dirs=["extproc/kernels/vendor"],
+    define_macros=[("XXH_INLINE_ALL", None)],
+    depends=["extproc/kernels/vendor/xxhash.h"],
     # No fused multiply-add: the compiled arithmetic must round as NumPy's does.
     extra_compile_args=["-O2", "-ffp-contract=off"],
 )

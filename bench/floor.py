@@ -25,8 +25,12 @@ prompt tokenized in the warm-up) and with a cold one (tenants drawn from a milli
 each prompt is new and tokenized whole), each memo's rounds in turn, the two extprocs
 alternating.
 
+``--cold`` runs every router again on a cold memo (the tenants drawn from a million: each
+prompt's start is new, as each turn of a chat is, so extproc hashes every block of it)
+and reports those rows in a table of their own.
+
     python -m bench.floor [--prompt-kb 8,220] [--pods 16] [--rounds 3] [--variants ...]
-        [--model-dir DIR] [--json FILE] [--markdown FILE]
+        [--model-dir DIR] [--cold] [--json FILE] [--markdown FILE]
 """
 
 from __future__ import annotations
@@ -139,9 +143,9 @@ def run(args: argparse.Namespace, work_dir: Path) -> list[dict[str, Any]]:
             for extproc_target in targets[2:]:
                 warm_up(extproc_target, workload, loaded(args))
             rows += rounds(targets, workload, args, kb, "warm", metrics_ports)
-            if PRECISE in metrics_ports:
+            if args.cold or PRECISE in metrics_ports:
                 cold = make_workload(kb * 1024, COLD_TENANTS, work_dir)
-                pair = [t for t in targets if t.name in (EXTPROC, PRECISE)]
+                pair = [t for t in targets if args.cold or t.name in (EXTPROC, PRECISE)]
                 rows += rounds(pair, cold, args, kb, "cold", metrics_ports)
     return rows
 
@@ -214,29 +218,55 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace, info: dict[st
             "above 2 on these 2 cores shares them with other work)."
         ),
         "",
-        "| prompt | router | req/s | x envoy | p50 low load ms | added ms | "
-        + "envoy us/req | extproc us/req |",
-        "|---|---|---|---|---|---|---|---|",
     ]
-    alone: dict[int, dict[str, Any]] = {r["prompt_kb"]: r for r in rows if r["router"] == ENVOY}
-    for r in rows:
-        if r.get("memo", "warm") != "warm":
-            continue
-        base = alone[r["prompt_kb"]]
-        loaded, low = r["loaded"], r["low"]
-        extproc_us = loaded.get("extproc_cpu_us_per_request")
-        lines.append(
-            f"| {r['prompt_kb']} KB | {r['router']} | {loaded['rps']:.0f} | "
-            f"{loaded['rps'] / base['loaded']['rps']:.2f} | {low['p50_ms']:.2f} | "
-            f"{low['p50_ms'] - base['low']['p50_ms']:+.2f} | "
-            f"{loaded['envoy_cpu_us_per_request']:.0f} | "
-            f"{'' if extproc_us is None else f'{extproc_us:.0f}'} |"
-        )
+    lines += router_table(rows, "warm")
+    if any(r.get("memo") == "cold" and r["router"] == ENVOY for r in rows):
+        lines += [
+            "",
+            "## Cold memo: every prompt's start new",
+            "",
+            (
+                "The same routers with tenants drawn from a million (`--cold`): each "
+                "request's prompt differs from the start, as each turn of a chat does, so no "
+                "memo holds its block hashes."
+            ),
+            "",
+        ]
+        lines += router_table(rows, "cold")
     if any(r["router"] == PRECISE for r in rows):
         lines += precise_markdown(rows)
     if any(r["router"] == BARE for r in rows):
         lines += bare_markdown(rows)
     return "\n".join(lines) + "\n"
+
+
+def router_table(rows: list[dict[str, Any]], memo: str) -> list[str]:
+    """Every router's row of one memo state; "x do-nothing": extproc's CPU per request
+    over the do-nothing picker's (issue 31's ratio)."""
+    lines = [
+        "| prompt | router | req/s | x envoy | p50 low load ms | added ms | "
+        + "envoy us/req | extproc us/req | x do-nothing |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    mine = [r for r in rows if r.get("memo", "warm") == memo]
+    alone = {r["prompt_kb"]: r for r in mine if r["router"] == ENVOY}
+    trivial = {r["prompt_kb"]: r for r in mine if r["router"] == TRIVIAL}
+    for r in mine:
+        base = alone[r["prompt_kb"]]
+        loaded, low = r["loaded"], r["low"]
+        extproc_us = loaded.get("extproc_cpu_us_per_request")
+        floor_us = (
+            trivial.get(r["prompt_kb"], {}).get("loaded", {}).get("extproc_cpu_us_per_request")
+        )
+        ratio = "" if extproc_us is None or not floor_us else f"{extproc_us / floor_us:.2f}"
+        lines.append(
+            f"| {r['prompt_kb']} KB | {r['router']} | {loaded['rps']:.0f} | "
+            f"{loaded['rps'] / base['loaded']['rps']:.2f} | {low['p50_ms']:.2f} | "
+            f"{low['p50_ms'] - base['low']['p50_ms']:+.2f} | "
+            f"{loaded['envoy_cpu_us_per_request']:.0f} | "
+            f"{'' if extproc_us is None else f'{extproc_us:.0f}'} | {ratio} |"
+        )
+    return lines
 
 
 def bare_markdown(rows: list[dict[str, Any]]) -> list[str]:
@@ -328,6 +358,11 @@ def main() -> None:
         "--model-dir",
         type=Path,
         help="the tokenizer of --variants precise (e.g. ~/.cache/extproc-e2e/model/qwen3-tiny)",
+    )
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="also run every router with a cold memo (each prompt's start new), in turn",
     )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)

@@ -15,6 +15,7 @@ gRPC core behind real Envoy): quick to run, and ``--profile`` says where the tim
     python -m bench.hot_path                          # 8 KB chat prompts, 16 pods
     python -m bench.hot_path --prompt-kb 220 --pods 1000 --profile
     python -m bench.hot_path --in-flight 16     # each request ended 16 requests later
+    python -m bench.hot_path --prefixes 100000 --warm-up 2000   # every prompt new (no memo)
     python -m bench.hot_path --flame docs/img/hot-path-flame.svg   # py-spy's flame graph
 """
 
@@ -193,6 +194,9 @@ def main() -> None:
         help="the shipped precise configuration, with this tokenizer (its memo warm after "
         "the warm-up; no KV events: the cost measured is the tokenizing's)",
     )
+    parser.add_argument(
+        "--warm-up", type=int, help="requests before the rounds (default: two per prefix)"
+    )
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--flame", type=Path, help="also write py-spy's flame graph (SVG) here")
     parser.add_argument("--flame-s", type=float, default=10.0, help="seconds sampled")
@@ -202,7 +206,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as work_dir:
             config_text = precise_config(args.precise, Path(work_dir)).read_text()
     path = HotPath(args.pods, args.prompt_kb * 1024, args.prefixes, config_text, args.in_flight)
-    for _ in range(2 * args.prefixes):
+    for _ in range(2 * args.prefixes if args.warm_up is None else args.warm_up):
         path.one_request()
     samples = []
     for _ in range(args.rounds):

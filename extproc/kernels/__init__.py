@@ -39,3 +39,4 @@ ttft_costs = KERNELS.ttft_costs
 put_all = KERNELS.put_all
 discard_all = KERNELS.discard_all
 chain_xxh3 = KERNELS.chain_xxh3
+chain_xxh64 = KERNELS.chain_xxh64

@@ -3,16 +3,24 @@
 
 from cykhash.khashmaps cimport Int64toInt64Map
 from libc.stdint cimport int64_t
-from libc.stdlib cimport calloc, free
+from libc.stdlib cimport calloc, free, malloc
+from libc.string cimport memcpy
 
 import numpy as np
-from xxhash import xxh3_64_intdigest
 
 from extproc.kernels.pure import BYTES_PER_TOKEN, Kernels
 
 
 cdef extern from *:
     int __builtin_ctzll(unsigned long long) nogil  # GCC and Clang: the lowest set bit
+
+# xxHash's own C, inlined (XXH_INLINE_ALL, setup.py; the header is vendored in vendor/):
+# the Python package hashes one buffer per call and has no C interface, so a chain of
+# blocks would cost a Python call, a slice and a concatenation per block.
+cdef extern from "xxhash.h" nogil:
+    unsigned long long XXH64(const void *data, size_t length, unsigned long long seed)
+    unsigned long long XXH3_64bits_withSeed(
+        const void *data, size_t length, unsigned long long seed)
 
 
 def deepest_held(const int64_t[:, ::1] masks, const int64_t[::1] first_slots,
@@ -200,16 +208,69 @@ def discard_all(Int64toInt64Map table, const int64_t[:] keys):
 
 def chain_xxh3(bytes data, Py_ssize_t step, Py_ssize_t num, root, bytes first_extra,
                bytes extra):
-    """``pure.chain_xxh3``: the loop compiled, xxhash's own function a block."""
+    """``pure.chain_xxh3``: each block and its extra bytes copied into one buffer and
+    hashed by xxHash's C (slices past the data's end are short or empty, as in Python)."""
+    cdef const unsigned char *source = data
+    cdef Py_ssize_t size = len(data), i, start, end, tail
+    cdef Py_ssize_t longest = max(len(first_extra), len(extra))
+    cdef unsigned long long parent = root
+    cdef const unsigned char *tail_bytes
+    cdef unsigned char *buffer = <unsigned char *>malloc(max(1, step) + longest)
     cdef list keys = []
-    cdef Py_ssize_t i
-    parent = root
-    for i in range(num):
-        parent = xxh3_64_intdigest(
-            data[i * step : (i + 1) * step] + (first_extra if i == 0 else extra), parent
-        )
-        keys.append(parent)
+    if buffer == NULL:
+        raise MemoryError()
+    try:
+        for i in range(num):
+            start, end = min(i * step, size), min((i + 1) * step, size)
+            tail_bytes = <const unsigned char *>(first_extra if i == 0 else extra)
+            tail = len(first_extra) if i == 0 else len(extra)
+            if tail == 0:
+                parent = XXH3_64bits_withSeed(source + start, end - start, parent)
+            else:
+                memcpy(buffer, source + start, end - start)
+                memcpy(buffer + end - start, tail_bytes, tail)
+                parent = XXH3_64bits_withSeed(buffer, end - start + tail, parent)
+            keys.append(parent)
+    finally:
+        free(buffer)
     return keys
 
 
-KERNELS = Kernels(deepest_held, arriving_blocks, rank_few, ttft_costs, put_all, discard_all, chain_xxh3)
+def chain_xxh64(bytes data, Py_ssize_t block_size, Py_ssize_t max_blocks, start):
+    """``pure.chain_xxh64``: the previous key's decimal digits and the block's bytes
+    written into one buffer and hashed by xxHash's C."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    cdef const unsigned char *source = data
+    cdef Py_ssize_t end = min(len(data), block_size * max(0, max_blocks))
+    cdef Py_ssize_t count = (end + block_size - 1) // block_size, i, offset, length, digits
+    cdef unsigned long long prev = start, rest
+    cdef unsigned char decimal[20]  # 2**64 - 1 has 20 digits
+    cdef unsigned char *buffer = <unsigned char *>malloc(20 + block_size)
+    out = np.empty(count, dtype=np.int64)
+    cdef int64_t[::1] keys = out
+    if buffer == NULL:
+        raise MemoryError()
+    try:
+        for i in range(count):
+            digits = 20
+            rest = prev
+            while True:
+                digits -= 1
+                decimal[digits] = 48 + rest % 10  # b"0" + the digit
+                rest //= 10
+                if rest == 0:
+                    break
+            memcpy(buffer, decimal + digits, 20 - digits)
+            offset = i * block_size
+            length = min(block_size, end - offset)
+            memcpy(buffer + 20 - digits, source + offset, length)
+            prev = XXH64(buffer, 20 - digits + length, 0)
+            keys[i] = <int64_t>prev
+    finally:
+        free(buffer)
+    return out
+
+
+KERNELS = Kernels(deepest_held, arriving_blocks, rank_few, ttft_costs, put_all, discard_all,
+                  chain_xxh3, chain_xxh64)

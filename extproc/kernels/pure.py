@@ -98,6 +98,21 @@ def chain_xxh3(
     return keys
 
 
+def chain_xxh64(data: bytes, block_size: int, max_blocks: int, start: int) -> Keys:
+    """Kthena's chain (``prefix.hashing``'s module doc) over ``data``'s first ``max_blocks``
+    blocks of ``block_size`` bytes (the last may be shorter): block ``i``'s key is the
+    XXH64 (seed 0) of the previous key's unsigned decimal text (``start`` for block 0)
+    followed by the block's bytes; as int64 with the same bits."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    prev = start
+    out: list[int] = []
+    for offset in range(0, min(len(data), block_size * max_blocks), block_size):
+        prev = xxhash.xxh64_intdigest(b"%d" % prev + data[offset : offset + block_size])
+        out.append(prev)
+    return np.array(out, dtype=np.uint64).view(np.int64)
+
+
 BYTES_PER_TOKEN = 4  # the usual estimate for English text and code with BPE tokenizers
 
 
@@ -206,8 +221,16 @@ class Kernels(NamedTuple):
     put_all: Callable[[Int64toInt64Map, Keys, Keys], None]
     discard_all: Callable[[Int64toInt64Map, Keys], None]
     chain_xxh3: Callable[[bytes, int, int, int, bytes, bytes], list[int]]
+    chain_xxh64: Callable[[bytes, int, int, int], Keys]
 
 
 KERNELS = Kernels(
-    deepest_held, arriving_blocks, rank_few, ttft_costs, put_all, discard_all, chain_xxh3
+    deepest_held,
+    arriving_blocks,
+    rank_few,
+    ttft_costs,
+    put_all,
+    discard_all,
+    chain_xxh3,
+    chain_xxh64,
 )

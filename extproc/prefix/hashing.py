@@ -13,12 +13,12 @@ hash of an unsalted one or one with another salt. The salted start is hashed wit
 different XXH64 seed than the chain, so no unsalted prompt can be crafted to reproduce a
 salted chain. A request without a salt hashes exactly as Kthena's router does.
 
-Chaining is a Python-level call per block (the decimal text of the previous hash is the
-expensive part); a one-pass digest of the same bytes is far cheaper (figures:
-``docs/performance.md``). Prompts repeat their start often (a shared system prompt and
-tools, the turns of one conversation), so the chains of the last ``MEMO_SIZE`` distinct
-prompt starts are kept, keyed by an XXH3-128 digest of the hashed bytes, as the read-only
-int64 array (same bits) that ``PrefixIndex`` takes; ``prompt_keys`` hands out a copy.
+The chain is the ``chain_xxh64`` kernel (``extproc.kernels``: xxHash's C over the
+blocks, or its pure reference, a Python call per block). A one-pass digest of the same
+bytes is cheaper still, and prompts repeat their start often (a shared system prompt and
+tools, a retried request), so the chains of the last ``MEMO_SIZE`` distinct prompt starts
+are kept, keyed by an XXH3-128 digest of the hashed bytes, as the read-only int64 array
+(same bits) that ``PrefixIndex`` takes; ``prompt_keys`` hands out a copy.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from extproc.kernels import chain_xxh64
 from extproc.memo import FifoMemo
 
 PromptBlockHash = NewType("PromptBlockHash", int)  # XXH64 of a block of prompt bytes, chained
@@ -54,14 +55,10 @@ def chain_start(model: str, salt: str | None = None) -> int:
 
 def hash_blocks(start: int, data: bytes, block_size: int, max_blocks: int) -> list[PromptBlockHash]:
     """Chain ``data``'s blocks from ``start``; see the module docstring for the rule."""
-    prev = start
-    out: list[int] = []
-    append = out.append
-    end = min(len(data), block_size * max_blocks)
-    for offset in range(0, end, block_size):
-        prev = _xxh64(b"%d" % prev + data[offset : offset + block_size])
-        append(prev)
-    return out  # type: ignore[return-value]  # PromptBlockHash is int at run time
+    hashes: list[PromptBlockHash] = (
+        chain_xxh64(data, block_size, max_blocks, start).view(np.uint64).tolist()
+    )
+    return hashes
 
 
 def hash_prompt(
@@ -103,7 +100,7 @@ def prompt_keys(
     data = prompt[:limit].encode()[:limit]  # a character is at least a byte: no more needed
     key = (model, salt, block_size, max_blocks, _digest(data))
     chain = _CHAINS.get(
-        key, lambda: _memo_keys(hash_blocks(chain_start(model, salt), data, block_size, max_blocks))
+        key, lambda: _read_only(chain_xxh64(data, block_size, max_blocks, chain_start(model, salt)))
     )
     return chain.copy()  # the memo's own array stays as computed, whatever the caller does
 
@@ -115,8 +112,7 @@ def as_keys(hashes: Sequence[int] | Keys) -> Keys:
     return np.fromiter(hashes, dtype=np.uint64, count=len(hashes)).view(np.int64)
 
 
-def _memo_keys(hashes: list[PromptBlockHash]) -> Keys:
-    keys = as_keys(hashes)
+def _read_only(keys: Keys) -> Keys:
     keys.flags.writeable = False  # shared by every request with this prompt start
     return keys
 

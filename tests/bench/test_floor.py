@@ -43,9 +43,30 @@ def test_the_table_gives_each_router_as_a_ratio_to_envoy_alone_at_its_prompt_siz
     args = argparse.Namespace(pods=16, seconds=4, low_seconds=3, rounds=3)
     info = {"cpu_model": "cpu", "cores": 2, "git_sha": "abc"}
     lines = markdown(rows, args, info).splitlines()
-    assert "| 8 KB | envoy+trivial-picker | 2000 | 0.50 | 1.20 | +0.70 | 500 | 180 |" in lines
-    assert "| 8 KB | envoy+extproc | 1000 | 0.25 | 2.00 | +1.50 | 600 | 600 |" in lines
-    assert "| 8 KB | envoy | 4000 | 1.00 | 0.50 | +0.00 | 250 |  |" in lines
+    assert (
+        "| 8 KB | envoy+trivial-picker | 2000 | 0.50 | 1.20 | +0.70 | 500 | 180 | 1.00 |" in lines
+    )
+    assert "| 8 KB | envoy+extproc | 1000 | 0.25 | 2.00 | +1.50 | 600 | 600 | 3.33 |" in lines
+    assert "| 8 KB | envoy | 4000 | 1.00 | 0.50 | +0.00 | 250 |  |  |" in lines
+    assert not any("Cold memo" in line for line in lines)
+
+
+def test_the_cold_memo_rows_make_a_table_of_their_own_with_their_own_baselines() -> None:
+    rows = [
+        {"prompt_kb": 8, "router": ENVOY, **run(4000, 0.5, 250)},
+        {"prompt_kb": 8, "router": TRIVIAL, **run(2000, 1.2, 500, 180)},
+        {"prompt_kb": 8, "router": EXTPROC, **run(1000, 2.0, 600, 600)},
+        {"prompt_kb": 8, "router": ENVOY, "memo": "cold", **run(5000, 0.4, 200)},
+        {"prompt_kb": 8, "router": TRIVIAL, "memo": "cold", **run(2500, 1.0, 400, 200)},
+        {"prompt_kb": 8, "router": EXTPROC, "memo": "cold", **run(500, 3.0, 700, 900)},
+    ]
+    args = argparse.Namespace(pods=16, seconds=4, low_seconds=3, rounds=3)
+    info = {"cpu_model": "cpu", "cores": 2, "git_sha": "abc"}
+    text = markdown(rows, args, info)
+    warm, cold = text.split("## Cold memo")
+    assert "| 8 KB | envoy+extproc | 1000 | 0.25 | 2.00 | +1.50 | 600 | 600 | 3.33 |" in warm
+    assert "| 8 KB | envoy+extproc | 500 | 0.10 | 3.00 | +2.60 | 700 | 900 | 4.50 |" in cold
+    assert "| 8 KB | envoy | 5000 | 1.00 | 0.40 | +0.00 | 200 |  |  |" in cold
 
 
 def test_the_bare_variant_gives_the_defaults_cpu_as_a_ratio_to_it() -> None:

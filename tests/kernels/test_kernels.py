@@ -10,6 +10,7 @@ import sys
 import msgpack
 import numpy as np
 import pytest
+import xxhash
 from cykhash import Int64toInt64Map
 from hypothesis import given
 from hypothesis import strategies as st
@@ -248,6 +249,50 @@ def test_token_chains_are_the_same_compiled_and_pure_and_block_by_block(
     first, rest = (b if b != msgpack.packb([]) else b"" for b in (first, rest))
     for implementation in (pure.KERNELS, compiled_kernels()):
         assert implementation.chain_xxh3(data, step, num, ROOT, first, rest) == by_block
+
+
+@given(
+    data=st.binary(max_size=700),
+    step=st.integers(0, 40),
+    num=st.integers(-1, 30),
+    root=st.integers(0, 2**64 - 1),
+    first=st.binary(max_size=12),
+    rest=st.binary(max_size=12),
+)
+def test_token_chains_of_any_shape_are_the_same_compiled_and_pure(
+    data: bytes, step: int, num: int, root: int, first: bytes, rest: bytes
+) -> None:
+    """Blocks past the data's end (short or empty), no extra bytes, any seed."""
+    expected = pure.chain_xxh3(data, step, num, root, first, rest)
+    assert compiled_kernels().chain_xxh3(data, step, num, root, first, rest) == expected
+
+
+@given(
+    data=st.binary(max_size=900),
+    block_size=st.integers(1, 80),
+    max_blocks=st.integers(-1, 20),
+    start=st.one_of(st.sampled_from([0, 9, 10, 2**64 - 1]), st.integers(0, 2**64 - 1)),
+)
+def test_kthena_chains_are_the_same_compiled_and_pure_and_as_kthena_hashes(
+    data: bytes, block_size: int, max_blocks: int, start: int
+) -> None:
+    """``chain_xxh64`` equals the rule written out (a short last block, a limit, starts of
+    every decimal length), compiled and pure."""
+    by_block, prev = [], start
+    for offset in range(0, min(len(data), block_size * max_blocks), block_size):
+        prev = xxhash.xxh64_intdigest(str(prev).encode() + data[offset : offset + block_size])
+        by_block.append(prev)
+    for implementation in (pure.KERNELS, compiled_kernels()):
+        keys = implementation.chain_xxh64(data, block_size, max_blocks, start)
+        assert keys.dtype == np.int64
+        assert keys.view(np.uint64).tolist() == by_block
+
+
+@pytest.mark.parametrize("block_size", [0, -64])
+def test_a_chain_of_blocks_of_no_bytes_is_refused_by_both(block_size: int) -> None:
+    for implementation in (pure.KERNELS, compiled_kernels()):
+        with pytest.raises(ValueError, match="block_size must be > 0"):
+            implementation.chain_xxh64(b"abc", block_size, 4, 0)
 
 
 def test_without_the_compiled_module_the_pure_kernels_run_and_say_why(
