@@ -40,3 +40,4 @@ put_all = KERNELS.put_all
 discard_all = KERNELS.discard_all
 chain_xxh3 = KERNELS.chain_xxh3
 chain_xxh64 = KERNELS.chain_xxh64
+evict_oldest = KERNELS.evict_oldest

@@ -206,6 +206,39 @@ def discard_all(Int64toInt64Map table, const int64_t[:] keys):
         table.discard(keys[i])
 
 
+def evict_oldest(Int64toInt64Map entries, Int64toInt64Map owners, Int64toInt64Map upper_pages,
+                 const int64_t[::1] ring, const int64_t[::1] tags, Py_ssize_t head,
+                 Py_ssize_t size, int64_t base, int64_t lru_key, int64_t page_key, int64_t bit,
+                 int page, Py_ssize_t count):
+    """``pure.evict_oldest``: the ring walked from its head, an entry at a time, through
+    cykhash's C interface."""
+    cdef dict by_tag = {}
+    cdef int64_t key, entry, owner_key, mask, pages
+    cdef int64_t page_bit = (<int64_t>1) << page
+    while count > 0 and head < size:
+        key = ring[head]
+        entry = key ^ lru_key
+        if entries.contains(entry) and entries.cget(entry) == base + head:
+            entries.discard(entry)
+            owner_key = key ^ page_key
+            mask = (owners.cget(owner_key) if owners.contains(owner_key) else 0) & ~bit
+            if mask:
+                owners.cput(owner_key, mask)
+            else:
+                owners.discard(owner_key)
+                if page:
+                    pages = (upper_pages.cget(key) if upper_pages.contains(key) else 0) & ~page_bit
+                    if pages:
+                        upper_pages.cput(key, pages)
+                    else:
+                        upper_pages.discard(key)
+            tag = tags[head]
+            by_tag[tag] = by_tag.get(tag, 0) + 1
+            count -= 1
+        head += 1
+    return head, by_tag
+
+
 def chain_xxh3(bytes data, Py_ssize_t step, Py_ssize_t num, root, bytes first_extra,
                bytes extra):
     """``pure.chain_xxh3``: each block and its extra bytes copied into one buffer and
@@ -273,4 +306,4 @@ def chain_xxh64(bytes data, Py_ssize_t block_size, Py_ssize_t max_blocks, start)
 
 
 KERNELS = Kernels(deepest_held, arriving_blocks, rank_few, ttft_costs, put_all, discard_all,
-                  chain_xxh3, chain_xxh64)
+                  chain_xxh3, chain_xxh64, evict_oldest)

@@ -9,7 +9,12 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 import xxhash
-from cykhash import Int64toInt64Map, Int64toInt64Map_from_buffers, update_int64toint64map
+from cykhash import (
+    Int64toInt64Map,
+    Int64toInt64Map_from_buffers,
+    Int64toInt64Map_to,
+    update_int64toint64map,
+)
 
 Keys = npt.NDArray[np.int64]
 Masks = npt.NDArray[np.int64]  # two dimensions: pages x blocks
@@ -81,6 +86,58 @@ def discard_all(table: Int64toInt64Map, keys: Keys) -> None:
     """Each of ``keys`` out of ``table`` (absent ones ignored)."""
     for key in keys.tolist():
         table.discard(key)
+
+
+def evict_oldest(
+    entries: Int64toInt64Map,
+    owners: Int64toInt64Map,
+    upper_pages: Int64toInt64Map,
+    ring: Keys,
+    tags: Keys,
+    head: int,
+    size: int,
+    base: int,
+    lru_key: int,
+    page_key: int,
+    bit: int,
+    page: int,
+    count: int,
+) -> tuple[int, dict[int, int]]:
+    """Drop the ``count`` oldest live entries of one pod's ring from the prefix index's
+    maps (``prefix.storage``): ``ring[head:size]``, position ``i`` holding sequence number
+    ``base + i``, is live where ``entries`` maps its block key XOR ``lru_key`` to that
+    number. A dropped block leaves ``entries``; its page's owner mask (``owners``, at the
+    key XOR ``page_key``) loses ``bit``, and goes at 0; then, on an upper page (``page`` >
+    0), the block's mask of pages (``upper_pages``) loses the page, and goes at 0. Returns
+    the new head (after the last entry dropped, or ``size``) and the drops per tag."""
+    by_tag: dict[int, int] = {}
+    while count and head < size:
+        stop = min(size, head + max(2 * count, 256))
+        window = ring[head:stop]
+        seqs = np.empty(len(window), dtype=np.int64)
+        Int64toInt64Map_to(entries, window ^ lru_key, seqs, False, -1)
+        live_pos = np.flatnonzero(seqs == np.arange(base + head, base + stop))[:count]
+        keys = window[live_pos]
+        discard_all(entries, keys ^ lru_key)
+        owner_keys = keys ^ page_key
+        masks = np.empty(len(keys), dtype=np.int64)
+        Int64toInt64Map_to(owners, owner_keys, masks, False, 0)
+        masks &= ~bit
+        emptied = masks == 0
+        put_all(owners, owner_keys[~emptied], masks[~emptied])
+        discard_all(owners, owner_keys[emptied])
+        if page:
+            gone = keys[emptied]
+            pages = np.empty(len(gone), dtype=np.int64)
+            Int64toInt64Map_to(upper_pages, gone, pages, False, 0)
+            pages &= ~(1 << page)
+            put_all(upper_pages, gone[pages != 0], pages[pages != 0])
+            discard_all(upper_pages, gone[pages == 0])
+        for tag in tags[head + live_pos].tolist():
+            by_tag[tag] = by_tag.get(tag, 0) + 1
+        count -= len(live_pos)
+        head = head + int(live_pos[-1]) + 1 if not count else stop
+    return head, by_tag
 
 
 def chain_xxh3(
@@ -222,6 +279,7 @@ class Kernels(NamedTuple):
     discard_all: Callable[[Int64toInt64Map, Keys], None]
     chain_xxh3: Callable[[bytes, int, int, int, bytes, bytes], list[int]]
     chain_xxh64: Callable[[bytes, int, int, int], Keys]
+    evict_oldest: Callable[..., tuple[int, dict[int, int]]]  # ``evict_oldest``'s parameters
 
 
 KERNELS = Kernels(
@@ -233,4 +291,5 @@ KERNELS = Kernels(
     discard_all,
     chain_xxh3,
     chain_xxh64,
+    evict_oldest,
 )

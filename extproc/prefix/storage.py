@@ -23,7 +23,6 @@ evict, what a lookup returns) is the index's (``prefix.index``).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -32,7 +31,7 @@ import numpy.typing as npt
 import xxhash
 from cykhash import Int64toInt64Map, Int64toInt64Map_to
 
-from extproc.kernels import discard_all, put_all
+from extproc.kernels import discard_all, evict_oldest, put_all
 from extproc.pods import PodId
 from extproc.prefix.hashing import Keys
 
@@ -183,16 +182,26 @@ class PrefixStorage:
             start = stop
         return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
-    def evict_oldest(self, lru: PodLru, count: int) -> Counter[int]:
+    def evict_oldest(self, lru: PodLru, count: int) -> dict[int, int]:
         """Drop the ``count`` oldest live entries; returns how many had each tag."""
-        by_tag: Counter[int] = Counter()
-        while count:
-            stop = min(lru.size, lru.head + max(2 * count, 256))
-            live_pos = np.flatnonzero(self._live_mask(lru, lru.head, stop))[:count]
-            self._drop(lru, lru.ring[lru.head + live_pos])
-            by_tag.update(lru.tags[lru.head + live_pos].tolist())
-            count -= len(live_pos)
-            lru.head = lru.head + int(live_pos[-1]) + 1 if not count else stop
+        lru.head, by_tag = evict_oldest(
+            self.entries,
+            self.owners,
+            self.upper_pages,
+            lru.ring,
+            lru.tags,
+            lru.head,
+            lru.size,
+            lru.base,
+            lru.key,
+            self.page_keys[lru.page],
+            lru.bit,
+            lru.page,
+            count,
+        )
+        dropped = sum(by_tag.values())
+        lru.live -= dropped
+        self.num_entries -= dropped
         return by_tag
 
     def compact(self, lru: PodLru) -> None:

@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 from extproc import kernels
 from extproc.kernels import pure
 from extproc.kernels.pure import Kernels, Prices
+from extproc.pods import PodId
+from extproc.prefix.index import PrefixIndex
 from extproc.prefix.precise.keys import ROOT, block_key, chain_keys, request_extra, token_bytes
 from extproc.prefix.storage import SLOTS_PER_PAGE
 
@@ -293,6 +295,53 @@ def test_a_chain_of_blocks_of_no_bytes_is_refused_by_both(block_size: int) -> No
     for implementation in (pure.KERNELS, compiled_kernels()):
         with pytest.raises(ValueError, match="block_size must be > 0"):
             implementation.chain_xxh64(b"abc", block_size, 4, 0)
+
+
+def _map_copy(table: Int64toInt64Map) -> Int64toInt64Map:
+    copy = Int64toInt64Map()
+    for key, value in table.items():
+        copy[key] = value
+    return copy
+
+
+@given(
+    num_pods=st.sampled_from([1, 3, SLOTS_PER_PAGE + 2]),  # the last: a pod on an upper page
+    prompts=st.lists(
+        st.tuples(st.integers(0, 5), st.integers(1, 40), st.integers(0, 3)), min_size=1, max_size=25
+    ),
+    seed=st.integers(0, 2**32 - 1),
+    share=st.floats(0.0, 1.5),
+)
+def test_eviction_is_the_same_compiled_and_pure_on_index_states(
+    num_pods: int, prompts: list[tuple[int, int, int]], seed: int, share: float
+) -> None:
+    """From a prefix index filled with overlapping prompts (shared blocks, refreshes that
+    leave stale ring positions, pods on the first and on an upper page), evicting a share of
+    a pod's live entries leaves the same maps, head and counts per tag either way."""
+    rng = np.random.default_rng(seed)
+    index = PrefixIndex(max_entries_per_pod=10_000)
+    pods = [PodId("default", f"pod-{i}") for i in range(num_pods)]
+    roots = rng.integers(-(2**62), 2**62, size=6)
+    for at, pod in enumerate(pods):  # slots in order: the last pods' on an upper page
+        index.record(np.array([at], dtype=np.int64), pod)
+    targets = sorted({0, 1, num_pods - 2, num_pods - 1} & set(range(num_pods)))
+    for root, length, tag in prompts:
+        keys = np.arange(length, dtype=np.int64) * 7919 + roots[root]
+        for at in rng.choice(targets, size=rng.integers(1, 3)):
+            index.record(keys, pods[at], tag)
+    storage = index.storage
+    lru = storage.lru_by_pod[pods[rng.choice(targets)]]
+    count = min(lru.live, int(share * lru.live))
+    results = []
+    for implementation in (pure.KERNELS, compiled_kernels()):
+        maps = [_map_copy(m) for m in (storage.entries, storage.owners, storage.upper_pages)]
+        head, by_tag = implementation.evict_oldest(
+            *maps, lru.ring, lru.tags, lru.head, lru.size, lru.base, lru.key,
+            storage.page_keys[lru.page], lru.bit, lru.page, count,
+        )  # fmt: skip
+        results.append((head, by_tag, [sorted(m.items()) for m in maps]))
+    assert results[0] == results[1]
+    assert sum(results[0][1].values()) == count
 
 
 def test_without_the_compiled_module_the_pure_kernels_run_and_say_why(
