@@ -275,8 +275,9 @@ def chain_xxh64(bytes data, Py_ssize_t block_size, Py_ssize_t max_blocks, start)
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}")
     cdef const unsigned char *source = data
-    cdef Py_ssize_t end = min(len(data), block_size * max(0, max_blocks))
-    cdef Py_ssize_t count = (end + block_size - 1) // block_size, i, offset, length, digits
+    # the blocks there are, at most max_blocks (counted first: no product that overflows)
+    cdef Py_ssize_t count = min((len(data) + block_size - 1) // block_size, max(0, max_blocks))
+    cdef Py_ssize_t end = min(len(data), count * block_size), i, offset, length, digits
     cdef unsigned long long prev = start, rest
     cdef unsigned char decimal[20]  # 2**64 - 1 has 20 digits
     cdef unsigned char *buffer = <unsigned char *>malloc(20 + block_size)
