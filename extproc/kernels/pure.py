@@ -88,6 +88,35 @@ def discard_all(table: Int64toInt64Map, keys: Keys) -> None:
         table.discard(key)
 
 
+def drop_live(
+    entries: Int64toInt64Map,
+    owners: Int64toInt64Map,
+    upper_pages: Int64toInt64Map,
+    keys: Keys,
+    lru_key: int,
+    page_key: int,
+    bit: int,
+    page: int,
+) -> None:
+    """Remove one pod's live entries (their block keys) from the three maps, as
+    ``evict_oldest`` describes (also used as it is when a pod leaves the index)."""
+    discard_all(entries, keys ^ lru_key)
+    owner_keys = keys ^ page_key
+    masks = np.empty(len(keys), dtype=np.int64)
+    Int64toInt64Map_to(owners, owner_keys, masks, False, 0)
+    masks &= ~bit
+    emptied = masks == 0
+    put_all(owners, owner_keys[~emptied], masks[~emptied])
+    discard_all(owners, owner_keys[emptied])
+    if page:
+        gone = keys[emptied]
+        pages = np.empty(len(gone), dtype=np.int64)
+        Int64toInt64Map_to(upper_pages, gone, pages, False, 0)
+        pages &= ~(1 << page)
+        put_all(upper_pages, gone[pages != 0], pages[pages != 0])
+        discard_all(upper_pages, gone[pages == 0])
+
+
 def evict_oldest(
     entries: Int64toInt64Map,
     owners: Int64toInt64Map,
@@ -117,22 +146,7 @@ def evict_oldest(
         seqs = np.empty(len(window), dtype=np.int64)
         Int64toInt64Map_to(entries, window ^ lru_key, seqs, False, -1)
         live_pos = np.flatnonzero(seqs == np.arange(base + head, base + stop))[:count]
-        keys = window[live_pos]
-        discard_all(entries, keys ^ lru_key)
-        owner_keys = keys ^ page_key
-        masks = np.empty(len(keys), dtype=np.int64)
-        Int64toInt64Map_to(owners, owner_keys, masks, False, 0)
-        masks &= ~bit
-        emptied = masks == 0
-        put_all(owners, owner_keys[~emptied], masks[~emptied])
-        discard_all(owners, owner_keys[emptied])
-        if page:
-            gone = keys[emptied]
-            pages = np.empty(len(gone), dtype=np.int64)
-            Int64toInt64Map_to(upper_pages, gone, pages, False, 0)
-            pages &= ~(1 << page)
-            put_all(upper_pages, gone[pages != 0], pages[pages != 0])
-            discard_all(upper_pages, gone[pages == 0])
+        drop_live(entries, owners, upper_pages, window[live_pos], lru_key, page_key, bit, page)
         for tag in tags[head + live_pos].tolist():
             by_tag[tag] = by_tag.get(tag, 0) + 1
         count -= len(live_pos)

@@ -31,7 +31,8 @@ import numpy.typing as npt
 import xxhash
 from cykhash import Int64toInt64Map, Int64toInt64Map_to
 
-from extproc.kernels import discard_all, evict_oldest, put_all
+from extproc.kernels import evict_oldest, put_all
+from extproc.kernels.pure import drop_live
 from extproc.pods import PodId
 from extproc.prefix.hashing import Keys
 
@@ -264,19 +265,18 @@ class PrefixStorage:
         """Remove live entries (their block hashes) from every map."""
         if not len(keys):
             return
-        discard_all(self.entries, keys ^ lru.key)
+        drop_live(
+            self.entries,
+            self.owners,
+            self.upper_pages,
+            keys,
+            lru.key,
+            self.page_keys[lru.page],
+            lru.bit,
+            lru.page,
+        )
         lru.live -= len(keys)
         self.num_entries -= len(keys)
-        owner_keys = keys ^ self.page_keys[lru.page]
-        masks = lookup(self.owners, owner_keys, 0) & ~lru.bit
-        emptied = masks == 0
-        put_all(self.owners, owner_keys[~emptied], masks[~emptied])
-        discard_all(self.owners, owner_keys[emptied])
-        if lru.page:
-            gone = keys[emptied]
-            pages = lookup(self.upper_pages, gone, 0) & ~(1 << lru.page)
-            put_all(self.upper_pages, gone[pages != 0], pages[pages != 0])
-            discard_all(self.upper_pages, gone[pages == 0])
 
     # -- probes for a lookup -----------------------------------------------------------
 
