@@ -53,14 +53,6 @@ def chain_start(model: str, salt: str | None = None) -> int:
     return _xxh64(b"%d\x00cache_salt=%s" % (start, salt.encode()), SALT_SEED)
 
 
-def hash_blocks(start: int, data: bytes, block_size: int, max_blocks: int) -> list[PromptBlockHash]:
-    """Chain ``data``'s blocks from ``start``; see the module docstring for the rule."""
-    hashes: list[PromptBlockHash] = (
-        chain_xxh64(data, block_size, max_blocks, start).view(np.uint64).tolist()
-    )
-    return hashes
-
-
 def hash_prompt(
     model: str,
     prompt: str,

@@ -8,9 +8,10 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from extproc.kernels import chain_xxh64
 from extproc.memo import FifoMemo
 from extproc.prefix import hash_prompt, hashing
-from extproc.prefix.hashing import PromptBlockHash, chain_start, hash_blocks, prompt_keys
+from extproc.prefix.hashing import PromptBlockHash, chain_start, prompt_keys
 
 
 def reference_chain(model: str, data: bytes, block_size: int) -> list[int]:
@@ -113,11 +114,15 @@ def test_remembered_chains_equal_freshly_computed_ones(
     prompt: str, model: str, salt: str | None, geometry: tuple[int, int]
 ) -> None:
     block_size, max_blocks = geometry
-    fresh = hash_blocks(
-        chain_start(model, salt),
-        prompt.encode("utf-8", "surrogatepass")[: block_size * max_blocks],
-        block_size,
-        max_blocks,
+    fresh = (
+        chain_xxh64(
+            prompt.encode("utf-8", "surrogatepass")[: block_size * max_blocks],
+            block_size,
+            max_blocks,
+            chain_start(model, salt),
+        )
+        .view(np.uint64)
+        .tolist()
     )
     for _ in range(2):  # computed, then remembered
         assert hash_prompt(model, prompt, block_size, max_blocks, salt) == fresh
