@@ -35,6 +35,7 @@ IMPLEMENTATION, KERNELS = _select()
 deepest_held = KERNELS.deepest_held
 arriving_blocks = KERNELS.arriving_blocks
 rank_few = KERNELS.rank_few
+rank_best = KERNELS.rank_best
 ttft_costs = KERNELS.ttft_costs
 put_all = KERNELS.put_all
 discard_all = KERNELS.discard_all

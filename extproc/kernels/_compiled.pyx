@@ -8,7 +8,10 @@ from libc.string cimport memcpy
 
 import numpy as np
 
-from extproc.kernels.pure import BYTES_PER_TOKEN, Kernels
+from extproc.kernels.pure import BYTES_PER_TOKEN, RANK_FIELD_BITS, Kernels
+
+cdef int64_t FIELD_BITS = RANK_FIELD_BITS  # rank_best's key fields, as C constants
+cdef int64_t FIELD = (<int64_t>1) << FIELD_BITS
 
 
 cdef extern from *:
@@ -122,6 +125,83 @@ def rank_few(list scores, list weights, const int64_t[::1] positions,
         return ranked
     finally:
         free(totals); free(load); free(tiebreak); free(order)
+
+
+def rank_best(list scores, list weights, const int64_t[::1] positions,
+              const int64_t[::1] busy, const int64_t[::1] routed,
+              const int64_t[::1] shuffled, Py_ssize_t limit):
+    """``pure.rank_best``: the totals, loads and packed keys in one pass, then the
+    ``limit`` smallest keys kept by insertion (``limit`` is a few: the pick and its
+    fallbacks)."""
+    cdef Py_ssize_t n = positions.shape[0], i, j, at, count = 0
+    cdef const int64_t[:] scored
+    cdef int64_t[::1] out
+    cdef int64_t weight, row, top, held, key
+    cdef int64_t *keys
+    cdef int64_t *best_keys
+    cdef Py_ssize_t *best
+    if limit > n:
+        limit = n
+    if limit <= 0:
+        return np.empty(0, dtype=np.int64)
+    if len(scores) != len(weights):
+        raise ValueError("one weight per scores array")
+    if shuffled.shape[0] != n:
+        raise ValueError("shuffled must be a permutation of the positions' indices")
+    if n >= FIELD:
+        return None
+    keys = <int64_t *>calloc(n, sizeof(int64_t))
+    best_keys = <int64_t *>malloc(limit * sizeof(int64_t))
+    best = <Py_ssize_t *>malloc(limit * sizeof(Py_ssize_t))
+    if keys == NULL or best_keys == NULL or best == NULL:
+        free(keys); free(best_keys); free(best)
+        raise MemoryError()
+    try:
+        for j in range(len(scores)):
+            scored = scores[j]
+            weight = weights[j]
+            if scored.shape[0] != n:
+                raise ValueError("one score per position")
+            for i in range(n):
+                keys[i] += weight * scored[i]
+        top = keys[0]
+        for i in range(1, n):
+            if keys[i] > top:
+                top = keys[i]
+        for i in range(n):
+            keys[i] = top - keys[i]  # behind the best
+            if keys[i] >= FIELD:
+                return None
+            row = positions[i]
+            held = busy[row] if busy[row] >= routed[row] else routed[row]
+            if held < 0 or held >= FIELD:
+                return None
+            keys[i] = (keys[i] << (2 * FIELD_BITS)) | (held << FIELD_BITS)
+        for i in range(n):
+            at = shuffled[i]
+            if at < 0 or at >= n:
+                raise ValueError("shuffled must be a permutation of the positions' indices")
+            keys[at] |= i
+        for i in range(n):
+            key = keys[i]
+            if count == limit and key >= best_keys[limit - 1]:
+                continue
+            at = count if count < limit else limit - 1
+            while at > 0 and key < best_keys[at - 1]:
+                best_keys[at] = best_keys[at - 1]
+                best[at] = best[at - 1]
+                at -= 1
+            best_keys[at] = key
+            best[at] = i
+            if count < limit:
+                count += 1
+        ranked = np.empty(limit, dtype=np.int64)
+        out = ranked
+        for j in range(limit):
+            out[j] = positions[best[j]]
+        return ranked
+    finally:
+        free(keys); free(best_keys); free(best)
 
 
 def ttft_costs(const int64_t[::1] held, tuple prompt, const int64_t[::1] positions,
@@ -306,5 +386,5 @@ def chain_xxh64(bytes data, Py_ssize_t block_size, Py_ssize_t max_blocks, start)
     return out
 
 
-KERNELS = Kernels(deepest_held, arriving_blocks, rank_few, ttft_costs, put_all, discard_all,
+KERNELS = Kernels(deepest_held, arriving_blocks, rank_few, rank_best, ttft_costs, put_all, discard_all,
                   chain_xxh3, chain_xxh64, evict_oldest)

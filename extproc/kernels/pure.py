@@ -76,6 +76,48 @@ def rank_few(
     return ranked
 
 
+RANK_FIELD_BITS = 21  # ``rank_best``'s key: three fields of this many bits in an int64
+RANK_FIELD = 1 << RANK_FIELD_BITS
+
+
+def rank_best(
+    scores: list[Keys],
+    weights: list[int],
+    positions: Keys,
+    busy: Keys,
+    routed: Keys,
+    shuffled: Keys,
+    limit: int,
+) -> Keys | None:
+    """The first ``limit`` of ``positions`` in ``rank_few``'s order (total, then load),
+    equal keys in the order of ``shuffled`` (a permutation of ``range(len(positions))``),
+    without sorting them all; None when a field does not fit its bits (then sort).
+
+    One int64 key per position packs how far its total is behind the best, its load and
+    its place in ``shuffled``: unique keys, so the ``limit`` smallest, in order, are
+    exactly the first ``limit`` of that stable sort."""
+    limit = min(limit, len(positions))
+    if limit <= 0:
+        return positions[:0].copy()
+    totals = np.zeros(len(positions), dtype=np.int64)
+    for weight, scored in zip(weights, scores, strict=True):
+        totals += weight * scored
+    load = np.maximum(busy[positions], routed[positions])
+    behind = totals.max() - totals
+    if (
+        len(positions) >= RANK_FIELD
+        or behind.max() >= RANK_FIELD
+        or not 0 <= load.min() <= load.max() < RANK_FIELD
+    ):
+        return None
+    place = np.empty(len(shuffled), dtype=np.int64)
+    place[shuffled] = np.arange(len(shuffled))
+    keys = (behind << (2 * RANK_FIELD_BITS)) | (load << RANK_FIELD_BITS) | place
+    best = np.argpartition(keys, limit - 1)[:limit]
+    ranked: Keys = positions[best[np.argsort(keys[best])]]
+    return ranked
+
+
 def put_all(table: Int64toInt64Map, keys: Keys, values: Keys) -> None:
     """``table[keys[i]] = values[i]`` for each ``i`` (keys distinct): a map of the pairs
     built, then merged, as cykhash offers no batch insert of its own."""
@@ -288,6 +330,7 @@ class Kernels(NamedTuple):
     deepest_held: Callable[[Masks, Keys, Keys, Keys], None]
     arriving_blocks: Callable[[Masks, Keys, Keys, int, Keys, int], dict[int, int]]
     rank_few: Callable[[list[Keys], list[int], Keys, Keys, Keys, Callable[[], float]], Keys]
+    rank_best: Callable[[list[Keys], list[int], Keys, Keys, Keys, Keys, int], Keys | None]
     ttft_costs: Callable[..., None]  # ``ttft_costs``'s parameters
     put_all: Callable[[Int64toInt64Map, Keys, Keys], None]
     discard_all: Callable[[Int64toInt64Map, Keys], None]
@@ -300,6 +343,7 @@ KERNELS = Kernels(
     deepest_held,
     arriving_blocks,
     rank_few,
+    rank_best,
     ttft_costs,
     put_all,
     discard_all,

@@ -44,7 +44,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from extproc.errors import ExtProcError, NoCapacity, NoReadyPods
-from extproc.kernels import rank_few
+from extproc.kernels import rank_best, rank_few
 from extproc.plain_metrics import PlainHistogram
 from extproc.pods import Pod, PodId
 from extproc.scheduling.inflight import InFlight
@@ -107,10 +107,8 @@ def table_scorer(scorer: Scorer) -> ScoreStep:
 
 
 SMALL_RANK = 64  # candidates up to which ties are broken by ``rng`` directly (``_order``)
-# ``_order`` ranks only the best ``limit`` when the candidates outnumber them this many times
+# ``_rank`` ranks only the best ``limit`` when the candidates outnumber them this many times
 PARTIAL_RANK_FACTOR = 4
-_FIELD_BITS = 21  # ``_best``'s key: three fields of this many bits in an int64
-_FIELD = 1 << _FIELD_BITS
 
 PLUGIN_BUCKETS = (0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.005)
 
@@ -488,18 +486,24 @@ class Scheduler:
             if verbose:
                 _log_scores(ws.scorer.type_name, table, candidates, scores)
         busy, routed = self._load_columns(table)
-        if trace is None and not verbose and len(candidates) <= SMALL_RANK:
-            # The usual case in one kernel call: what the lines below do, for few pods.
-            return rank_few(
-                scores_of, self._score_steps[2], candidates, busy, routed, self.rng.random
-            )
+        weights = self._score_steps[2]
+        shuffled = None
+        if trace is None and not verbose:
+            # The usual cases in one kernel call each: what the lines below do.
+            if len(candidates) <= SMALL_RANK:
+                return rank_few(scores_of, weights, candidates, busy, routed, self.rng.random)
+            if limit is not None and limit * PARTIAL_RANK_FACTOR < len(candidates):
+                shuffled = self._generator().permutation(len(candidates))
+                best = rank_best(scores_of, weights, candidates, busy, routed, shuffled, limit)
+                if best is not None:
+                    return best
         totals = np.zeros(len(candidates), dtype=np.int64)
         for ws, scores in zip(self.scorers, scores_of, strict=True):
             totals += ws.weight * scores
         if verbose:
             _log_totals(table, candidates, totals)
         load = np.maximum(table.rows(busy, candidates), table.rows(routed, candidates))
-        order = candidates[self._order(totals, load, None if trace is not None else limit)]
+        order = candidates[self._order(totals, load, shuffled)]
         if trace is not None:
             trace.ranked(candidates, totals, load, order)
         return order
@@ -512,25 +516,22 @@ class Scheduler:
             return busy, busy
         return busy, self.in_flight.requests_at(table.position, len(table))
 
-    def _order(self, totals: Scores, load: Scores, limit: int | None = None) -> Positions:
+    def _order(self, totals: Scores, load: Scores, shuffled: Positions | None = None) -> Positions:
         """Indices of ``totals``, highest first; equal totals least ``load`` first, then
         in random order.
 
         Up to ``SMALL_RANK`` candidates, one ``rng.random()`` per candidate breaks the
         remaining ties (a seeded run, e.g. the offline simulator's, repeats its picks).
-        Beyond, a stable sort of a random permutation by (total, load) leaves equal keys
-        in random order; with ``limit`` well below the candidates, only the first
-        ``limit`` of that order (``_best``: the same, without sorting them all).
+        Beyond, a stable sort of a random permutation (``shuffled`` if already drawn) by
+        (total, load) leaves equal keys in random order; ``kernels.rank_best`` gives the
+        first few of that order without sorting them all.
         """
         if len(totals) <= SMALL_RANK:
             tiebreak = np.array([self.rng.random() for _ in range(len(totals))])
             small: Positions = np.lexsort((tiebreak, load, -totals))
             return small
-        shuffled: Positions = self._generator().permutation(len(totals))
-        if limit is not None and limit * PARTIAL_RANK_FACTOR < len(totals):
-            best = _best(totals, load, shuffled, limit)
-            if best is not None:
-                return best
+        if shuffled is None:
+            shuffled = self._generator().permutation(len(totals))
         order: Positions = shuffled[np.lexsort((load[shuffled], -totals[shuffled]))]
         return order
 
@@ -579,26 +580,6 @@ class Scheduler:
 def _call_each(calls: Iterable[Callable[[], None]]) -> None:
     for call in calls:
         call()
-
-
-def _best(totals: Scores, load: Scores, shuffled: Positions, limit: int) -> Positions | None:
-    """The first ``limit`` of ``shuffled`` stably sorted by (total descending, load), in
-    that order, without sorting them all: one key per candidate packs how far its total is
-    behind the best, its load and its place in ``shuffled`` (unique, so the smallest keys
-    are exactly those first ``limit``). None when a field does not fit its bits."""
-    behind = totals.max() - totals
-    if (
-        len(totals) >= _FIELD
-        or behind.max() >= _FIELD
-        or not 0 <= load.min() <= load.max() < _FIELD
-    ):
-        return None
-    place = np.empty(len(shuffled), dtype=np.int64)
-    place[shuffled] = np.arange(len(shuffled))
-    keys = (behind << (2 * _FIELD_BITS)) | (load << _FIELD_BITS) | place
-    best = np.argpartition(keys, limit - 1)[:limit]
-    ordered: Positions = best[np.argsort(keys[best])]
-    return ordered
 
 
 def _find(table: PodTable, candidates: Positions, pod_id: PodId) -> int | None:

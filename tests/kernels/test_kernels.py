@@ -146,6 +146,52 @@ def test_rank_few_puts_the_highest_total_first_then_the_least_loaded() -> None:
 
 
 @given(
+    num_rows=st.integers(0, 300),
+    num_scorers=st.integers(0, 3),
+    limit=st.integers(0, 12),
+    spread=st.sampled_from([1, 37, 1 << 21, 1 << 40]),
+    load_top=st.sampled_from([3, 1 << 21]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_rank_best_is_the_same_compiled_and_pure(
+    num_rows: int, num_scorers: int, limit: int, spread: int, load_top: int, seed: int
+) -> None:
+    """Few distinct totals and loads, so that ties cross the cut and the permutation
+    decides; totals or loads too large for the packed key give None on both paths."""
+    rng = np.random.default_rng(seed)
+    positions = np.flatnonzero(rng.random(num_rows) < 0.8).astype(np.int64)
+    scores = [rng.integers(0, 4, len(positions)) * spread for _ in range(num_scorers)]
+    weights = rng.integers(0, 3, num_scorers).tolist()
+    busy, routed = rng.integers(0, load_top, num_rows), rng.integers(0, 3, num_rows)
+    shuffled = rng.permutation(len(positions))
+    ranked = [
+        implementation.rank_best(scores, weights, positions, busy, routed, shuffled, limit)
+        for implementation in (pure.KERNELS, compiled_kernels())
+    ]
+    if ranked[0] is None:
+        assert ranked[1] is None
+        return
+    assert ranked[1] is not None
+    np.testing.assert_array_equal(ranked[0], ranked[1])
+    # the first ``limit`` of the whole stable order of ``shuffled`` by (total, load)
+    totals = sum(
+        (w * s for w, s in zip(weights, scores, strict=True)), np.zeros(len(positions), np.int64)
+    )
+    load = np.maximum(busy[positions], routed[positions])
+    whole = positions[shuffled[np.lexsort((load[shuffled], -totals[shuffled]))]]
+    assert ranked[1].tolist() == whole[:limit].tolist()
+
+
+def test_rank_best_refuses_what_is_no_permutation() -> None:
+    positions = np.arange(3, dtype=np.int64)
+    zeros = np.zeros(3, dtype=np.int64)
+    with pytest.raises(ValueError, match="permutation"):
+        compiled_kernels().rank_best([], [], positions, zeros, zeros, np.array([0, 1, 7]), 2)
+    with pytest.raises(ValueError, match="permutation"):
+        compiled_kernels().rank_best([], [], positions, zeros, zeros, np.array([0, 1]), 2)
+
+
+@given(
     num_rows=st.integers(1, 40),
     seed=st.integers(0, 2**32 - 1),
     prices=st.tuples(

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
+from extproc.kernels import rank_best
 from extproc.pods import Pod, PodId, PodMetrics, PodRole
 from extproc.routing.router import Router
 from extproc.scheduling.config import build_scheduler, named_config_text, parse_config
@@ -317,15 +318,22 @@ def test_a_pod_that_changes_models_is_a_candidate_for_its_new_model_only() -> No
 def test_the_best_few_are_the_whole_rankings_first_few(
     num: int, distinct: int, limit: int, spread: int, seed: int
 ) -> None:
-    """``_order`` with a limit: the first ``limit`` of the full order, the same random
-    tie-breaks (few distinct totals and loads: many ties, across the cut too; totals
-    too far apart for the packed key take the whole ranking's way)."""
+    """``kernels.rank_best`` over the permutation ``_order`` draws: the first ``limit`` of
+    the full order, the same random tie-breaks (few distinct totals and loads: many ties,
+    across the cut too); totals too far apart for the packed key give None (``_rank``
+    then takes the whole ranking's way)."""
     draw = np.random.default_rng(seed)
     totals = draw.integers(0, distinct, num) * spread
     load = draw.integers(0, 3, num)
     whole = Scheduler(rng=random.Random(seed))._order(totals, load)
-    best = Scheduler(rng=random.Random(seed))._order(totals, load, limit)
-    assert best[:limit].tolist() == whole[:limit].tolist()
+    shuffled = Scheduler(rng=random.Random(seed))._generator().permutation(num)
+    positions = np.arange(num, dtype=np.int64)
+    best = rank_best([totals], [1], positions, load, load, shuffled, limit)
+    if spread > 1 << 21 and totals.max() != totals.min():
+        assert best is None
+    else:
+        assert best is not None
+        assert best.tolist() == whole[:limit].tolist()
 
 
 def test_a_request_gets_the_same_pick_and_fallbacks_as_the_whole_ranking() -> None:
