@@ -53,7 +53,12 @@ from extproc.sim.launch import Stack, free_port, run_stack
 
 WARM_RUN_S = 2  # one warm-up wrk run; runs repeat until every prefix was sent
 MAX_WARM_RUNS = 40
-IDLE_S = 2.0  # CPU with no requests: background work (extproc scrapes every pod's /metrics)
+# CPU with no requests: background work (extproc scrapes every pod's /metrics). Measured
+# after the first sweeps, which scrape every pod at once before the scraper's CPU budget
+# spaces the sweeps out (at 1,000 pods the first second alone took 60% of a core), and
+# over several sweeps, whose CPU comes in bursts (0-18% a second at 1,000 pods).
+IDLE_SETTLE_S = 5.0
+IDLE_S = 10.0
 SGLANG_START_TIMEOUT_S = 180.0  # it probes every worker before it serves
 
 
@@ -130,6 +135,7 @@ def idle_cpu_pct(pids: dict[str, int], seconds: float = IDLE_S) -> dict[str, flo
 def with_idle(targets: list[Target], upstreams_pid: int) -> tuple[list[Target], dict[str, float]]:
     """The targets with their processes' idle CPU %, and every such % by "target/role"."""
     pids = {f"{t.name}/{role}": pid for t in targets for role, pid in t.pids.items()}
+    time.sleep(IDLE_SETTLE_S)
     idle = idle_cpu_pct({"pods/envoy": upstreams_pid, **pids})
     return [
         replace(t, idle_pct={role: idle[f"{t.name}/{role}"] for role in t.pids}) for t in targets

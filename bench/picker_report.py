@@ -144,6 +144,37 @@ def idle_table(cells: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+SCALE_P99_TARGET = 3.0  # issue 31: p99 under load at 1,000 pods at most 3x the 16-pod p99
+SCALE_CPU_TARGET = 1.5  # and extproc's CPU a request at most 1.5x
+
+
+def scaling_table(cells: list[dict[str, Any]]) -> str:
+    """Per prompt size: Envoy + extproc at the most pods against the fewest, loaded: p99
+    and extproc's CPU a request, all of it and net of what it burns idle (the scraper's
+    sweeps, bounded by its CPU budget whatever the request rate)."""
+    by_size: dict[int, dict[int, dict[str, float]]] = {}
+    for cell in cells:
+        by_size.setdefault(cell["prompt_kb"], {})[cell["pods"]] = cell["summary"][EXTPROC]["loaded"]
+    lines = _header(["prompt", "pods", "p99 x", f"<= {SCALE_P99_TARGET:g}x",
+                     "extproc us/req", "x", "net of idle", "x", f"<= {SCALE_CPU_TARGET:g}x"])  # fmt: skip
+    for kb, by_pods in by_size.items():
+        if len(by_pods) < 2:
+            continue
+        few, many = by_pods[min(by_pods)], by_pods[max(by_pods)]
+        p99 = many["p99_ms"] / few["p99_ms"]
+        gross = many["extproc_cpu_us_per_request"] / few["extproc_cpu_us_per_request"]
+        net = many["extproc_net_us_per_request"] / few["extproc_net_us_per_request"]
+        lines.append(_row([
+            f"{kb} KB", f"{max(by_pods)} / {min(by_pods)}", f"{p99:.2f}",
+            "yes" if p99 <= SCALE_P99_TARGET else "no",
+            f"{many['extproc_cpu_us_per_request']:.0f} / {few['extproc_cpu_us_per_request']:.0f}",
+            f"{gross:.2f}",
+            f"{many['extproc_net_us_per_request']:.0f} / {few['extproc_net_us_per_request']:.0f}",
+            f"{net:.2f}", "yes" if net <= SCALE_CPU_TARGET else "no",
+        ]))  # fmt: skip
+    return "\n".join(lines)
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The whole report: machine, load, the three tables."""
     m, c = result["machine"], result["config"]
@@ -165,8 +196,11 @@ def markdown(result: dict[str, Any]) -> str:
         host, "", load, "", workload, "",
         "## Loaded", "", loaded_table(result["cells"]), "",
         "## Low load: p50 added", "", low_load_table(result["cells"]), "",
+        "## Many pods against few (Envoy + extproc, loaded)", "", scaling_table(result["cells"]),
+        "",
         "## Workload state", "", warm_table(result["cells"]), "",
-        "## Idle CPU % (one core = 100), before the first cell", "", idle_table(result["cells"]),
+        "## Idle CPU % (one core = 100), before the first cell (after the first sweeps)", "",
+        idle_table(result["cells"]),
         "",
     ])  # fmt: skip
 

@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from bench.loadgen import ID_MARK, chat_body, parse_wrk
-from bench.picker_report import ENVOY, EXTPROC, markdown, medians, ratios
+from bench.picker_report import ENVOY, EXTPROC, markdown, medians, ratios, scaling_table
 from bench.pyspy import top_entries
 from bench.upstreams import PROBES, free_ports, upstream_config
 
@@ -104,3 +104,15 @@ def test_markdown_renders_every_router_of_a_cell_and_the_added_latency() -> None
     assert "| 8 KB | 16 | envoy+extproc | 250 | 250-250 | 0.25 |" in text
     assert "| 8 KB | 16 | 0.500 | 0.900 | +0.400 | yes |" in text
     assert ratios(summary)[f"{EXTPROC} throughput vs envoy"] == 0.25
+
+
+def test_scaling_table_sets_the_most_pods_against_the_fewest_gross_and_net_of_idle() -> None:
+    def cell(pods: int, p99: float, cpu: float, net: float) -> dict[str, Any]:
+        loaded = {"p99_ms": p99, "extproc_cpu_us_per_request": cpu,
+                  "extproc_net_us_per_request": net}  # fmt: skip
+        return {"prompt_kb": 8, "pods": pods, "summary": {EXTPROC: {"loaded": loaded}}}
+
+    table = scaling_table([cell(16, 10.0, 400, 380), cell(1000, 35.0, 640, 560)])
+    # p99 3.5x (over 3x); CPU 1.6x in all, 1.47x net of the idle scraper's (at most 1.5x)
+    assert "| 8 KB | 1000 / 16 | 3.50 | no | 640 / 400 | 1.60 | 560 / 380 | 1.47 | yes |" in table
+    assert scaling_table([cell(16, 10.0, 400, 380)]).count("\n") == 1  # one pod count: no row
