@@ -32,7 +32,7 @@ def _select() -> tuple[str, pure.Kernels]:
 
 
 IMPLEMENTATION, KERNELS = _select()
-deepest_held = KERNELS.deepest_held
+held_lengths = KERNELS.held_lengths
 arriving_blocks = KERNELS.arriving_blocks
 rank_few = KERNELS.rank_few
 rank_best = KERNELS.rank_best

@@ -26,25 +26,47 @@ cdef extern from "xxhash.h" nogil:
         const void *data, size_t length, unsigned long long seed)
 
 
-def deepest_held(const int64_t[:, ::1] masks, const int64_t[::1] first_slots,
-                 const int64_t[::1] places, int64_t[::1] out):
-    """``pure.deepest_held``: each page's blocks walked last to first until every slot
-    is found."""
-    cdef Py_ssize_t page, i
-    cdef int64_t seen, new, place
-    for page in range(masks.shape[0]):
-        seen = 0
-        i = masks.shape[1] - 1
-        while i >= 0:
-            new = masks[page, i] & ~seen
-            if new:
-                seen |= new
-                while new:
-                    place = places[first_slots[page] + __builtin_ctzll(<unsigned long long>new)]
-                    new &= new - 1
-                    if place >= 0:
-                        out[place] = i + 1
-            i -= 1
+def held_lengths(Int64toInt64Map owners, Int64toInt64Map upper_pages,
+                 const int64_t[::1] page_keys, const int64_t[::1] keys, dict page_masks,
+                 const int64_t[::1] places, int64_t slots_per_page, int64_t[::1] out):
+    """``pure.held_lengths``: block by block, a probe of ``upper_pages`` and one of
+    ``owners`` per candidate page that may hold it, through cykhash's C interface."""
+    cdef int64_t candidates[64]
+    cdef int64_t upper = 0, on_pages, mask, key, probe, place, slot
+    cdef Py_ssize_t i, num_places = places.shape[0]
+    cdef int page, bit
+    for page in range(64):
+        candidates[page] = 0
+    for page_obj, mask_obj in page_masks.items():
+        page = page_obj
+        if page < 0 or page >= 64 or page >= page_keys.shape[0]:
+            raise ValueError(f"page {page} is out of range")
+        candidates[page] = mask_obj
+        if page:
+            upper |= (<int64_t>1) << page
+    for i in range(keys.shape[0]):
+        key = keys[i]
+        on_pages = 0
+        if upper and upper_pages.contains(key):
+            on_pages = upper_pages.cget(key) & upper
+        if candidates[0]:
+            on_pages |= 1
+        while on_pages:
+            page = __builtin_ctzll(<unsigned long long>on_pages)
+            on_pages &= on_pages - 1
+            probe = key ^ page_keys[page]
+            if not owners.contains(probe):
+                continue
+            mask = owners.cget(probe) & candidates[page]
+            while mask:
+                bit = __builtin_ctzll(<unsigned long long>mask)
+                mask &= mask - 1
+                slot = page * slots_per_page + bit
+                if slot >= num_places:
+                    raise ValueError(f"slot {slot} has no place")
+                place = places[slot]
+                if place >= 0:
+                    out[place] = i + 1
 
 
 def arriving_blocks(const int64_t[:, ::1] keys, const int64_t[::1] lengths,
@@ -386,5 +408,5 @@ def chain_xxh64(bytes data, Py_ssize_t block_size, Py_ssize_t max_blocks, start)
     return out
 
 
-KERNELS = Kernels(deepest_held, arriving_blocks, rank_few, rank_best, ttft_costs, put_all, discard_all,
+KERNELS = Kernels(held_lengths, arriving_blocks, rank_few, rank_best, ttft_costs, put_all, discard_all,
                   chain_xxh3, chain_xxh64, evict_oldest)

@@ -39,6 +39,44 @@ def deepest_held(masks: Masks, first_slots: Keys, places: Keys, out: Keys) -> No
     out[at[found]] = block_idx[match_idx][found] + 1
 
 
+def held_lengths(
+    owners: Int64toInt64Map,
+    upper_pages: Int64toInt64Map,
+    page_keys: Keys,
+    keys: Keys,
+    page_masks: dict[int, int],
+    places: Keys,
+    slots_per_page: int,
+    out: Keys,
+) -> None:
+    """``deepest_held`` over the prefix index's maps (``prefix.storage``): per page of
+    ``page_masks`` (page -> the candidates' slot bits there), the blocks of ``keys`` that
+    ``upper_pages`` says the page may hold (every block on page 0), probed in ``owners``
+    (block key XOR the page's key; ``page_keys[0]`` is 0) and kept to the candidates;
+    each candidate slot's deepest held block goes to ``out`` at its place."""
+    upper = 0
+    for page in page_masks:
+        upper |= (1 << page) if page else 0
+    pages_by_block = _lookup(upper_pages, keys, 0) & upper if upper else np.zeros_like(keys)
+    if 0 in page_masks:
+        pages_by_block |= 1
+    for page, mask in page_masks.items():
+        rows = np.flatnonzero((pages_by_block >> page) & 1)
+        if not len(rows):
+            continue
+        masks = np.zeros((1, len(keys)), dtype=np.int64)
+        masks[0, rows] = _lookup(owners, keys[rows] ^ page_keys[page], 0) & mask
+        first_slot = np.array([page * slots_per_page], dtype=np.int64)
+        deepest_held(masks, first_slot, places, out)
+
+
+def _lookup(table: Int64toInt64Map, keys: Keys, default: int) -> Keys:
+    """``table[key]`` per key (``default`` where absent): one batch probe."""
+    found = np.empty(len(keys), dtype=np.int64)
+    Int64toInt64Map_to(table, keys, found, False, default)
+    return found
+
+
 def arriving_blocks(
     keys: Masks, lengths: Keys, slots: Keys, num_rows: int, prompt: Keys, num_slots: int
 ) -> dict[int, int]:
@@ -327,7 +365,7 @@ class Kernels(NamedTuple):
     """One implementation's functions (the compiled ones are typed as their references:
     ``tests/kernels`` calls both the same way)."""
 
-    deepest_held: Callable[[Masks, Keys, Keys, Keys], None]
+    held_lengths: Callable[..., None]  # ``held_lengths``'s parameters
     arriving_blocks: Callable[[Masks, Keys, Keys, int, Keys, int], dict[int, int]]
     rank_few: Callable[[list[Keys], list[int], Keys, Keys, Keys, Callable[[], float]], Keys]
     rank_best: Callable[[list[Keys], list[int], Keys, Keys, Keys, Keys, int], Keys | None]
@@ -340,7 +378,7 @@ class Kernels(NamedTuple):
 
 
 KERNELS = Kernels(
-    deepest_held,
+    held_lengths,
     arriving_blocks,
     rank_few,
     rank_best,

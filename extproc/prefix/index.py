@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from extproc.kernels import deepest_held
+from extproc.kernels import held_lengths
 from extproc.pods import PodId
 from extproc.prefix.hashing import Keys, as_keys
 from extproc.prefix.storage import SLOTS_PER_PAGE, PodLru, PrefixStorage
@@ -184,9 +184,9 @@ class PrefixIndex:
         ``candidates.pods``, in its order (0: no match, or excluded; a pod listed twice
         gets its length at its first place). No top-K, so no draws.
 
-        The matches come out as slot masks per page and block, and each candidate's
-        deepest block is read off them by a kernel (``kernels.deepest_held``): no step
-        per pod in Python. Up to 63 pods (one page) it is one probe of the owner masks.
+        One kernel call (``kernels.held_lengths``) probes the owner masks of the pages
+        that may hold each block and reads each candidate's deepest block off them: no
+        step per pod or block in Python.
         """
         keys = as_keys(hashes)
         out = np.zeros(len(candidates.pods), dtype=np.int64)
@@ -197,15 +197,16 @@ class PrefixIndex:
                 page_masks = storage.less(page_masks, exclude)
             if not page_masks or not len(keys):
                 return out
-            places = self._pod_set_places(candidates)
-            if len(page_masks) == 1:
-                ((page, mask),) = page_masks.items()
-                owners = storage.page_owners(keys, page, mask)
-                deepest_held(owners[np.newaxis], storage.first_slots[page], places, out)
-            else:
-                pages_by_block = storage.pages_by_block(keys, page_masks)
-                pages, masks = storage.owner_masks(keys, pages_by_block, page_masks, 0, len(keys))
-                deepest_held(masks, pages * SLOTS_PER_PAGE, places, out)
+            held_lengths(
+                storage.owners,
+                storage.upper_pages,
+                storage.page_key_array,
+                keys,
+                page_masks,
+                self._pod_set_places(candidates),
+                SLOTS_PER_PAGE,
+                out,
+            )
         return out
 
     def _pod_set_places(self, pod_set: PodSet) -> Keys:

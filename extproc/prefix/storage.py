@@ -96,13 +96,9 @@ class PrefixStorage:
         self._free_slots: list[int] = []
         self.next_slot = 0
         self.page_keys = [0] + [_mix_key(b"page", p) for p in range(1, MAX_PAGES)]
-        self._page_key_array = np.array(self.page_keys, dtype=np.int64)
+        self.page_key_array = np.array(self.page_keys, dtype=np.int64)
         self.slots_version = 0  # bumped whenever a pod gets or gives up a slot
         self.page_slots = [0] * MAX_PAGES  # per page, the bits of the slots in use
-        # per page, its first slot as a 1-array (a one-page lookup's ``deepest_held`` input)
-        self.first_slots = [np.array([page * SLOTS_PER_PAGE]) for page in range(MAX_PAGES)]
-        for first_slot in self.first_slots:
-            first_slot.setflags(write=False)
         self.num_entries = 0
 
     # -- pods and their slots ----------------------------------------------------------
@@ -349,7 +345,7 @@ class PrefixStorage:
         page_array = np.array(pages, dtype=np.int64)
         page_bits = np.left_shift(1, page_array)
         held = (pages_by_block[np.newaxis, start:stop] & page_bits[:, np.newaxis]) != 0
-        probes = (keys[np.newaxis, start:stop] ^ self._page_key_array[page_array][:, np.newaxis])[
+        probes = (keys[np.newaxis, start:stop] ^ self.page_key_array[page_array][:, np.newaxis])[
             held
         ]
         masks = np.zeros((len(pages), stop - start), dtype=np.int64)

@@ -45,37 +45,64 @@ def test_the_checkout_runs_the_compiled_kernels_unless_told_not_to() -> None:
         assert kernels.IMPLEMENTATION == "compiled (Cython)"
 
 
-@given(
-    num_blocks=st.integers(0, 80),
-    pages=st.lists(st.integers(0, 3), min_size=1, max_size=4, unique=True),
-    seed=st.integers(0, 2**32 - 1),
-)
-def test_deepest_held_is_the_same_compiled_and_pure(
-    num_blocks: int, pages: list[int], seed: int
-) -> None:
-    rng = np.random.default_rng(seed)
-    masks = rng.integers(0, 1 << SLOTS_PER_PAGE, (len(pages), num_blocks), dtype=np.int64)
-    masks[rng.random(masks.shape) < 0.7] = 0  # mostly sparse, as real owner masks
-    num_slots = 4 * SLOTS_PER_PAGE
-    places = rng.permutation(num_slots + 5)[:num_slots].astype(np.int64)  # some past the end
-    places[rng.random(num_slots) < 0.1] = -1  # slots of no candidate
-    first_slots = np.array(pages, dtype=np.int64) * SLOTS_PER_PAGE
-    outs = []
-    for implementation in (pure.KERNELS, compiled_kernels()):
-        out = np.zeros(int(places.max()) + 1, dtype=np.int64)
-        implementation.deepest_held(masks, first_slots, places, out)
-        outs.append(out)
-    np.testing.assert_array_equal(outs[0], outs[1])
-
-
 def test_deepest_held_finds_each_slots_last_block() -> None:
     owners = np.array([[0b111, 0b010, 0b001, 0]], dtype=np.int64)
     places = np.array([2, 0, 1], dtype=np.int64)
+    out = np.zeros(3, dtype=np.int64)
+    pure.deepest_held(owners, np.zeros(1, dtype=np.int64), places, out)
+    # slot 0 (place 2) last holds block 2, slot 1 (place 0) block 1, slot 2 block 0
+    assert out.tolist() == [2, 1, 3]
+
+
+@given(
+    num_pods=st.sampled_from([2, SLOTS_PER_PAGE + 2, 2 * SLOTS_PER_PAGE + 3]),  # 1 to 3 pages
+    prompts=st.lists(
+        st.tuples(st.integers(0, 4), st.integers(1, 30), st.integers(1, 3)), min_size=1, max_size=20
+    ),
+    asked=st.tuples(st.integers(0, 4), st.integers(0, 40)),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_held_lengths_is_the_same_compiled_pure_and_by_the_storages_masks(
+    num_pods: int, prompts: list[tuple[int, int, int]], asked: tuple[int, int], seed: int
+) -> None:
+    """From a prefix index filled with overlapping prompts on pods of every page, each
+    candidate's deepest held block of a prompt is the same from both kernels and from the
+    storage's own owner masks read by ``deepest_held``. The candidates are a random subset
+    of the pods, placed among all of them as ``match_lengths`` places every pod and
+    excludes some (their slots have places, so only the page masks leave them out), and
+    some slots have no place."""
+    rng = np.random.default_rng(seed)
+    index = PrefixIndex(max_entries_per_pod=10_000)
+    pods = [PodId("default", f"pod-{i}") for i in range(num_pods)]
+    roots = rng.integers(-(2**62), 2**62, size=5)
+    for at, pod in enumerate(pods):  # slots in order: the last pods' on upper pages
+        index.record(np.array([at], dtype=np.int64), pod)
+    for root, length, copies in prompts:
+        keys = np.arange(length, dtype=np.int64) * 7919 + roots[root]
+        for at in rng.choice(num_pods, size=copies):
+            index.record(keys[: rng.integers(1, length + 1)], pods[at])
+    storage = index.storage
+    chosen = [pod for pod in pods if rng.random() < 0.6]
+    page_masks = storage.candidate_masks(chosen)
+    places = storage.slot_places(tuple(pods))
+    places[rng.random(len(places)) < 0.1] = -1  # a candidate whose place is not wanted
+    root, length = asked
+    keys = np.arange(length, dtype=np.int64) * 7919 + roots[root]
+    outs = []
     for implementation in (pure.KERNELS, compiled_kernels()):
-        out = np.zeros(3, dtype=np.int64)
-        implementation.deepest_held(owners, np.zeros(1, dtype=np.int64), places, out)
-        # slot 0 (place 2) last holds block 2, slot 1 (place 0) block 1, slot 2 block 0
-        assert out.tolist() == [2, 1, 3]
+        out = np.zeros(num_pods, dtype=np.int64)
+        implementation.held_lengths(
+            storage.owners, storage.upper_pages, storage.page_key_array, keys, page_masks,
+            places, SLOTS_PER_PAGE, out,
+        )  # fmt: skip
+        outs.append(out)
+    expected = np.zeros(num_pods, dtype=np.int64)
+    if page_masks and length:
+        by_block = storage.pages_by_block(keys, page_masks)
+        pages, masks = storage.owner_masks(keys, by_block, page_masks, 0, length)
+        pure.deepest_held(masks, pages * SLOTS_PER_PAGE, places, expected)
+    np.testing.assert_array_equal(outs[0], expected)
+    np.testing.assert_array_equal(outs[1], expected)
 
 
 @given(
