@@ -83,6 +83,9 @@ def as_ids(ids: Sequence[int]) -> TokenIds:
     return array
 
 
+_NO_IDS = as_ids(())
+
+
 class SegmentTokenizer:
     """One model's template and tokenizer, with the per-segment memo."""
 
@@ -225,29 +228,28 @@ class SegmentTokenizer:
             with self._lock:
                 for segment, enc in zip(missing, encoded, strict=True):
                     self._remember(segment, enc.ids)
-        pieces: list[TokenIds | str] = []  # ids, or a segment the memo lost meanwhile
-        if segments.prefix:
-            pieces.append(as_ids(segments.prefix))
+        arrays: list[TokenIds] = [as_ids(segments.prefix)] if segments.prefix else []
+        lost: list[tuple[int, str]] = []  # segments the memo lost meanwhile, by their place
+        added = self._added_ids
         with self._lock:
             memo = self._memo
+            found = 0
             for i, part in enumerate(parts):
                 if i % 2:
-                    pieces.append(self._added_ids[part])
+                    arrays.append(added[part])
                 elif part:
                     ids = memo.get(part)
                     if ids is None:  # evicted by later inserts (this call's, or another's)
-                        pieces.append(part)
+                        lost.append((len(arrays), part))
+                        arrays.append(_NO_IDS)  # its place, filled below
                     else:
                         memo.move_to_end(part)
-                        pieces.append(ids)
+                        arrays.append(ids)
+                    found += 1
             self.misses += len(missing)
-            self.hits += sum(1 for p in parts[::2] if p) - len(missing)
-        arrays = [
-            as_ids(self.tokenizer.encode(piece, add_special_tokens=False).ids)
-            if isinstance(piece, str)
-            else piece
-            for piece in pieces
-        ]
+            self.hits += found - len(missing)
+        for at, part in lost:  # encoded again here, outside the lock
+            arrays[at] = as_ids(self.tokenizer.encode(part, add_special_tokens=False).ids)
         return np.concatenate(arrays) if arrays else as_ids(())
 
     @property

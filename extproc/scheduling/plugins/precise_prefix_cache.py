@@ -361,10 +361,13 @@ class PrecisePrefixCache:
         stale: list[PodId] = []
         now = time.monotonic()
         views = self.index.views
+        num_credit_blocks = -1  # the prompt's blocks in ``blockSize``, chained when needed
         for pod in pods:
             view = views.get(pod)
             if view is None:  # no events yet: nothing cached but what is arriving
-                out[pod] = (credit.get(pod, 0), 0, len(self._chain(cycle, tokens, credit_size)))
+                if num_credit_blocks < 0:
+                    num_credit_blocks = len(self._chain(cycle, tokens, credit_size))
+                out[pod] = (credit.get(pod, 0), 0, num_credit_blocks)
                 continue
             if view.stale(now):
                 stale.append(pod)
