@@ -158,7 +158,7 @@ def rank_best(list scores, list weights, const int64_t[::1] positions,
     cdef Py_ssize_t n = positions.shape[0], i, j, at, count = 0
     cdef const int64_t[:] scored
     cdef int64_t[::1] out
-    cdef int64_t weight, row, top, held, key
+    cdef int64_t weight, row, top, load, key
     cdef int64_t *keys
     cdef int64_t *best_keys
     cdef Py_ssize_t *best
@@ -195,10 +195,10 @@ def rank_best(list scores, list weights, const int64_t[::1] positions,
             if keys[i] >= FIELD:
                 return None
             row = positions[i]
-            held = busy[row] if busy[row] >= routed[row] else routed[row]
-            if held < 0 or held >= FIELD:
+            load = busy[row] if busy[row] >= routed[row] else routed[row]
+            if load < 0 or load >= FIELD:
                 return None
-            keys[i] = (keys[i] << (2 * FIELD_BITS)) | (held << FIELD_BITS)
+            keys[i] = (keys[i] << (2 * FIELD_BITS)) | (load << FIELD_BITS)
         for i in range(n):
             at = shuffled[i]
             if at < 0 or at >= n:
@@ -408,5 +408,5 @@ def chain_xxh64(bytes data, Py_ssize_t block_size, Py_ssize_t max_blocks, start)
     return out
 
 
-KERNELS = Kernels(held_lengths, arriving_blocks, rank_few, rank_best, ttft_costs, put_all, discard_all,
-                  chain_xxh3, chain_xxh64, evict_oldest)
+KERNELS = Kernels(held_lengths, arriving_blocks, rank_few, rank_best, ttft_costs, put_all,
+                  discard_all, chain_xxh3, chain_xxh64, evict_oldest)

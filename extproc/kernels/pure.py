@@ -57,7 +57,7 @@ def held_lengths(
     upper = 0
     for page in page_masks:
         upper |= (1 << page) if page else 0
-    pages_by_block = _lookup(upper_pages, keys, 0) & upper if upper else np.zeros_like(keys)
+    pages_by_block = lookup(upper_pages, keys, 0) & upper if upper else np.zeros_like(keys)
     if 0 in page_masks:
         pages_by_block |= 1
     for page, mask in page_masks.items():
@@ -65,12 +65,12 @@ def held_lengths(
         if not len(rows):
             continue
         masks = np.zeros((1, len(keys)), dtype=np.int64)
-        masks[0, rows] = _lookup(owners, keys[rows] ^ page_keys[page], 0) & mask
+        masks[0, rows] = lookup(owners, keys[rows] ^ page_keys[page], 0) & mask
         first_slot = np.array([page * slots_per_page], dtype=np.int64)
         deepest_held(masks, first_slot, places, out)
 
 
-def _lookup(table: Int64toInt64Map, keys: Keys, default: int) -> Keys:
+def lookup(table: Int64toInt64Map, keys: Keys, default: int) -> Keys:
     """``table[key]`` per key (``default`` where absent): one batch probe."""
     found = np.empty(len(keys), dtype=np.int64)
     Int64toInt64Map_to(table, keys, found, False, default)

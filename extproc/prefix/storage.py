@@ -32,7 +32,7 @@ import xxhash
 from cykhash import Int64toInt64Map, Int64toInt64Map_to
 
 from extproc.kernels import evict_oldest, put_all
-from extproc.kernels.pure import drop_live
+from extproc.kernels.pure import drop_live, lookup
 from extproc.pods import PodId
 from extproc.prefix.hashing import Keys
 
@@ -45,12 +45,6 @@ def _mix_key(kind: bytes, number: int) -> int:
     """A fixed pseudo-random int64, distinct per (kind, number)."""
     digest = xxhash.xxh64_intdigest(b"%s:%d" % (kind, number), 0x9E37_79B9)
     return int(np.uint64(digest).view(np.int64))
-
-
-def lookup(table: Int64toInt64Map, keys: Keys, default: int) -> Keys:
-    out = np.empty(len(keys), dtype=np.int64)
-    Int64toInt64Map_to(table, keys, out, False, default)
-    return out
 
 
 def lookup_counted(table: Int64toInt64Map, keys: Keys, default: int) -> tuple[Keys, int]:
