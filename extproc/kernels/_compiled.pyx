@@ -94,6 +94,24 @@ def arriving_blocks(const int64_t[:, ::1] keys, const int64_t[::1] lengths,
     return found
 
 
+cdef int _weighted_totals(list scores, list weights, int64_t *totals, Py_ssize_t n) except -1:
+    """``totals[i] += weights[j] * scores[j][i]`` for every scores array ``j``: the
+    candidates' weighted totals, as ``rank_few`` and ``rank_best`` add them."""
+    cdef const int64_t[:] scored
+    cdef int64_t weight
+    cdef Py_ssize_t i, j
+    if len(scores) != len(weights):
+        raise ValueError("one weight per scores array")
+    for j in range(len(scores)):
+        scored = scores[j]
+        weight = weights[j]
+        if scored.shape[0] != n:
+            raise ValueError("one score per position")
+        for i in range(n):
+            totals[i] += weight * scored[i]
+    return 0
+
+
 cdef inline bint _ranks_before(Py_ssize_t a, Py_ssize_t b, const int64_t *totals,
                                const int64_t *load, const double *tiebreak):
     """Whether ``a`` goes before ``b``: a higher total, then less load, then the draw."""
@@ -108,10 +126,9 @@ def rank_few(list scores, list weights, const int64_t[::1] positions,
              const int64_t[::1] busy, const int64_t[::1] routed, random):
     """``pure.rank_few``: the totals, loads and draws in one pass, then an insertion sort
     (stable, as ``np.lexsort``; for the few candidates it is called with)."""
-    cdef Py_ssize_t n = positions.shape[0], i, j, k, at
-    cdef const int64_t[:] scored
+    cdef Py_ssize_t n = positions.shape[0], i, k, at
     cdef int64_t[::1] out
-    cdef int64_t weight, row
+    cdef int64_t row
     cdef int64_t *totals = <int64_t *>calloc(max(1, n), sizeof(int64_t))
     cdef int64_t *load = <int64_t *>calloc(max(1, n), sizeof(int64_t))
     cdef double *tiebreak = <double *>calloc(max(1, n), sizeof(double))
@@ -120,15 +137,7 @@ def rank_few(list scores, list weights, const int64_t[::1] positions,
         free(totals); free(load); free(tiebreak); free(order)
         raise MemoryError()
     try:
-        if len(scores) != len(weights):
-            raise ValueError("one weight per scores array")
-        for j in range(len(scores)):
-            scored = scores[j]
-            weight = weights[j]
-            if scored.shape[0] != n:
-                raise ValueError("one score per position")
-            for i in range(n):
-                totals[i] += weight * scored[i]
+        _weighted_totals(scores, weights, totals, n)
         for i in range(n):
             row = positions[i]
             load[i] = busy[row] if busy[row] >= routed[row] else routed[row]
@@ -156,9 +165,8 @@ def rank_best(list scores, list weights, const int64_t[::1] positions,
     ``limit`` smallest keys kept by insertion (``limit`` is a few: the pick and its
     fallbacks)."""
     cdef Py_ssize_t n = positions.shape[0], i, j, at, count = 0
-    cdef const int64_t[:] scored
     cdef int64_t[::1] out
-    cdef int64_t weight, row, top, load, key
+    cdef int64_t row, top, load, key
     cdef int64_t *keys
     cdef int64_t *best_keys
     cdef Py_ssize_t *best
@@ -166,8 +174,6 @@ def rank_best(list scores, list weights, const int64_t[::1] positions,
         limit = n
     if limit <= 0:
         return np.empty(0, dtype=np.int64)
-    if len(scores) != len(weights):
-        raise ValueError("one weight per scores array")
     if shuffled.shape[0] != n:
         raise ValueError("shuffled must be a permutation of the positions' indices")
     if n >= FIELD:
@@ -179,13 +185,7 @@ def rank_best(list scores, list weights, const int64_t[::1] positions,
         free(keys); free(best_keys); free(best)
         raise MemoryError()
     try:
-        for j in range(len(scores)):
-            scored = scores[j]
-            weight = weights[j]
-            if scored.shape[0] != n:
-                raise ValueError("one score per position")
-            for i in range(n):
-                keys[i] += weight * scored[i]
+        _weighted_totals(scores, weights, keys, n)
         top = keys[0]
         for i in range(1, n):
             if keys[i] > top:
