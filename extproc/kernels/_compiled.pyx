@@ -112,6 +112,16 @@ cdef int _weighted_totals(list scores, list weights, int64_t *totals, Py_ssize_t
     return 0
 
 
+cdef object _in_order(const int64_t[::1] positions, const Py_ssize_t *order, Py_ssize_t n):
+    """A new array of ``positions[order[k]]`` for ``k`` below ``n``."""
+    cdef Py_ssize_t k
+    ranked = np.empty(n, dtype=np.int64)
+    cdef int64_t[::1] out = ranked
+    for k in range(n):
+        out[k] = positions[order[k]]
+    return ranked
+
+
 cdef inline bint _ranks_before(Py_ssize_t a, Py_ssize_t b, const int64_t *totals,
                                const int64_t *load, const double *tiebreak):
     """Whether ``a`` goes before ``b``: a higher total, then less load, then the draw."""
@@ -126,8 +136,7 @@ def rank_few(list scores, list weights, const int64_t[::1] positions,
              const int64_t[::1] busy, const int64_t[::1] routed, random):
     """``pure.rank_few``: the totals, loads and draws in one pass, then an insertion sort
     (stable, as ``np.lexsort``; for the few candidates it is called with)."""
-    cdef Py_ssize_t n = positions.shape[0], i, k, at
-    cdef int64_t[::1] out
+    cdef Py_ssize_t n = positions.shape[0], i, at
     cdef int64_t row
     cdef int64_t *totals = <int64_t *>calloc(max(1, n), sizeof(int64_t))
     cdef int64_t *load = <int64_t *>calloc(max(1, n), sizeof(int64_t))
@@ -149,11 +158,7 @@ def rank_few(list scores, list weights, const int64_t[::1] positions,
                 order[at] = order[at - 1]
                 at -= 1
             order[at] = i
-        ranked = np.empty(n, dtype=np.int64)
-        out = ranked
-        for k in range(n):
-            out[k] = positions[order[k]]
-        return ranked
+        return _in_order(positions, order, n)
     finally:
         free(totals); free(load); free(tiebreak); free(order)
 
@@ -164,8 +169,7 @@ def rank_best(list scores, list weights, const int64_t[::1] positions,
     """``pure.rank_best``: the totals, loads and packed keys in one pass, then the
     ``limit`` smallest keys kept by insertion (``limit`` is a few: the pick and its
     fallbacks)."""
-    cdef Py_ssize_t n = positions.shape[0], i, j, at, count = 0
-    cdef int64_t[::1] out
+    cdef Py_ssize_t n = positions.shape[0], i, at, count = 0
     cdef int64_t row, top, load, key
     cdef int64_t *keys
     cdef int64_t *best_keys
@@ -217,11 +221,7 @@ def rank_best(list scores, list weights, const int64_t[::1] positions,
             best[at] = i
             if count < limit:
                 count += 1
-        ranked = np.empty(limit, dtype=np.int64)
-        out = ranked
-        for j in range(limit):
-            out[j] = positions[best[j]]
-        return ranked
+        return _in_order(positions, best, limit)
     finally:
         free(keys); free(best_keys); free(best)
 
