@@ -164,6 +164,13 @@ def test_malformed_messages_are_dropped_and_counted_by_reason(make_subscriber) -
         wait_until(lambda: errors("event") == 1, EVENTS_TIMEOUT_S)
         # the last two were batches of this pod; only the last decoded, to two unused events
         assert [moved[BATCHES], moved[RECEIVED], moved[APPLIED]] == [2, 2, 0]
+        for token in (-1, 2**32):  # no uint32 token id: one bad event, the rest applied
+            bad_token = {"type": "BlockStored", "block_hashes": [2], "token_ids": [token] * BS,
+                         "block_size": BS}  # fmt: skip
+            good = {**bad_token, "block_hashes": [3], "token_ids": [9] * BS}
+            send(msgpack.packb([0.0, [bad_token, good], 0]))
+        wait_until(lambda: errors("event") == 3, EVENTS_TIMEOUT_S)
+        wait_until(lambda: moved[APPLIED] == 2, EVENTS_TIMEOUT_S)
     finally:
         pub.close(0)
 
