@@ -42,7 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from extproc.pods import PodId
-from extproc.prefix.precise.keys import ROOT, block_key, token_bytes
+from extproc.prefix.precise.keys import ROOT, chain_from, token_bytes
 
 GPU = "GPU"
 
@@ -216,21 +216,20 @@ class PreciseIndex:
         blocks = view.blocks.setdefault(med, {})
         copies = view.copies.setdefault(med, {})
         provisional = view.provisional.get(med)
-        data = token_bytes(token_ids)
-        step = 4 * block_size
-        for i, engine_hash in enumerate(hashes):
-            extra = extra_keys[i] if extra_keys and i < len(extra_keys) else None
-            parent_key = block_key(parent_key, data[i * step : (i + 1) * step], extra)
-            known = blocks.pop(parent_key, None)
-            if provisional and parent_key in provisional:
+        keys = chain_from(
+            parent_key, token_bytes(token_ids), 4 * block_size, len(hashes), extra_keys
+        )
+        for key, engine_hash in zip(keys, hashes, strict=True):
+            known = blocks.pop(key, None)
+            if provisional and key in provisional:
                 # confirmed, not one more copy: the seeded block may have been evicted
                 # while extproc was down and computed again
-                provisional.discard(parent_key)
+                provisional.discard(key)
                 self.confirmed += 1
             elif known == engine_hash:  # another copy, newest again
                 copies[engine_hash] = copies.get(engine_hash, 0) + 1
-            blocks[parent_key] = engine_hash
-            by_hash[engine_hash] = parent_key
+            blocks[key] = engine_hash
+            by_hash[engine_hash] = key
         while len(blocks) > view.capacity:
             oldest = next(iter(blocks))
             engine_hash = blocks.pop(oldest)

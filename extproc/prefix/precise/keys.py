@@ -10,6 +10,8 @@ key tuple as its KV events publish it (untagged: the LoRA name on every block, t
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,12 +22,19 @@ import xxhash
 
 from extproc.kernels import chain_xxh3
 
+# ``array("I")`` packs 4 bytes a token in the machine's order: little-endian uint32 where
+# this holds (checked, not assumed).
+_ARRAY_PACKS_LE_U32 = sys.byteorder == "little" and array("I").itemsize == 4
 ROOT = 0x9E37_79B9_7F4A_7C15  # the parent of every chain's first block; any constant works
 
 Tokens = Sequence[int] | npt.NDArray[np.uint32]
 
 
 def token_bytes(tokens: Tokens) -> bytes:
+    """``tokens`` as little-endian uint32 bytes (OverflowError for an id out of range). A
+    list, as KV events decode, is packed by ``array``: faster than NumPy from a list."""
+    if type(tokens) is list and _ARRAY_PACKS_LE_U32:
+        return array("I", tokens).tobytes()
     return np.asarray(tokens, dtype="<u4").tobytes()
 
 
@@ -58,6 +67,28 @@ def chain_keys(
     # block_key's extra bytes: block 0's (LoRA name and salt), then the others' (the name)
     first, rest = (_packed(request_extra(i, salt, lora)) for i in (0, 1))
     return chain_xxh3(data, 4 * block_size, num, ROOT, first, rest)
+
+
+def chain_from(
+    parent: int, data: bytes, step: int, num: int, extras: Sequence[Sequence[Any] | None] | None
+) -> list[int]:
+    """The keys of ``num`` blocks of ``data`` (``step`` bytes each) chained from ``parent``,
+    block ``i`` with the extra keys ``extras[i]`` (none past the list's end), as
+    ``block_key`` makes them one by one: one kernel call when the blocks after the first
+    carry the same extra bytes (the usual event: none, or a LoRA name on every block)."""
+    if not extras:
+        return chain_xxh3(data, step, num, parent, b"", b"")
+    packed = [_packed(extras[i]) if i < len(extras) else b"" for i in range(num)]
+    if all(extra == packed[-1] for extra in packed[1:]):
+        first = packed[0] if packed else b""
+        return chain_xxh3(data, step, num, parent, first, packed[-1] if num > 1 else b"")
+    keys: list[int] = []
+    for i in range(num):  # extra keys that change along the chain: a block at a time
+        parent = block_key(
+            parent, data[i * step : (i + 1) * step], extras[i] if i < len(extras) else None
+        )
+        keys.append(parent)
+    return keys
 
 
 def _packed(extra: Sequence[Any] | None) -> bytes:
