@@ -17,6 +17,7 @@ gRPC core behind real Envoy): quick to run, and ``--profile`` says where the tim
     python -m bench.hot_path --in-flight 16     # each request ended 16 requests later
     python -m bench.hot_path --prefixes 100000 --warm-up 2000   # every prompt new (no memo)
     python -m bench.hot_path --flame docs/img/hot-path-flame.svg   # py-spy's flame graph
+    python -m bench.hot_path --precise DIR --events   # precise, the pods' KV events too
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 
+import orjson
 from envoy.service.accesslog.v3 import als_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import struct_pb2
@@ -42,12 +44,15 @@ from bench.floor import precise_config
 from bench.loadgen import ID_MARK, chat_body
 from bench.pyspy import finish_recording, start_recording
 from bench.upstreams import MODEL
+from extproc.datalayer.kv_events import apply_event
 from extproc.pods import Pod, PodId
+from extproc.request.parse import Api
 from extproc.routing.flow.config import parse_flow_control
 from extproc.routing.outcome_metrics import OutcomeMetrics
 from extproc.routing.router import Router
 from extproc.scheduling.config import build_scheduler, default_config_text, parse_config
 from extproc.scheduling.inflight import InFlight
+from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
 from extproc.scheduling.sessions import SessionStore
 from extproc.wire.access_log import AccessLogHandler
 from extproc.wire.one_round import RouteHandler
@@ -139,6 +144,13 @@ class HotPath:
         self.next_id = 0
         self.in_flight = in_flight
         self._unended: deque[bytes] = deque()
+        self._served: deque[tuple[int, str]] = deque()  # each unended request's body, pod
+        self._events: KvEvents | None = None
+
+    def with_events(self) -> None:
+        """From now on each request's end is followed by the served pod's KV event for its
+        prompt (precise configuration only)."""
+        self._events = KvEvents(self.router, self.bodies)
 
     def one_request(self) -> None:
         n = self.next_id
@@ -158,12 +170,48 @@ class HotPath:
             .string_value.split(",")[0]
         )
         self._unended.append(log_message(request_id, served, reply.dynamic_metadata))
+        self._served.append((n % len(self.bodies), served))
         if len(self._unended) > self.in_flight:
             self.end_oldest()
 
     def end_oldest(self) -> None:
-        """The access log of the oldest request not ended yet."""
+        """The access log of the oldest request not ended yet (then its pod's KV event)."""
         self.logs.complete(als_pb2.StreamAccessLogsMessage.FromString(self._unended.popleft()))
+        body, served = self._served.popleft()
+        if self._events is not None:
+            self._events.stored(body, served)
+
+
+class KvEvents:
+    """What the pods' KV events tell precise-prefix-cache, as its subscriber applies them
+    (``kv_events.apply_event``): a pod that served a prompt stores its full blocks, one
+    ``BlockStored`` a request (engine hashes made up, distinct per block and prompt)."""
+
+    def __init__(self, router: Router, bodies: list[bytes]) -> None:
+        precise = [
+            s.scorer for s in router.scheduler.scorers if isinstance(s.scorer, PrecisePrefixCache)
+        ]
+        if not precise:
+            raise SystemExit("--events needs --precise")
+        self.plugin = precise[0]
+        self.pod_by_address = {p.address: p.id for p in router.pods}
+        tokenizer = self.plugin.tokenizers[MODEL]
+        self.tokens = [
+            tokenizer.request_tokens(Api.CHAT_COMPLETIONS, orjson.loads(b)) for b in bodies
+        ]
+
+    def stored(self, body: int, served: str) -> None:
+        size = self.plugin.args.blockSize
+        tokens = self.tokens[body]
+        num = len(tokens) // size
+        event = {
+            "type": "BlockStored",
+            "block_hashes": [(body << 20) + i for i in range(num)],
+            "parent_block_hash": None,
+            "token_ids": tokens[: num * size],
+            "block_size": size,
+        }
+        apply_event(self.plugin.index, self.pod_by_address[served], event)
 
 
 def flame(path: HotPath, out: Path, seconds: float) -> None:
@@ -195,6 +243,12 @@ def main() -> None:
         "the warm-up; no KV events: the cost measured is the tokenizing's)",
     )
     parser.add_argument(
+        "--events",
+        action="store_true",
+        help="with --precise: each request's end stores its prompt's blocks in the served "
+        "pod's view, as its KV events would (the events' cost is counted)",
+    )
+    parser.add_argument(
         "--warm-up", type=int, help="requests before the rounds (default: two per prefix)"
     )
     parser.add_argument("--profile", action="store_true")
@@ -206,6 +260,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as work_dir:
             config_text = precise_config(args.precise, Path(work_dir)).read_text()
     path = HotPath(args.pods, args.prompt_kb * 1024, args.prefixes, config_text, args.in_flight)
+    if args.events:
+        path.with_events()
     for _ in range(2 * args.prefixes if args.warm_up is None else args.warm_up):
         path.one_request()
     samples = []
