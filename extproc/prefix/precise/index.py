@@ -219,17 +219,21 @@ class PreciseIndex:
         keys = chain_from(
             parent_key, token_bytes(token_ids), 4 * block_size, len(hashes), extra_keys
         )
-        for key, engine_hash in zip(keys, hashes, strict=True):
-            known = blocks.pop(key, None)
-            if provisional and key in provisional:
-                # confirmed, not one more copy: the seeded block may have been evicted
-                # while extproc was down and computed again
-                provisional.discard(key)
-                self.confirmed += 1
-            elif known == engine_hash:  # another copy, newest again
-                copies[engine_hash] = copies.get(engine_hash, 0) + 1
-            blocks[key] = engine_hash
-            by_hash[engine_hash] = key
+        if not provisional and blocks.keys().isdisjoint(keys):  # all new: the usual event
+            blocks.update(zip(keys, hashes, strict=True))  # newest last, as one at a time
+            by_hash.update(zip(hashes, keys, strict=True))
+        else:
+            for key, engine_hash in zip(keys, hashes, strict=True):
+                known = blocks.pop(key, None)
+                if provisional and key in provisional:
+                    # confirmed, not one more copy: the seeded block may have been evicted
+                    # while extproc was down and computed again
+                    provisional.discard(key)
+                    self.confirmed += 1
+                elif known == engine_hash:  # another copy, newest again
+                    copies[engine_hash] = copies.get(engine_hash, 0) + 1
+                blocks[key] = engine_hash
+                by_hash[engine_hash] = key
         while len(blocks) > view.capacity:
             oldest = next(iter(blocks))
             engine_hash = blocks.pop(oldest)
