@@ -537,8 +537,8 @@ class KvEventsSubscriber:
         for event in events:
             try:
                 applied += apply_event(self.index, pod, event)
-            except (TypeError, ValueError, KeyError, OverflowError):  # OverflowError: a
-                # token id or hash past its integer type's range
+            # OverflowError: a token id outside uint32's range
+            except (TypeError, ValueError, KeyError, OverflowError):
                 self._metrics.errors("event").inc()
         if applied:
             self._metrics.applied(label).inc(applied)
