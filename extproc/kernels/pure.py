@@ -182,17 +182,13 @@ def drop_live(
     ``evict_oldest`` describes (also used as it is when a pod leaves the index)."""
     discard_all(entries, keys ^ lru_key)
     owner_keys = keys ^ page_key
-    masks = np.empty(len(keys), dtype=np.int64)
-    Int64toInt64Map_to(owners, owner_keys, masks, False, 0)
-    masks &= ~bit
+    masks = lookup(owners, owner_keys, 0) & ~bit
     emptied = masks == 0
     put_all(owners, owner_keys[~emptied], masks[~emptied])
     discard_all(owners, owner_keys[emptied])
     if page:
         gone = keys[emptied]
-        pages = np.empty(len(gone), dtype=np.int64)
-        Int64toInt64Map_to(upper_pages, gone, pages, False, 0)
-        pages &= ~(1 << page)
+        pages = lookup(upper_pages, gone, 0) & ~(1 << page)
         put_all(upper_pages, gone[pages != 0], pages[pages != 0])
         discard_all(upper_pages, gone[pages == 0])
 
@@ -223,8 +219,7 @@ def evict_oldest(
     while count and head < size:
         stop = min(size, head + max(2 * count, 256))
         window = ring[head:stop]
-        seqs = np.empty(len(window), dtype=np.int64)
-        Int64toInt64Map_to(entries, window ^ lru_key, seqs, False, -1)
+        seqs = lookup(entries, window ^ lru_key, -1)
         live_pos = np.flatnonzero(seqs == np.arange(base + head, base + stop))[:count]
         drop_live(entries, owners, upper_pages, window[live_pos], lru_key, page_key, bit, page)
         for tag in tags[head + live_pos].tolist():

@@ -233,7 +233,7 @@ class SegmentTokenizer:
         added = self._added_ids
         with self._lock:
             memo = self._memo
-            found = 0
+            num_segments = 0  # the text segments, found in the memo or lost
             for i, part in enumerate(parts):
                 if i % 2:
                     arrays.append(added[part])
@@ -245,9 +245,9 @@ class SegmentTokenizer:
                     else:
                         memo.move_to_end(part)
                         arrays.append(ids)
-                    found += 1
+                    num_segments += 1
             self.misses += len(missing)
-            self.hits += found - len(missing)
+            self.hits += num_segments - len(missing)
         for at, part in lost:  # encoded again here, outside the lock
             arrays[at] = as_ids(self.tokenizer.encode(part, add_special_tokens=False).ids)
         return np.concatenate(arrays) if arrays else as_ids(())
