@@ -38,7 +38,6 @@ rank_few = KERNELS.rank_few
 rank_best = KERNELS.rank_best
 ttft_costs = KERNELS.ttft_costs
 put_all = KERNELS.put_all
-discard_all = KERNELS.discard_all
 chain_xxh3 = KERNELS.chain_xxh3
 chain_xxh64 = KERNELS.chain_xxh64
 evict_oldest = KERNELS.evict_oldest

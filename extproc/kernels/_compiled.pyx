@@ -301,13 +301,6 @@ def put_all(Int64toInt64Map table, const int64_t[:] keys, const int64_t[:] value
         table.cput(keys[i], values[i])
 
 
-def discard_all(Int64toInt64Map table, const int64_t[:] keys):
-    """``pure.discard_all``, in C."""
-    cdef Py_ssize_t i
-    for i in range(keys.shape[0]):
-        table.discard(keys[i])
-
-
 def evict_oldest(Int64toInt64Map entries, Int64toInt64Map owners, Int64toInt64Map upper_pages,
                  const int64_t[::1] ring, const int64_t[::1] tags, Py_ssize_t head,
                  Py_ssize_t size, int64_t base, int64_t lru_key, int64_t page_key, int64_t bit,
@@ -409,4 +402,4 @@ def chain_xxh64(bytes data, Py_ssize_t block_size, Py_ssize_t max_blocks, start)
 
 
 KERNELS = Kernels(held_lengths, arriving_blocks, rank_few, rank_best, ttft_costs, put_all,
-                  discard_all, chain_xxh3, chain_xxh64, evict_oldest)
+                  chain_xxh3, chain_xxh64, evict_oldest)

@@ -163,7 +163,8 @@ def put_all(table: Int64toInt64Map, keys: Keys, values: Keys) -> None:
 
 
 def discard_all(table: Int64toInt64Map, keys: Keys) -> None:
-    """Each of ``keys`` out of ``table`` (absent ones ignored)."""
+    """Each of ``keys`` out of ``table`` (absent ones ignored): ``drop_live``'s removals,
+    rare enough (a pod leaving, and the reference's eviction) to need no compiled twin."""
     for key in keys.tolist():
         table.discard(key)
 
@@ -366,7 +367,6 @@ class Kernels(NamedTuple):
     rank_best: Callable[[list[Keys], list[int], Keys, Keys, Keys, Keys, int], Keys | None]
     ttft_costs: Callable[..., None]  # ``ttft_costs``'s parameters
     put_all: Callable[[Int64toInt64Map, Keys, Keys], None]
-    discard_all: Callable[[Int64toInt64Map, Keys], None]
     chain_xxh3: Callable[[bytes, int, int, int, bytes, bytes], list[int]]
     chain_xxh64: Callable[[bytes, int, int, int], Keys]
     evict_oldest: Callable[..., tuple[int, dict[int, int]]]  # ``evict_oldest``'s parameters
@@ -379,7 +379,6 @@ KERNELS = Kernels(
     rank_best,
     ttft_costs,
     put_all,
-    discard_all,
     chain_xxh3,
     chain_xxh64,
     evict_oldest,

@@ -2,8 +2,9 @@
 
 No Python object per entry. Entries live in C hash maps (cykhash) and NumPy ring
 buffers, and a prompt's blocks are looked up, stored and dropped in one call each
-(cykhash's batch probe; ``kernels.put_all``/``discard_all`` for the writes), so the
-per-request cost is a few dozen C calls, not one Python loop per block.
+(cykhash's batch probe; ``kernels.put_all`` for the writes, ``kernels.evict_oldest`` for
+a full pod's evictions), so the per-request cost is a few dozen C calls, not one Python
+loop per block.
 
 Layout:
 
