@@ -58,11 +58,14 @@ from extproc.scheduling.interfaces import (
     PluginContext,
     Preparation,
     RecordTimes,
+    Scores,
     ViewState,
 )
 from extproc.scheduling.plugins.adopt import same_geometry
 from extproc.scheduling.plugins.arrivals import Arrivals
 from extproc.scheduling.plugins.prefix_metrics import MATCH_RATIO_BUCKETS
+from extproc.scheduling.plugins.prefix_rows import per_row
+from extproc.scheduling.podtable import PodTable, Positions
 from extproc.scheduling.shared_metrics import per_registry, shared_metric
 
 log = logging.getLogger("extproc.scheduling.precise")
@@ -386,14 +389,23 @@ class PrecisePrefixCache:
         return (view.block_size if view is not None else None) or self.args.blockSize
 
     def _approx_fraction(self, cycle: Cycle, pods: Sequence[PodId]) -> dict[PodId, float]:
+        if not pods:  # every pod's view is trusted: the usual case
+            return {}
         keys = cycle.block_keys(self.args.blockSizeToHash, self.args.maxBlocksToMatch)
-        if not len(keys) or not pods:
+        if not len(keys):
             return {}
         matches = self.approx.match(keys, pods, len(pods))
         return {pod: matched / len(keys) for pod, matched in matches.items()}
 
     def score(self, cycle: Cycle, pods: Sequence[Pod]) -> Mapping[PodId, int]:
-        ids = [p.id for p in pods]
+        return self._scores(cycle, [p.id for p in pods])
+
+    def score_table(self, cycle: Cycle, table: PodTable, positions: Positions) -> Scores:
+        """``score`` on ``table``'s rows, without building the pods' list and a dict."""
+        ids = table.ids
+        return per_row(table, positions, self._scores(cycle, [ids[i] for i in positions.tolist()]))
+
+    def _scores(self, cycle: Cycle, ids: list[PodId]) -> dict[PodId, int]:
         tokens = self.prompt_tokens(cycle)
         fractions: dict[PodId, float] = {}
         approximate: list[PodId] = ids
@@ -430,14 +442,19 @@ class PrecisePrefixCache:
         limit = max(0, len(tokens) - 1)
         exact: dict[PodId, int] = {}
         provisional: dict[PodId, int] = {}
+        views = self.index.views
         for pod, (gpu, _, _) in precise.items():
             if not gpu:
                 exact[pod] = 0
                 continue
-            size = self._block_size(self.index.views.get(pod))
+            view = views.get(pod)
+            size = self._block_size(view)
             tokens_cached = min(gpu, limit // size) * size
-            keys = self._chain(cycle, tokens, size)[:gpu]
-            if self.index.provisional_in(pod, keys):
+            if (  # seeded blocks are rare: a view without any needs no keys
+                view is not None
+                and view.provisional
+                and self.index.provisional_in(pod, self._chain(cycle, tokens, size)[:gpu])
+            ):
                 provisional[pod] = tokens_cached
             else:
                 exact[pod] = tokens_cached

@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import orjson
 import pytest
 from prometheus_client import CollectorRegistry
@@ -17,6 +18,7 @@ from extproc.request.parse import parse_request
 from extproc.scheduling.config import build_scheduler, parse_config
 from extproc.scheduling.interfaces import Cycle, PluginContext
 from extproc.scheduling.plugins.precise_prefix_cache import PrecisePrefixCache
+from extproc.scheduling.podtable import PodTable
 from testkit.e2e_cache import MODEL_DIR, needs_model_tokenizer
 from testkit.factories import write_tokenizer
 from tests.scheduling.plugins.support import BS, store
@@ -138,6 +140,27 @@ def test_a_stale_pod_is_scored_from_the_approximate_view() -> None:
         "extproc_precise_prefix_fallbacks_total", {"reason": "stale_pod"}
     )
     assert value == 1
+
+
+def test_the_table_path_scores_as_score_does() -> None:
+    """Exact views, a stale pod scored from the approximate view, a pod holding nothing,
+    and a subset of the rows: ``score_table`` is ``score`` row by row."""
+    pods = [*PODS, Pod(PodId("default", "p3"), "10.0.0.3:8000", frozenset({"m"}))]
+    plugin = make()
+    tokens = plugin.prompt_tokens(cycle())
+    assert tokens is not None
+    store(plugin, pods[1], tokens[: 3 * BS])
+    store(plugin, pods[2], tokens[:BS])
+    store(plugin, pods[3], tokens)
+    plugin.index.mark_stale(pods[3].id)
+    plugin.record(cycle(), pods[3].id)
+    table = PodTable(pods)
+    for rows in ([0, 1, 2, 3], [1, 3], [0]):
+        positions = np.array(rows, dtype=np.int64)
+        by_pods = plugin.score(cycle(), [pods[i] for i in rows])
+        assert len(by_pods) == len(set(rows) - {0})
+        by_table = plugin.score_table(cycle(), table, positions)
+        assert by_table.tolist() == [by_pods.get(pods[i].id, 0) for i in rows]
 
 
 def test_the_configuration_builds_it_and_refuses_bad_models() -> None:
