@@ -177,3 +177,36 @@ def test_a_forgotten_block_forgets_its_copies(forget: Callable[[PreciseIndex], o
     index.stored(POD, [7], None, tokens, BS, None)  # cached once from now on
     index.removed(POD, [7])
     assert index.match(POD, chain_keys(tokens, BS)) == (0, 0)
+
+
+def longest_run(index: PreciseIndex, keys: list[int]) -> tuple[int, int]:
+    """``match``'s rule, block by block: on the GPU, else in any offload tier, else stop."""
+    blocks = index.view(POD).blocks
+    gpu, others = blocks.get("GPU", {}), [b for m, b in blocks.items() if m != "GPU"]
+    on_gpu = elsewhere = 0
+    for key in keys:
+        if key in gpu:
+            on_gpu += 1
+        elif any(key in b for b in others):
+            elsewhere += 1
+        else:
+            break
+    return on_gpu, elsewhere
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.sampled_from(["GPU", "CPU", "DISK", None]), min_size=1, max_size=12),
+    st.integers(0, 12),
+)
+def test_a_match_is_the_leading_run_held_in_any_tier(where: list[str | None], cut: int) -> None:
+    """Each block of a 12-block prompt held on the GPU, offloaded, or not held (None),
+    then matched whole and cut short: the GPU run found at once, the rest block by block."""
+    index = PreciseIndex(64)
+    keys = chain_keys(list(range(len(where) * BS)), BS)
+    blocks = index.view(POD).blocks
+    for i, medium in enumerate(where):
+        if medium is not None:  # key -> engine hash, as ``stored`` keeps them
+            blocks.setdefault(medium, {})[keys[i]] = 1000 + i
+    assert index.match(POD, keys[:cut]) == longest_run(index, keys[:cut])
+    assert index.match(POD, keys) == longest_run(index, keys)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import takewhile
 from typing import Any
 
 import numpy as np
@@ -347,10 +348,17 @@ class PreciseIndex:
         if view is None:
             return 0, 0
         gpu = view.blocks.get(GPU, {})
+        # The leading run on the GPU, probed in C (``takewhile`` stops at the first miss):
+        # a pod holding a shared system prompt matches its every block.
+        on_gpu = len(list(takewhile(gpu.__contains__, keys)))
+        if on_gpu == len(keys):
+            return on_gpu, 0
         # tuple() copies in one C call: the writer may add a medium meanwhile
         offload = [b for m, b in tuple(view.blocks.items()) if m != GPU]
-        on_gpu = elsewhere = 0
-        for key in keys:
+        if not offload:
+            return on_gpu, 0
+        elsewhere = 0
+        for key in keys[on_gpu:]:
             if key in gpu:
                 on_gpu += 1
             elif any(key in b for b in offload):
