@@ -46,6 +46,7 @@ from bench.pyspy import finish_recording, start_recording
 from bench.upstreams import MODEL
 from extproc.datalayer.kv_events import apply_event
 from extproc.pods import Pod, PodId
+from extproc.prefix.precise.keys import chain_keys
 from extproc.request.parse import Api
 from extproc.routing.flow.config import parse_flow_control
 from extproc.routing.outcome_metrics import OutcomeMetrics
@@ -184,8 +185,10 @@ class HotPath:
 
 class KvEvents:
     """What the pods' KV events tell precise-prefix-cache, as its subscriber applies them
-    (``kv_events.apply_event``): a pod that served a prompt stores its full blocks, one
-    ``BlockStored`` a request (engine hashes made up, distinct per block and prompt)."""
+    (``kv_events.apply_event``): a pod that served a prompt stores the full blocks it did
+    not find cached, one ``BlockStored`` a request chained from the last block it found,
+    as vLLM's ``BlockPool.cache_full_blocks`` publishes them (the engine hashes are the
+    plugin's own keys: one per prefix, as the engine's are)."""
 
     def __init__(self, router: Router, bodies: list[bytes]) -> None:
         precise = [
@@ -199,19 +202,24 @@ class KvEvents:
         self.tokens = [
             tokenizer.request_tokens(Api.CHAT_COMPLETIONS, orjson.loads(b)) for b in bodies
         ]
+        self.keys = [chain_keys(t, self.plugin.args.blockSize) for t in self.tokens]
 
     def stored(self, body: int, served: str) -> None:
         size = self.plugin.args.blockSize
-        tokens = self.tokens[body]
-        num = len(tokens) // size
+        tokens, keys = self.tokens[body], self.keys[body]
+        pod = self.pod_by_address[served]
+        # vLLM's hit: the cached blocks from the start, never the prompt's last token
+        hit = min(self.plugin.index.match(pod, keys)[0], (len(tokens) - 1) // size)
+        if hit >= len(keys):
+            return
         event = {
             "type": "BlockStored",
-            "block_hashes": [(body << 20) + i for i in range(num)],
-            "parent_block_hash": None,
-            "token_ids": tokens[: num * size],
+            "block_hashes": keys[hit:],
+            "parent_block_hash": keys[hit - 1] if hit else None,
+            "token_ids": tokens[hit * size : len(keys) * size],
             "block_size": size,
         }
-        apply_event(self.plugin.index, self.pod_by_address[served], event)
+        apply_event(self.plugin.index, pod, event)
 
 
 def flame(path: HotPath, out: Path, seconds: float) -> None:

@@ -54,3 +54,14 @@ def test_with_events_the_served_pods_views_hold_the_prompts_and_match_them(
     assert max(held.values()) == len(tokens) // size  # the whole prompt, in full blocks
     sample = path.registry.get_sample_value
     assert not sample("extproc_precise_prefix_fallbacks_total", {"reason": "stale_pod"})
+    # A pod holding the prompt publishes nothing more for it, as vLLM's block pool
+    # publishes only the blocks it did not find cached (and a block-aligned prompt's
+    # last block, computed again for the last token: one more copy).
+    pod = max(held, key=lambda p: held[p])
+    view = plugin.index.views[pod]
+    copies = sum(view.copies.get("GPU", {}).values())
+    address = next(p.address for p in path.router.pods if p.id == pod)
+    path._events.stored(0, address)
+    again = sum(view.copies.get("GPU", {}).values()) - copies
+    assert again == (len(tokens) % size == 0)
+    assert all(v.orphans == 0 for v in plugin.index.views.values())
