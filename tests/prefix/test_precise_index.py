@@ -180,18 +180,16 @@ def test_a_forgotten_block_forgets_its_copies(forget: Callable[[PreciseIndex], o
 
 
 def longest_run(index: PreciseIndex, keys: list[int]) -> tuple[int, int]:
-    """``match``'s rule, block by block: on the GPU, else in any offload tier, else stop."""
+    """``match``'s rule: each block's tier (the GPU's first), up to the first held nowhere."""
     blocks = index.view(POD).blocks
-    gpu, others = blocks.get("GPU", {}), [b for m, b in blocks.items() if m != "GPU"]
-    on_gpu = elsewhere = 0
-    for key in keys:
-        if key in gpu:
-            on_gpu += 1
-        elif any(key in b for b in others):
-            elsewhere += 1
-        else:
-            break
-    return on_gpu, elsewhere
+    tiers = [
+        "GPU"
+        if key in blocks.get("GPU", {})
+        else next((m for m in blocks if key in blocks[m]), None)
+        for key in keys
+    ]
+    run = tiers[: tiers.index(None)] if None in tiers else tiers
+    return run.count("GPU"), len(run) - run.count("GPU")
 
 
 @settings(max_examples=200, deadline=None)
