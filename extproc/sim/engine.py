@@ -251,6 +251,7 @@ class EngineStats:
     # since is not counted waiting until a step has passed it over.
     step_running: int = 0
     step_waiting: int = 0
+    step_kv_cache_usage: float = 0.0  # so is its KV-cache use (frozen by aborts until a step)
 
 
 @dataclass(slots=True, eq=False)
@@ -288,7 +289,8 @@ class Engine:
         self._queries = self._hits = self._num_preemptions = 0
         self._num_finished = self._num_prompt_tokens = self._num_generation_tokens = 0
         self._num_steps = 0
-        self._step_counts = (0, 0)  # (running, waiting) at the end of the last step
+        # (running, waiting, KV-cache use) at the end of the last step
+        self._step_counts: tuple[int, int, float] = (0, 0, 0.0)
         self.lora_slots = AdapterSlots(self.config.max_loras)
         self._num_lora_loads = 0
         # vLLM 0.32's LoRARequestStates: adapter -> its requests that have sampled a token
@@ -384,7 +386,7 @@ class Engine:
         self.clock = end
         self._num_steps += 1
         outputs, finished = self._sample(scheduled, end)
-        self._step_counts = (len(self._running), len(self._waiting))
+        self._step_counts = (len(self._running), len(self._waiting), self.pool.usage())
         return StepResult(
             start,
             end,
@@ -635,4 +637,5 @@ class Engine:
             num_lora_loads=self._num_lora_loads,
             step_running=self._step_counts[0],
             step_waiting=self._step_counts[1],
+            step_kv_cache_usage=self._step_counts[2],
         )

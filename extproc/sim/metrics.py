@@ -4,8 +4,9 @@ Names and buckets follow vLLM's ``vllm/v1/metrics/loggers.py`` (``PrometheusStat
 Every series has the labels ``model_name`` and ``engine="0"``; ``vllm:cache_config_info``
 (a gauge fixed at 1, vLLM's stand-in for an info metric) carries the cache settings as
 labels plus ``engine``. Gauges and counters are read from the engine at scrape time;
-the running and waiting gauges as of the end of the engine's last step, as vLLM's
-(``EngineStats.step_running``); the latency histograms are observed as tokens are sampled.
+the running, waiting and KV-cache use gauges as of the end of the engine's last step, as
+vLLM's (``EngineStats.step_running``: requests aborted since still show until the next
+step); the latency histograms are observed as tokens are sampled.
 
 With LoRA on, ``vllm:lora_requests_info`` is vLLM's: a gauge with only the labels
 ``max_lora``, ``waiting_lora_adapters`` and ``running_lora_adapters`` (adapter names
@@ -57,7 +58,7 @@ class _EngineCollector(Collector):
             ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
              s.step_waiting),
             ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-             s.kv_cache_usage),
+             s.step_kv_cache_usage),
         ):  # fmt: skip
             gauge = GaugeMetricFamily(name, doc, labels=labels)
             gauge.add_metric(self._labels, value)

@@ -223,3 +223,21 @@ def test_running_and_waiting_as_vllms_gauges_report_them_at_the_end_of_the_last_
     engine.step(engine.clock)  # max_num_seqs 1: b passed over
     stats = engine.stats()
     assert (stats.step_running, stats.step_waiting) == (1, 1)
+
+
+def test_aborting_every_request_leaves_the_gauges_as_of_the_last_step() -> None:
+    """vLLM makes its gauges' stats after each step: requests aborted since still show
+    running, and their blocks in use, until the next step (vllm-project/vllm#22545)."""
+    engine = Engine(EngineConfig(block_size=4, num_gpu_blocks=11))  # 10 usable
+    req = make_sim_request(seq(1, 8), max_tokens=3)
+    engine.add_request(req, 0.0)
+    engine.step(0.0)
+    assert engine.abort(req.request_id)
+    stats = engine.stats()
+    assert (stats.num_running, stats.kv_cache_usage) == (0, 0.0)  # freed at once
+    assert (stats.step_running, stats.step_kv_cache_usage) == (1, pytest.approx(0.2))
+    other = make_sim_request(seq(2, 4), max_tokens=1)
+    engine.add_request(other, engine.clock)
+    engine.step(engine.clock)  # the next step tells the truth: one block, now done
+    stats = engine.stats()
+    assert (stats.step_running, stats.step_kv_cache_usage) == (0, 0.0)
