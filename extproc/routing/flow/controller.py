@@ -68,6 +68,7 @@ class FlowController:
             lambda reason: self.metrics.default_objective.labels(reason).inc(),
         )
         self.saturation = SaturationDetector(config, in_flight)
+        self.metrics.frozen_pods.set_function(self.saturation.frozen_over)
         self._count_error = count_error
         self._lock = threading.Lock()
         self._queues: dict[str, ModelQueue] = {}

@@ -63,6 +63,13 @@ class FlowMetrics:
             ["model"],
             registry=registry,
         )
+        self.frozen_pods = Gauge(
+            "extproc_flow_frozen_pods",
+            "Pods over their limits by a reading that has not changed for 2 s while "
+            "nothing was in flight to them (vLLM keeps its gauges after aborting every "
+            "request it ran, until its next step): each takes one request at a time.",
+            registry=registry,
+        )
         self.default_objective = Counter(
             "extproc_flow_default_priority",
             "Requests given the default priority although they named an objective, by "

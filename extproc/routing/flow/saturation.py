@@ -33,6 +33,16 @@ False) no slot is ever known: the estimate is extproc's in-flight count alone, a
 A pod whose next scrape repeats the last one exactly is not republished, so its
 baseline stays older: the estimate can then run high by requests routed and ended since.
 
+A reading can also freeze: vLLM updates its gauges at each engine step, so when every
+request a pod ran is aborted (a client storm of cancels) it keeps showing them running
+and their KV cache in use until its next step (vllm-project/vllm#22545), and a pod held
+over its limits by that reading would never get the request that makes it step. So a pod
+over its limits with nothing of extproc's in flight there (other replicas' picks
+included) and the same reading for ``FROZEN_S`` is *frozen*: it takes one request at a
+time, which wakes it, until a new reading tells its real state
+(``extproc_flow_frozen_pods``). A pod at its limits serving traffic changes its reading
+at every step, so it is never taken for frozen.
+
 A model is saturated when every ready pod serving it is over; a model no ready pod
 serves is not (routing answers 404 or 503 as without flow control). With
 ``reservedSlots``, it is saturated for priorities below ``reservedFor`` while its pods'
@@ -45,7 +55,7 @@ high-band request sent to one waits behind a full batch.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from extproc.pods import Pod, PodId, PodMetrics
 from extproc.routing.flow.config import FlowConfig
@@ -53,12 +63,19 @@ from extproc.scheduling.inflight import InFlight
 
 PROBE_EVERY_S = 5.0  # a pod at its known size is probed for more slots this often
 QUEUED_AT_ONCE = 2  # requests waiting in one scrape that tell a pod's size at once
+FROZEN_S = 2.0  # a reading unchanged this long, nothing in flight: frozen (module doc)
 
 
 class SaturationDetector:
     """Per-pod limits over the scraped metrics and extproc's in-flight counts."""
 
-    def __init__(self, config: FlowConfig, in_flight: InFlight) -> None:
+    def __init__(
+        self,
+        config: FlowConfig,
+        in_flight: InFlight,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._clock = clock
         self._max_waiting = config.max_waiting
         self._max_kv_usage = config.max_kv_usage
         self._scraped = config.scraped
@@ -66,9 +83,9 @@ class SaturationDetector:
         self._reserved_for = config.reserved_for
         self._batch_slots = config.batch_slots
         self._in_flight = in_flight
-        # pod -> (the metrics it was last published with, its in-flight count then);
-        # rebound whole, read lock-free.
-        self._baselines: dict[PodId, tuple[PodMetrics, int]] = {}
+        # pod -> (the metrics it was last published with, its in-flight count then, when
+        # they were first published); rebound whole, read lock-free.
+        self._baselines: dict[PodId, tuple[PodMetrics, int, float]] = {}
         self._slots: dict[PodId, int] = {}  # the most requests a scrape showed it running
         self._full: set[PodId] = set()  # pods two scrapes in a row showed queueing
         self._queued: set[PodId] = set()  # pods whose last scrape showed requests waiting
@@ -81,14 +98,14 @@ class SaturationDetector:
     def pods_changed(self, pods: Sequence[Pod]) -> None:
         """A new pod snapshot: a pod with new metrics (a scrape) takes a new baseline."""
         old = self._baselines
-        now = time.monotonic()
-        baselines: dict[PodId, tuple[PodMetrics, int]] = {}
+        now = self._clock()
+        baselines: dict[PodId, tuple[PodMetrics, int, float]] = {}
         for pod in pods:
             seen = old.get(pod.id)
             if seen is not None and seen[0] is pod.metrics:
                 baselines[pod.id] = seen
                 continue
-            baselines[pod.id] = (pod.metrics, self._in_flight.get(pod.id))
+            baselines[pod.id] = (pod.metrics, self._in_flight.get(pod.id), now)
             metrics = pod.metrics
             if self._batch_slots is not None and pod.id not in self._slots:
                 self._slots[pod.id] = self._batch_slots  # told: known before it is full
@@ -122,7 +139,21 @@ class SaturationDetector:
         return max(in_flight, scraped) - self._slots.get(pod.id, 0)
 
     def over(self, pod: Pod) -> bool:
-        """The pod is at or over one of its limits."""
+        """The pod is at or over one of its limits (and not frozen: module doc)."""
+        return self._over(pod) and not self.frozen(pod)
+
+    def frozen(self, pod: Pod) -> bool:
+        """Nothing in flight to the pod and the same reading for ``FROZEN_S``."""
+        if self._in_flight.get(pod.id) > 0:
+            return False
+        baseline = self._baselines.get(pod.id)
+        return baseline is not None and self._clock() - baseline[2] >= FROZEN_S
+
+    def frozen_over(self) -> int:
+        """Pods over their limits by a frozen reading now (the gauge)."""
+        return sum(1 for pod in self._pods if self._over(pod) and self.frozen(pod))
+
+    def _over(self, pod: Pod) -> bool:
         if pod.metrics.kv_usage >= self._max_kv_usage:
             return True
         if not self._scraped:
@@ -147,9 +178,10 @@ class SaturationDetector:
         return self._max_waiting + (1 if pod.id in self._probing else 0)
 
     def room(self, pod: Pod) -> float:
-        """Requests the pod takes before it is over its limits (0 if it is over)."""
-        if self.over(pod):
-            return 0.0
+        """Requests the pod takes before it is over its limits (0 if it is over; 1 if
+        frozen)."""
+        if self._over(pod):
+            return 1.0 if self.frozen(pod) else 0.0
         if not self._scraped:
             return max(1.0, self._max_waiting) - self._in_flight.get(pod.id)
         if pod.id not in self._full:
@@ -159,9 +191,9 @@ class SaturationDetector:
     def free_slots(self, pod: Pod) -> float:
         """Batch slots free in the pod now: a request sent there starts at the engine's
         next step instead of waiting in its queue (unbounded while its size is unknown;
-        without scraping, its room)."""
-        if self.over(pod):
-            return 0.0
+        without scraping, its room; 1 if frozen)."""
+        if self._over(pod):
+            return 1.0 if self.frozen(pod) else 0.0
         if not self._scraped:
             return self.room(pod)
         if pod.id not in self._full:

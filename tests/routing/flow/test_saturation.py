@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.pods import Pod, PodMetrics
 from extproc.routing.flow.config import FlowConfig
 from extproc.routing.flow.controller import FlowController
-from extproc.routing.flow.saturation import SaturationDetector
+from extproc.routing.flow.saturation import FROZEN_S, SaturationDetector
 from extproc.scheduling.inflight import InFlight
 from testkit.factories import make_pod
 
@@ -254,3 +255,70 @@ def test_slots_learned_low_grow_by_a_probe() -> None:
         detector.pods_changed((steady,))
         assert detector.estimated_waiting(steady) == 0 and detector.over(steady)
         in_flight.start(pod_id)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_frozen_reading_lets_one_request_at_a_time_wake_the_pod() -> None:
+    """vLLM keeps its gauges after aborting every request it ran (until its next step):
+    a reading over the limits, unchanged for FROZEN_S with nothing in flight, lets one
+    request in at a time, until a new reading tells the pod's real state."""
+    in_flight, clock = InFlight(), Clock()
+    detector = SaturationDetector(CONFIG, in_flight, clock)
+    aborted = scraped(running=4, waiting=3, kv=0.95)  # the last step before the cancels
+    seen_full(detector, (aborted,))
+    assert detector.over(aborted) and detector.room(aborted) == 0
+    clock.now += FROZEN_S - 0.1
+    assert detector.over(aborted) and detector.saturated("m", 0)  # not yet frozen
+    clock.now += 0.1
+    assert detector.frozen(aborted) and detector.frozen_over() == 1
+    assert not detector.over(aborted) and not detector.saturated("m", 0)
+    assert detector.room(aborted) == detector.free_slots(aborted) == 1
+    in_flight.start(aborted.id)  # the request that wakes it: one at a time
+    assert detector.over(aborted) and detector.room(aborted) == 0
+    assert detector.saturated("m", 0) and detector.frozen_over() == 0
+    awake = scraped(running=1)  # its next step: the aborted requests are gone
+    detector.pods_changed((awake,))
+    clock.now += 10 * FROZEN_S
+    in_flight.end(awake.id)
+    assert not detector.over(awake) and detector.frozen_over() == 0  # not over: not frozen
+
+
+@pytest.mark.parametrize(
+    ("in_flight_there", "unchanged_s", "frozen"),
+    [
+        pytest.param(0, FROZEN_S, True, id="idle-and-unchanged"),
+        pytest.param(0, FROZEN_S / 2, False, id="unchanged-briefly"),
+        pytest.param(1, 10 * FROZEN_S, False, id="a-request-in-flight"),
+    ],
+)
+def test_frozen_needs_nothing_in_flight_and_the_same_reading(
+    in_flight_there: int, unchanged_s: float, frozen: bool
+) -> None:
+    in_flight, clock = InFlight(), Clock()
+    detector = SaturationDetector(CONFIG, in_flight, clock)
+    pod = scraped(running=0, kv=0.95)
+    detector.pods_changed((pod,))
+    for _ in range(in_flight_there):
+        in_flight.start(pod.id)
+    clock.now += unchanged_s
+    assert detector.frozen(pod) is frozen
+    assert detector.over(pod) is not frozen
+
+
+def test_a_new_reading_restarts_the_wait() -> None:
+    """A pod at its limits serving requests changes its reading at each step: each new
+    reading is a new baseline, so it is never taken for frozen."""
+    in_flight, clock = InFlight(), Clock()
+    detector = SaturationDetector(CONFIG, in_flight, clock)
+    for step in range(5):
+        busy = scraped(running=0, kv=0.95 + step / 1000)
+        detector.pods_changed((busy,))
+        clock.now += FROZEN_S / 2
+        assert detector.over(busy)
