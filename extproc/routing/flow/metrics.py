@@ -6,6 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from extproc.plain_metrics import PlainCounter
+from extproc.routing.flow.saturation import FROZEN_S
 
 QUEUED_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -65,7 +66,7 @@ class FlowMetrics:
         )
         self.frozen_pods = Gauge(
             "extproc_flow_frozen_pods",
-            "Pods over their limits by a reading that has not changed for 2 s while "
+            f"Pods over their limits by a reading that has not changed for {FROZEN_S:g} s while "
             "nothing was in flight to them (vLLM keeps its gauges after aborting every "
             "request it ran, until its next step): each takes one request at a time.",
             registry=registry,
