@@ -208,3 +208,15 @@ def test_a_match_is_the_leading_run_held_in_any_tier(where: list[str | None], cu
             blocks.setdefault(medium, {})[keys[i]] = 1000 + i
     assert index.match(POD, keys[:cut]) == longest_run(index, keys[:cut])
     assert index.match(POD, keys) == longest_run(index, keys)
+
+
+def test_only_the_first_num_keys_are_looked_for_among_seeded_blocks() -> None:
+    """``provisional_in(pod, keys, num)``: the exact counts ask about the blocks matched
+    (the first ``num``), not the prompt's later ones."""
+    index = PreciseIndex(64)
+    keys = chain_keys(list(range(4 * BS)), BS)
+    index.stored(POD, [10, 11], None, list(range(2 * BS)), BS, None)  # confirmed
+    index.view(POD).provisional["GPU"] = {keys[2]}  # the third block seeded, unconfirmed
+    assert not index.provisional_in(POD, keys, 2)
+    assert index.provisional_in(POD, keys, 3)
+    assert index.provisional_in(POD, keys)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import takewhile
+from itertools import islice, takewhile
 from typing import Any
 
 import numpy as np
@@ -367,10 +367,11 @@ class PreciseIndex:
                 break
         return on_gpu, elsewhere
 
-    def provisional_in(self, pod: PodId, keys: Sequence[int]) -> bool:
-        """Whether any of ``keys`` is a seeded block of ``pod`` not yet confirmed."""
+    def provisional_in(self, pod: PodId, keys: Sequence[int], num: int | None = None) -> bool:
+        """Whether any of ``keys`` (the first ``num``, if given) is a seeded block of
+        ``pod`` not yet confirmed; a view without any (the usual case) reads no key."""
         view = self.views.get(pod)
         if view is None or not view.provisional:
             return False
         pending = tuple(view.provisional.values())  # the writer may confirm meanwhile
-        return any(key in p for key in keys for p in pending)
+        return any(key in p for key in islice(keys, num) for p in pending)

@@ -447,14 +447,9 @@ class PrecisePrefixCache:
             if not gpu:
                 exact[pod] = 0
                 continue
-            view = views.get(pod)
-            size = self._block_size(view)
+            size = self._block_size(views.get(pod))
             tokens_cached = min(gpu, limit // size) * size
-            if (  # seeded blocks are rare: a view without any needs no keys
-                view is not None
-                and view.provisional
-                and self.index.provisional_in(pod, self._chain(cycle, tokens, size)[:gpu])
-            ):
+            if self.index.provisional_in(pod, self._chain(cycle, tokens, size), gpu):
                 provisional[pod] = tokens_cached
             else:
                 exact[pod] = tokens_cached
