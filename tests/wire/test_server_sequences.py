@@ -419,15 +419,16 @@ def held_streams(channel: grpc.Channel, count: int, method: str) -> Iterator[lis
     """``count`` long-lived streams that send nothing until the block ends (Envoy's
     access-log streams, or EPP requests whose responses are still streaming)."""
     gate = threading.Event()
+    held_s = 60.0  # far past any test's body, even on a loaded machine: they end with it
 
     def idle() -> Iterator[bytes]:
-        gate.wait(10)
+        gate.wait(held_s)
         return
         yield b""
 
     call = channel.stream_unary(method)
     try:
-        yield [call.future(idle(), timeout=10) for _ in range(count)]
+        yield [call.future(idle(), timeout=held_s) for _ in range(count)]
     finally:
         gate.set()
 
