@@ -119,8 +119,10 @@ def _flush_vllm(pod: VllmPod) -> None:
 
 
 @contextmanager
-def vllm_pod_set(num_pods: int, log_dir: Path) -> Iterator[PodSet]:
-    with start_vllm_pods(num_pods, log_dir) as pods:
+def vllm_pod_set(num_pods: int, log_dir: Path, cpu_quota: float | None = None) -> Iterator[PodSet]:
+    """Real vLLM pods; with ``cpu_quota`` each held to that many cores, and how often the
+    cap held each back is printed when they stop."""
+    with start_vllm_pods(num_pods, log_dir, cpu_quota=cpu_quota) as pods:
         events = ["--kv-events-topology", "bind"]
         for p in pods:
             events += ["--kv-events-bind", p.kv_events_endpoint]
@@ -129,3 +131,8 @@ def vllm_pod_set(num_pods: int, log_dir: Path) -> Iterator[PodSet]:
             lambda i: pods[i].reset_prefix_cache(), events, lambda i: _flush_vllm(pods[i]),
             model_dir(), VLLM_BLOCK_SIZE,
         )  # fmt: skip
+        for p in pods:
+            if p.cpu_group is not None:
+                periods, throttled = p.cpu_group.throttled()
+                print(f"[vllm] {p.name}: throttled in {throttled} of {periods} periods of "
+                      f"its CPU quota ({p.cpu_group.cores} cores)", flush=True)  # fmt: skip

@@ -363,11 +363,24 @@ def pod_sets(
         if cores_shared(args.vllm_pods)
         else "each engine bound to its own core (client, Envoy and routers on all of them)"
     )
+    quota = args.vllm_cpu_quota
+    if quota is not None:
+        binding += (
+            f", each pod (server and engine) held to {quota:g} of a core by a CFS quota in "
+            f"10 ms periods (`--vllm-cpu-quota`, `e2e/real_vllm/cpu_quota.py`): equal "
+            f"compute of its own, as a GPU each gives"
+        )
     vllm_setup = (
         f"{args.vllm_pods} real vLLM-CPU pod{'s' if args.vllm_pods != 1 else ''} (tiny random "
         f"Qwen3, 2 layers, blocks of 32 tokens, prefix caching) {binding}. Mooncake traces: "
         f"first {args.vllm_trace_requests} requests, token counts / 64, prompts cut to ~280 "
         f"tokens, clock x{args.vllm_speedup}."
+    )
+    # Capped pods are another pod set: their section does not replace the one without.
+    vllm_kind, vllm_title = (
+        ("vllm", "Real vLLM pods")
+        if quota is None
+        else ("vllm-quota", f"Real vLLM pods, {quota:g} of a core each")
     )
     # The simulated pods with events are another pod set: their section does not replace
     # the one of the pods without.
@@ -387,7 +400,8 @@ def pod_sets(
                    lambda: sim_pod_set(args.sim_pods, SIM_ENGINE, log_dir, precise)),
         "sim-lora": ("Simulated pods with LoRA adapters", lora_setup,
                      lambda: sim_pod_set(args.lora_pods, lora_engine, log_dir)),
-        "vllm": ("Real vLLM pods", vllm_setup, lambda: vllm_pod_set(args.vllm_pods, log_dir)),
+        vllm_kind: (vllm_title, vllm_setup,
+                    lambda: vllm_pod_set(args.vllm_pods, log_dir, quota)),
     }  # fmt: skip
 
 
@@ -465,6 +479,14 @@ def main() -> None:
         type=int,
         default=3,
         help="real vLLM pods, each engine bound to core i mod the cores",
+    )
+    parser.add_argument(
+        "--vllm-cpu-quota",
+        type=float,
+        default=None,
+        metavar="CORES",
+        help="hold each real vLLM pod to this many cores (a cgroup CFS quota; needs root): "
+        "pods with equal compute of their own, a section of its own in the results",
     )
     parser.add_argument("--vllm-trace-requests", type=int, default=150)
     parser.add_argument("--vllm-speedup", type=float, default=2.0)

@@ -7,6 +7,8 @@
         pod.replay_port  # vLLM's replay ROUTER for missed event batches
     with start_vllm_pods(2, log_dir, adapters=[{"a": dir_a}, {}]) as pods:
         pods[0].adapters  # ("a",): served with --enable-lora; pods[1] has LoRA on, none loaded
+    with start_vllm_pods(3, log_dir, cpu_quota=0.5) as pods:
+        pods[0].cpu_group  # each pod held to half a core (``cpu_quota``)
 
 Each pod is ``python -m vllm.entrypoints.openai.api_server`` from the vLLM venv
 (``prepare.py``), serving the tiny Qwen3 as ``MODEL`` with prefix caching, metrics (vLLM
@@ -31,6 +33,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from e2e.real_vllm.cpu_quota import CpuGroup, cpu_group
 from e2e.real_vllm.prepare import LORA_RANK, vllm_python
 from extproc.pods import Pod, PodId
 from extproc.sim.launch import Proc, free_port, spawn
@@ -62,6 +65,7 @@ class VllmPod:
     proc: Proc
     replay_port: int | None = None  # the publisher's replay ROUTER on 127.0.0.1, if any
     adapters: tuple[str, ...] = ()  # the LoRA adapters it serves (``--lora-modules``)
+    cpu_group: CpuGroup | None = None  # the cgroup capping its CPU, if any
 
     @property
     def url(self) -> str:
@@ -177,8 +181,10 @@ def _start_one(
     extra_args: Sequence[str],
     replay: bool,
     adapters: Mapping[str, Path] | None,
+    port: int,
+    group: CpuGroup | None,
 ) -> VllmPod:
-    port, kv_port = free_port(), free_port()
+    kv_port = free_port()
     replay_port = free_port() if replay else None
     endpoint = f"tcp://127.0.0.1:{kv_port}"
     replay_endpoint = f"tcp://127.0.0.1:{replay_port}" if replay_port else None
@@ -189,8 +195,8 @@ def _start_one(
     if adapters is not None:
         extra_args = [*extra_args, *lora_args(adapters)]
     argv = vllm_argv(port, endpoint, topic, replay_endpoint, extra_args)
-    proc = spawn(name, argv, log_dir, env)
-    return VllmPod(name, port, endpoint, proc, replay_port, tuple(adapters or ()))
+    proc = spawn(name, group.wrap(argv) if group else argv, log_dir, env)
+    return VllmPod(name, port, endpoint, proc, replay_port, tuple(adapters or ()), group)
 
 
 def wait_healthy(pods: Sequence[VllmPod], timeout_s: float = START_TIMEOUT_S) -> None:
@@ -221,6 +227,7 @@ def start_vllm_pods(
     extra_args: Sequence[str] = (),
     replay: bool = False,
     adapters: Sequence[Mapping[str, Path]] | None = None,
+    cpu_quota: float | None = None,
 ) -> Iterator[list[VllmPod]]:
     """Start ``num_pods`` vLLM pods at once, wait for all, stop all on leaving.
 
@@ -229,6 +236,9 @@ def start_vllm_pods(
         replay: each pod also binds a replay endpoint for its KV events.
         adapters: one mapping a pod (LoRA adapter name -> directory): every pod runs
             with LoRA on (``lora_args``) and serves its own adapters.
+        cpu_quota: hold each pod (server and engine) to this many cores once all are
+            healthy (``cpu_quota.cpu_group``; they start at full speed): equal compute of
+            their own, as a GPU each gives.
     """
     if adapters is not None and len(adapters) != num_pods:
         raise ValueError(f"{len(adapters)} adapter mappings for {num_pods} pods")
@@ -237,8 +247,16 @@ def start_vllm_pods(
     with ExitStack() as stack:
         pods: list[VllmPod] = []
         for i in range(num_pods):
-            pod = _start_one(i, log_dir, extra_args, replay, adapters[i] if adapters else None)
+            port = free_port()
+            group = None
+            if cpu_quota is not None:  # entered first: removed once the pod has stopped
+                group = stack.enter_context(cpu_group(f"extproc-vllm-{port}", cpu_quota))
+            adapter_map = adapters[i] if adapters else None
+            pod = _start_one(i, log_dir, extra_args, replay, adapter_map, port, group)
             stack.callback(pod.proc.stop, timeout_s=STOP_TIMEOUT_S)
             pods.append(pod)
         wait_healthy(pods, timeout_s)
+        for pod in pods:
+            if pod.cpu_group is not None:
+                pod.cpu_group.cap()
         yield pods

@@ -33,6 +33,7 @@ def run_args(contenders: list[str], sim_precise: bool = False) -> argparse.Names
     return argparse.Namespace(
         contenders=contenders, sim_precise=sim_precise, sim_pods=8, trace_requests=300,
         speedup=5.0, vllm_pods=3, vllm_trace_requests=150, vllm_speedup=2.0, lora_pods=4,
+        vllm_cpu_quota=None,
     )  # fmt: skip
 
 
@@ -90,6 +91,19 @@ def test_the_vllm_setup_says_how_many_pods_and_how_they_share_the_cores(
     setup = pod_sets(args, tmp_path)["vllm"][1]
     assert setup.startswith(f"{num_pods} real vLLM-CPU {'pods' if num_pods > 1 else 'pod'} (")
     assert binding in setup
+
+
+def test_capped_vllm_pods_are_a_section_of_their_own(tmp_path: Path) -> None:
+    """A run with ``--vllm-cpu-quota`` adds its section beside the uncapped pods' one
+    (``report.merged`` keeps sections by key) and says what the cap is."""
+    args = run_args(["extproc-default"])
+    assert "vllm-quota" not in pod_sets(args, tmp_path)
+    args.vllm_cpu_quota = 0.5
+    sets = pod_sets(args, tmp_path)
+    assert "vllm" not in sets
+    title, setup, _start = sets["vllm-quota"]
+    assert title == "Real vLLM pods, 0.5 of a core each"
+    assert "held to 0.5 of a core by a CFS quota" in setup
 
 
 def test_vllm_engines_take_the_cores_round_robin(monkeypatch: pytest.MonkeyPatch) -> None:
