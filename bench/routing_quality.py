@@ -367,8 +367,8 @@ def pod_sets(
     if quota is not None:
         binding += (
             f", each pod (server and engine) held to {quota:g} of a core by a CFS quota in "
-            f"10 ms periods (`--vllm-cpu-quota`, `e2e/real_vllm/cpu_quota.py`): equal "
-            f"compute of its own, as a GPU each gives"
+            f"10 ms periods (`--vllm-cpu-quota`, `e2e/real_vllm/cpu_quota.py`): equal, "
+            f"fixed compute, whatever the other pods and the routers do"
         )
     vllm_setup = (
         f"{args.vllm_pods} real vLLM-CPU pod{'s' if args.vllm_pods != 1 else ''} (tiny random "
@@ -486,7 +486,7 @@ def main() -> None:
         default=None,
         metavar="CORES",
         help="hold each real vLLM pod to this many cores (a cgroup CFS quota; needs root): "
-        "pods with equal compute of their own, a section of its own in the results",
+        "pods with equal, fixed compute, a section of its own in the results",
     )
     parser.add_argument("--vllm-trace-requests", type=int, default=150)
     parser.add_argument("--vllm-speedup", type=float, default=2.0)

@@ -6,7 +6,9 @@ compute is whatever the others leave it: an engine alone on a core has twice the
 of two engines bound to the other, and a router that consolidates traffic onto one pod
 gives it compute that spreading would share. Pods with a GPU each have compute of their
 own. Capping every pod at the same share of a core (``cores``) makes them equal and fixed,
-as GPUs are, and leaves the rest of the machine to the client and the router.
+and leaves the rest of the machine to the client and the router. Unlike a GPU, a quota
+also stalls a pod for the rest of a period once its threads have spent their share
+(``bench/results/routing_quality_vllm_quota.md`` measures what that does).
 
     with cpu_group("extproc-vllm-8000", 0.5) as group:
         spawn(name, group.wrap(argv), log_dir)

@@ -237,8 +237,8 @@ def start_vllm_pods(
         adapters: one mapping a pod (LoRA adapter name -> directory): every pod runs
             with LoRA on (``lora_args``) and serves its own adapters.
         cpu_quota: hold each pod (server and engine) to this many cores once all are
-            healthy (``cpu_quota.cpu_group``; they start at full speed): equal compute of
-            their own, as a GPU each gives.
+            healthy (``cpu_quota.cpu_group``; they start at full speed): equal, fixed
+            compute, whatever the other pods do.
     """
     if adapters is not None and len(adapters) != num_pods:
         raise ValueError(f"{len(adapters)} adapter mappings for {num_pods} pods")
