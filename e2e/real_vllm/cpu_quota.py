@@ -74,8 +74,9 @@ def cpu_group(name: str, cores: float, root: Path = CPU_ROOT) -> Iterator[CpuGro
     """A ``cpu`` cgroup named ``name``, to hold its processes to ``cores`` of a core once
     ``cap`` is called; removed on leaving, once its processes have exited (stop them
     first)."""
-    if not 0 < cores <= (os.cpu_count() or 1):
-        raise ValueError(f"cores must be in (0, {os.cpu_count()}], got {cores}")
+    machine = os.cpu_count() or 1
+    if not 0 < cores <= machine:
+        raise ValueError(f"cores must be in (0, {machine}], got {cores}")
     if not (root / "cpu.cfs_quota_us").exists():
         raise CpuQuotaUnavailable(f"no cgroup v1 cpu hierarchy at {root} (cpu.cfs_quota_us)")
     path = root / name
